@@ -1,0 +1,80 @@
+"""The model shape, in Megatron-LM's argument names (``--num-layers`` -> ``num_layers``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from megatron_het.cluster.errors import ConfigError
+from megatron_het.cluster.fields import as_bool, as_int, as_str
+
+__all__ = ["ModelSpec", "default_ffn_hidden_size"]
+
+
+def default_ffn_hidden_size(hidden_size: int, *, swiglu: bool) -> int:
+    """Megatron-LM's default ``--ffn-hidden-size`` when none is given.
+
+    4*h; with SwiGLU, 2/3 of that (the MLP has three matrices instead of two, keeping the
+    parameter count) rounded DOWN to a multiple of 64, exactly as Megatron-LM's arguments.py:
+    ``int((4 * h * 2 / 3) / 64) * 64``. Llama's own code rounds up to 256 instead (h=4096 ->
+    11008 vs Megatron's 10880), which is why the Llama examples give ffn_hidden_size explicitly.
+    """
+    if swiglu:
+        return int((4 * hidden_size * 2 / 3) / 64) * 64
+    return 4 * hidden_size
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelSpec:
+    """A GPT-style decoder's shape. None defaults are resolved in __post_init__."""
+
+    num_layers: int  # transformer layers
+    hidden_size: int  # model width h
+    num_attention_heads: int  # query heads; must divide hidden_size
+    num_query_groups: int | None = None  # key/value heads (GQA); None -> num_attention_heads (no GQA)
+    ffn_hidden_size: int | None = None  # MLP width; None -> default_ffn_hidden_size(hidden_size, swiglu)
+    seq_length: int  # tokens per sample
+    max_position_embeddings: int | None = None  # None -> seq_length; must be >= seq_length
+    vocab_size: int  # tokenizer vocabulary, unpadded (Megatron pads it for tensor parallelism)
+    swiglu: bool = False  # gated SiLU MLP (Llama) instead of GeLU
+    untie_embeddings_and_output_weights: bool = False  # separate output layer weights (Llama)
+    name: str | None = None  # display name, e.g. "llama2-7b"
+
+    def __post_init__(self) -> None:
+        for f in ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "vocab_size"):
+            as_int(getattr(self, f), f)
+        as_bool(self.swiglu, "swiglu")
+        as_bool(self.untie_embeddings_and_output_weights, "untie_embeddings_and_output_weights")
+        if self.name is not None:
+            as_str(self.name, "name")
+        defaults = {
+            "num_query_groups": self.num_attention_heads,
+            "ffn_hidden_size": default_ffn_hidden_size(self.hidden_size, swiglu=self.swiglu),
+            "max_position_embeddings": self.seq_length,
+        }
+        for f, default in defaults.items():
+            value = getattr(self, f)
+            object.__setattr__(self, f, default if value is None else as_int(value, f))
+
+        h, heads, groups = self.hidden_size, self.num_attention_heads, self.num_query_groups
+        if h % heads:
+            raise ConfigError(f"hidden_size {h} is not divisible by num_attention_heads {heads}",
+                              field="num_attention_heads", value=heads,
+                              fix=f"pick a head count that divides {h}, e.g. {_divisor_near(h, heads)}")
+        if heads % groups:
+            raise ConfigError(f"num_attention_heads {heads} is not divisible by num_query_groups {groups}",
+                              field="num_query_groups", value=groups,
+                              fix=f"pick a group count that divides {heads}, e.g. {_divisor_near(heads, groups)}")
+        if self.max_position_embeddings < self.seq_length:
+            raise ConfigError(f"must be >= seq_length {self.seq_length}", field="max_position_embeddings",
+                              value=self.max_position_embeddings,
+                              fix=f"raise it to at least {self.seq_length} or lower seq_length")
+
+    @property
+    def kv_channels(self) -> int:
+        """Per-head width, hidden_size // num_attention_heads."""
+        return self.hidden_size // self.num_attention_heads
+
+
+def _divisor_near(n: int, target: int) -> int:
+    """The divisor of ``n`` closest to ``target`` (ties go to the smaller), for fix hints."""
+    return min((d for d in range(1, n + 1) if n % d == 0), key=lambda d: (abs(d - target), d))
