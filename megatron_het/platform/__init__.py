@@ -1,0 +1,27 @@
+"""Platform layer: accelerator detection and the CPU backend for megatron-core.
+
+Importing this package installs the triton import guard (see ``import_guard.py``) so that any
+later ``import megatron.core.models.gpt`` works on machines without triton; everything else is an
+explicit call.
+"""
+
+from megatron_het.platform.accelerator import (
+    Accelerator,
+    OptionalAccelerators,
+    detect_accelerator,
+    detect_optional_accelerators,
+)
+from megatron_het.platform.cpu_backend import CpuBackendReport, enable_cpu_backend
+from megatron_het.platform.import_guard import install_triton_guard
+
+install_triton_guard()
+
+__all__ = [
+    "Accelerator",
+    "CpuBackendReport",
+    "OptionalAccelerators",
+    "detect_accelerator",
+    "detect_optional_accelerators",
+    "enable_cpu_backend",
+    "install_triton_guard",
+]

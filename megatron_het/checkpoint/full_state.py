@@ -1,0 +1,106 @@
+"""Plan-independent model state: full (unsharded) tensors named by *global* layer index.
+
+A stage model holds a contiguous slice of layers, each tensor-parallel parameter split along its
+``partition_dim`` (megatron-core marks them with ``tensor_model_parallel``/``partition_dim``).
+Mapping a stage's local names to global ones and slicing/assembling TP shards is all that any two
+plans need to exchange weights, so parity tests, resharding and format conversion share this code.
+
+Names follow a single-stage GPTModel: ``embedding.word_embeddings.weight``,
+``decoder.layers.<global i>.<...>``, ``decoder.final_layernorm.*``, ``output_layer.weight``.
+With tied embeddings the full state has no ``output_layer.weight``: the last stage's output layer
+reads ``embedding.word_embeddings.weight``.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Mapping
+
+import torch
+
+_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
+TIED_OUTPUT = "output_layer.weight"
+WORD_EMBEDDING = "embedding.word_embeddings.weight"
+
+
+def global_name(local_name: str, layer_offset: int) -> str:
+    """``decoder.layers.<i>.x`` of a stage whose first layer is global ``layer_offset`` -> global."""
+    m = _LAYER.match(local_name)
+    if m is None:
+        return local_name
+    return f"decoder.layers.{int(m.group(1)) + layer_offset}.{m.group(2)}"
+
+
+def _partition_dim(param: torch.Tensor) -> int | None:
+    if getattr(param, "tensor_model_parallel", False):
+        return int(param.partition_dim)
+    return None
+
+
+def _source_name(name: str, full: Mapping[str, torch.Tensor], tied: bool) -> str:
+    if name == TIED_OUTPUT and tied and TIED_OUTPUT not in full:
+        return WORD_EMBEDDING
+    return name
+
+
+@dataclass(frozen=True, kw_only=True)
+class Shard:
+    """One rank's piece of a full tensor."""
+
+    tensor: torch.Tensor  # the local values (CPU, detached)
+    partition_dim: int | None  # dim split across TP ranks, None if replicated
+    tp_rank: int
+    tp_size: int
+
+
+def local_shards(model: torch.nn.Module, *, layer_offset: int, tp_rank: int, tp_size: int,
+                 tied: bool) -> dict[str, Shard]:
+    """This stage's parameters as global-named shards (``output_layer.weight`` dropped if tied)."""
+    out: dict[str, Shard] = {}
+    for name, param in model.named_parameters():
+        gname = global_name(name, layer_offset)
+        if tied and gname == TIED_OUTPUT:
+            continue  # a copy of the word embedding kept in sync by megatron's embedding group
+        out[gname] = Shard(tensor=param.detach().cpu().clone(), partition_dim=_partition_dim(param),
+                           tp_rank=tp_rank, tp_size=tp_size)
+    return out
+
+
+def assemble_full_state(shard_sets: list[Mapping[str, Shard]]) -> dict[str, torch.Tensor]:
+    """Join the shards of every rank (any plan) into full tensors; replicated copies must agree."""
+    pieces: dict[str, dict[int, Shard]] = {}
+    for shards in shard_sets:
+        for name, shard in shards.items():
+            pieces.setdefault(name, {})[shard.tp_rank] = shard
+    full: dict[str, torch.Tensor] = {}
+    for name, by_rank in pieces.items():
+        first = next(iter(by_rank.values()))
+        if first.partition_dim is None:
+            full[name] = first.tensor
+            continue
+        missing = [r for r in range(first.tp_size) if r not in by_rank]
+        if missing:
+            raise ValueError(f"{name}: TP shards {missing} of {first.tp_size} are missing")
+        full[name] = torch.cat([by_rank[r].tensor for r in range(first.tp_size)], dim=first.partition_dim)
+    return full
+
+
+@torch.no_grad()
+def load_full_state(model: torch.nn.Module, full: Mapping[str, torch.Tensor], *, layer_offset: int,
+                    tp_rank: int, tp_size: int, tied: bool) -> None:
+    """Copy the matching slice of every full tensor into this stage's parameters."""
+    for name, param in model.named_parameters():
+        gname = _source_name(global_name(name, layer_offset), full, tied)
+        if gname not in full:
+            raise KeyError(f"full state has no tensor {gname!r} for parameter {name!r}")
+        src = full[gname]
+        dim = _partition_dim(param)
+        if dim is not None:
+            if src.shape[dim] % tp_size:
+                raise ValueError(f"{gname}: dim {dim} of size {src.shape[dim]} is not divisible by TP={tp_size}")
+            src = torch.chunk(src, tp_size, dim=dim)[tp_rank]
+        if tuple(src.shape) != tuple(param.shape):
+            raise ValueError(f"{gname}: full-state slice has shape {tuple(src.shape)}, "
+                             f"parameter {name!r} has {tuple(param.shape)}")
+        param.copy_(src.to(param.dtype))

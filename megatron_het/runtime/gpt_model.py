@@ -1,0 +1,99 @@
+"""megatron-core GPTModel for one stage, built from a ModelSpec and explicit process groups.
+
+The stage is an ordinary megatron-core ``GPTModel`` holding ``num_layers`` of the model's layers
+(``pre_process`` = it owns the embedding, ``post_process`` = the output layer and loss). Its layers
+are numbered from 1 inside the stage; ``layer_offset`` maps them to global indices for
+checkpoints. transformer-engine's layer spec is used when it is importable on a GPU; otherwise
+megatron-core's local spec.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+import megatron_het.platform  # noqa: F401  (installs the triton import guard before megatron imports)
+from megatron_het.cluster import ModelSpec
+from megatron_het.platform import detect_optional_accelerators
+
+
+def padded_vocab_size(vocab_size: int, tp: int, *, divisible_by: int = 128) -> int:
+    """Megatron-LM's ``--make-vocab-size-divisible-by`` padding: a multiple of divisible_by * tp."""
+    multiple = divisible_by * tp
+    return ((vocab_size + multiple - 1) // multiple) * multiple
+
+
+@dataclass(frozen=True, kw_only=True)
+class StageModelSpec:
+    """What one stage builds: a slice of a model under a tensor-parallel size."""
+
+    model: ModelSpec  # the whole model
+    num_layers: int  # transformer layers in this stage
+    layer_offset: int  # global index of the stage's first layer
+    tp: int  # tensor-parallel size of this stage
+    pre_process: bool  # holds the embedding (first stage of its replica)
+    post_process: bool  # holds the final norm, output layer and loss (last stage)
+    vocab_size: int  # padded vocabulary, identical on every stage of every replica
+    params_dtype: torch.dtype = torch.float32
+    sequence_parallel: bool = False
+    recompute: bool = False  # full activation recomputation of every layer of the stage
+
+
+def transformer_config(spec: StageModelSpec, *, pp: int = 1, deterministic: bool = True):
+    """megatron-core TransformerConfig for a stage (dropout off when deterministic: parity tests)."""
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    m = spec.model
+    kwargs = dict(
+        num_layers=spec.num_layers,
+        hidden_size=m.hidden_size,
+        num_attention_heads=m.num_attention_heads,
+        num_query_groups=m.num_query_groups or m.num_attention_heads,
+        ffn_hidden_size=m.ffn_hidden_size,
+        tensor_model_parallel_size=spec.tp,
+        pipeline_model_parallel_size=pp,
+        sequence_parallel=spec.sequence_parallel and spec.tp > 1,
+        params_dtype=spec.params_dtype,
+        pipeline_dtype=spec.params_dtype,
+        use_cpu_initialization=True,  # full weight initialised then split: same values for any TP
+        hidden_dropout=0.0 if deterministic else 0.1,
+        attention_dropout=0.0 if deterministic else 0.1,
+        bf16=spec.params_dtype == torch.bfloat16,
+        fp16=spec.params_dtype == torch.float16,
+    )
+    if m.swiglu:
+        kwargs.update(gated_linear_unit=True, activation_func=F.silu, add_bias_linear=False,
+                      normalization="RMSNorm")
+    if spec.recompute:
+        kwargs.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+    return TransformerConfig(**kwargs)
+
+
+def layer_spec(model: ModelSpec):
+    """transformer-engine spec on a GPU where TE is importable, else megatron-core's local spec."""
+    from megatron.core.models.gpt import gpt_layer_specs
+
+    if detect_optional_accelerators().transformer_engine:
+        return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec()
+    return gpt_layer_specs.get_gpt_layer_local_spec(
+        normalization="RMSNorm" if model.swiglu else "LayerNorm")
+
+
+def build_gpt_stage(spec: StageModelSpec, config, pg_collection):
+    """The stage's GPTModel; ``config`` from ``transformer_config``; groups passed explicitly."""
+    from megatron.core.models.gpt import GPTModel
+
+    m = spec.model
+    return GPTModel(
+        config=config,
+        transformer_layer_spec=layer_spec(m),
+        vocab_size=spec.vocab_size,
+        max_sequence_length=m.max_position_embeddings or m.seq_length,
+        pre_process=spec.pre_process,
+        post_process=spec.post_process,
+        share_embeddings_and_output_weights=not m.untie_embeddings_and_output_weights,
+        position_embedding_type="rope" if m.swiglu else "learned_absolute",
+        pg_collection=pg_collection,
+    )

@@ -1,0 +1,98 @@
+"""Process groups for one homogeneous block of ranks, as megatron-core's ProcessGroupCollection.
+
+A block is a contiguous rank range laid out like Megatron (TP fastest, then DP, then PP) and
+described by ``HyperCommGrid(shape, dim_names, rank_offset)``. Nothing here touches megatron's
+global ``parallel_state`` except the attention memory buffer, which megatron-core 0.19.2's
+``DotProductAttention`` still fetches globally (see ``ensure_global_memory_buffer``).
+
+``torch.distributed.new_group`` is collective over the whole world: every rank must build every
+block's groups in the same order, including blocks it is not part of.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch.distributed as dist
+
+import megatron_het.platform  # noqa: F401  (triton import guard)
+
+# HyperCommGrid dim order: the first name varies fastest (Megatron's "tp-cp-ep-dp-pp").
+GRID_DIMS = ("tp", "cp", "ep", "dp", "pp")
+
+
+@dataclass(frozen=True, kw_only=True)
+class BlockShape:
+    """A Megatron-style homogeneous block of tp * dp * pp ranks starting at rank_offset."""
+
+    tp: int  # tensor-parallel size
+    pp: int  # pipeline stages
+    dp: int  # data-parallel replicas
+    rank_offset: int = 0  # first global rank of the block
+
+    def __post_init__(self) -> None:
+        for name in ("tp", "pp", "dp"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"BlockShape.{name} must be >= 1, got {getattr(self, name)}")
+        if self.rank_offset < 0:
+            raise ValueError(f"BlockShape.rank_offset must be >= 0, got {self.rank_offset}")
+
+    @property
+    def size(self) -> int:
+        return self.tp * self.pp * self.dp
+
+    def ranks(self) -> range:
+        return range(self.rank_offset, self.rank_offset + self.size)
+
+
+def ensure_global_memory_buffer() -> None:
+    """megatron-core 0.19.2 ``transformer/dot_product_attention.py`` calls
+    ``parallel_state.get_global_memory_buffer()``; it is the one global a stage model still needs."""
+    from megatron.core import parallel_state
+
+    if getattr(parallel_state, "_GLOBAL_MEMORY_BUFFER", None) is None:
+        parallel_state._set_global_memory_buffer()
+
+
+def block_process_groups(shape: BlockShape):
+    """Create the groups of one block; returns ``(grid, pg_collection)`` (collection is None on
+    ranks outside the block). Must be called by every rank of the world, in the same order."""
+    from megatron.core.hyper_comm_grid import HyperCommGrid
+    from megatron.core.process_groups_config import ProcessGroupCollection
+
+    grid = HyperCommGrid([shape.tp, 1, 1, shape.dp, shape.pp], list(GRID_DIMS),
+                         rank_offset=shape.rank_offset)
+    pgs = {
+        "tp": grid.create_pg("tp"),
+        "pp": grid.create_pg("pp"),
+        "dp": grid.create_pg("dp"),
+        "cp": grid.create_pg("cp"),
+        "ep": grid.create_pg("ep"),
+        "mp": grid.create_pg(["tp", "pp"]),
+        "tp_cp": grid.create_pg(["tp", "cp"]),
+        "dp_cp": grid.create_pg(["cp", "dp"]),
+        "tp_dp_cp": grid.create_pg(["tp", "cp", "dp"]),
+    }
+    # Word embeddings live on the first and last stage of each pipeline, position embeddings on
+    # the first (megatron-core parallel_state.default_embedding_ranks / default_position_embedding_ranks).
+    rank = dist.get_rank()
+    embd = pos_embd = None
+    for pp_ranks in grid.get_rank_enum("pp"):
+        embd_ranks = sorted({pp_ranks[0], pp_ranks[-1]})
+        g = dist.new_group(embd_ranks)
+        if rank in embd_ranks:
+            embd = g
+        g = dist.new_group([pp_ranks[0]])
+        if rank == pp_ranks[0]:
+            pos_embd = g
+    if rank not in shape.ranks():
+        return grid, None
+    pgc = ProcessGroupCollection(**pgs)
+    pgc.embd = embd
+    pgc.pos_embd = pos_embd
+    # Dense models: expert groups are the dense ones (no expert parallelism).
+    pgc.expt_dp = pgs["dp"]
+    pgc.expt_tp = pgs["tp"]
+    pgc.tp_ep_pp = pgs["mp"]
+    ensure_global_memory_buffer()
+    return grid, pgc

@@ -1,0 +1,51 @@
+"""Optimisation settings shared by every trainer (Megatron-LM's flag names, minus dashes)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainConfig:
+    """Hyper-parameters of one training run; validated on construction."""
+
+    micro_batch_size: int  # samples per micro-batch
+    global_batch_size: int  # samples per optimizer step, over all replicas
+    train_iters: int  # optimizer steps
+    lr: float = 1e-3  # peak learning rate
+    min_lr: float = 0.0  # floor of the decay
+    lr_decay_style: str = "constant"  # "constant" | "linear" | "cosine"
+    lr_warmup_iters: int = 0  # linear warm-up steps from 0 to lr
+    weight_decay: float = 0.01  # decoupled (AdamW) weight decay
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+    adam_eps: float = 1e-8
+    clip_grad: float = 1.0  # global gradient-norm clip; 0 disables
+    seed: int = 1234  # model initialisation and data order
+    log_interval: int = 1  # iterations between log lines
+
+    def __post_init__(self) -> None:
+        for name in ("micro_batch_size", "global_batch_size", "train_iters", "log_interval"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.global_batch_size % self.micro_batch_size:
+            raise ValueError(f"global_batch_size {self.global_batch_size} is not a multiple of "
+                             f"micro_batch_size {self.micro_batch_size}; choose sizes that divide")
+        if self.lr_decay_style not in ("constant", "linear", "cosine"):
+            raise ValueError(f"lr_decay_style must be constant, linear or cosine, got {self.lr_decay_style!r}")
+        if self.clip_grad < 0:
+            raise ValueError(f"clip_grad must be >= 0, got {self.clip_grad}")
+
+    def lr_at(self, iteration: int) -> float:
+        """Learning rate for 0-based ``iteration`` (warm-up, then the decay style down to min_lr)."""
+        import math
+
+        if self.lr_warmup_iters and iteration < self.lr_warmup_iters:
+            return self.lr * (iteration + 1) / self.lr_warmup_iters
+        span = max(1, self.train_iters - self.lr_warmup_iters)
+        frac = min(1.0, (iteration - self.lr_warmup_iters) / span)
+        if self.lr_decay_style == "constant":
+            return self.lr
+        if self.lr_decay_style == "linear":
+            return self.min_lr + (self.lr - self.min_lr) * (1.0 - frac)
+        return self.min_lr + (self.lr - self.min_lr) * 0.5 * (1.0 + math.cos(math.pi * frac))

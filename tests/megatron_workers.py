@@ -1,0 +1,30 @@
+"""Rank functions for the multi-process tests (module-level so spawn can import them)."""
+
+from __future__ import annotations
+
+from functools import partial
+
+from megatron_het.cluster import ModelSpec
+from megatron_het.data.synthetic import synthetic_batch
+from megatron_het.runtime.groups import BlockShape
+from megatron_het.runtime.train_config import TrainConfig
+
+
+def batch_fn(model: ModelSpec, seed: int):
+    return partial(_batch, model.seq_length, model.vocab_size, seed)
+
+
+def _batch(seq_length, vocab_size, seed, iteration, indices):
+    return synthetic_batch(seed=seed, iteration=iteration, indices=indices, seq_length=seq_length,
+                           vocab_size=vocab_size)
+
+
+def megatron_block_worker(rank, world_size, model: ModelSpec, train: TrainConfig, shape: BlockShape,
+                          init_full_state=None, padded_vocab=None):
+    from megatron_het.platform import enable_cpu_backend
+    from megatron_het.runtime.megatron_trainer import train_megatron_block
+
+    enable_cpu_backend()
+    return train_megatron_block(model=model, train=train, shape=shape, batch_fn=batch_fn(model, train.seed),
+                                init_full_state=init_full_state, return_shards=True,
+                                padded_vocab=padded_vocab)
