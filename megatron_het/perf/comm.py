@@ -1,0 +1,251 @@
+"""Communication times: ring collectives, tensor-parallel traffic, stage-to-stage sends, and the
+data-parallel gradient reduction (flat inside one island, hierarchical across islands).
+
+Model (alpha-beta, Thakur et al. 2005, "Optimization of Collective Communication Operations in
+MPICH"; the ring variants NCCL uses): a collective over ``n`` ranks costs
+``steps * alpha + factor * bytes / bandwidth``:
+
+================  ==========  ================
+collective        steps       factor
+================  ==========  ================
+all-reduce        2(n-1)      2(n-1)/n
+all-gather        n-1         (n-1)/n
+reduce-scatter    n-1         (n-1)/n
+reduce/broadcast  n-1         1   (pipelined chain, large messages)
+================  ==========  ================
+
+``bytes`` is the full buffer (the gathered output, the reduce-scatter input). Bandwidths are per
+GPU, one direction, in Gbit/s as in the cluster file; everything returned is in seconds.
+
+Across vendors (e.g. NVIDIA <-> AMD) no collective library talks to both, so data is staged
+through host memory: a device->host copy on the sender and a host->device copy on the receiver,
+each at ``HOST_STAGING_BANDWIDTH_GBPS`` (PCIe Gen4 x16 is 256 Gbit/s raw per direction; ~200
+sustained), not overlapped with the network transfer.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from megatron_het.cluster import DEFAULT_LINK_LATENCY_US, ClusterSpec, ConfigError, IslandSpec, ModelSpec
+from megatron_het.perf.flops import Recompute, check_recompute, check_tp
+
+__all__ = [
+    "HOST_STAGING_BANDWIDTH_GBPS",
+    "INTRA_NODE_LATENCY_US",
+    "Channel",
+    "CommTimes",
+    "GradientReduction",
+    "bytes_per_s",
+    "ring_all_reduce_time",
+    "ring_all_gather_time",
+    "ring_reduce_scatter_time",
+    "chain_time",
+    "tp_channel",
+    "tp_layer_comm_times",
+    "activation_message_bytes",
+    "p2p_channel",
+    "p2p_time",
+    "dp_gradient_reduction",
+]
+
+HOST_STAGING_BANDWIDTH_GBPS = 200.0  # sustained PCIe Gen4 x16 device<->host copy, one direction
+INTRA_NODE_LATENCY_US = 2.0  # per ring step over NVLink/xGMI/PCIe inside a node, order of magnitude
+
+
+@dataclass(frozen=True, kw_only=True)
+class Channel:
+    """The effective link a transfer or collective runs over."""
+
+    bandwidth_gbps: float  # effective per-GPU bandwidth, Gbit/s (host staging already folded in)
+    latency_us: float  # per message / per ring step, microseconds
+    host_staged: bool  # True when crossing vendors through host memory
+
+
+@dataclass(frozen=True, kw_only=True)
+class CommTimes:
+    """Communication seconds attached to the forward and the backward of one micro-batch."""
+
+    forward_s: float  # during the forward pass
+    backward_s: float  # during the backward pass (including recomputation's forward traffic)
+
+
+@dataclass(frozen=True, kw_only=True)
+class GradientReduction:
+    """Phases of one stage's gradient reduction among its replicas, seconds."""
+
+    reduce_s: float  # inside islands (slowest island); the whole flat all-reduce for one island
+    inter_island_s: float  # all-reduce among one leader per island; 0 for one island
+    broadcast_s: float  # leaders back to their island (slowest island); 0 for one island
+    islands: int  # number of islands the replicas span
+
+    @property
+    def total_s(self) -> float:
+        return self.reduce_s + self.inter_island_s + self.broadcast_s
+
+
+def bytes_per_s(bandwidth_gbps: float) -> float:
+    return bandwidth_gbps * 1e9 / 8
+
+
+def _check(nbytes: float, n: int, bandwidth_gbps: float) -> None:
+    if nbytes < 0:
+        raise ConfigError("must be >= 0", field="nbytes", value=nbytes, fix="pass a message size in bytes")
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise ConfigError("must be an integer >= 1", field="n", value=n, fix="pass the number of ranks")
+    if not bandwidth_gbps > 0:
+        raise ConfigError("must be > 0", field="bandwidth_gbps", value=bandwidth_gbps,
+                          fix="pass the per-GPU link bandwidth in Gbit/s")
+
+
+def ring_all_reduce_time(nbytes: float, *, n: int, bandwidth_gbps: float, latency_us: float) -> float:
+    _check(nbytes, n, bandwidth_gbps)
+    if n == 1:
+        return 0.0
+    return 2 * (n - 1) * latency_us * 1e-6 + 2 * (n - 1) / n * nbytes / bytes_per_s(bandwidth_gbps)
+
+
+def ring_all_gather_time(nbytes: float, *, n: int, bandwidth_gbps: float, latency_us: float) -> float:
+    """``nbytes`` is the gathered (full) buffer."""
+    _check(nbytes, n, bandwidth_gbps)
+    if n == 1:
+        return 0.0
+    return (n - 1) * latency_us * 1e-6 + (n - 1) / n * nbytes / bytes_per_s(bandwidth_gbps)
+
+
+def ring_reduce_scatter_time(nbytes: float, *, n: int, bandwidth_gbps: float, latency_us: float) -> float:
+    """``nbytes`` is the full input buffer; same cost as an all-gather of it."""
+    return ring_all_gather_time(nbytes, n=n, bandwidth_gbps=bandwidth_gbps, latency_us=latency_us)
+
+
+def chain_time(nbytes: float, *, n: int, bandwidth_gbps: float, latency_us: float) -> float:
+    """Pipelined reduce-to-one or broadcast-from-one along a chain of ``n`` ranks."""
+    _check(nbytes, n, bandwidth_gbps)
+    if n == 1:
+        return 0.0
+    return (n - 1) * latency_us * 1e-6 + nbytes / bytes_per_s(bandwidth_gbps)
+
+
+def _staged(link_gbps: float, latency_us: float, copies: int) -> Channel:
+    """Fold ``copies`` serial host copies into one effective bandwidth: 1/B = 1/B_link + copies/B_pcie."""
+    if copies == 0:
+        return Channel(bandwidth_gbps=link_gbps, latency_us=latency_us, host_staged=False)
+    effective = 1.0 / (1.0 / link_gbps + copies / HOST_STAGING_BANDWIDTH_GBPS)
+    return Channel(bandwidth_gbps=effective, latency_us=latency_us, host_staged=True)
+
+
+def _intra_island_channel(island: IslandSpec, *, same_node: bool) -> Channel:
+    if same_node:
+        return Channel(bandwidth_gbps=island.intra_node_bandwidth_gbps, latency_us=INTRA_NODE_LATENCY_US,
+                       host_staged=False)
+    return Channel(bandwidth_gbps=island.inter_node_bandwidth_gbps, latency_us=DEFAULT_LINK_LATENCY_US,
+                   host_staged=False)
+
+
+def tp_channel(island: IslandSpec, tp: int) -> Channel:
+    """Tensor parallelism runs inside a node when ``tp <= gpus_per_node``, else over the slower
+    inter-node network (the ring's bottleneck)."""
+    return _intra_island_channel(island, same_node=tp <= island.gpus_per_node)
+
+
+def tp_layer_comm_times(model: ModelSpec, island: IslandSpec, *, micro_batch_size: int, tp: int,
+                        seq_length: int | None = None, sequence_parallel: bool = False,
+                        recompute: Recompute = "none") -> CommTimes:
+    """Tensor-parallel traffic of one layer for one micro-batch (Megatron-LM, Shoeybi et al. 2019).
+
+    Without sequence parallelism: two all-reduces of the ``s*b*h`` bf16 activation in forward
+    (after the attention projection and fc2) and two in backward (input gradients of QKV and fc1).
+    With it: each all-reduce becomes an all-gather plus a reduce-scatter of the same buffer, which
+    costs the same in a ring. Full recomputation repeats the forward traffic during backward.
+    """
+    check_tp(model, tp)
+    check_recompute(recompute)
+    if tp == 1:
+        return CommTimes(forward_s=0.0, backward_s=0.0)
+    s = model.seq_length if seq_length is None else seq_length
+    nbytes = 2 * s * micro_batch_size * model.hidden_size
+    ch = tp_channel(island, tp)
+    args = dict(n=tp, bandwidth_gbps=ch.bandwidth_gbps, latency_us=ch.latency_us)
+    if sequence_parallel:
+        one = ring_all_gather_time(nbytes, **args) + ring_reduce_scatter_time(nbytes, **args)
+    else:
+        one = ring_all_reduce_time(nbytes, **args)
+    forward = 2 * one
+    return CommTimes(forward_s=forward, backward_s=2 * one + (forward if recompute == "full" else 0.0))
+
+
+def activation_message_bytes(model: ModelSpec, *, micro_batch_size: int, seq_length: int | None = None,
+                             tp: int = 1, sequence_parallel: bool = False) -> int:
+    """Bytes each tensor-parallel rank sends to the next stage: the bf16 ``s*b*h`` hidden states,
+    or its ``1/tp`` sequence shard with sequence parallelism. The gradient sent back is the same size."""
+    check_tp(model, tp)
+    s = model.seq_length if seq_length is None else seq_length
+    s_local = s // tp if sequence_parallel else s
+    return 2 * s_local * micro_batch_size * model.hidden_size
+
+
+def p2p_channel(cluster: ClusterSpec, *, src: str, dst: str, same_node: bool = False) -> Channel:
+    """The link between a rank on island ``src`` and one on island ``dst``.
+
+    Same island: the intra-node link when ``same_node`` else the island's inter-node network.
+    Different islands: the cluster's link between them, host-staged when the vendors differ (one
+    copy per GPU end; a CPU end needs none).
+    """
+    a, b = cluster.island(src), cluster.island(dst)
+    if src == dst:
+        return _intra_island_channel(a, same_node=same_node)
+    link = cluster.link(src, dst)
+    if link is None:
+        raise ConfigError("no link between these islands", field="links", value=[src, dst],
+                          fix=f"add a link between {src} and {dst} to the cluster file")
+    copies = 0
+    if a.device.vendor != b.device.vendor:
+        copies = sum(1 for isl in (a, b) if isl.device.vendor != "cpu")
+    return _staged(link.bandwidth_gbps, link.latency_us, copies)
+
+
+def p2p_time(nbytes: float, cluster: ClusterSpec, *, src: str, dst: str, same_node: bool = False) -> float:
+    """Seconds to send ``nbytes`` from a rank on island ``src`` to one on ``dst``: ``alpha + bytes/B``."""
+    ch = p2p_channel(cluster, src=src, dst=dst, same_node=same_node)
+    _check(nbytes, 1, ch.bandwidth_gbps)
+    return ch.latency_us * 1e-6 + nbytes / bytes_per_s(ch.bandwidth_gbps)
+
+
+def _dp_channel(island: IslandSpec) -> Channel:
+    # Replicas of a stage sit on different nodes as soon as the island has several (TP fills a node
+    # first, pipeline stages and replicas spread over nodes), so the inter-node network is the
+    # bottleneck; a single-node island reduces over its intra-node link.
+    return _intra_island_channel(island, same_node=island.nodes == 1)
+
+
+def dp_gradient_reduction(nbytes: float, cluster: ClusterSpec, *, replica_islands: Sequence[str]) -> GradientReduction:
+    """Time to all-reduce ``nbytes`` of one stage rank's gradients among its replicas.
+
+    ``replica_islands`` names the island of each replica's copy of this stage (one entry per
+    replica, repeats allowed). One island: a flat ring all-reduce. Several: reduce to one leader
+    per island (in parallel; the slowest island counts), ring all-reduce among the leaders over the
+    cross-island links (slowest link and largest latency in the ring; host-staged if vendors mix),
+    broadcast back inside each island.
+    """
+    if not replica_islands:
+        raise ConfigError("needs at least one replica", field="replica_islands", value=list(replica_islands),
+                          fix="pass the island name of each replica of the stage")
+    counts: dict[str, int] = {}
+    for name in replica_islands:
+        cluster.island(name)  # unknown names fail loudly
+        counts[name] = counts.get(name, 0) + 1
+    if len(counts) == 1:
+        (name, n), = counts.items()
+        ch = _dp_channel(cluster.island(name))
+        flat = ring_all_reduce_time(nbytes, n=n, bandwidth_gbps=ch.bandwidth_gbps, latency_us=ch.latency_us)
+        return GradientReduction(reduce_s=flat, inter_island_s=0.0, broadcast_s=0.0, islands=1)
+    intra = 0.0
+    for name, n in counts.items():
+        ch = _dp_channel(cluster.island(name))
+        intra = max(intra, chain_time(nbytes, n=n, bandwidth_gbps=ch.bandwidth_gbps, latency_us=ch.latency_us))
+    leaders = list(counts)
+    ring = [p2p_channel(cluster, src=a, dst=b) for a, b in zip(leaders, leaders[1:] + leaders[:1]) if a != b]
+    inter = ring_all_reduce_time(nbytes, n=len(leaders), bandwidth_gbps=min(c.bandwidth_gbps for c in ring),
+                                 latency_us=max(c.latency_us for c in ring))
+    return GradientReduction(reduce_s=intra, inter_island_s=inter, broadcast_s=intra, islands=len(leaders))

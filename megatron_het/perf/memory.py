@@ -1,0 +1,227 @@
+"""Device memory of one rank of a pipeline stage: weights, gradients, optimizer, activations.
+
+Model state (mixed precision with Adam, as Megatron-LM's DDP + optimizer keep it):
+- bf16 weights, 2 bytes/param; fp32 main gradients, 4 bytes/param (Megatron's DDP accumulates and
+  reduces in fp32 by default); fp32 master weights + Adam's two moments, 12 bytes/param.
+- That is 18 bytes/param, or ``6 + 12/d`` with the distributed optimizer, which shards only the
+  optimizer part over the ``d`` data-parallel replicas. Source: Megatron Core developer guide,
+  "Distributed Optimizer", table of theoretical bytes per parameter ("float16 param, fp32 grads:
+  18 | 6 + 12/d"), https://docs.nvidia.com/megatron-core/developer-guide/latest/distrib_optimizer.html
+
+Activations (16-bit, stored for backward), Korthikanti et al. 2022, "Reducing Activation
+Recomputation in Large Transformer Models", sections 4.1-4.3. Per layer and micro-batch:
+``s*b*h*(34 + 5*a*s/h)`` bytes without parallelism; ``s*b*h*(10 + 24/t + 5*a*s/(h*t))`` with
+tensor parallelism; ``s*b*h/t*(34 + 5*a*s/h)`` with sequence parallelism as well; selective
+recomputation drops the ``5*a*s/h`` (attention core) term; full recomputation keeps only the layer
+input, ``2*s*b*h`` (``/t`` with sequence parallelism). We evaluate the same derivation term by term
+on the real shapes, so GQA (smaller K, V), swiglu (two fc1 halves) and ``ffn != 4h`` are exact
+generalisations that reduce to the paper's formulas for a GPT shape (tested).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from megatron_het.cluster import ConfigError, DeviceType, ModelSpec
+from megatron_het.perf.flops import Recompute, check_recompute, check_tp, stage_parameters
+
+__all__ = [
+    "PARAM_BYTES",
+    "GRAD_BYTES",
+    "OPTIMIZER_BYTES",
+    "DEFAULT_OVERHEAD_BYTES",
+    "StageMemory",
+    "activation_bytes_per_layer",
+    "first_stage_extra_activation_bytes",
+    "last_stage_extra_activation_bytes",
+    "microbatches_in_flight",
+    "stage_memory",
+    "device_capacity_bytes",
+]
+
+PARAM_BYTES = 2  # bf16 model weights
+GRAD_BYTES = 4  # fp32 main gradients in Megatron's DDP buffer
+OPTIMIZER_BYTES = 12  # fp32 master weights + Adam exp_avg + exp_avg_sq
+DEFAULT_OVERHEAD_BYTES = int(1.5 * 2**30)  # CUDA context, cuBLAS/NCCL workspaces, allocator slack
+
+
+@dataclass(frozen=True, kw_only=True)
+class StageMemory:
+    """Bytes one rank of a stage needs at its peak, split so a planner can say what overflowed."""
+
+    parameters_bytes: int  # bf16 weights of the stage's share of the model on this rank
+    gradients_bytes: int  # fp32 main-gradient buffer
+    optimizer_bytes: int  # fp32 master weights + Adam moments (sharded over dp if distributed)
+    activations_bytes: int  # activations of all micro-batches in flight at the peak
+    overhead_bytes: int  # fixed framework overhead (context, workspaces)
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(self.parts().values())
+
+    def parts(self) -> dict[str, int]:
+        """Part name -> bytes, in a fixed order."""
+        return {
+            "parameters": self.parameters_bytes,
+            "gradients": self.gradients_bytes,
+            "optimizer": self.optimizer_bytes,
+            "activations": self.activations_bytes,
+            "overhead": self.overhead_bytes,
+        }
+
+    def largest_part(self) -> str:
+        parts = self.parts()
+        return max(parts, key=parts.__getitem__)
+
+    def fits(self, capacity_bytes: int) -> bool:
+        return self.total_bytes <= capacity_bytes
+
+
+def device_capacity_bytes(device: DeviceType) -> int:
+    """Device memory in bytes (the catalog gives GiB)."""
+    return int(device.memory_gib * 2**30)
+
+
+def _check_sp(model: ModelSpec, seq_length: int, tp: int, sequence_parallel: bool) -> None:
+    if sequence_parallel and seq_length % tp:
+        raise ConfigError(f"sequence parallelism needs seq_length divisible by tp={tp}", field="seq_length",
+                          value=seq_length, fix=f"use a sequence length that is a multiple of {tp}, "
+                                                "or turn sequence parallelism off")
+
+
+def activation_bytes_per_layer(model: ModelSpec, *, micro_batch_size: int, seq_length: int | None = None,
+                               tp: int = 1, sequence_parallel: bool = False,
+                               recompute: Recompute = "none", flash_attention: bool = False) -> int:
+    """Activation bytes one layer keeps for backward, per micro-batch, on one TP rank.
+
+    Terms (Korthikanti et al. 2022, sec. 4.1; ``x`` = s*b*h elements, 2 bytes each unless a mask):
+    outside the TP region: two norm inputs (2x each), QKV input (2x), fc1 input (2x), two dropout
+    masks (1x each) -> 10x, split over t only with sequence parallelism; inside it: Q, K, V and the
+    projection input, the activation input (``2*s*b*f``, twice for swiglu) and the fc2 input
+    (``2*s*b*f``), and the attention core, ``5*a*s^2*b`` (softmax output 2, dropout mask 1,
+    dropout output 2), which selective recomputation does not store. A fused (flash) attention
+    kernel stores no ``s x s`` tensors either, only fp32 softmax statistics, ``4*a*s*b`` bytes
+    (megatron-core's local spec, what runs on CPU, uses the unfused path).
+    """
+    check_tp(model, tp)
+    check_recompute(recompute)
+    b = micro_batch_size
+    s = model.seq_length if seq_length is None else seq_length
+    if isinstance(b, bool) or not isinstance(b, int) or b < 1:
+        raise ConfigError("must be an integer >= 1", field="micro_batch_size", value=b,
+                          fix="pass a positive micro-batch size")
+    _check_sp(model, s, tp, sequence_parallel)
+    h, d = model.hidden_size, model.kv_channels
+    s_local = s // tp if sequence_parallel else s  # sequence-parallel regions hold s/t tokens
+    if recompute == "full":
+        return 2 * s_local * b * h  # only the layer input survives the forward
+    heads = model.num_attention_heads // tp
+    groups = model.num_query_groups // tp
+    f = model.ffn_hidden_size // tp
+    outside = 10 * s_local * b * h
+    attention = s * b * (2 * heads * d + 2 * 2 * groups * d + 2 * heads * d)  # Q; K and V; projection input
+    mlp = s * b * (2 * f * (2 if model.swiglu else 1) + 2 * f)  # activation input; fc2 input
+    if recompute == "selective":
+        core = 0
+    elif flash_attention:
+        core = 4 * heads * s * b
+    else:
+        core = 5 * heads * s * s * b
+    return outside + attention + mlp + core
+
+
+def first_stage_extra_activation_bytes(model: ModelSpec, *, micro_batch_size: int, seq_length: int | None = None,
+                                       tp: int = 1, sequence_parallel: bool = False) -> int:
+    """Embedding dropout mask, ``s*b*h`` bytes (``/t`` with sequence parallelism); Korthikanti sec. 4.3."""
+    s = model.seq_length if seq_length is None else seq_length
+    _check_sp(model, s, tp, sequence_parallel)
+    s_local = s // tp if sequence_parallel else s
+    return s_local * micro_batch_size * model.hidden_size
+
+
+def last_stage_extra_activation_bytes(model: ModelSpec, *, micro_batch_size: int, seq_length: int | None = None,
+                                      tp: int = 1, sequence_parallel: bool = False) -> int:
+    """Final norm input and output-layer input (2 bytes each) plus fp32 logits for the
+    cross entropy, ``4*s*b*V/t``: ``4*s*b*h/t*(1 + V/h)`` with sequence parallelism (sec. 4.3)."""
+    check_tp(model, tp)
+    s = model.seq_length if seq_length is None else seq_length
+    _check_sp(model, s, tp, sequence_parallel)
+    s_local = s // tp if sequence_parallel else s
+    b, h = micro_batch_size, model.hidden_size
+    return 4 * s_local * b * h + 4 * s * b * math.ceil(model.vocab_size / tp)
+
+
+def microbatches_in_flight(*, stage: int, pipeline_size: int, num_microbatches: int, virtual_stages: int = 1) -> int:
+    """Micro-batches (model chunks x micro-batches with interleaving) whose activations stage
+    ``stage`` (0-based) holds at its peak.
+
+    1F1B: ``min(p - i, m)`` (warm-up forwards plus the one in steady state). Interleaved with ``v``
+    chunks per stage, Megatron's warm-up is ``2*(p - i - 1) + (v - 1)*p`` chunk-forwards, so the
+    peak is ``min(2*(p - i - 1) + (v - 1)*p + 1, m*v)`` chunk micro-batches, each holding ``1/v`` of
+    the stage's layers; for stage 0 that is ``1 + (p - 1)/(p*v)`` times the 1F1B figure.
+    """
+    for name, value, low in (("pipeline_size", pipeline_size, 1), ("num_microbatches", num_microbatches, 1),
+                             ("virtual_stages", virtual_stages, 1), ("stage", stage, 0)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < low:
+            raise ConfigError(f"must be an integer >= {low}", field=name, value=value, fix=f"pass {name} >= {low}")
+    if stage >= pipeline_size:
+        raise ConfigError(f"must be < pipeline_size ({pipeline_size})", field="stage", value=stage,
+                          fix=f"use a stage index from 0 to {pipeline_size - 1}")
+    if virtual_stages == 1:
+        return min(pipeline_size - stage, num_microbatches)
+    warmup = 2 * (pipeline_size - stage - 1) + (virtual_stages - 1) * pipeline_size
+    return min(warmup + 1, num_microbatches * virtual_stages)
+
+
+def stage_memory(model: ModelSpec, *, num_layers: int, is_first: bool, is_last: bool, micro_batch_size: int,
+                 microbatches_in_flight: int, tp: int = 1, dp: int = 1, seq_length: int | None = None,
+                 sequence_parallel: bool = False, recompute: Recompute = "none",
+                 distributed_optimizer: bool = True, virtual_stages: int = 1, flash_attention: bool = False,
+                 overhead_bytes: int = DEFAULT_OVERHEAD_BYTES) -> StageMemory:
+    """Peak bytes on one rank of a stage of ``num_layers`` layers.
+
+    ``microbatches_in_flight`` comes from :func:`microbatches_in_flight` (chunk micro-batches when
+    ``virtual_stages > 1``; each then holds ``num_layers / virtual_stages`` layers). The first and
+    last stage extras are charged per in-flight micro-batch of the whole stage. With recomputation,
+    one layer's full activations are added for the layer being recomputed during backward.
+    """
+    if isinstance(dp, bool) or not isinstance(dp, int) or dp < 1:
+        raise ConfigError("must be an integer >= 1", field="dp", value=dp, fix="pass the number of replicas (>= 1)")
+    if virtual_stages < 1 or num_layers % virtual_stages:
+        raise ConfigError(f"num_layers={num_layers} does not split into virtual_stages={virtual_stages} chunks",
+                          field="virtual_stages", value=virtual_stages,
+                          fix="use a number of virtual stages that divides the stage's layer count")
+    if microbatches_in_flight < 1:
+        raise ConfigError("must be >= 1", field="microbatches_in_flight", value=microbatches_in_flight,
+                          fix="use microbatches_in_flight() to compute it")
+    if overhead_bytes < 0:
+        raise ConfigError("must be >= 0", field="overhead_bytes", value=overhead_bytes,
+                          fix="pass the framework overhead in bytes, e.g. 1.5 GiB = 1610612736")
+    params = stage_parameters(model, num_layers=num_layers, is_first=is_first, is_last=is_last, tp=tp)
+    shard = dp if distributed_optimizer else 1
+    per_layer = activation_bytes_per_layer(model, micro_batch_size=micro_batch_size, seq_length=seq_length, tp=tp,
+                                           sequence_parallel=sequence_parallel, recompute=recompute,
+                                           flash_attention=flash_attention)
+    # Layer-micro-batches alive at the peak: chunk micro-batches x layers per chunk.
+    activations = microbatches_in_flight * (num_layers // virtual_stages) * per_layer
+    whole_stage_mbs = math.ceil(microbatches_in_flight / virtual_stages)
+    extras = dict(model=model, micro_batch_size=micro_batch_size, seq_length=seq_length, tp=tp,
+                  sequence_parallel=sequence_parallel)
+    if is_first:
+        activations += whole_stage_mbs * first_stage_extra_activation_bytes(**extras)
+    if is_last:
+        activations += whole_stage_mbs * last_stage_extra_activation_bytes(**extras)
+    if recompute != "none":
+        # Backward re-runs one layer's forward at a time, so one layer's stored activations
+        # (without recomputation) are alive on top of what the stage keeps.
+        activations += activation_bytes_per_layer(model, micro_batch_size=micro_batch_size, seq_length=seq_length,
+                                                  tp=tp, sequence_parallel=sequence_parallel,
+                                                  flash_attention=flash_attention) - per_layer
+    return StageMemory(
+        parameters_bytes=PARAM_BYTES * params,
+        gradients_bytes=GRAD_BYTES * params,
+        optimizer_bytes=math.ceil(OPTIMIZER_BYTES * params / shard),
+        activations_bytes=activations,
+        overhead_bytes=overhead_bytes,
+    )

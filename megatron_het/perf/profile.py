@@ -1,0 +1,202 @@
+"""Measured per-layer times: the profile file format, its loader, and lookup by layer shape.
+
+Format (JSON, written by ``tools/profile.py``)::
+
+    {"format": "megatron-het-profile", "version": 1,
+     "device": "CPU",                       # catalog name of the device type measured
+     "method": "megatron-core TransformerLayer (local spec), ...",   # how it was measured
+     "machine": {...},                      # free-form facts about the host (cpu, torch version)
+     "entries": [{"hidden_size": 256, "num_attention_heads": 4, "ffn_hidden_size": 1024,
+                  "seq_length": 128, "micro_batch_size": 2, "tp": 1,
+                  "forward_s": 0.0012, "backward_s": 0.0025, "peak_memory_bytes": 12345678,
+                  "num_query_groups": 4, "swiglu": false}]}   # last two optional
+
+``num_query_groups`` defaults to ``num_attention_heads`` and ``swiglu`` to false. Times are the
+median wall time of one layer's forward (backward) for one micro-batch; ``peak_memory_bytes`` is
+parameters plus the tensors autograd saved for backward.
+"""
+
+from __future__ import annotations
+
+import json
+import types
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+from megatron_het.cluster import ConfigError
+from megatron_het.cluster.fields import as_bool, as_float, as_int, as_list, as_mapping, as_str, check_keys, join
+
+__all__ = [
+    "PROFILE_FORMAT",
+    "PROFILE_VERSION",
+    "ProfileEntry",
+    "Profile",
+    "profile_from_dict",
+    "profile_to_dict",
+    "load_profile",
+    "save_profile",
+    "lookup",
+]
+
+PROFILE_FORMAT = "megatron-het-profile"
+PROFILE_VERSION = 1
+
+_SHAPE_KEYS = ("hidden_size", "num_attention_heads", "num_query_groups", "ffn_hidden_size", "swiglu",
+               "seq_length", "tp")
+_INT_KEYS = ("hidden_size", "num_attention_heads", "ffn_hidden_size", "seq_length", "micro_batch_size", "tp",
+             "peak_memory_bytes")
+_ENTRY_REQUIRED = _INT_KEYS + ("forward_s", "backward_s")
+_ENTRY_ALLOWED = _ENTRY_REQUIRED + ("num_query_groups", "swiglu")
+
+
+@dataclass(frozen=True, kw_only=True)
+class ProfileEntry:
+    """One measurement: one layer shape at one micro-batch size."""
+
+    hidden_size: int  # h of the measured layer
+    num_attention_heads: int  # query heads
+    num_query_groups: int  # key/value heads (equal to num_attention_heads without GQA)
+    ffn_hidden_size: int  # MLP width
+    swiglu: bool  # gated MLP (fc1 twice as wide)
+    seq_length: int  # tokens per sample
+    micro_batch_size: int  # samples per micro-batch
+    tp: int  # tensor-parallel size the layer was split over (1 for single-process profiles)
+    forward_s: float  # median forward wall time, seconds
+    backward_s: float  # median backward wall time, seconds
+    peak_memory_bytes: int  # parameters + saved-for-backward tensors, bytes
+
+    @property
+    def tokens(self) -> int:
+        return self.micro_batch_size * self.seq_length
+
+    def shape(self) -> tuple[object, ...]:
+        """What must match for this entry to stand for a layer (everything but the batch)."""
+        return tuple(getattr(self, k) for k in _SHAPE_KEYS)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Profile:
+    """A set of measurements taken on one device type."""
+
+    device: str  # device type name the entries were measured on, e.g. "CPU"
+    entries: tuple[ProfileEntry, ...]  # at least one
+    method: str  # how the times were measured (which layer implementation, repeats)
+    machine: Mapping[str, Any] = field(default_factory=lambda: types.MappingProxyType({}))  # host facts
+    source: str | None = None  # file it was loaded from
+
+
+def _entry_from_dict(data: object, path: str) -> ProfileEntry:
+    data = as_mapping(data, path, example='{"hidden_size": 256, ...}')
+    check_keys(data, path, allowed=_ENTRY_ALLOWED, required=_ENTRY_REQUIRED)
+    ints = {k: as_int(data[k], join(path, k)) for k in _INT_KEYS}
+    heads = ints["num_attention_heads"]
+    groups = as_int(data.get("num_query_groups", heads), join(path, "num_query_groups"))
+    if heads % groups:
+        raise ConfigError(f"num_attention_heads {heads} is not divisible by it", field=join(path, "num_query_groups"),
+                          value=groups, fix="record the key/value head count of the measured layer")
+    return ProfileEntry(
+        **ints,
+        num_query_groups=groups,
+        swiglu=as_bool(data.get("swiglu", False), join(path, "swiglu")),
+        forward_s=as_float(data["forward_s"], join(path, "forward_s")),
+        backward_s=as_float(data["backward_s"], join(path, "backward_s")),
+    )
+
+
+def profile_from_dict(data: object, *, source: str | None = None) -> Profile:
+    """Validate a parsed profile; errors are :class:`ConfigError` naming the file and field."""
+    try:
+        data = as_mapping(data, "", example='{"format": "megatron-het-profile", ...}')
+        check_keys(data, "", allowed=("format", "version", "device", "method", "machine", "entries"),
+                   required=("format", "version", "device", "entries"))
+        if data["format"] != PROFILE_FORMAT:
+            raise ConfigError("not a megatron-het profile", field="format", value=data["format"],
+                              fix=f"set \"format\": \"{PROFILE_FORMAT}\" or regenerate it with tools/profile.py")
+        if data["version"] != PROFILE_VERSION:
+            raise ConfigError(f"unsupported version (this code reads {PROFILE_VERSION})", field="version",
+                              value=data["version"], fix="regenerate the profile with tools/profile.py")
+        raw = as_list(data["entries"], "entries", example='[{"hidden_size": 256, ...}]')
+        if not raw:
+            raise ConfigError("a profile needs at least one entry", field="entries", value=raw,
+                              fix="regenerate the profile with tools/profile.py")
+        entries = tuple(_entry_from_dict(e, join("entries", i)) for i, e in enumerate(raw))
+        seen: dict[tuple[object, ...], int] = {}
+        for i, e in enumerate(entries):
+            key = e.shape() + (e.micro_batch_size,)
+            if key in seen:
+                raise ConfigError(f"duplicate measurement (also entries[{seen[key]}])", field=f"entries[{i}]",
+                                  value=e.micro_batch_size, fix="keep one entry per layer shape and micro-batch size")
+            seen[key] = i
+        machine = as_mapping(data.get("machine", {}), "machine", example='{"cpu": "..."}')
+        return Profile(device=as_str(data["device"], "device"), entries=entries,
+                       method=as_str(data.get("method", "unspecified"), "method"),
+                       machine=types.MappingProxyType(dict(machine)), source=source)
+    except ConfigError as err:
+        raise err.located(file=source) from None
+
+
+def profile_to_dict(profile: Profile) -> dict[str, Any]:
+    return {
+        "format": PROFILE_FORMAT,
+        "version": PROFILE_VERSION,
+        "device": profile.device,
+        "method": profile.method,
+        "machine": dict(profile.machine),
+        "entries": [asdict(e) for e in profile.entries],
+    }
+
+
+def load_profile(path: str | Path) -> Profile:
+    path = Path(path)
+    try:
+        data = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise ConfigError("file not found", field="profile", value=str(path),
+                          fix="pass the JSON written by tools/profile.py") from None
+    except json.JSONDecodeError as err:
+        raise ConfigError(f"not valid JSON ({err.msg} at line {err.lineno})", field="profile", value=str(path),
+                          fix="regenerate the profile with tools/profile.py") from None
+    return profile_from_dict(data, source=str(path))
+
+
+def save_profile(profile: Profile, path: str | Path) -> None:
+    Path(path).write_text(json.dumps(profile_to_dict(profile), indent=2) + "\n")
+
+
+def lookup(profile: Profile, *, hidden_size: int, num_attention_heads: int, ffn_hidden_size: int, seq_length: int,
+           micro_batch_size: int, tp: int = 1, num_query_groups: int | None = None,
+           swiglu: bool = False) -> ProfileEntry | None:
+    """Times for this layer shape at ``micro_batch_size``, or None when the shape was not measured.
+
+    Values are interpolated linearly in tokens (micro_batch_size * seq_length) between the two
+    measurements around the request. Outside the measured range the line through the two nearest
+    measurements is extended, but never below the nearest measurement scaled in proportion to
+    tokens (which keeps small-batch extrapolations positive); a single measurement is scaled in
+    proportion. Returns an entry at the requested micro-batch size.
+    """
+    shape = (hidden_size, num_attention_heads, num_query_groups or num_attention_heads, ffn_hidden_size, swiglu,
+             seq_length, tp)
+    points = sorted((e for e in profile.entries if e.shape() == shape), key=lambda e: e.tokens)
+    if not points:
+        return None
+    tokens = micro_batch_size * seq_length
+    if len(points) == 1:
+        lo = hi = points[0]
+    else:
+        i = sum(1 for e in points[1:-1] if e.tokens <= tokens)  # index of the pair's lower end
+        lo, hi = points[i], points[i + 1]
+    inside = points[0].tokens <= tokens <= points[-1].tokens
+    nearest = points[0] if tokens < points[0].tokens else points[-1]
+
+    def value(name: str) -> float:
+        proportional = getattr(nearest, name) * tokens / nearest.tokens
+        if lo is hi:
+            return proportional
+        a, b = getattr(lo, name), getattr(hi, name)
+        linear = a + (b - a) * (tokens - lo.tokens) / (hi.tokens - lo.tokens)
+        return linear if inside else max(linear, proportional)
+
+    return replace(lo, micro_batch_size=micro_batch_size, forward_s=value("forward_s"),
+                   backward_s=value("backward_s"), peak_memory_bytes=round(value("peak_memory_bytes")))

@@ -1,0 +1,88 @@
+"""Profile format: round trip, validation messages, interpolation by tokens."""
+
+import json
+
+import pytest
+
+from megatron_het.cluster import ConfigError
+from megatron_het.perf.profile import (
+    Profile,
+    ProfileEntry,
+    load_profile,
+    lookup,
+    profile_from_dict,
+    profile_to_dict,
+    save_profile,
+)
+
+SHAPE = dict(hidden_size=256, num_attention_heads=4, ffn_hidden_size=1024, seq_length=128, tp=1)
+
+
+def _entry(mbs: int, fwd: float, bwd: float, mem: int) -> dict:
+    return {**SHAPE, "micro_batch_size": mbs, "forward_s": fwd, "backward_s": bwd, "peak_memory_bytes": mem}
+
+
+def _doc(*entries: dict) -> dict:
+    return {"format": "megatron-het-profile", "version": 1, "device": "CPU", "method": "test",
+            "machine": {"cpu": "x"}, "entries": list(entries)}
+
+
+DOC = _doc(_entry(1, 1.0, 2.0, 1000), _entry(4, 2.5, 5.0, 4000))
+
+
+def test_round_trip(tmp_path):
+    path = tmp_path / "p.json"
+    profile = profile_from_dict(DOC)
+    save_profile(profile, path)
+    loaded = load_profile(path)
+    assert loaded.entries == profile.entries
+    assert loaded.source == str(path) and loaded.device == "CPU" and dict(loaded.machine) == {"cpu": "x"}
+    assert profile_to_dict(loaded)["entries"][0] == {**_entry(1, 1.0, 2.0, 1000), "num_query_groups": 4,
+                                                     "swiglu": False}
+
+
+def test_interpolation_and_extrapolation_by_tokens():
+    profile = profile_from_dict(DOC)
+    mid = lookup(profile, micro_batch_size=2, **SHAPE)
+    # tokens 256 between 128 (1.0 s) and 512 (2.5 s): 1.0 + 1.5 * 128/384 = 1.5
+    assert (mid.forward_s, mid.backward_s, mid.peak_memory_bytes, mid.micro_batch_size) == (1.5, 3.0, 2000, 2)
+    assert lookup(profile, micro_batch_size=4, **SHAPE).forward_s == 2.5
+    # above: line gives 1.0 + 1.5 * (1024-128)/384 = 4.5; proportional from 4 gives 5.0 -> the larger
+    assert lookup(profile, micro_batch_size=8, **SHAPE).forward_s == pytest.approx(5.0)
+    single = Profile(device="CPU", method="t", entries=(profile.entries[1],))
+    assert lookup(single, micro_batch_size=2, **SHAPE).forward_s == pytest.approx(1.25)
+    assert lookup(profile, micro_batch_size=2, **{**SHAPE, "tp": 2}) is None
+    assert lookup(profile, micro_batch_size=2, swiglu=True, **SHAPE) is None
+
+
+def test_entry_is_frozen_and_keyword_only():
+    with pytest.raises(TypeError):
+        ProfileEntry(256, 4)  # noqa: the positional form must not work
+
+
+@pytest.mark.parametrize("mutate,message", [
+    (lambda d: d.update(format="other"), r"format: not a megatron-het profile \(got 'other'\)"),
+    (lambda d: d.update(version=2), r"version: unsupported version .*\(got 2\)"),
+    (lambda d: d["entries"][0].pop("forward_s"), r"entries\[0\]\.forward_s: required key is missing"),
+    (lambda d: d["entries"][1].update(backward_s=-1), r"entries\[1\]\.backward_s: must be > 0 \(got -1\)"),
+    (lambda d: d["entries"][0].update(forwrd_s=1), r"entries\[0\]\.forwrd_s: unknown key.*forward_s"),
+    (lambda d: d["entries"].append(dict(d["entries"][0])), r"entries\[2\]: duplicate measurement"),
+    (lambda d: d.update(entries=[]), r"entries: a profile needs at least one entry"),
+])
+def test_validation_messages(tmp_path, mutate, message):
+    data = json.loads(json.dumps(DOC))
+    mutate(data)
+    path = tmp_path / "bad.json"
+    path.write_text(json.dumps(data))
+    with pytest.raises(ConfigError, match=message) as info:
+        load_profile(path)
+    assert str(info.value).startswith(f"{path}: ")
+    assert "Fix: " in str(info.value)
+
+
+def test_unreadable_files(tmp_path):
+    with pytest.raises(ConfigError, match="profile: file not found"):
+        load_profile(tmp_path / "missing.json")
+    (tmp_path / "x.json").write_text("{")
+    with pytest.raises(ConfigError, match="profile: not valid JSON"):
+        load_profile(tmp_path / "x.json")

@@ -1,0 +1,93 @@
+"""tools/profile.py: the measured layers match the analytic shapes and the output loads."""
+
+import importlib.util
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from megatron_het.cluster import ModelSpec
+from megatron_het.perf.flops import layer_parameters
+from megatron_het.perf.profile import load_profile
+
+TOOL = Path(__file__).resolve().parents[1] / "tools" / "profile.py"
+
+
+def _tool():
+    spec = importlib.util.spec_from_file_location("megatron_het_tool_profile", TOOL)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("model", [
+    ModelSpec(num_layers=1, hidden_size=64, num_attention_heads=4, seq_length=16, vocab_size=1),
+    ModelSpec(num_layers=1, hidden_size=64, num_attention_heads=8, num_query_groups=2, ffn_hidden_size=96,
+              seq_length=16, vocab_size=1, swiglu=True),
+], ids=["gpt", "llama-gqa"])
+def test_reference_layer_has_the_analytic_parameter_count(model):
+    layer = _tool()._TorchReferenceLayer(model)
+    assert sum(p.numel() for p in layer.parameters()) == layer_parameters(model)
+
+
+def test_reference_profile_in_process():
+    tool = _tool()
+    import torch
+    model = ModelSpec(num_layers=1, hidden_size=64, num_attention_heads=4, seq_length=16, vocab_size=1)
+    profile = tool.profile_layers(model, num_layers=1, micro_batch_sizes=[1, 2], device="CPU", warmup=1, repeats=2,
+                                  dtype=torch.float32, implementation="torch")
+    assert [e.micro_batch_size for e in profile.entries] == [1, 2]
+    assert profile.method.startswith("plain torch reference layer")
+    params_bytes = 4 * layer_parameters(model)  # fp32
+    small, large = profile.entries
+    assert params_bytes < small.peak_memory_bytes < large.peak_memory_bytes
+    assert all(e.forward_s > 0 and e.backward_s > 0 for e in profile.entries)
+
+
+def test_cli_with_megatron_core(tmp_path):
+    out = tmp_path / "profile.json"
+    run = subprocess.run([sys.executable, str(TOOL), "--num-layers", "1", "--hidden-size", "64",
+                          "--num-attention-heads", "4", "--seq-length", "16", "--micro-batch-sizes", "1,2",
+                          "--warmup", "1", "--repeats", "2", "--output", str(out)],
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    profile = load_profile(out)
+    assert profile.method.startswith("megatron-core TransformerLayer (local spec)"), profile.method
+    assert [e.micro_batch_size for e in profile.entries] == [1, 2]
+    model = ModelSpec(num_layers=1, hidden_size=64, num_attention_heads=4, seq_length=16, vocab_size=1)
+    assert profile.entries[0].peak_memory_bytes > 4 * layer_parameters(model)
+
+
+def test_cli_rejects_bad_sizes(tmp_path):
+    run = subprocess.run([sys.executable, str(TOOL), "--hidden-size", "64", "--num-attention-heads", "4",
+                          "--seq-length", "16", "--micro-batch-sizes", "1,x", "--output", str(tmp_path / "p.json")],
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode == 2
+    assert "--micro-batch-sizes: expected integers like 1,2,4 (got '1,x')" in run.stderr
+
+
+_COUNT_SCRIPT = """
+import importlib.util, sys, torch
+spec = importlib.util.spec_from_file_location("tool", sys.argv[1])
+tool = importlib.util.module_from_spec(spec); spec.loader.exec_module(tool)
+from megatron_het.cluster import ModelSpec
+for swiglu in (False, True):
+    model = ModelSpec(num_layers=1, hidden_size=64, num_attention_heads=8, num_query_groups=2 if swiglu else None,
+                      ffn_hidden_size=96 if swiglu else None, seq_length=16, vocab_size=1, swiglu=swiglu)
+    layers, cleanup = tool._build_megatron(model, 1, torch.float32)
+    print(sum(p.numel() for p in layers[0].parameters()))
+    cleanup()
+"""
+
+
+def test_megatron_core_layer_has_the_analytic_parameter_count():
+    # Separate process: megatron-core needs a process group and patches modules process-wide.
+    run = subprocess.run([sys.executable, "-c", _COUNT_SCRIPT, str(TOOL)], capture_output=True, text=True,
+                         timeout=300, cwd=TOOL.parents[1])
+    assert run.returncode == 0, run.stderr[-2000:]
+    gpt = ModelSpec(num_layers=1, hidden_size=64, num_attention_heads=8, seq_length=16, vocab_size=1)
+    llama = ModelSpec(num_layers=1, hidden_size=64, num_attention_heads=8, num_query_groups=2, ffn_hidden_size=96,
+                      seq_length=16, vocab_size=1, swiglu=True)
+    # GPT: 12h^2 + 13h = 49152 + 832; Llama-style: h*(8+4)*8 + 64*64 + 64*192 + 96*64 + 2*64
+    assert run.stdout.split() == [str(layer_parameters(gpt)), str(layer_parameters(llama))] == ["49984", "28800"]
