@@ -28,3 +28,42 @@ def megatron_block_worker(rank, world_size, model: ModelSpec, train: TrainConfig
     return train_megatron_block(model=model, train=train, shape=shape, batch_fn=batch_fn(model, train.seed),
                                 init_full_state=init_full_state, return_shards=True,
                                 padded_vocab=padded_vocab)
+
+
+def hetero_worker(rank, world_size, model: ModelSpec, plan, train: TrainConfig, init_full_state=None,
+                  padded_vocab=None, cluster=None):
+    from megatron_het.platform import enable_cpu_backend
+    from megatron_het.runtime.hetero_trainer import HeteroTrainer
+
+    enable_cpu_backend()
+    trainer = HeteroTrainer(model=model, plan=plan, train=train, batch_fn=batch_fn(model, train.seed),
+                            cluster=cluster, init_full_state=init_full_state, padded_vocab=padded_vocab)
+    return trainer.run(return_shards=True)
+
+
+def hetero_cases_worker(rank, world_size, model: ModelSpec, cases, train: TrainConfig, init_full_state=None,
+                        padded_vocab=None):
+    """Run several plans one after another in one spawn (each spawn pays megatron's import)."""
+    import time
+
+    import torch.distributed as dist
+
+    from megatron_het.platform import enable_cpu_backend
+    from megatron_het.runtime.hetero_trainer import HeteroTrainer
+    from megatron_het.runtime.megatron_trainer import train_megatron_block
+
+    enable_cpu_backend()
+    out = {}
+    for name, plan in cases:
+        start = time.perf_counter()
+        dist.barrier()
+        if isinstance(plan, BlockShape):
+            res = train_megatron_block(model=model, train=train, shape=plan, batch_fn=batch_fn(model, train.seed),
+                                       init_full_state=init_full_state, return_shards=True,
+                                       padded_vocab=padded_vocab)
+        else:
+            trainer = HeteroTrainer(model=model, plan=plan, train=train, batch_fn=batch_fn(model, train.seed),
+                                    init_full_state=init_full_state, padded_vocab=padded_vocab)
+            res = trainer.run(return_shards=True)
+        out[name] = (res, time.perf_counter() - start)
+    return out

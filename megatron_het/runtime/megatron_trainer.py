@@ -130,7 +130,10 @@ def train_megatron_block(*, model: ModelSpec, train: TrainConfig, shape: BlockSh
             return output, lm_loss_func(loss_mask)
 
         for group in optimizer.param_groups:
-            group["lr"] = train.lr_at(it)
+            # What megatron's OptimizerParamScheduler.step does: the multipliers carry
+            # Megatron-LM's "no weight decay on biases and 1-D parameters" groups.
+            group["lr"] = train.lr_at(it) * group.get("lr_mult", 1.0)
+            group["weight_decay"] = train.weight_decay * group.get("wd_mult", 1.0)
         ddp.zero_grad_buffer()
         optimizer.zero_grad()
         reports = forward_backward(forward_step_func=forward_step, data_iterator=micro, model=[ddp],

@@ -1,0 +1,158 @@
+"""Gradient reduction across replicas of any layouts (and tied embeddings across stages).
+
+Every parameter is a piece of a *full* tensor named by global layer index (see
+``checkpoint/full_state.py``). The ranks that hold a piece of the same full tensor must all end an
+iteration with the sum of every replica's gradient for the piece they hold. Two paths:
+
+* direct: every holder has the same TP size, so the holders with the same TP rank hold the same
+  slice; they all-reduce shard-sized buffers (Megatron's DP all-reduce);
+* reshard: holders differ in TP size (e.g. replica 1 at TP=2 beside replica 2 at TP=4, or a tied
+  word embedding at TP=1 on the first stage and TP=2 on the last); each holder writes its slice into a
+  zero full-size buffer, the holders all-reduce it, and each reads its slice back. A replicated
+  (non-partitioned) parameter is contributed once per stage (by TP rank 0) so it is not counted TP
+  times.
+
+Which parameters go together in one buffer and which ranks reduce it is a pure function of what
+every rank holds (``plan_buckets``), tested without processes; creating the groups is a thin
+collective step (``GradientSynchronizer``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterable, Mapping, Sequence
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True, kw_only=True)
+class Holding:
+    """One rank's piece of one full parameter."""
+
+    name: str  # global name (checkpoint/full_state.py)
+    rank: int
+    stage_key: tuple[int, int]  # (replica, stage): ranks of one stage form one TP group
+    tp_rank: int
+    tp_size: int
+    partition_dim: int | None  # None: replicated across the stage's TP ranks
+    full_shape: tuple[int, ...]
+
+
+@dataclass(frozen=True, kw_only=True)
+class Bucket:
+    """Parameters reduced together over one group of ranks."""
+
+    ranks: tuple[int, ...]  # the group, sorted
+    names: tuple[str, ...]  # parameters in buffer order
+    direct: bool  # True: shard-sized all-reduce among same-TP-rank peers
+
+
+def plan_buckets(holdings: Iterable[Holding]) -> list[Bucket]:
+    """Group parameters by who holds them; deterministic order (every rank computes the same)."""
+    by_name: dict[str, list[Holding]] = {}
+    for h in holdings:
+        by_name.setdefault(h.name, []).append(h)
+    groups: dict[tuple, list[str]] = {}
+    for name in sorted(by_name):
+        hs = by_name[name]
+        stages = {h.stage_key for h in hs}
+        if len(stages) < 2:
+            continue  # held by a single stage: nothing to reduce across replicas
+        tp_sizes = {h.tp_size for h in hs}
+        if len(tp_sizes) == 1:
+            # Direct path: one group per TP rank.
+            for tp_rank in sorted({h.tp_rank for h in hs}):
+                ranks = tuple(sorted(h.rank for h in hs if h.tp_rank == tp_rank))
+                groups.setdefault((ranks, True), []).append(name)
+        else:
+            ranks = tuple(sorted(h.rank for h in hs))
+            groups.setdefault((ranks, False), []).append(name)
+    return [Bucket(ranks=ranks, names=tuple(names), direct=direct)
+            for (ranks, direct), names in sorted(groups.items())]
+
+
+def owned_norm_holdings(holdings: Iterable[Holding]) -> set[tuple[str, int]]:
+    """(name, rank) pairs whose elements count once in the global gradient norm.
+
+    After reduction every holder has the same values, so each full element is counted on one stage
+    only: the stage with the smallest key; within it every TP rank for a partitioned parameter,
+    TP rank 0 for a replicated one.
+    """
+    by_name: dict[str, list[Holding]] = {}
+    for h in holdings:
+        by_name.setdefault(h.name, []).append(h)
+    owned = set()
+    for name, hs in by_name.items():
+        first_stage = min(h.stage_key for h in hs)
+        for h in hs:
+            if h.stage_key == first_stage and (h.partition_dim is not None or h.tp_rank == 0):
+                owned.add((name, h.rank))
+    return owned
+
+
+def _slice(full: torch.Tensor, h: Holding) -> torch.Tensor:
+    if h.partition_dim is None:
+        return full
+    return torch.chunk(full, h.tp_size, dim=h.partition_dim)[h.tp_rank]
+
+
+class GradientSynchronizer:
+    """Creates the reduction groups once (collective over the world) and reduces each step."""
+
+    def __init__(self, local: Sequence[Holding], params: Mapping[str, torch.nn.Parameter], *,
+                 world_group=None) -> None:
+        gathered: list[list[Holding] | None] = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, list(local), group=world_group)
+        self.all_holdings = [h for hs in gathered for h in hs]
+        self.buckets = plan_buckets(self.all_holdings)
+        self.rank = dist.get_rank()
+        self.params = dict(params)
+        self.local = {h.name: h for h in local}
+        self._groups = []
+        for bucket in self.buckets:  # every rank creates every group, in the same order
+            group = dist.new_group(list(bucket.ranks))
+            if self.rank in bucket.ranks:
+                self._groups.append((bucket, group))
+        owned = owned_norm_holdings(self.all_holdings)
+        self.norm_names = [n for n in self.local if (n, self.rank) in owned]
+
+    def reduce(self) -> None:
+        """Sum every parameter's gradient over all its holders (grads must exist)."""
+        for bucket, group in self._groups:
+            grads = [self._grad(n) for n in bucket.names]
+            if bucket.direct:
+                flat = torch.cat([g.reshape(-1) for g in grads])
+            else:
+                pieces = []
+                for name, g in zip(bucket.names, grads):
+                    h = self.local[name]
+                    full = torch.zeros(h.full_shape, dtype=g.dtype)
+                    if h.partition_dim is not None or h.tp_rank == 0:
+                        _slice(full, h).copy_(g)
+                    pieces.append(full.reshape(-1))
+                flat = torch.cat(pieces)
+            dist.all_reduce(flat, group=group)
+            offset = 0
+            for name, g in zip(bucket.names, grads):
+                h = self.local[name]
+                if bucket.direct:
+                    n = g.numel()
+                    g.copy_(flat[offset:offset + n].view_as(g))
+                else:
+                    n = int(torch.Size(h.full_shape).numel())
+                    g.copy_(_slice(flat[offset:offset + n].view(h.full_shape), h))
+                offset += n
+
+    def grad_norm_sq_local(self) -> torch.Tensor:
+        """This rank's share of the squared global gradient norm (sum it over the world)."""
+        total = torch.zeros((), dtype=torch.float64)
+        for name in self.norm_names:
+            total += self._grad(name).double().pow(2).sum()
+        return total
+
+    def _grad(self, name: str) -> torch.Tensor:
+        p = self.params[name]
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+        return p.grad

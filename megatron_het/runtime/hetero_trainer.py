@@ -1,0 +1,269 @@
+"""Train one GPT under a heterogeneous Plan: uneven TP/PP per device type, uneven micro-batches.
+
+One rank = one place in the plan (replica, stage, TP rank). The stage's model is a megatron-core
+GPTModel holding the stage's layers, built with the stage's own process groups. Each iteration the
+rank runs its stage's action list from the plan's schedule (``megatron_het.schedule``, the same
+data the performance model simulates), moving activations/gradients to neighbour stages of any TP
+size (``boundary.py``), then gradients are summed over every holder of each full parameter
+(``grad_sync.py``), clipped by the global norm and applied by AdamW with Megatron's weight-decay
+groups. Each micro-batch's loss is divided by the *global* micro-batch count, so the sum over
+replicas of different sizes is the mean gradient over the whole global batch.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Mapping
+
+import torch
+import torch.distributed as dist
+
+from megatron_het.checkpoint.full_state import Shard, global_name, load_full_state, local_shards, TIED_OUTPUT, WORD_EMBEDDING
+from megatron_het.cluster import ClusterSpec, ModelSpec
+from megatron_het.plan import Plan
+from megatron_het.runtime.boundary import BoundaryLink, Neighbour
+from megatron_het.runtime.gpt_model import StageModelSpec, build_gpt_stage, padded_vocab_size, transformer_config
+from megatron_het.runtime.grad_sync import GradientSynchronizer, Holding
+from megatron_het.runtime.megatron_trainer import IterationLog, RunResult, split_tokens
+from megatron_het.runtime.stage_groups import build_stage_groups
+from megatron_het.runtime.train_config import TrainConfig
+from megatron_het.schedule import build_schedule
+
+logger = logging.getLogger(__name__)
+
+BatchFn = Callable[[int, range], torch.Tensor]
+
+
+def plan_padded_vocab(model: ModelSpec, plan: Plan) -> int:
+    """One padded vocabulary for every stage: a multiple of 128 x every TP size in the plan."""
+    lcm = 1
+    for replica in plan.replicas:
+        for stage in replica.stages:
+            lcm = math.lcm(lcm, stage.tp)
+    return padded_vocab_size(model.vocab_size, lcm)
+
+
+def replica_first_micro_batch(plan: Plan, replica: int) -> int:
+    """Global index of the replica's first micro-batch (replicas take consecutive slices)."""
+    return sum(r.num_micro_batches for r in plan.replicas[:replica])
+
+
+@dataclass
+class StageTimes:
+    """Where one rank's time went in one iteration."""
+
+    compute_s: float = 0.0  # forward + backward compute (including emulated slowdown)
+    emulated_s: float = 0.0  # of which: added waiting to emulate a slower device
+    total_s: float = 0.0  # the whole iteration
+
+    @property
+    def idle_s(self) -> float:
+        return max(0.0, self.total_s - self.compute_s)
+
+
+@dataclass(frozen=True, kw_only=True)
+class HeteroIterationLog(IterationLog):
+    """IterationLog plus this rank's compute/idle split."""
+
+    compute_s: float = 0.0
+    idle_s: float = 0.0
+    tokens_per_s: float = 0.0
+
+
+class HeteroTrainer:
+    """Builds this rank's stage from a plan and trains it. Call the constructor on every rank."""
+
+    def __init__(self, *, model: ModelSpec, plan: Plan, train: TrainConfig, batch_fn: BatchFn,
+                 cluster: ClusterSpec | None = None, init_full_state: Mapping[str, torch.Tensor] | None = None,
+                 padded_vocab: int | None = None, slowdown: float | None = None) -> None:
+        from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+        if plan.sequence_parallel:
+            raise ValueError("plan.sequence_parallel: the heterogeneous runtime does not support sequence "
+                             "parallelism yet (got true). Fix: set \"sequence_parallel\": false")
+        if plan.micro_batch_size != train.micro_batch_size or plan.global_batch_size != train.global_batch_size:
+            raise ValueError(
+                f"batch sizes: the plan has micro {plan.micro_batch_size} / global {plan.global_batch_size}, the "
+                f"training arguments micro {train.micro_batch_size} / global {train.global_batch_size}. "
+                f"Fix: pass the plan's sizes (or re-plan for yours)")
+        self.model_spec, self.plan, self.train, self.batch_fn = model, plan, train, batch_fn
+        self.pgc, self.role = build_stage_groups(plan)
+        role = self.role
+        self.replica = plan.replicas[role.replica]
+        self.stage_plan = self.replica.stages[role.stage]
+        self.is_first, self.is_last = role.is_first_stage, role.is_last_stage
+        self.slowdown = slowdown if slowdown is not None else (
+            cluster.slowdown(role.island) if cluster is not None and cluster.emulated else 1.0)
+
+        torch.manual_seed(train.seed + role.layers[0])
+        model_parallel_cuda_manual_seed(train.seed + role.layers[0], tp_rank=role.tp_rank, ep_rank=0, etp_rank=0,
+                                        force_reset_rng=True)
+        self.stage = StageModelSpec(model=model, num_layers=role.layers[1] - role.layers[0],
+                                    layer_offset=role.layers[0], tp=role.tp_size, pre_process=self.is_first,
+                                    post_process=self.is_last, vocab_size=padded_vocab or plan_padded_vocab(model, plan),
+                                    recompute=self.stage_plan.recompute)
+        self.config = transformer_config(self.stage)
+        self.gpt = build_gpt_stage(self.stage, self.config, self.pgc)
+        self.tied = not model.untie_embeddings_and_output_weights
+        if init_full_state is not None:
+            load_full_state(self.gpt, init_full_state, layer_offset=role.layers[0], tp_rank=role.tp_rank,
+                            tp_size=role.tp_size, tied=self.tied)
+
+        stages = self.replica.stages
+        prev = Neighbour(ranks=tuple(stages[role.stage - 1].ranks)) if role.stage > 0 else None
+        nxt = Neighbour(ranks=tuple(stages[role.stage + 1].ranks)) if role.stage + 1 < len(stages) else None
+        self.link = BoundaryLink(tp_rank=role.tp_rank, tp=role.tp_size, prev=prev, next=nxt)
+        self.schedule = build_schedule(plan.schedule, len(stages), self.replica.num_micro_batches,
+                                       plan.virtual_pipeline_size)
+        self.actions = self.schedule.actions[role.stage]
+        self.total_micro_batches = sum(r.num_micro_batches for r in plan.replicas)
+
+        self.params = self._named_global_params()
+        self.sync = GradientSynchronizer(self._holdings(), self.params)
+        decay = [p for n, p in self.params.items() if not (p.dim() == 1 or n.endswith(".bias"))]
+        no_decay = [p for n, p in self.params.items() if p.dim() == 1 or n.endswith(".bias")]
+        self.optimizer = torch.optim.AdamW(
+            [{"params": decay, "weight_decay": train.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+            lr=train.lr, betas=(train.adam_beta1, train.adam_beta2), eps=train.adam_eps)
+        self.iteration = 0
+        if self.slowdown != 1.0 and dist.get_rank() == role.rank:
+            logger.info("rank %d (%s): EMULATED device speed, compute slowed %.2fx", role.rank, role.island,
+                        self.slowdown)
+
+    # ---- parameters -------------------------------------------------------------------------
+    def _named_global_params(self) -> dict[str, torch.nn.Parameter]:
+        out = {}
+        for name, p in self.gpt.named_parameters():
+            g = global_name(name, self.role.layers[0])
+            if self.tied and g == TIED_OUTPUT:
+                g = WORD_EMBEDDING  # the last stage's copy of the tied word embedding
+            out[g] = p
+        return out
+
+    def _holdings(self) -> list[Holding]:
+        role = self.role
+        hs = []
+        for name, p in self.params.items():
+            dim = int(p.partition_dim) if getattr(p, "tensor_model_parallel", False) else None
+            full = list(p.shape)
+            if dim is not None:
+                full[dim] *= role.tp_size
+            hs.append(Holding(name=name, rank=role.rank, stage_key=(role.replica, role.stage), tp_rank=role.tp_rank,
+                              tp_size=role.tp_size, partition_dim=dim, full_shape=tuple(full)))
+        return hs
+
+    # ---- one iteration ----------------------------------------------------------------------
+    def _micro_tokens(self, iteration: int, micro_batch: int) -> torch.Tensor:
+        mbs = self.train.micro_batch_size
+        first = (replica_first_micro_batch(self.plan, self.role.replica) + micro_batch) * mbs
+        return self.batch_fn(iteration, range(first, first + mbs))
+
+    def _timed(self, times: StageTimes, fn):
+        start = time.perf_counter()
+        out = fn()
+        dt = time.perf_counter() - start
+        if self.slowdown > 1.0:  # emulate a slower device: wait the extra time it would take
+            extra = (self.slowdown - 1.0) * dt
+            time.sleep(extra)
+            times.emulated_s += extra
+            dt += extra
+        times.compute_s += dt
+        return out
+
+    def train_step(self) -> HeteroIterationLog:
+        it = self.iteration
+        start = time.perf_counter()
+        times = StageTimes()
+        for group in self.optimizer.param_groups:
+            group["lr"] = self.train.lr_at(it)
+        self.optimizer.zero_grad(set_to_none=False)
+        for p in self.params.values():
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        mbs, seq, h = self.train.micro_batch_size, self.model_spec.seq_length, self.model_spec.hidden_size
+        act_shape = (seq, mbs, h)
+        saved: dict[int, tuple[torch.Tensor | None, torch.Tensor]] = {}
+        loss_sum = torch.zeros((), dtype=torch.float64)
+        for action in self.actions:
+            m = action.micro_batch
+            if action.kind == "F":
+                tokens = self._micro_tokens(it, m) if (self.is_first or self.is_last) else None
+                inp = None
+                if not self.is_first:
+                    inp = self.link.recv_forward(act_shape, self.config.params_dtype, m).requires_grad_()
+                out = self._timed(times, lambda: self._forward(tokens, inp))
+                if self.is_last:
+                    loss_sum += float(out.detach()) * self.total_micro_batches
+                else:
+                    self.link.send_forward(out.detach(), m)
+                saved[m] = (inp, out)
+            elif action.kind in ("B", "BW"):
+                inp, out = saved.pop(m)
+                grad = None if self.is_last else self.link.recv_backward(act_shape, out.dtype, m)
+                self._timed(times, lambda: torch.autograd.backward(out, grad_tensors=grad))
+                if not self.is_first:
+                    self.link.send_backward(inp.grad, m)
+            elif action.kind == "W":
+                continue  # fused into B here: torch autograd computes both gradients together
+            else:
+                raise ValueError(f"unknown schedule action {action}")
+        self.link.drain()
+        self.sync.reduce()
+        grad_norm = self._clip()
+        self.optimizer.step()
+        # Global mean loss: last stages hold their replicas' per-micro-batch mean sums.
+        report = torch.tensor([loss_sum.item() if (self.is_last and self.role.tp_rank == 0) else 0.0])
+        dist.all_reduce(report)
+        times.total_s = time.perf_counter() - start
+        self.iteration += 1
+        tokens = self.train.global_batch_size * self.model_spec.seq_length
+        return HeteroIterationLog(iteration=self.iteration, lm_loss=float(report) / self.total_micro_batches,
+                                  grad_norm=grad_norm, elapsed_s=times.total_s, compute_s=times.compute_s,
+                                  idle_s=times.idle_s, tokens_per_s=tokens / times.total_s)
+
+    def _forward(self, tokens: torch.Tensor | None, inp: torch.Tensor | None) -> torch.Tensor:
+        if inp is not None:
+            self.gpt.set_input_tensor(inp)
+        inputs = labels = position_ids = None
+        if tokens is not None:
+            inputs, labels, position_ids, _ = split_tokens(tokens)
+        if position_ids is None:
+            mbs, seq = self.train.micro_batch_size, self.model_spec.seq_length
+            position_ids = torch.arange(seq).unsqueeze(0).expand(mbs, seq)
+        out = self.gpt(inputs if self.is_first else None, position_ids, None,
+                       labels=labels if self.is_last else None)
+        if self.is_last:
+            # out: per-token losses [b, s]; this micro-batch's share of the global-batch mean.
+            return out.float().mean() / self.total_micro_batches
+        return out
+
+    def _clip(self) -> float:
+        sq = self.sync.grad_norm_sq_local()
+        dist.all_reduce(sq)
+        norm = math.sqrt(float(sq))
+        if self.train.clip_grad > 0:
+            coeff = self.train.clip_grad / (norm + 1e-6)
+            if coeff < 1.0:
+                for p in self.params.values():
+                    p.grad.mul_(coeff)
+        return norm
+
+    # ---- whole runs -------------------------------------------------------------------------
+    def shards(self) -> dict[str, Shard]:
+        return local_shards(self.gpt, layer_offset=self.role.layers[0], tp_rank=self.role.tp_rank,
+                            tp_size=self.role.tp_size, tied=self.tied)
+
+    def run(self, iterations: int | None = None, *, return_shards: bool = False,
+            on_iteration: Callable[[HeteroIterationLog], None] | None = None) -> RunResult:
+        initial = self.shards() if return_shards else None
+        logs = []
+        for _ in range(iterations if iterations is not None else self.train.train_iters):
+            log = self.train_step()
+            logs.append(log)
+            if on_iteration is not None:
+                on_iteration(log)
+        return RunResult(rank=self.role.rank, iterations=tuple(logs), initial_shards=initial,
+                         shards=self.shards() if return_shards else None)

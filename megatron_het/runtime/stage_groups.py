@@ -1,0 +1,55 @@
+"""Process groups for every stage of a plan, built explicitly (no ``parallel_state``).
+
+Each stage is one homogeneous block: its TP group is a ``HyperCommGrid`` of shape [tp,1,1,1,1]
+at ``rank_offset`` = the stage's first rank, so stages of different TP sizes and islands sit side by
+side in one world. Pipeline, data-parallel and embedding groups of megatron's collection are
+size-1 here: the heterogeneous runtime moves activations itself (``boundary.py``) and reduces
+gradients itself (``grad_sync.py``), because neither fits megatron's uniform grid.
+"""
+
+from __future__ import annotations
+
+import torch.distributed as dist
+
+from megatron_het.plan import Plan, rank_roles
+from megatron_het.runtime.groups import GRID_DIMS, ensure_global_memory_buffer
+
+
+def check_contiguous_stages(plan: Plan) -> None:
+    """A stage's ranks must be consecutive and ascending (one HyperCommGrid block)."""
+    for r, replica in enumerate(plan.replicas):
+        for s, stage in enumerate(replica.stages):
+            expected = tuple(range(stage.ranks[0], stage.ranks[0] + len(stage.ranks)))
+            if tuple(stage.ranks) != expected:
+                raise ValueError(
+                    f"replicas[{r}].stages[{s}].ranks: the runtime needs consecutive ascending ranks per "
+                    f"stage (got {list(stage.ranks)}). Fix: use {list(expected)}-style ranges; "
+                    f"tools/plan.py writes plans this way")
+
+
+def build_stage_groups(plan: Plan):
+    """Create every stage's groups (collective over the world); return this rank's collection."""
+    from megatron.core.hyper_comm_grid import HyperCommGrid
+    from megatron.core.process_groups_config import ProcessGroupCollection
+
+    check_contiguous_stages(plan)
+    rank = dist.get_rank()
+    mine = None
+    for replica in plan.replicas:
+        for stage in replica.stages:
+            grid = HyperCommGrid([stage.tp, 1, 1, 1, 1], list(GRID_DIMS), rank_offset=stage.ranks[0])
+            pgs = {name: grid.create_pg(dims) for name, dims in (
+                ("tp", "tp"), ("pp", "pp"), ("dp", "dp"), ("cp", "cp"), ("ep", "ep"),
+                ("mp", ["tp", "pp"]), ("tp_cp", ["tp", "cp"]), ("dp_cp", ["cp", "dp"]),
+                ("tp_dp_cp", ["tp", "cp", "dp"]))}
+            if rank in stage.ranks:
+                mine = pgs
+    if mine is None:
+        raise ValueError(f"rank {rank} is not in the plan (world size {dist.get_world_size()}, plan uses "
+                         f"{plan.world_size} ranks). Fix: launch exactly {plan.world_size} processes")
+    pgc = ProcessGroupCollection(**mine)
+    pgc.embd = mine["pp"]  # size 1: tied embeddings are synchronised by grad_sync, not megatron
+    pgc.pos_embd = mine["pp"]
+    pgc.expt_dp, pgc.expt_tp, pgc.tp_ep_pp = mine["dp"], mine["tp"], mine["mp"]
+    ensure_global_memory_buffer()
+    return pgc, rank_roles(plan)[rank]
