@@ -148,8 +148,6 @@ DEVICE_REDIRECTS: tuple[DeviceRedirect, ...] = (
                    upstream="distributed/param_and_grad_buffer.py:632-814 cuda streams; 1145-1186 buffers"),
     DeviceRedirect(module="megatron.core.distributed.distributed_data_parallel",
                    upstream="distributed/distributed_data_parallel.py:297 torch.cuda.Stream; 649,672 synchronize"),
-    DeviceRedirect(module="megatron.core.distributed.finalize_model_grads",
-                   upstream="distributed/finalize_model_grads.py num_tokens/grad-norm buffers"),
     DeviceRedirect(module="megatron.core.optimizer.optimizer",
                    upstream="optimizer/optimizer.py:315,690-702,1249 device='cuda'; 1492 current_device()"),
     DeviceRedirect(module="megatron.core.optimizer.clip_grads",
@@ -159,13 +157,9 @@ DEVICE_REDIRECTS: tuple[DeviceRedirect, ...] = (
     DeviceRedirect(module="megatron.core.tensor_parallel.layers",
                    upstream="tensor_parallel/layers.py:305,647,708,718,1000,1041 current_device()"),
     DeviceRedirect(module="megatron.core.tensor_parallel.mappings",
-                   upstream="tensor_parallel/mappings.py all-gather/reduce-scatter buffers current_device()"),
-    DeviceRedirect(module="megatron.core.tensor_parallel.cross_entropy",
-                   upstream="tensor_parallel/cross_entropy.py buffers"),
+                   upstream="tensor_parallel/mappings.py:95,145,152,185,447 gather buffers current_device()"),
     DeviceRedirect(module="megatron.core.pipeline_parallel.bridge_communicator",
-                   upstream="pipeline_parallel/bridge_communicator.py current_device() buffers"),
-    DeviceRedirect(module="megatron.core.models.common.language_module.language_module",
-                   upstream="models/common/language_module/language_module.py loss/embedding buffers"),
+                   upstream="pipeline_parallel/bridge_communicator.py:420-597 receive buffers current_device()"),
 )
 
 
