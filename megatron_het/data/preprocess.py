@@ -1,0 +1,125 @@
+"""JSONL -> megatron-core indexed dataset (.bin/.idx), as Megatron-LM's tools/preprocess_data.py.
+
+One document per JSONL line and per json key, one sequence per document (no sentence splitting);
+with ``append_eod`` the tokenizer's eod id ends every document so GPTDataset samples that span two
+documents keep the boundary. Output prefix per key: ``{output_prefix}_{key}_document``.
+Writing goes through megatron-core's ``IndexedDatasetBuilder``, so the files are exactly what
+``GPTDataset`` reads.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from multiprocessing import get_context
+from pathlib import Path
+
+from megatron_het.data.jsonl import DataInputError, read_jsonl_texts, require_file
+from megatron_het.data.tokenizer import check_tokenizer_type, load_tokenizer
+
+# Documents per worker task: large enough to amortise loading the tokenizer in each task.
+CHUNK_DOCUMENTS = 64
+
+
+@dataclass(frozen=True, kw_only=True)
+class PreprocessConfig:
+    """Megatron-LM preprocess_data.py arguments (same names, Python types)."""
+
+    input: Path  # JSONL file
+    json_keys: tuple[str, ...] = ("text",)  # each key becomes its own dataset
+    output_prefix: str  # files are {output_prefix}_{key}_document.bin/.idx
+    tokenizer_type: str = "SentencePieceTokenizer"  # only SentencePiece models are supported
+    tokenizer_model: Path  # SentencePiece .model file
+    append_eod: bool = False  # end every document with the eod token
+    workers: int = 1  # processes that tokenize; 1 tokenizes in this process
+
+    def __post_init__(self) -> None:
+        if not self.json_keys:
+            raise ValueError("json_keys: got an empty list. Fix: pass --json-keys text (or your key).")
+        if len(set(self.json_keys)) != len(self.json_keys):
+            raise ValueError(f"json_keys: got {list(self.json_keys)} with repeats. Fix: list each key once.")
+        if self.workers < 1:
+            raise ValueError(f"workers: got {self.workers}, the minimum is 1. Fix: pass --workers 1 or more.")
+        if not self.output_prefix:
+            raise ValueError("output_prefix: got ''. Fix: pass --output-prefix PATH/NAME.")
+        check_tokenizer_type(self.tokenizer_type)
+
+
+@dataclass(frozen=True, kw_only=True)
+class PreprocessReport:
+    """What was written."""
+
+    prefixes: Mapping[str, str]  # json key -> dataset prefix (pass as --data-path)
+    documents: int  # documents written per key
+    tokens: Mapping[str, int]  # json key -> tokens written (eod included)
+    skipped_empty: int  # lines whose text tokenized to nothing and carried no eod (not written)
+
+
+def dataset_prefix(output_prefix: str, key: str) -> str:
+    """Megatron-LM's naming: ``{output_prefix}_{key}_document``."""
+    return f"{output_prefix}_{key}_document"
+
+
+def encode_chunk(task: tuple[str, str, tuple[str, ...], bool, list[dict[str, str]]]) -> list[dict[str, list[int]]]:
+    """Token ids per key for a chunk of documents (a top-level function so worker processes can run it)."""
+    model_path, tokenizer_type, keys, append_eod, records = task
+    tokenizer = load_tokenizer(model_path, tokenizer_type=tokenizer_type)
+    out = []
+    for record in records:
+        ids = {}
+        for key in keys:
+            tokens = list(tokenizer.tokenize(record[key]))
+            if append_eod:
+                tokens.append(tokenizer.eod)
+            ids[key] = tokens
+        out.append(ids)
+    return out
+
+
+def _chunks(config: PreprocessConfig) -> Iterator[tuple[str, str, tuple[str, ...], bool, list[dict[str, str]]]]:
+    records = (texts for _, texts in read_jsonl_texts(config.input, config.json_keys))
+    while chunk := list(itertools.islice(records, CHUNK_DOCUMENTS)):
+        yield (str(config.tokenizer_model), config.tokenizer_type, config.json_keys, config.append_eod, chunk)
+
+
+def preprocess(config: PreprocessConfig) -> PreprocessReport:
+    """Tokenize ``config.input`` and write one .bin/.idx pair per json key."""
+    require_file(config.input, field="input", fix="pass --input with an existing JSONL file.")
+    tokenizer = load_tokenizer(config.tokenizer_model, tokenizer_type=config.tokenizer_type)
+    import numpy
+    from megatron.core.datasets.indexed_dataset import DType, IndexedDatasetBuilder
+
+    dtype = DType.optimal_dtype(tokenizer.vocab_size)  # uint16 below 65500 pieces, as Megatron-LM
+    prefixes = {key: dataset_prefix(config.output_prefix, key) for key in config.json_keys}
+    Path(config.output_prefix).parent.mkdir(parents=True, exist_ok=True)
+    builders = {key: IndexedDatasetBuilder(prefix + ".bin", dtype=dtype) for key, prefix in prefixes.items()}
+    tokens = dict.fromkeys(config.json_keys, 0)
+    documents = skipped = 0
+    pool = get_context("fork").Pool(config.workers) if config.workers > 1 else None
+    try:
+        encoded = pool.imap(encode_chunk, _chunks(config)) if pool else map(encode_chunk, _chunks(config))
+        for chunk in encoded:
+            for ids in chunk:
+                if not all(ids.values()):  # an empty sequence would give GPTDataset a zero-length document
+                    skipped += 1
+                    continue
+                for key, seq in ids.items():
+                    builders[key].add_document(numpy.asarray(seq, dtype=numpy.int64), [len(seq)])
+                    tokens[key] += len(seq)
+                documents += 1
+        if documents == 0:
+            raise DataInputError(f"input: {str(config.input)!r} produced no non-empty documents ({skipped} empty). "
+                                 f"Fix: pass a JSONL file with text under {list(config.json_keys)}.")
+    except BaseException:
+        for key, builder in builders.items():  # leave no half-written .bin behind
+            builder.data_file.close()
+            Path(prefixes[key] + ".bin").unlink(missing_ok=True)
+        raise
+    finally:
+        if pool:
+            pool.close()
+            pool.join()
+    for key, builder in builders.items():
+        builder.finalize(prefixes[key] + ".idx")
+    return PreprocessReport(prefixes=prefixes, documents=documents, tokens=tokens, skipped_empty=skipped)

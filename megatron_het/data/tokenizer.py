@@ -1,0 +1,132 @@
+"""Train a small SentencePiece model and load it through megatron-core's tokenizer interface.
+
+Choices (why):
+- BPE, not unigram: deterministic for a given corpus and fast to train (well under a second for
+  the shipped 1 MB corpus at vocab 512).
+- ``identity`` normalization, extra whitespace kept, ``byte_fallback``: every UTF-8 string
+  (newlines, indentation, rare characters) encodes and decodes back to itself, so a preprocessed
+  corpus can be checked document by document.
+- Fixed special ids unk=0, bos=1, eos=2, pad=3: eos is the end-of-document (eod) token that
+  ``--append-eod`` writes; pad is distinct from eod so megatron-core's GPTDataset never mistakes
+  real text for padding.
+"""
+
+from __future__ import annotations
+
+import io
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from megatron_het.data.jsonl import DataInputError, read_jsonl_texts, require_file
+
+if TYPE_CHECKING:
+    from megatron.core.tokenizers import MegatronTokenizerBase
+
+# Megatron-LM's --tokenizer-type values that mean "a SentencePiece model file".
+SENTENCEPIECE_TYPES = ("SentencePieceTokenizer", "GPTSentencePieceTokenizer")
+MODEL_TYPES = ("bpe", "unigram")
+UNK_ID, BOS_ID, EOS_ID, PAD_ID = 0, 1, 2, 3
+# 256 byte-fallback pieces + 4 special pieces + at least one learned piece.
+MIN_VOCAB_SIZE = 261
+# Above this the .bin token dtype switches from uint16 to int32; tiny corpora cannot fill it anyway.
+MAX_VOCAB_SIZE = 65_500
+
+
+@dataclass(frozen=True, kw_only=True)
+class TokenizerTrainConfig:
+    """What to train the SentencePiece model on and where to write it."""
+
+    input: Path  # JSONL corpus, one object per line
+    json_key: str = "text"  # key of the document text in each line
+    vocab_size: int = 512  # number of pieces, including 256 byte pieces and 4 special ones
+    output_prefix: Path  # writes {output_prefix}.model and {output_prefix}.vocab
+    model_type: str = "bpe"  # "bpe" (default, deterministic) or "unigram"
+    character_coverage: float = 0.9995  # share of characters given own pieces; the rest fall back to bytes
+
+    def __post_init__(self) -> None:
+        if not MIN_VOCAB_SIZE <= self.vocab_size <= MAX_VOCAB_SIZE:
+            raise ValueError(f"vocab_size: got {self.vocab_size}, allowed {MIN_VOCAB_SIZE}..{MAX_VOCAB_SIZE} "
+                             f"(256 byte pieces + 4 special pieces need at least {MIN_VOCAB_SIZE}). "
+                             "Fix: pass --vocab-size in that range, e.g. 512.")
+        if self.model_type not in MODEL_TYPES:
+            raise ValueError(f"model_type: got {self.model_type!r}, expected one of {MODEL_TYPES}. "
+                             "Fix: pass --model-type bpe or --model-type unigram.")
+        if not 0.9 <= self.character_coverage <= 1.0:
+            raise ValueError(f"character_coverage: got {self.character_coverage}, allowed 0.9..1.0. "
+                             "Fix: pass a value such as 0.9995 (rare characters fall back to bytes).")
+
+
+@dataclass(frozen=True, kw_only=True)
+class TokenizerTrainReport:
+    """What training produced."""
+
+    model_path: Path  # the SentencePiece model (pass as --tokenizer-model)
+    vocab_path: Path  # human-readable piece list with scores
+    vocab_size: int  # pieces in the trained model
+    num_documents: int  # documents read from the corpus
+
+
+def train_tokenizer(config: TokenizerTrainConfig) -> TokenizerTrainReport:
+    """Train a SentencePiece model on the documents of ``config.input``; deterministic for BPE."""
+    import sentencepiece as spm
+
+    texts = [t[config.json_key] for _, t in read_jsonl_texts(config.input, (config.json_key,))]
+    if not texts:
+        raise DataInputError(f"input: {str(config.input)!r} holds no documents. "
+                             "Fix: pass a JSONL file with at least one non-empty line.")
+    longest = max(len(t.encode("utf-8")) for t in texts)
+    model = io.BytesIO()
+    try:
+        spm.SentencePieceTrainer.train(
+            sentence_iterator=iter(texts), model_writer=model, vocab_size=config.vocab_size,
+            model_type=config.model_type, character_coverage=config.character_coverage,
+            normalization_rule_name="identity", remove_extra_whitespaces=False,
+            allow_whitespace_only_pieces=True, byte_fallback=True, split_digits=True,
+            unk_id=UNK_ID, bos_id=BOS_ID, eos_id=EOS_ID, pad_id=PAD_ID,
+            max_sentence_length=max(longest, 4192),  # default 4192 would silently drop long documents
+            num_threads=1, minloglevel=2)
+    except RuntimeError as err:  # e.g. "Vocabulary size too high" on a small corpus
+        raise ValueError(f"vocab_size: SentencePiece could not train {config.vocab_size} pieces on "
+                         f"{len(texts)} documents ({err}). Fix: change --vocab-size as that message says "
+                         "(it needs room for 260 fixed pieces plus the corpus's characters, and cannot "
+                         "learn more pieces than the corpus holds).") from None
+    prefix = Path(config.output_prefix)
+    prefix.parent.mkdir(parents=True, exist_ok=True)
+    model_path = prefix.with_name(prefix.name + ".model")
+    vocab_path = prefix.with_name(prefix.name + ".vocab")
+    model_path.write_bytes(model.getvalue())
+    processor = spm.SentencePieceProcessor(model_proto=model.getvalue())
+    vocab_path.write_text("".join(f"{_escape(processor.id_to_piece(i))}\t{processor.get_score(i):g}\n"
+                                  for i in range(processor.get_piece_size())), encoding="utf-8")
+    return TokenizerTrainReport(model_path=model_path, vocab_path=vocab_path,
+                                vocab_size=processor.get_piece_size(), num_documents=len(texts))
+
+
+def _escape(piece: str) -> str:
+    """Keep one piece per line in the .vocab listing (pieces may hold newlines or tabs)."""
+    return piece.replace("\\", "\\\\").replace("\n", "\\n").replace("\t", "\\t")
+
+
+def check_tokenizer_type(tokenizer_type: str) -> str:
+    """Validate a Megatron-LM ``--tokenizer-type`` value; only SentencePiece models are supported here."""
+    if tokenizer_type not in SENTENCEPIECE_TYPES:
+        raise DataInputError(f"tokenizer_type: got {tokenizer_type!r}, supported {SENTENCEPIECE_TYPES}. "
+                             "Fix: pass --tokenizer-type SentencePieceTokenizer with a .model file "
+                             "(train one with tools/train_tokenizer.py).")
+    return tokenizer_type
+
+
+def load_tokenizer(model_path: Path | str, *, tokenizer_type: str = "SentencePieceTokenizer") -> MegatronTokenizerBase:
+    """megatron-core's GPT tokenizer over a SentencePiece model: ``tokenize``, ``detokenize``,
+    ``eod``, ``pad``, ``vocab_size`` and ``unique_identifiers``, as ``GPTDatasetConfig`` needs."""
+    check_tokenizer_type(tokenizer_type)
+    path = require_file(Path(model_path), field="tokenizer_model",
+                        fix="pass --tokenizer-model with an existing SentencePiece .model file "
+                            "(train one with tools/train_tokenizer.py).")
+    import megatron_het.platform  # noqa: F401  (triton import guard before megatron.core)
+    from megatron.core.tokenizers import MegatronTokenizer
+
+    # metadata as a dict: no tokenizer_metadata.json is written next to the model file.
+    return MegatronTokenizer.from_pretrained(tokenizer_path=str(path.resolve()),
+                                             metadata_path={"library": "sentencepiece", "model_type": "gpt"})
