@@ -101,3 +101,19 @@ __all__ = [
     "PROFILE_FORMAT", "PROFILE_VERSION", "Profile", "ProfileEntry", "load_profile", "lookup",
     "profile_from_dict", "profile_to_dict", "save_profile",
 ]
+
+from megatron_het.perf.predict import (  # noqa: E402
+    OPTIMIZER_STEP_BYTES,
+    Prediction,
+    ReplicaPrediction,
+    StageCost,
+    StagePrediction,
+    predict,
+    profile_for,
+    stage_cost,
+)
+
+__all__ += [
+    "OPTIMIZER_STEP_BYTES", "Prediction", "ReplicaPrediction", "StageCost", "StagePrediction", "predict",
+    "profile_for", "stage_cost",
+]

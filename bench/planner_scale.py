@@ -1,0 +1,72 @@
+#!/usr/bin/env python
+"""Planning time vs cluster size: 64, 1,024, 4,096 and 16,384 GPUs of three device types.
+
+    python bench/planner_scale.py
+
+Targets: <= 10 s at 1,024 GPUs and <= 60 s at 16,384 (one core; the planner is single-threaded).
+Writes bench/results/planner_scale.json.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import platform
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from megatron_het.cluster import CATALOG, ClusterSpec, IslandSpec, LinkSpec, load_model  # noqa: E402
+from megatron_het.planner import describe_plan, plan_cluster  # noqa: E402
+
+TYPES = ("A100-80GB", "H100-SXM", "MI250X")
+SIZES = (64, 1024, 4096, 16384)
+
+
+def machine() -> dict:
+    return {"cpu_count": os.cpu_count(), "python": platform.python_version(), "platform": platform.platform()}
+
+
+def cluster_of(gpus: int) -> ClusterSpec:
+    nodes = gpus // 8
+    split = [nodes // 3, nodes // 3, nodes - 2 * (nodes // 3)]
+    islands = tuple(IslandSpec(name=f"{t.lower()}-pod", device=CATALOG[t], nodes=n, gpus_per_node=8,
+                               inter_node_bandwidth_gbps=200.0) for t, n in zip(TYPES, split))
+    links = tuple(LinkSpec(between=(a.name, b.name), bandwidth_gbps=100.0)
+                  for i, a in enumerate(islands) for b in islands[i + 1:])
+    return ClusterSpec(islands=islands, links=links)
+
+
+def main() -> int:
+    model = load_model(ROOT / "examples/models/llama2-70b.yaml")
+    figures = []
+    print(f"{'GPUs':>6} {'islands':>7} {'gbs':>5} {'plan_s':>8} {'tokens/s':>10} {'GPUs used':>9}  best")
+    for gpus in SIZES:
+        cluster = cluster_of(gpus)
+        gbs = max(1024, gpus // 4)
+        start = time.perf_counter()
+        result = plan_cluster(model, cluster, global_batch_size=gbs)
+        elapsed = time.perf_counter() - start
+        pred = result.candidates[0][1]
+        desc = describe_plan(result.best).replace("\n", "; ")
+        figures.append({"gpus": gpus, "device_types": list(TYPES), "global_batch_size": gbs,
+                        "planning_time_s": round(elapsed, 3), "tokens_per_s": pred.tokens_per_s,
+                        "gpus_used": pred.num_gpus, "best": desc})
+        print(f"{gpus:>6} {len(cluster.islands):>7} {gbs:>5} {elapsed:>8.2f} {pred.tokens_per_s:>10.4g} "
+              f"{pred.num_gpus:>9}  {desc[:90]}")
+    out = {"figures": figures,
+           "targets": {"planning_time_s_at_1024": 10.0, "planning_time_s_at_16384": 60.0,
+                       "met": {"1024": figures[1]["planning_time_s"] <= 10.0,
+                               "16384": figures[3]["planning_time_s"] <= 60.0}},
+           "command": "python bench/planner_scale.py", "machine": machine(),
+           "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
+    (ROOT / "bench/results/planner_scale.json").write_text(json.dumps(out, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

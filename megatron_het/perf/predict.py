@@ -1,0 +1,325 @@
+"""Predict one training iteration of a plan: per-stage compute and memory, pipeline simulation,
+data-parallel gradient reduction and the optimizer step.
+
+Assumptions (docs/planner.md, "Prediction"):
+- A stage's time per micro-batch is ``num_layers x layer_times`` (+ the embedding on the first
+  stage, the output layer and loss on the last) plus the tensor-parallel traffic, which is exposed
+  (Megatron runs it on the critical path) unless ``tp_comm_overlap`` is set, in which case it
+  hides behind the layer's compute and only the excess is exposed. Everything is multiplied by
+  the island's emulation slowdown (1.0 on a real cluster).
+- Each replica's pipeline is simulated with its own micro-batch count by
+  :func:`megatron_het.schedule.simulate`; zero-bubble B and W each take half of the backward.
+- Gradients (fp32, 4 bytes per parameter) are reduced after the last replica finishes its
+  pipeline, without overlap (Megatron's default). Replicas may have different layouts; a stage's
+  peers are, in every replica, the stage holding the same first layer, and the reduction moves
+  this stage's per-rank gradient bytes over :func:`dp_gradient_reduction` across those peers'
+  islands. With the distributed optimizer the reduce-scatter + all-gather pair costs the same as
+  the all-reduce in a ring, so the same time is used.
+- The optimizer step is memory-bound: ``OPTIMIZER_STEP_BYTES`` per parameter (sharded over the
+  replicas with the distributed optimizer) at the device's memory bandwidth.
+- iteration time = max over replicas of the pipeline time + the slowest stage's gradient
+  reduction + the slowest stage's optimizer step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from megatron_het.cluster import ClusterSpec, IslandSpec, ModelSpec
+from megatron_het.perf.comm import activation_message_bytes, dp_gradient_reduction, p2p_time, tp_layer_comm_times
+from megatron_het.perf.compute import embedding_times, layer_times, logits_times
+from megatron_het.perf.flops import model_flops_per_iteration, stage_parameters
+from megatron_het.perf.memory import (
+    GRAD_BYTES,
+    StageMemory,
+    device_capacity_bytes,
+    microbatches_in_flight,
+    stage_memory,
+)
+from megatron_het.perf.profile import Profile
+from megatron_het.plan.types import Plan, ReplicaPlan, StagePlan
+from megatron_het.schedule import Action, build_schedule, simulate
+
+__all__ = [
+    "OPTIMIZER_STEP_BYTES",
+    "StageCost",
+    "StagePrediction",
+    "ReplicaPrediction",
+    "Prediction",
+    "stage_cost",
+    "profile_for",
+    "predict",
+]
+
+# Adam step per parameter: read fp32 master, grad, exp_avg, exp_avg_sq (16), write master and the
+# two moments (12) and the bf16 weight (2).
+OPTIMIZER_STEP_BYTES = 30
+_GIB = 2**30
+
+
+@dataclass(frozen=True, kw_only=True)
+class StageCost:
+    """Seconds per micro-batch on one rank of a stage, split so any layer count can be priced."""
+
+    layer_forward_s: float  # one transformer layer's forward incl. exposed TP traffic and slowdown
+    layer_backward_s: float  # its backward (with recomputation when on)
+    embedding_forward_s: float  # first stage only
+    embedding_backward_s: float  # first stage only
+    output_forward_s: float  # last stage only: logits GEMM + cross entropy
+    output_backward_s: float  # last stage only
+
+    def forward_s(self, num_layers: int, *, is_first: bool, is_last: bool) -> float:
+        return (num_layers * self.layer_forward_s + (self.embedding_forward_s if is_first else 0.0)
+                + (self.output_forward_s if is_last else 0.0))
+
+    def backward_s(self, num_layers: int, *, is_first: bool, is_last: bool) -> float:
+        return (num_layers * self.layer_backward_s + (self.embedding_backward_s if is_first else 0.0)
+                + (self.output_backward_s if is_last else 0.0))
+
+
+def profile_for(profile: Profile | Sequence[Profile] | None, device_name: str) -> Profile | None:
+    """The profile measured on ``device_name`` among those given, or None (analytic model)."""
+    if profile is None:
+        return None
+    profiles = (profile,) if isinstance(profile, Profile) else tuple(profile)
+    return next((p for p in profiles if p.device == device_name), None)
+
+
+def stage_cost(model: ModelSpec, island: IslandSpec, *, tp: int, micro_batch_size: int, slowdown: float = 1.0,
+               seq_length: int | None = None, recompute: bool = False, sequence_parallel: bool = False,
+               tp_comm_overlap: bool = False, profile: Profile | Sequence[Profile] | None = None) -> StageCost:
+    """Per-micro-batch costs of a stage of ``tp`` ranks on ``island``."""
+    mode = "full" if recompute else "none"
+    device = island.device
+    lt = layer_times(model, device, micro_batch_size=micro_batch_size, seq_length=seq_length, tp=tp,
+                     sequence_parallel=sequence_parallel, recompute=mode,
+                     profile=profile_for(profile, device.name))
+    comm = tp_layer_comm_times(model, island, micro_batch_size=micro_batch_size, tp=tp, seq_length=seq_length,
+                               sequence_parallel=sequence_parallel, recompute=mode)
+    if tp_comm_overlap:  # chunked overlap hides the traffic behind the GEMMs it feeds
+        fwd_comm, bwd_comm = max(0.0, comm.forward_s - lt.forward_s), max(0.0, comm.backward_s - lt.backward_s)
+    else:
+        fwd_comm, bwd_comm = comm.forward_s, comm.backward_s
+    emb = embedding_times(model, device, micro_batch_size=micro_batch_size, seq_length=seq_length)
+    out = logits_times(model, device, micro_batch_size=micro_batch_size, seq_length=seq_length, tp=tp)
+    k = slowdown
+    return StageCost(
+        layer_forward_s=k * (lt.forward_s + fwd_comm), layer_backward_s=k * (lt.backward_s + bwd_comm),
+        embedding_forward_s=k * emb.forward_s, embedding_backward_s=k * emb.backward_s,
+        output_forward_s=k * out.forward_s, output_backward_s=k * out.backward_s,
+    )
+
+
+@dataclass(frozen=True, kw_only=True)
+class StagePrediction:
+    """One stage of one replica (identical for every rank of its TP group)."""
+
+    island: str  # island the stage runs on
+    device_type: str  # its device type
+    tp: int  # tensor-parallel size
+    layers: tuple[int, int]  # [first, stop) transformer layers
+    forward_s: float  # per micro-batch, all model chunks
+    backward_s: float  # per micro-batch, all model chunks (incl. recomputation)
+    compute_s: float  # busy time over the iteration's pipeline
+    idle_s: float  # pipeline bubble of this stage
+    gradient_reduction_s: float  # this stage's cross-replica gradient reduction
+    optimizer_s: float  # this stage's optimizer step
+    memory: StageMemory  # peak bytes per rank, by part
+    capacity_gib: float  # device memory per rank
+
+    @property
+    def memory_gib(self) -> float:
+        return self.memory.total_bytes / _GIB
+
+    @property
+    def fits(self) -> bool:
+        return self.memory.total_bytes <= self.capacity_gib * _GIB
+
+    def to_json_dict(self) -> dict[str, object]:
+        return {
+            "island": self.island, "device_type": self.device_type, "tp": self.tp, "layers": list(self.layers),
+            "forward_s": self.forward_s, "backward_s": self.backward_s, "compute_s": self.compute_s,
+            "idle_s": self.idle_s, "gradient_reduction_s": self.gradient_reduction_s,
+            "optimizer_s": self.optimizer_s, "memory_gib": self.memory_gib, "capacity_gib": self.capacity_gib,
+            "fits": self.fits,
+            "memory_parts_gib": {k: v / _GIB for k, v in self.memory.parts().items()},
+        }
+
+
+@dataclass(frozen=True, kw_only=True)
+class ReplicaPrediction:
+    """One replica's pipeline."""
+
+    num_micro_batches: int  # its share of the global batch
+    pipeline_time_s: float  # simulated schedule, forward + backward of all its micro-batches
+    bubble_fraction: float  # idle share of its stages over its pipeline time
+    stages: tuple[StagePrediction, ...]  # pipeline order
+
+
+@dataclass(frozen=True, kw_only=True)
+class Prediction:
+    """Predicted iteration of a plan; ``to_json_dict`` names are stable (plan JSON "predicted")."""
+
+    iteration_time_s: float  # max pipeline + gradient reduction + optimizer step
+    pipeline_time_s: float  # slowest replica's pipeline
+    gradient_reduction_s: float  # slowest stage's exposed cross-replica reduction
+    optimizer_s: float  # slowest stage's optimizer step
+    tokens_per_s: float  # global_batch_size * seq_length / iteration_time_s
+    tflops_per_gpu: float  # model FLOPs (Megatron formula, no recompute) / (time * GPUs) / 1e12
+    num_gpus: int  # ranks the plan places
+    memory_gib_per_rank_max: float  # largest per-rank peak over all stages
+    fits: bool  # every stage fits its device memory
+    replicas: tuple[ReplicaPrediction, ...]  # one per plan replica, in plan order
+
+    def to_json_dict(self) -> dict[str, object]:
+        """Headline numbers plus per-stage details; identical replicas are listed once."""
+        groups: dict[int, list[int]] = {}
+        first: dict[int, ReplicaPrediction] = {}
+        for i, r in enumerate(self.replicas):
+            key = id(r)  # predict() shares the object between identical replicas
+            groups.setdefault(key, []).append(i)
+            first[key] = r
+        return {
+            "iteration_time_s": self.iteration_time_s,
+            "tokens_per_s": self.tokens_per_s,
+            "tflops_per_gpu": self.tflops_per_gpu,
+            "memory_gib_per_rank_max": self.memory_gib_per_rank_max,
+            "fits": self.fits,
+            "pipeline_time_s": self.pipeline_time_s,
+            "gradient_reduction_s": self.gradient_reduction_s,
+            "optimizer_s": self.optimizer_s,
+            "num_gpus": self.num_gpus,
+            "replica_groups": [
+                {"replicas": idx, "num_micro_batches": first[k].num_micro_batches,
+                 "pipeline_time_s": first[k].pipeline_time_s, "bubble_fraction": first[k].bubble_fraction,
+                 "stages": [s.to_json_dict() for s in first[k].stages]}
+                for k, idx in groups.items()
+            ],
+        }
+
+
+def _stage_key(stage: StagePlan) -> tuple[object, ...]:
+    return (stage.island, stage.tp, stage.layers, stage.recompute, stage.tp_comm_overlap)
+
+
+def _same_node(island: IslandSpec, a: StagePlan, b: StagePlan) -> bool:
+    # Consecutive stages on one island share a node when both TP groups fit in one (ranks are
+    # placed consecutively, TP first); otherwise the island's inter-node network carries it.
+    return island.nodes == 1 or a.tp + b.tp <= island.gpus_per_node
+
+
+def predict(plan: Plan, model: ModelSpec, cluster: ClusterSpec, *, profile: Profile | Sequence[Profile] | None = None,
+            distributed_optimizer: bool | None = None, seq_length: int | None = None) -> Prediction:
+    """Predict one iteration of ``plan`` (assumed valid: run validate_plan first)."""
+    dist_opt = plan.use_distributed_optimizer if distributed_optimizer is None else distributed_optimizer
+    s_len = model.seq_length if seq_length is None else seq_length
+    mbs, v, sp = plan.micro_batch_size, plan.virtual_pipeline_size, plan.sequence_parallel
+    dp = len(plan.replicas)
+    costs: dict[tuple[object, ...], StageCost] = {}
+
+    def cost(stage: StagePlan) -> StageCost:
+        key = (stage.island, stage.tp, stage.recompute, stage.tp_comm_overlap)
+        if key not in costs:
+            island = cluster.island(stage.island)
+            costs[key] = stage_cost(model, island, tp=stage.tp, micro_batch_size=mbs, seq_length=s_len,
+                                    slowdown=cluster.slowdown(stage.island), recompute=stage.recompute,
+                                    sequence_parallel=sp, tp_comm_overlap=stage.tp_comm_overlap, profile=profile)
+        return costs[key]
+
+    # Which islands hold each layer range's first layer, across replicas (the reduction peers).
+    holders: dict[int, list[str]] = {}
+    for r in plan.replicas:
+        for st in r.stages:
+            for layer in range(st.layers[0], st.layers[1]):
+                holders.setdefault(layer, []).append(st.island)
+    reductions: dict[tuple[object, ...], tuple[float, float]] = {}
+
+    def reduce_and_step(stage: StagePlan, is_first: bool, is_last: bool) -> tuple[float, float]:
+        key = (_stage_key(stage), is_first, is_last)
+        if key not in reductions:
+            params = stage_parameters(model, num_layers=stage.num_layers, is_first=is_first, is_last=is_last,
+                                      tp=stage.tp)
+            peers = holders[stage.layers[0]]
+            red = dp_gradient_reduction(GRAD_BYTES * params, cluster, replica_islands=peers).total_s if dp > 1 else 0.0
+            island = cluster.island(stage.island)
+            shard = len(peers) if dist_opt else 1
+            opt = (cluster.slowdown(stage.island) * OPTIMIZER_STEP_BYTES * params / shard
+                   / (island.device.memory_bandwidth_gbs * 1e9))
+            reductions[key] = (red, opt)
+        return reductions[key]
+
+    sims: dict[tuple[object, ...], ReplicaPrediction] = {}
+    replicas = []
+    for r in plan.replicas:
+        key = (tuple(_stage_key(st) for st in r.stages), r.num_micro_batches)
+        if key not in sims:
+            sims[key] = _replica(plan, r, model, cluster, cost, reduce_and_step, dp=dp, dist_opt=dist_opt,
+                                 seq_length=s_len)
+        replicas.append(sims[key])
+
+    pipeline = max(r.pipeline_time_s for r in replicas)
+    reduction = max(s.gradient_reduction_s for r in replicas for s in r.stages)
+    optimizer = max(s.optimizer_s for r in replicas for s in r.stages)
+    iteration = pipeline + reduction + optimizer
+    gpus = plan.world_size
+    flops = model_flops_per_iteration(model, global_batch_size=plan.global_batch_size, seq_length=s_len)
+    return Prediction(
+        iteration_time_s=iteration, pipeline_time_s=pipeline, gradient_reduction_s=reduction, optimizer_s=optimizer,
+        tokens_per_s=plan.global_batch_size * s_len / iteration,
+        tflops_per_gpu=flops / (iteration * gpus) / 1e12, num_gpus=gpus,
+        memory_gib_per_rank_max=max(s.memory_gib for r in replicas for s in r.stages),
+        fits=all(s.fits for r in replicas for s in r.stages), replicas=tuple(replicas),
+    )
+
+
+def _replica(plan: Plan, r: ReplicaPlan, model: ModelSpec, cluster: ClusterSpec, cost, reduce_and_step, *,
+             dp: int, dist_opt: bool, seq_length: int) -> ReplicaPrediction:
+    p, m, v, mbs = len(r.stages), r.num_micro_batches, plan.virtual_pipeline_size, plan.micro_batch_size
+    fwd, bwd = [], []
+    for i, st in enumerate(r.stages):
+        c = cost(st)
+        fwd.append(c.forward_s(st.num_layers, is_first=i == 0, is_last=i == p - 1))
+        bwd.append(c.backward_s(st.num_layers, is_first=i == 0, is_last=i == p - 1))
+    schedule = build_schedule(plan.schedule, p, m, v)
+    split = schedule.split_backward
+
+    def duration(stage: int, action: Action) -> float:
+        if action.kind == "F":
+            return fwd[stage] / v
+        return bwd[stage] / v / (2 if split else 1)
+
+    hop: dict[tuple[int, int], float] = {}
+    for a in range(p):
+        for b in ((a + 1) % p, (a - 1) % p):
+            if a == b or (a, b) in hop:
+                continue
+            sa, sb = r.stages[a], r.stages[b]
+            nbytes = activation_message_bytes(model, micro_batch_size=mbs, seq_length=seq_length,
+                                              tp=sa.tp, sequence_parallel=plan.sequence_parallel)
+            same = sa.island == sb.island and _same_node(cluster.island(sa.island), sa, sb)
+            hop[(a, b)] = p2p_time(nbytes, cluster, src=sa.island, dst=sb.island, same_node=same)
+
+    def p2p(src: int, dst: int, action: Action) -> float:
+        return hop.get((src, dst), 0.0)
+
+    sim = simulate(schedule, duration, p2p)
+    stages = []
+    for i, st in enumerate(r.stages):
+        is_first, is_last = i == 0, i == p - 1
+        in_flight = m if plan.schedule == "gpipe" else microbatches_in_flight(
+            stage=i, pipeline_size=p, num_microbatches=m, virtual_stages=v)
+        mem = stage_memory(model, num_layers=st.num_layers, is_first=is_first, is_last=is_last,
+                           micro_batch_size=mbs, microbatches_in_flight=in_flight, tp=st.tp, dp=dp,
+                           seq_length=seq_length, sequence_parallel=plan.sequence_parallel,
+                           recompute="full" if st.recompute else "none", distributed_optimizer=dist_opt,
+                           virtual_stages=v)
+        red, opt = reduce_and_step(st, is_first, is_last)
+        device = cluster.island(st.island).device
+        stages.append(StagePrediction(
+            island=st.island, device_type=st.device_type, tp=st.tp, layers=st.layers, forward_s=fwd[i],
+            backward_s=bwd[i], compute_s=sim.busy[i], idle_s=sim.idle[i], gradient_reduction_s=red,
+            optimizer_s=opt, memory=mem, capacity_gib=device_capacity_bytes(device) / _GIB,
+        ))
+    return ReplicaPrediction(num_micro_batches=m, pipeline_time_s=sim.iteration_time,
+                             bubble_fraction=sim.bubble_fraction, stages=tuple(stages))

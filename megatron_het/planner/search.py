@@ -1,0 +1,304 @@
+"""plan_cluster: search heterogeneous plans with islands as the units.
+
+The search grows with the number of islands, not GPUs. Two families of replica layouts are
+enumerated (HetHub/Tangram/Cephalo-inspired):
+
+- local: every island runs its own identical replicas (one TP and PP per island); replicas of
+  different islands differ in layout and get micro-batches in proportion to their speed;
+- spanning: k identical replicas each run a pipeline across several islands (pp_i stages of
+  TP tp_i on island i), which lets an island too small for the model on its own contribute
+  and keeps the gradient reduction of every layer inside one island.
+
+Each point (+ micro-batch size, recompute on/off) is priced in closed form (estimate.py) with the
+layer split balanced by stage speed under memory caps and the micro-batches allocated to minimise
+the slowest replica; the best few are then predicted in full (pipeline simulation, perf.predict)
+and ranked. ``exhaustive=True`` drops the pruning (every TP, every PP, every replica count, every
+island order) and predicts many more; it is the optimality reference for small clusters.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+
+from megatron_het.cluster import ClusterSpec, ModelSpec
+from megatron_het.perf.predict import Prediction, predict
+from megatron_het.perf.profile import Profile
+from megatron_het.plan.errors import PlanError
+from megatron_het.plan.types import Plan
+from megatron_het.plan.validate import validate_plan
+from megatron_het.planner.errors import InfeasibleError
+from megatron_het.planner.estimate import Estimate, Estimator
+from megatron_het.planner.refine import hill_climb
+from megatron_het.planner.explain import explain_choice, island_infeasibility
+from megatron_het.planner.space import Segment, Template, build_plan, tp_options
+
+__all__ = ["PlannerResult", "plan_cluster", "with_seq_length"]
+
+_FAST_PP = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 32, 40, 48, 64, 80, 96, 128)
+_LOCAL_KEEP = 3  # fast mode: best local layouts kept per island before combining islands
+_FAST_PREDICT = 8  # fast mode: candidates predicted in full
+_EXHAUSTIVE_PREDICT = 40  # exhaustive mode: candidates predicted in full
+_SPANNING_BUDGET = 2000  # fast mode: spanning structures per island subset before TP pruning kicks in
+_CLIMB_STARTS = 6  # fast mode: best distinct candidates refined by hill climbing
+_MAX_REASONS = 50  # infeasibility reasons kept in the result
+
+
+@dataclass(frozen=True, kw_only=True)
+class PlannerResult:
+    """What the planner chose and why."""
+
+    best: Plan  # validated, with ``predicted`` attached
+    candidates: list[tuple[Plan, Prediction]]  # top plans, fastest first (best is candidates[0])
+    explanation: str  # why this plan, in words
+    infeasible: list[str]  # reasons some layouts were pruned (memory, divisibility), deduplicated
+
+
+def with_seq_length(model: ModelSpec, seq_length: int | None) -> ModelSpec:
+    """The model at another sequence length (positions grow with it when needed)."""
+    if seq_length is None or seq_length == model.seq_length:
+        return model
+    return replace(model, seq_length=seq_length,
+                   max_position_embeddings=max(model.max_position_embeddings, seq_length))
+
+
+def _pp_values(limit: int, exhaustive: bool) -> list[int]:
+    if exhaustive:
+        return list(range(1, limit + 1))
+    return [p for p in _FAST_PP if p <= limit]
+
+
+def _local_templates(model: ModelSpec, cluster: ClusterSpec, isl: int, *, max_tp: int, max_replicas: int,
+                     exhaustive: bool) -> list[Template]:
+    island = cluster.islands[isl]
+    out = []
+    for tp in tp_options(model, island, max_tp=max_tp):
+        for pp in _pp_values(min(model.num_layers, island.num_gpus // tp), exhaustive):
+            count = min(island.num_gpus // (tp * pp), max_replicas)
+            if count >= 1:
+                out.append(Template(segments=(Segment(island=isl, tp=tp, pp=pp),), count=count))
+    return out
+
+
+def _orders(subset: tuple[int, ...], cluster: ClusterSpec, exhaustive: bool) -> list[tuple[int, ...]]:
+    if exhaustive or len(subset) <= 3:
+        return list(itertools.permutations(subset))
+    by_memory = tuple(sorted(subset, key=lambda i: (-cluster.islands[i].device.memory_gib, i)))
+    return list(dict.fromkeys((by_memory, subset, by_memory[::-1], subset[::-1])))
+
+
+def _spanning_structures(model: ModelSpec, cluster: ClusterSpec, *, tps: dict[int, Sequence[int]],
+                         max_replicas: int, exhaustive: bool,
+                         wide_tps: dict[int, Sequence[int]] | None = None) -> list[tuple[Template, ...]]:
+    """Spanning layouts; with ``wide_tps`` a subset is searched over those TPs when that stays
+    within _SPANNING_BUDGET structures, else over ``tps``."""
+    n = len(cluster.islands)
+    L = model.num_layers
+    subsets = [s for r in range(2, n + 1) for s in itertools.combinations(range(n), r)]
+    if not exhaustive and n > 4:
+        subsets = [s for s in subsets if len(s) in (2, n)]
+    out = []
+    for subset in subsets:
+        if any(not tps[i] for i in subset):
+            continue
+        ks = set()
+        for i in subset:
+            g = cluster.islands[i].num_gpus
+            for tp in (wide_tps or tps)[i]:
+                for pp in _pp_values(max(1, g // tp), exhaustive=False):
+                    if 1 <= g // (tp * pp) <= max_replicas:
+                        ks.add(g // (tp * pp))
+        if exhaustive:
+            ks = set(range(1, min(max_replicas, max(cluster.islands[i].num_gpus for i in subset)) + 1))
+        use = tps
+        if wide_tps is not None and not exhaustive:
+            size = len(_orders(subset, cluster, exhaustive)) * len(ks)
+            for i in subset:
+                size *= len(wide_tps[i])
+            if size <= _SPANNING_BUDGET:
+                use = wide_tps
+        for order in _orders(subset, cluster, exhaustive):
+            for k in sorted(ks):
+                choices = []
+                for i in order:
+                    g = cluster.islands[i].num_gpus
+                    opts = []
+                    for tp in use[i]:
+                        top = min(g // (k * tp), L)
+                        pps = range(max(1, top // 2), top + 1) if exhaustive else ([top] if top >= 1 else [])
+                        opts += [(tp, pp) for pp in pps]
+                    choices.append(opts)
+                for combo in itertools.product(*choices):
+                    if sum(pp for _, pp in combo) > L:
+                        continue
+                    segs = tuple(Segment(island=i, tp=tp, pp=pp) for i, (tp, pp) in zip(order, combo))
+                    out.append((Template(segments=segs, count=k),))
+    return out
+
+
+def plan_cluster(model: ModelSpec, cluster: ClusterSpec, *, global_batch_size: int, seq_length: int | None = None,
+                 profile: Profile | Sequence[Profile] | None = None, top_k: int = 5, exhaustive: bool = False,
+                 max_tp: int = 8, recompute_options: Sequence[bool] = (False, True),
+                 micro_batch_sizes: Sequence[int] = (1, 2, 4, 8), distributed_optimizer: bool = True,
+                 islands: Sequence[str] | None = None) -> PlannerResult:
+    """Search plans for ``model`` on ``cluster`` and return the fastest predicted one.
+
+    ``islands`` restricts the search to those islands (the others get no ranks). Raises
+    :class:`InfeasibleError` (a ValueError) naming the failed memory or divisibility constraint.
+    """
+    if global_batch_size < 1:
+        raise InfeasibleError(f"global_batch_size: must be >= 1 (got {global_batch_size}). Fix: pass a positive "
+                              "global batch size in sequences")
+    if top_k < 1:
+        raise InfeasibleError(f"top_k: must be >= 1 (got {top_k}). Fix: ask for at least one plan")
+    model = with_seq_length(model, seq_length)
+    allowed = set(cluster.island_names if islands is None else islands)
+    unknown = allowed - set(cluster.island_names)
+    if unknown:
+        raise InfeasibleError(f"islands: unknown island(s) {sorted(unknown)} (got {list(islands or [])}). "
+                              f"Fix: use names from {list(cluster.island_names)}")
+    sizes = [b for b in micro_batch_sizes if b >= 1 and global_batch_size % b == 0]
+    if not sizes:
+        raise InfeasibleError(
+            f"global_batch_size: {global_batch_size} is not divisible by any micro_batch_size in "
+            f"{tuple(micro_batch_sizes)} (got {global_batch_size}). Fix: use a global batch size that is a "
+            f"multiple of {min(micro_batch_sizes, default=1)}")
+    est = Estimator(model, cluster, global_batch_size=global_batch_size, profile=profile,
+                    distributed_optimizer=distributed_optimizer)
+    active = [i for i, isl in enumerate(cluster.islands) if isl.name in allowed]
+    reasons: dict[str, None] = {}
+    estimates: list[Estimate] = []
+    evaluated = 0
+
+    def price(structure: tuple[Template, ...], mbs: int, rc: bool) -> Estimate | None:
+        nonlocal evaluated
+        evaluated += 1
+        e = est.evaluate(structure, mbs, rc)
+        if isinstance(e, str):
+            if len(reasons) < _MAX_REASONS:
+                reasons[e] = None
+            return None
+        estimates.append(e)
+        return e
+
+    for mbs in sizes:
+        max_replicas = global_batch_size // mbs
+        for rc in recompute_options:
+            per_island: dict[int, list[tuple[float, Template]]] = {}
+            for i in active:
+                scored = []
+                for t in _local_templates(model, cluster, i, max_tp=max_tp, max_replicas=max_replicas,
+                                          exhaustive=exhaustive):
+                    e = price((t,), mbs, rc)
+                    if e is not None:
+                        scored.append((e.iteration_time_s, t))
+                scored.sort(key=lambda x: x[0])
+                per_island[i] = scored if exhaustive else scored[:_LOCAL_KEEP]
+            # Combine islands' local layouts (None = island unused).
+            options = [[None] + [t for _, t in per_island[i]] for i in active]
+            for combo in itertools.product(*options):
+                chosen = tuple(t for t in combo if t is not None)
+                if len(chosen) < 2:
+                    continue
+                total = sum(t.count for t in chosen)
+                if total > max_replicas:
+                    scale = max_replicas / total  # too few micro-batches: shrink replica counts
+                    chosen = tuple(replace(t, count=max(1, int(t.count * scale))) for t in chosen)
+                price(chosen, mbs, rc)
+            # Fast mode: spanning replicas use each island's best local TP (its largest TP when
+            # the island cannot hold a replica alone).
+            tps = {i: [per_island[i][0][1].segments[0].tp] if per_island[i]
+                   else list(tp_options(model, cluster.islands[i], max_tp=max_tp))[-1:] for i in active}
+            if exhaustive:
+                tps = {i: list(tp_options(model, cluster.islands[i], max_tp=max_tp)) for i in active}
+            sub = _restrict(cluster, active)
+            wide = {k: list(tp_options(model, cluster.islands[v], max_tp=max_tp)) for k, v in enumerate(active)}
+            for structure in _spanning_structures(model, sub.view, tps={k: tps[v] for k, v in enumerate(active)},
+                                                  max_replicas=max_replicas, exhaustive=exhaustive, wide_tps=wide):
+                price(sub.lift(structure), mbs, rc)
+
+    if not estimates:
+        raise InfeasibleError(_infeasible_text(est, active, sizes, recompute_options, max_tp, reasons),
+                              reasons=tuple(reasons))
+    estimates.sort(key=lambda e: e.iteration_time_s)
+    if not exhaustive:  # recover what the pruning missed around the best few starting points
+        all_tps = {i: list(tp_options(model, cluster.islands[i], max_tp=max_tp)) for i in active}
+        starts, seen_starts = [], set()
+        for e in estimates:
+            key = (e.templates, e.micro_batch_size, e.recompute)
+            if key not in seen_starts:
+                seen_starts.add(key)
+                starts.append(e)
+            if len(starts) >= _CLIMB_STARTS:
+                break
+        for e in starts:
+            hill_climb(e, price, cluster, tps=all_tps, num_layers=model.num_layers,
+                       global_batch_size=global_batch_size, micro_batch_sizes=sizes,
+                       recompute_options=recompute_options)
+        estimates.sort(key=lambda e: e.iteration_time_s)
+    keep = _EXHAUSTIVE_PREDICT if exhaustive else max(_FAST_PREDICT, top_k)
+    ranked: list[tuple[Plan, Prediction]] = []
+    seen: set[str] = set()
+    for e in estimates:
+        if len(ranked) >= keep:
+            break
+        plan = build_plan(cluster, e.templates, e.layer_counts, e.micro_batches, micro_batch_size=e.micro_batch_size,
+                          global_batch_size=global_batch_size, recompute=e.recompute,
+                          distributed_optimizer=distributed_optimizer)
+        key = plan.to_json()
+        if key in seen:
+            continue
+        seen.add(key)
+        try:
+            validate_plan(plan, model, cluster)
+        except PlanError as err:  # a bug in the search if it happens; keep the reason, skip the plan
+            reasons[f"internal: generated plan invalid: {err}"] = None
+            continue
+        pred = predict(plan, model, cluster, profile=profile)
+        if not pred.fits:
+            reasons[f"predicted memory {pred.memory_gib_per_rank_max:.1f} GiB exceeds a device"] = None
+            continue
+        ranked.append((replace(plan, predicted=pred.to_json_dict()), pred))
+    if not ranked:
+        raise InfeasibleError(_infeasible_text(est, active, sizes, recompute_options, max_tp, reasons),
+                              reasons=tuple(reasons))
+    ranked.sort(key=lambda x: x[1].iteration_time_s)
+    return PlannerResult(best=ranked[0][0], candidates=ranked[:top_k],
+                         explanation=explain_choice(model, cluster, ranked, evaluated, evaluated - len(estimates)),
+                         infeasible=list(reasons))
+
+
+@dataclass(frozen=True, kw_only=True)
+class _Restricted:
+    """A view of the cluster with only the active islands, and the map back to full indices."""
+
+    view: ClusterSpec  # cluster with only the active islands (search indexes into it)
+    index: tuple[int, ...]  # view island index -> full cluster island index
+
+    def lift(self, structure: tuple[Template, ...]) -> tuple[Template, ...]:
+        return tuple(replace(t, segments=tuple(replace(s, island=self.index[s.island]) for s in t.segments))
+                     for t in structure)
+
+
+def _restrict(cluster: ClusterSpec, active: Sequence[int]) -> _Restricted:
+    if len(active) == len(cluster.islands):
+        return _Restricted(view=cluster, index=tuple(range(len(cluster.islands))))
+    keep = {cluster.islands[i].name for i in active}
+    view = ClusterSpec(islands=tuple(cluster.islands[i] for i in active),
+                       links=tuple(link for link in cluster.links if set(link.between) <= keep),
+                       emulation={k: v for k, v in cluster.emulation.items() if k in keep}, source=cluster.source)
+    return _Restricted(view=view, index=tuple(active))
+
+
+def _infeasible_text(est: Estimator, active: Sequence[int], sizes: Sequence[int], recompute_options: Sequence[bool],
+                     max_tp: int, reasons: dict[str, None]) -> str:
+    rc = any(recompute_options)
+    lines = [island_infeasibility(est, i, max_tp=max_tp, micro_batch_size=min(sizes), recompute=rc) for i in active]
+    total = sum(est.cluster.islands[i].num_gpus for i in active)
+    lines.insert(0, f"no plan fits {est.model.name or 'the model'} on these {total} GPUs:")
+    if reasons:
+        lines.append("first pruned layouts: " + "; ".join(list(reasons)[:3]))
+    lines.append("Fix: add GPUs (or GPUs with more memory), enable recompute, lower the micro-batch size "
+                 "or the sequence length.")
+    return "\n".join(lines)

@@ -1,0 +1,168 @@
+"""The search space: tensor-parallel options, replica templates made of island segments, the
+balanced layer split, the micro-batch allocation and turning a choice into a Plan."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from megatron_het.cluster import ClusterSpec, IslandSpec, ModelSpec
+from megatron_het.plan.types import Plan, ReplicaPlan, StagePlan
+
+__all__ = [
+    "Segment",
+    "Template",
+    "tp_options",
+    "balanced_split",
+    "allocate_micro_batches",
+    "island_gpus_used",
+    "build_plan",
+]
+
+
+@dataclass(frozen=True, kw_only=True)
+class Segment:
+    """Consecutive pipeline stages of one replica on one island."""
+
+    island: int  # index into cluster.islands
+    tp: int  # tensor-parallel size of each of these stages
+    pp: int  # number of stages on this island
+
+
+@dataclass(frozen=True, kw_only=True)
+class Template:
+    """``count`` identical replicas, each the pipeline formed by ``segments`` in order."""
+
+    segments: tuple[Segment, ...]  # pipeline order; one island may appear once
+    count: int  # number of replicas built from this template
+
+    @property
+    def num_stages(self) -> int:
+        return sum(s.pp for s in self.segments)
+
+    def stage_islands(self) -> tuple[tuple[int, int], ...]:
+        """(island index, tp) per stage in pipeline order."""
+        return tuple((s.island, s.tp) for s in self.segments for _ in range(s.pp))
+
+
+def tp_options(model: ModelSpec, island: IslandSpec, *, max_tp: int) -> tuple[int, ...]:
+    """Powers of two <= max_tp, <= gpus_per_node and <= the island's GPUs that divide the heads,
+    the query groups and the MLP width (Megatron's divisibility rules; TP stays inside a node)."""
+    limit = min(max_tp, island.gpus_per_node, island.num_gpus)
+    out, t = [], 1
+    while t <= limit:
+        if not (model.num_attention_heads % t or model.num_query_groups % t or model.ffn_hidden_size % t):
+            out.append(t)
+        t *= 2
+    return tuple(out)
+
+
+def balanced_split(num_layers: int, per_layer: Sequence[float], fixed: Sequence[float],
+                   caps: Sequence[int]) -> tuple[int, ...] | None:
+    """Layer counts minimising the slowest stage ``fixed[j] + n[j] * per_layer[j]`` with
+    ``1 <= n[j] <= caps[j]`` (memory) and ``sum(n) == num_layers``; None if the caps cannot hold it.
+
+    Binary search on the slowest-stage time; each stage takes as many layers as fit under it.
+    """
+    p = len(per_layer)
+    if p > num_layers or any(c < 1 for c in caps) or sum(min(c, num_layers) for c in caps) < num_layers:
+        return None
+    lo = max(f + t for f, t in zip(fixed, per_layer))
+    hi = max(f + min(c, num_layers) * t for f, t, c in zip(fixed, per_layer, caps))
+
+    rows = list(zip(fixed, per_layer, caps))
+
+    def counts(limit: float) -> list[int]:
+        return [max(1, min(c, int((limit - f) / t + 1e-9))) for f, t, c in rows]
+
+    for _ in range(40):
+        mid = (lo + hi) / 2
+        if sum(counts(mid)) >= num_layers:
+            hi = mid
+        else:
+            lo = mid
+    n = counts(hi)
+    # Give back extra layers from the stages that end up slowest with them.
+    while sum(n) > num_layers:
+        j = max((k for k in range(p) if n[k] > 1), key=lambda k: fixed[k] + n[k] * per_layer[k])
+        n[j] -= 1
+    return tuple(n)
+
+
+def allocate_micro_batches(total: int, groups: Sequence[tuple[int, float, float]]) -> tuple[list[tuple[int, int]], float] | None:
+    """Split ``total`` micro-batches over replica groups minimising the slowest pipeline.
+
+    ``groups`` holds (replicas, A, C): a replica of the group with m micro-batches takes
+    ``A + (m - 1) * C``. Returns, per group, (m, replicas that get m) with the rest getting m - 1,
+    and the resulting slowest time; None when there are fewer micro-batches than replicas.
+    """
+    replicas = sum(n for n, _, _ in groups)
+    if total < replicas:
+        return None
+
+    def m_at(limit: float, a: float, c: float) -> int:
+        return max(1, math.floor((limit - a) / c + 1e-12) + 1) if c > 0 else total
+
+    lo = max(a for _, a, _ in groups)
+    hi = max(a + (total - 1) * c for _, a, c in groups)
+    for _ in range(80):
+        mid = (lo + hi) / 2
+        if sum(n * m_at(mid, a, c) for n, a, c in groups) >= total:
+            hi = mid
+        else:
+            lo = mid
+    ms = [min(m_at(hi, a, c), total) for _, a, c in groups]
+    high = [n for n, _, _ in groups]  # replicas of each group at ms[g]; the rest at ms[g] - 1
+    excess = sum(n * m for (n, _, _), m in zip(groups, ms)) - total
+    order = sorted(range(len(groups)), key=lambda g: -(groups[g][1] + (ms[g] - 1) * groups[g][2]))
+    for g in order:
+        if excess <= 0:
+            break
+        if ms[g] <= 1:
+            continue
+        take = min(excess, high[g])
+        high[g] -= take
+        excess -= take
+        if high[g] == 0:
+            ms[g], high[g] = ms[g] - 1, groups[g][0]
+    if excess > 0:  # cannot happen when total >= replicas; guard against float corner cases
+        return None
+    worst = max(a + ((m if h else m - 1) - 1) * c for (_, a, c), m, h in zip(groups, ms, high))
+    return list(zip(ms, high)), worst
+
+
+def island_gpus_used(templates: Sequence[Template], num_islands: int) -> list[int]:
+    used = [0] * num_islands
+    for t in templates:
+        for s in t.segments:
+            used[s.island] += t.count * s.tp * s.pp
+    return used
+
+
+def build_plan(cluster: ClusterSpec, templates: Sequence[Template], layer_counts: Sequence[Sequence[int]],
+               micro_batches: Sequence[tuple[int, int]], *, micro_batch_size: int, global_batch_size: int,
+               recompute: bool, distributed_optimizer: bool) -> Plan:
+    """Turn a search point into a Plan.
+
+    Ranks: island by island in cluster-file order, only the GPUs used (so ranks are exactly
+    0..N-1); inside an island, replica by replica and stage by stage, each stage's TP ranks
+    consecutive.
+    """
+    used = island_gpus_used(templates, len(cluster.islands))
+    offset = [sum(used[:i]) for i in range(len(used))]
+    nxt = list(offset)
+    replicas = []
+    for t, counts, (m, high) in zip(templates, layer_counts, micro_batches):
+        for copy in range(t.count):
+            stages, first = [], 0
+            for (isl, tp), n in zip(t.stage_islands(), counts):
+                island = cluster.islands[isl]
+                stages.append(StagePlan(island=island.name, device_type=island.device.name,
+                                        ranks=tuple(range(nxt[isl], nxt[isl] + tp)), layers=(first, first + n),
+                                        recompute=recompute))
+                nxt[isl] += tp
+                first += n
+            replicas.append(ReplicaPlan(stages=tuple(stages), num_micro_batches=m if copy < high else m - 1))
+    return Plan(replicas=tuple(replicas), micro_batch_size=micro_batch_size, global_batch_size=global_batch_size,
+                use_distributed_optimizer=distributed_optimizer and len(replicas) > 1)
