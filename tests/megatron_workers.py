@@ -67,3 +67,29 @@ def hetero_cases_worker(rank, world_size, model: ModelSpec, cases, train: TrainC
             res = trainer.run(return_shards=True)
         out[name] = (res, time.perf_counter() - start)
     return out
+
+
+def checkpoint_worker(rank, world_size, model: ModelSpec, steps, train: TrainConfig, init_full_state,
+                      padded_vocab, save_dir):
+    """steps: [(plan, iterations, load_iteration | None, save: bool)] run one after another."""
+    import os
+
+    from megatron_het.checkpoint.dist_ckpt import iteration_dir
+    from megatron_het.platform import enable_cpu_backend
+    from megatron_het.runtime.hetero_trainer import HeteroTrainer
+
+    enable_cpu_backend()
+    out = []
+    for plan, iterations, load_iteration, save in steps:
+        if rank >= plan.world_size:
+            raise ValueError("checkpoint_worker needs plans over the whole world")
+        trainer = HeteroTrainer(model=model, plan=plan, train=train, batch_fn=batch_fn(model, train.seed),
+                                init_full_state=init_full_state if load_iteration is None else None,
+                                padded_vocab=padded_vocab)
+        if load_iteration is not None:
+            trainer.load_checkpoint(iteration_dir(save_dir, load_iteration))
+        res = trainer.run(iterations, return_shards=True)
+        if save:
+            trainer.save_checkpoint(save_dir)
+        out.append(res)
+    return out

@@ -160,6 +160,16 @@ DEVICE_REDIRECTS: tuple[DeviceRedirect, ...] = (
                    upstream="tensor_parallel/mappings.py:95,145,152,185,447 gather buffers current_device()"),
     DeviceRedirect(module="megatron.core.pipeline_parallel.bridge_communicator",
                    upstream="pipeline_parallel/bridge_communicator.py:420-597 receive buffers current_device()"),
+    DeviceRedirect(module="megatron.core.dist_checkpointing.strategies.filesystem_async",
+                   upstream="dist_checkpointing/strategies/filesystem_async.py:248 synchronize() before writing"),
+    DeviceRedirect(module="megatron.core.dist_checkpointing.strategies.state_dict_saver",
+                   upstream="dist_checkpointing/strategies/state_dict_saver.py:204 device='cuda'; 252 current_device()"),
+    DeviceRedirect(module="megatron.core.dist_checkpointing.strategies.async_utils",
+                   upstream="dist_checkpointing/strategies/async_utils.py:224,698 current_device(); 273 synchronize()"),
+    DeviceRedirect(module="megatron.core.dist_checkpointing.strategies.fully_parallel",
+                   upstream="dist_checkpointing/strategies/fully_parallel.py:287,296 synchronize()"),
+    DeviceRedirect(module="megatron.core.dist_checkpointing.tensor_aware_state_dict",
+                   upstream="dist_checkpointing/tensor_aware_state_dict.py:304 synchronize()"),
 )
 
 

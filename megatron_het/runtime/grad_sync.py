@@ -114,8 +114,10 @@ class GradientSynchronizer:
             group = dist.new_group(list(bucket.ranks))
             if self.rank in bucket.ranks:
                 self._groups.append((bucket, group))
-        owned = owned_norm_holdings(self.all_holdings)
-        self.norm_names = [n for n in self.local if (n, self.rank) in owned]
+        # (name, rank) pairs that count each full element once: the gradient norm and the
+        # checkpoint's main replicas use the same owners.
+        self.owned = owned_norm_holdings(self.all_holdings)
+        self.norm_names = [n for n in self.local if (n, self.rank) in self.owned]
 
     def reduce(self) -> None:
         """Sum every parameter's gradient over all its holders (grads must exist)."""

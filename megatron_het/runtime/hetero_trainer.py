@@ -251,6 +251,50 @@ class HeteroTrainer:
                     p.grad.mul_(coeff)
         return norm
 
+    # ---- checkpoints ------------------------------------------------------------------------
+    def _slots(self):
+        from megatron_het.checkpoint.dist_ckpt import TensorSlot
+
+        return {name: TensorSlot(tensor=p.detach(), partition_dim=self.sync.local[name].partition_dim,
+                                 tp_rank=self.role.tp_rank, tp_size=self.role.tp_size,
+                                 main=(name, self.role.rank) in self.sync.owned)
+                for name, p in self.params.items()}
+
+    def save_checkpoint(self, save: str) -> str:
+        """Write model, optimizer, iteration and data position under ``save`` (collective)."""
+        from megatron_het.checkpoint.dist_ckpt import model_common_state, save_checkpoint
+
+        moments = {}
+        for name, p in self.params.items():
+            st = self.optimizer.state.get(p, {})
+            moments[name] = {k: st.get(k, torch.zeros_like(p)).detach() for k in ("exp_avg", "exp_avg_sq")}
+        common = {"model": model_common_state(self.model_spec), "padded_vocab": self.stage.vocab_size,
+                  "consumed_samples": self.iteration * self.train.global_batch_size,
+                  "plan": self.plan.to_dict(), "seed": self.train.seed}
+        return save_checkpoint(save, self.iteration, params=self._slots(), optimizer_state=moments, common=common)
+
+    @torch.no_grad()
+    def load_checkpoint(self, path: str, *, with_optimizer: bool = True) -> int:
+        """Load a checkpoint written under any plan; returns its iteration (collective)."""
+        from megatron_het.checkpoint.dist_ckpt import CheckpointError, load_checkpoint
+
+        common, values, moments = load_checkpoint(path, params=self._slots(), model=self.model_spec,
+                                                  with_optimizer=with_optimizer)
+        if common.get("padded_vocab") != self.stage.vocab_size:
+            raise CheckpointError(
+                f"{path}: padded_vocab: the checkpoint has {common.get('padded_vocab')} embedding rows, this plan "
+                f"builds {self.stage.vocab_size}. Fix: construct the trainer with padded_vocab="
+                f"{common.get('padded_vocab')} (pretrain_gpt.py does this when --load is given)")
+        iteration = int(common["iteration"])
+        for name, p in self.params.items():
+            p.copy_(values[name])
+            if with_optimizer:
+                self.optimizer.state[p] = {"step": torch.tensor(float(iteration)),
+                                           "exp_avg": moments[name]["exp_avg"].clone(),
+                                           "exp_avg_sq": moments[name]["exp_avg_sq"].clone()}
+        self.iteration = iteration
+        return iteration
+
     # ---- whole runs -------------------------------------------------------------------------
     def shards(self) -> dict[str, Shard]:
         return local_shards(self.gpt, layer_offset=self.role.layers[0], tp_rank=self.role.tp_rank,

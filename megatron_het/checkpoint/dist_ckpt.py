@@ -1,0 +1,166 @@
+"""Plan-independent checkpoints through megatron-core ``dist_checkpointing``.
+
+Every tensor is saved under its *global* name (layers by global index, see ``full_state.py``) as a
+``ShardedTensor`` whose offsets say which TP slice a rank holds, so a checkpoint written under one
+plan loads under any other: dist_checkpointing reads each rank's slices for the new layout.
+Among the ranks holding the same elements (replicas, a stage's TP ranks for replicated tensors,
+the last stage's tied copy of the word embedding) exactly one is the main replica (``replica_id``
+0) and writes them: the same owner that counts the element in the gradient norm.
+
+Layout follows Megatron-LM: ``SAVE/iter_0000010/`` plus ``SAVE/latest_checkpointed_iteration.txt``.
+A checkpoint is written to ``iter_XXXXXXX.tmp`` and renamed when every rank has finished; the
+tracker file is replaced atomically after that, so a crash never leaves a half checkpoint behind the
+tracker. Common state (model shape, iteration, consumed samples, padded vocabulary, the plan) is
+checked on load: a checkpoint of another model is refused naming the field.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import shutil
+from dataclasses import dataclass
+from typing import Mapping
+
+import torch
+import torch.distributed as dist
+
+import megatron_het.platform  # noqa: F401  (triton import guard)
+from megatron_het.cluster import ModelSpec
+
+TRACKER = "latest_checkpointed_iteration.txt"
+FORMAT = "megatron-het-checkpoint"
+FORMAT_VERSION = 1
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be used here; the message names the field and the fix."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class TensorSlot:
+    """One local tensor and where it sits in its full tensor."""
+
+    tensor: torch.Tensor
+    partition_dim: int | None  # None: this rank holds the whole tensor
+    tp_rank: int
+    tp_size: int
+    main: bool  # True on exactly one holder of each element: it writes them
+
+
+def iteration_dir(save: str, iteration: int) -> str:
+    return os.path.join(save, f"iter_{iteration:07d}")
+
+
+def latest_iteration(load: str) -> int | None:
+    """The iteration recorded in the tracker file, or None when there is no checkpoint."""
+    path = os.path.join(load, TRACKER)
+    if not os.path.exists(path):
+        return None
+    text = open(path, encoding="utf-8").read().strip()
+    if not text.isdigit():
+        raise CheckpointError(f"{path}: expected an iteration number, found {text!r}. "
+                              f"Fix: write the number of a complete iter_XXXXXXX directory into it")
+    return int(text)
+
+
+def _sharded(slots: Mapping[str, TensorSlot], prefix: str, select=lambda name, slot: slot.tensor):
+    from megatron.core.dist_checkpointing import ShardedTensor
+
+    out = {}
+    for name, slot in slots.items():
+        data = select(name, slot)
+        offsets = () if slot.partition_dim is None else ((slot.partition_dim, slot.tp_rank, slot.tp_size),)
+        out[f"{prefix}{name}"] = ShardedTensor.from_rank_offsets(
+            f"{prefix}{name}", data, *offsets, replica_id=0 if slot.main else 1)
+    return out
+
+
+def model_common_state(model: ModelSpec) -> dict:
+    return {k: v for k, v in dataclasses.asdict(model).items() if k != "name"}
+
+
+def check_model_matches(common: Mapping, model: ModelSpec, path: str) -> None:
+    saved = common.get("model", {})
+    for key, value in model_common_state(model).items():
+        if key in saved and saved[key] != value:
+            raise CheckpointError(
+                f"{path}: model.{key}: the checkpoint was trained with {key}={saved[key]!r}, this run has "
+                f"{key}={value!r}. Fix: use the checkpoint's model settings, or start without --load")
+
+
+def read_common(path: str) -> dict:
+    from megatron.core import dist_checkpointing
+
+    common = dist_checkpointing.load_common_state_dict(path)
+    if common.get("format") != FORMAT:
+        raise CheckpointError(f"{path}: not a megatron-het checkpoint (format {common.get('format')!r}). "
+                              f"Fix: convert it with tools/checkpoint/convert.py or point --load elsewhere")
+    if common.get("version") != FORMAT_VERSION:
+        raise CheckpointError(f"{path}: checkpoint format version {common.get('version')} is not supported "
+                              f"(this build reads {FORMAT_VERSION})")
+    return common
+
+
+def save_checkpoint(save: str, iteration: int, *, params: Mapping[str, TensorSlot],
+                    optimizer_state: Mapping[str, Mapping[str, torch.Tensor]], common: Mapping) -> str:
+    """Collective: every rank calls it. ``optimizer_state[name]`` holds exp_avg/exp_avg_sq (shaped
+    like the parameter); ``common`` must be identical on all ranks (iteration, model, ...)."""
+    from megatron.core import dist_checkpointing
+
+    final = iteration_dir(save, iteration)
+    tmp = final + ".tmp"
+    rank = dist.get_rank()
+    if rank == 0:
+        os.makedirs(save, exist_ok=True)
+        shutil.rmtree(tmp, ignore_errors=True)  # a leftover of a crashed save
+        os.makedirs(tmp)
+    dist.barrier()
+    state = dict(common)
+    state.update(format=FORMAT, version=FORMAT_VERSION, iteration=iteration)
+    # Only main replicas take part: holders of the same tensor may be split differently (TP=2 in one
+    # replica, TP=4 in another), and dist_checkpointing wants one regular grid per key.
+    mains = {name: slot for name, slot in params.items() if slot.main}
+    state.update(_sharded(mains, "model."))
+    for key in ("exp_avg", "exp_avg_sq"):
+        state.update(_sharded(mains, f"optimizer.{key}.", lambda name, _s, k=key: optimizer_state[name][k]))
+    dist_checkpointing.save(state, tmp)
+    dist.barrier()
+    if rank == 0:
+        shutil.rmtree(final, ignore_errors=True)
+        os.replace(tmp, final)
+        tracker_tmp = os.path.join(save, TRACKER + ".tmp")
+        with open(tracker_tmp, "w", encoding="utf-8") as f:
+            f.write(str(iteration))
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tracker_tmp, os.path.join(save, TRACKER))
+    dist.barrier()
+    return final
+
+
+def load_checkpoint(path: str, *, params: Mapping[str, TensorSlot], model: ModelSpec,
+                    with_optimizer: bool = True) -> tuple[dict, dict[str, torch.Tensor], dict[str, dict[str, torch.Tensor]]]:
+    """Collective. Returns (common state, parameter values, optimizer moments) for this rank's slots."""
+    from megatron.core import dist_checkpointing
+
+    if not os.path.isdir(path):
+        raise CheckpointError(f"{path}: no such checkpoint directory. Fix: check --load and the tracker file")
+    common = read_common(path)
+    check_model_matches(common, model, path)
+    request = {}
+    request.update(_sharded(params, "model.", lambda _n, s: torch.empty_like(s.tensor)))
+    if with_optimizer:
+        for key in ("exp_avg", "exp_avg_sq"):
+            request.update(_sharded(params, f"optimizer.{key}.", lambda _n, s: torch.empty_like(s.tensor)))
+    try:
+        # Each rank reads the slices of its own layout; ranks of different TP sizes read the same
+        # key with different grids, which the (save-side) access-integrity check does not allow.
+        loaded = dist_checkpointing.load(request, path, validate_access_integrity=False)
+    except Exception as e:  # surface shape mismatches with the file named
+        raise CheckpointError(f"{path}: could not load this plan's shards: {e}. Fix: check that the checkpoint "
+                              f"belongs to this model (and vocabulary padding)") from e
+    values = {name: loaded[f"model.{name}"] for name in params}
+    moments = ({name: {k: loaded[f"optimizer.{k}.{name}"] for k in ("exp_avg", "exp_avg_sq")} for name in params}
+               if with_optimizer else {})
+    return common, values, moments
