@@ -1,56 +1,61 @@
-"""`make demo`: real megatron-core GPT training on CPU, 4 gloo processes standing in for 4 GPUs.
+"""`make demo`: heterogeneous training on an emulated two-type CPU cluster, end to end.
 
-Thin: build the inputs, launch, print. (The heterogeneous demo replaces this once the runtime for
-uneven plans lands; until then it shows megatron-core's own TP=2 x PP=2 path running on CPU.)
+1. data: SentencePiece tokenizer and megatron indexed dataset from the shipped corpus (idempotent);
+2. plan: the planner picks a plan for examples/clusters/cpu-demo.yaml (islands `fast` and `slow`,
+   the latter emulated 2x slower) and the tiny model;
+3. train: torchrun starts 4 gloo processes running pretrain_gpt.py with that plan; loss goes down,
+   a validation loss is reported, and a checkpoint is written to runs/demo/checkpoints.
 """
 
 from __future__ import annotations
 
 import os
+import subprocess
 import sys
-import time
-
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from megatron_het.cluster import load_model  # noqa: E402
-from megatron_het.platform.local_launch import run_local  # noqa: E402
-from megatron_het.runtime.groups import BlockShape  # noqa: E402
-from megatron_het.runtime.train_config import TrainConfig  # noqa: E402
+from pathlib import Path
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+RUN = os.path.join(ROOT, "runs", "demo")
+DATA = os.path.join(RUN, "data")
 
 
-def _rank(rank, world_size, model, train, shape):
-    from functools import partial
+def prepare_data() -> tuple[str, str]:
+    from megatron_het.data import PreprocessConfig, TokenizerTrainConfig, preprocess, train_tokenizer
 
-    from megatron_het.data.synthetic import synthetic_batch
-    from megatron_het.platform import enable_cpu_backend
-    from megatron_het.runtime.megatron_trainer import train_megatron_block
-
-    report = enable_cpu_backend()
-    if rank == 0:
-        print(report.describe(), flush=True)
-    batch = partial(lambda it, idx: synthetic_batch(seed=train.seed, iteration=it, indices=idx,
-                                                    seq_length=model.seq_length, vocab_size=model.vocab_size))
-    return train_megatron_block(model=model, train=train, shape=shape, batch_fn=batch)
+    corpus = os.path.join(ROOT, "examples", "data", "corpus.jsonl")
+    os.makedirs(DATA, exist_ok=True)
+    model = os.path.join(DATA, "sp512.model")
+    if not os.path.exists(model):
+        report = train_tokenizer(TokenizerTrainConfig(input=Path(corpus), vocab_size=512,
+                                                      output_prefix=Path(DATA, "sp512")))
+        print(f"demo: trained tokenizer {report.model_path} ({report.vocab_size} pieces)")
+    prefix = os.path.join(DATA, "corpus")
+    if not os.path.exists(prefix + "_text_document.idx"):
+        report = preprocess(PreprocessConfig(input=Path(corpus), output_prefix=prefix,
+                                             tokenizer_type="SentencePieceTokenizer", tokenizer_model=Path(model),
+                                             append_eod=True))
+        print(f"demo: preprocessed {report.documents} documents, {report.tokens} tokens")
+    return model, prefix + "_text_document"
 
 
 def main() -> int:
-    model = load_model(os.path.join(ROOT, "examples/models/tiny-cpu.yaml"))
-    train = TrainConfig(micro_batch_size=2, global_batch_size=16, train_iters=10, lr=3e-3)
-    shape = BlockShape(tp=2, pp=2, dp=1)
-    print(f"demo: {model.name}: {model.num_layers} layers, hidden {model.hidden_size}; "
-          f"TP={shape.tp} x PP={shape.pp} on {shape.size} gloo processes; "
-          f"global batch {train.global_batch_size}, {train.train_iters} iterations")
-    start = time.time()
-    results = run_local(shape.size, _rank, (model, train, shape))
-    last = results[-1]
-    for log in last.iterations:
-        print(f" iteration {log.iteration:3d}/{train.train_iters} | lm loss {log.lm_loss:.4f} | "
-              f"grad norm {log.grad_norm:.3f} | elapsed {log.elapsed_s * 1000:.0f} ms")
-    first_loss, last_loss = last.iterations[0].lm_loss, last.iterations[-1].lm_loss
-    print(f"demo: loss {first_loss:.4f} -> {last_loss:.4f} in {time.time() - start:.0f} s")
-    return 0 if last_loss < first_loss else 1
+    tokenizer, data = prepare_data()
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4", "--master-port", "29517",
+           os.path.join(ROOT, "pretrain_scripts", "pretrain_gpt.py"),
+           "--hetero-cluster", os.path.join(ROOT, "examples", "clusters", "cpu-demo.yaml"),
+           "--hetero-plan", "auto",
+           "--hetero-model", os.path.join(ROOT, "examples", "models", "tiny-cpu.yaml"),
+           "--data-path", data, "--tokenizer-model", tokenizer, "--split", "949,50,1",
+           "--data-cache-path", os.path.join(DATA, "cache"),
+           "--micro-batch-size", "2", "--global-batch-size", "16", "--train-iters", "40",
+           "--lr", "3e-3", "--lr-decay-style", "cosine", "--min-lr", "3e-4", "--lr-warmup-iters", "4",
+           "--log-interval", "5", "--eval-interval", "20", "--eval-iters", "2",
+           "--save", os.path.join(RUN, "checkpoints")]
+    print("demo: " + " ".join(os.path.relpath(c, ROOT) if c.startswith(ROOT) else c for c in cmd[1:]), flush=True)
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    return subprocess.call(cmd, env=env, cwd=ROOT)
 
 
 if __name__ == "__main__":

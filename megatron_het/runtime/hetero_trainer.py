@@ -156,10 +156,28 @@ class HeteroTrainer:
         return hs
 
     # ---- one iteration ----------------------------------------------------------------------
-    def _micro_tokens(self, iteration: int, micro_batch: int) -> torch.Tensor:
+    def _micro_tokens(self, iteration: int, micro_batch: int, batch_fn: BatchFn | None = None) -> torch.Tensor:
         mbs = self.train.micro_batch_size
         first = (replica_first_micro_batch(self.plan, self.role.replica) + micro_batch) * mbs
-        return self.batch_fn(iteration, range(first, first + mbs))
+        return (batch_fn or self.batch_fn)(iteration, range(first, first + mbs))
+
+    @torch.no_grad()
+    def evaluate(self, batch_fn: BatchFn, iteration: int) -> float:
+        """Forward-only loss of one global batch from ``batch_fn`` (e.g. the validation split)."""
+        act_shape = (self.model_spec.seq_length, self.train.micro_batch_size, self.model_spec.hidden_size)
+        loss_sum = 0.0
+        for m in range(self.replica.num_micro_batches):  # forwards in order: no deadlock, no backward
+            tokens = self._micro_tokens(iteration, m, batch_fn) if (self.is_first or self.is_last) else None
+            inp = None if self.is_first else self.link.recv_forward(act_shape, self.config.params_dtype, m)
+            out = self._forward(tokens, inp)
+            if self.is_last:
+                loss_sum += float(out) * self.total_micro_batches
+            else:
+                self.link.send_forward(out, m)
+        self.link.drain()
+        report = torch.tensor([loss_sum if (self.is_last and self.role.tp_rank == 0) else 0.0])
+        dist.all_reduce(report)
+        return float(report) / self.total_micro_batches
 
     def _timed(self, times: StageTimes, fn):
         start = time.perf_counter()

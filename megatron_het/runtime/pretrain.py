@@ -1,0 +1,226 @@
+"""The body of pretrain_scripts/pretrain_gpt.py: parse, build, train, close.
+
+Launched by torchrun (one process per GPU, or per CPU rank standing in for one). Megatron-style log
+lines come from rank 0; every rank's compute/idle split is gathered for the end-of-run summary.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+from megatron_het.cluster import ConfigError
+from megatron_het.plan import Plan, PlanError, validate_plan
+from megatron_het.platform import detect_accelerator, detect_optional_accelerators, enable_cpu_backend
+from megatron_het.runtime.arguments import PretrainArgs, parse_args
+
+log = logging.getLogger("megatron_het")
+
+
+def print_rank0(msg: str) -> None:
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        print(msg, flush=True)
+
+
+def _pre_tokenizer_vocab(argv: list[str]) -> int | None:
+    """The tokenizer's size, needed before the model is known (Megatron pads from it)."""
+    if "--tokenizer-model" not in argv or "--mock-data" in argv:
+        return None
+    from megatron_het.data import load_tokenizer
+
+    path = argv[argv.index("--tokenizer-model") + 1]
+    if not os.path.exists(path):
+        raise ConfigError("tokenizer model not found", field="--tokenizer-model", value=path,
+                          fix="train one with tools/train_tokenizer.py")
+    return int(load_tokenizer(path).vocab_size)
+
+
+def resolve_plan(args: PretrainArgs) -> Plan:
+    """A plan file, validated against the model and cluster, or the planner's best plan."""
+    if args.plan_source == "auto":
+        from megatron_het.planner import plan_cluster
+
+        result = plan_cluster(args.model, args.cluster, global_batch_size=args.train.global_batch_size,
+                              micro_batch_sizes=(args.train.micro_batch_size,), top_k=3,
+                              profile=_load_profile(args.raw.hetero_profile))
+        print_rank0(f"planner: {result.explanation}")
+        return result.best
+    plan = Plan.load(args.plan_source)
+    validate_plan(plan, args.model, args.cluster)
+    return plan
+
+
+def _load_profile(path: str | None):
+    if not path:
+        return None
+    from megatron_het.perf import load_profile
+
+    return load_profile(path)
+
+
+def _batch_fns(args: PretrainArgs):
+    ns, model = args.raw, args.model
+    if ns.mock_data:
+        from functools import partial
+
+        from megatron_het.data.synthetic import synthetic_batch
+
+        fn = partial(_mock_batch, model.seq_length, model.vocab_size, args.train.seed)
+        return fn, partial(_mock_batch, model.seq_length, model.vocab_size, args.train.seed + 1)
+    from megatron_het.data import GptDataConfig, build_gpt_datasets, gpt_batch_fn, load_tokenizer
+
+    tokenizer = load_tokenizer(ns.tokenizer_model, tokenizer_type=ns.tokenizer_type)
+    cfg = GptDataConfig(data_path=tuple(ns.data_path), split=ns.split, seq_length=model.seq_length,
+                        seed=args.train.seed, global_batch_size=args.train.global_batch_size,
+                        train_iters=args.train.train_iters, eval_iters=ns.eval_iters,
+                        eval_interval=ns.eval_interval or args.train.train_iters,
+                        data_cache_path=ns.data_cache_path)
+    datasets = build_gpt_datasets(cfg, tokenizer)
+    valid = gpt_batch_fn(datasets.valid) if datasets.valid is not None else None
+    return gpt_batch_fn(datasets.train), valid
+
+
+def _mock_batch(seq_length, vocab_size, seed, iteration, indices):
+    from megatron_het.data.synthetic import synthetic_batch
+
+    return synthetic_batch(seed=seed, iteration=iteration, indices=indices, seq_length=seq_length,
+                           vocab_size=vocab_size)
+
+
+def describe_plan_lines(plan: Plan) -> list[str]:
+    lines = [f"plan: {len(plan.replicas)} replica(s), {plan.world_size} ranks, micro-batch {plan.micro_batch_size}, "
+             f"global batch {plan.global_batch_size}, schedule {plan.schedule}"]
+    for r, replica in enumerate(plan.replicas):
+        stages = " | ".join(f"{s.island}({s.device_type}) TP={s.tp} ranks {s.ranks[0]}-{s.ranks[-1]} "
+                            f"layers {s.layers[0]}-{s.layers[1] - 1}" for s in replica.stages)
+        lines.append(f"  replica {r}: {replica.num_micro_batches} micro-batches: {stages}")
+    if plan.predicted:
+        p = plan.predicted
+        lines.append(f"  predicted: {p.get('iteration_time_s', float('nan')) * 1000:.1f} ms/iteration, "
+                     f"{p.get('tokens_per_s', float('nan')):.0f} tokens/s")
+    return lines
+
+
+def _stage_summary(trainer, logs) -> None:
+    """Gather (replica, stage, compute, idle) of every rank; rank 0 prints one line per stage."""
+    mine = (trainer.role.replica, trainer.role.stage, trainer.role.island,
+            sum(l.compute_s for l in logs), sum(l.idle_s for l in logs), len(logs))
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, mine)
+    if dist.get_rank() != 0:
+        return
+    print("per-stage time over the run (mean over the stage's ranks):")
+    by_stage: dict = {}
+    for replica, stage, island, compute, idle, n in gathered:
+        by_stage.setdefault((replica, stage, island), []).append((compute, idle, n))
+    for (replica, stage, island), vals in sorted(by_stage.items()):
+        compute = sum(v[0] for v in vals) / len(vals)
+        idle = sum(v[1] for v in vals) / len(vals)
+        n = vals[0][2]
+        print(f"  replica {replica} stage {stage} ({island}): compute {compute / n * 1000:8.1f} ms/it, "
+              f"idle {idle / n * 1000:8.1f} ms/it ({100 * idle / max(compute + idle, 1e-9):4.1f}% idle)")
+
+
+def _evaluate(trainer, valid_fn, iteration: int, eval_iters: int) -> float:
+    losses = [trainer.evaluate(valid_fn, it) for it in range(eval_iters)]
+    return sum(losses) / len(losses)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    logging.basicConfig(level=logging.WARNING, format="%(message)s")
+    logging.getLogger("megatron_het").setLevel(logging.INFO)
+    try:
+        args = parse_args(argv, tokenizer_vocab=_pre_tokenizer_vocab(argv))
+    except ConfigError as e:
+        print(f"pretrain_gpt.py: error: {e}", file=sys.stderr)
+        return 2
+
+    acc = detect_accelerator()
+    dist.init_process_group("gloo" if not acc.is_gpu else "cpu:gloo,cuda:nccl",
+                            timeout=datetime.timedelta(minutes=10))
+    try:
+        return _train(args, acc)
+    except (ConfigError, PlanError, ValueError) as e:
+        print(f"[rank {dist.get_rank()}] pretrain_gpt.py: error: {e}", file=sys.stderr, flush=True)
+        return 2
+    finally:
+        dist.destroy_process_group()
+
+
+def _train(args: PretrainArgs, acc) -> int:
+    from megatron_het.checkpoint.dist_ckpt import iteration_dir, latest_iteration, read_common
+    from megatron_het.runtime.hetero_trainer import HeteroTrainer
+
+    if not acc.is_gpu:
+        print_rank0(enable_cpu_backend().describe())
+    print_rank0(f"accelerator: {acc.kind} ({acc.device_name}); {detect_optional_accelerators(acc).describe()}")
+    if acc.is_gpu:
+        raise ValueError("this build's heterogeneous runtime places tensors on the CPU only (got a GPU). "
+                         "Fix: run on CPU ranks, or wait for the GPU device placement of the runtime")
+    plan = resolve_plan(args)
+    world = dist.get_world_size()
+    if world != plan.world_size:
+        raise ValueError(f"world size: the plan uses {plan.world_size} ranks, torchrun started {world}. "
+                         f"Fix: launch with --nproc-per-node/--nnodes giving {plan.world_size} processes")
+    for line in describe_plan_lines(plan):
+        print_rank0(line)
+    if plan.use_distributed_optimizer:
+        print_rank0("note: plan.use_distributed_optimizer is used by the memory prediction; this runtime keeps "
+                    "full optimizer state on every holder of a parameter")
+    cluster = args.cluster
+    emulate = cluster.emulated and not args.raw.no_emulation
+    if emulate:
+        factors = ", ".join(f"{i.name} x{cluster.slowdown(i.name):.2f}" for i in cluster.islands)
+        print_rank0(f"EMULATION (CPU): slower device types are emulated by waiting (slowdown-1) x the measured "
+                    f"compute time after each forward/backward: {factors}")
+
+    batch_fn, valid_fn = _batch_fns(args)
+    padded_vocab = None
+    load_path = None
+    if args.raw.load:
+        it = latest_iteration(args.raw.load)
+        if it is None:
+            print_rank0(f"no checkpoint in {args.raw.load}: starting from scratch")
+        else:
+            load_path = iteration_dir(args.raw.load, it)
+            padded_vocab = read_common(load_path).get("padded_vocab")
+    trainer = HeteroTrainer(model=args.model, plan=plan, train=args.train, batch_fn=batch_fn,
+                            cluster=cluster if emulate else None, padded_vocab=padded_vocab,
+                            slowdown=None if emulate else 1.0)
+    if load_path:
+        start = trainer.load_checkpoint(load_path)
+        print_rank0(f"loaded checkpoint {load_path} (iteration {start}, written under another plan is fine)")
+
+    ns, train = args.raw, args.train
+    logs = []
+    window_start = time.perf_counter()
+    while trainer.iteration < train.train_iters:
+        entry = trainer.train_step()
+        logs.append(entry)
+        it = trainer.iteration
+        if it % train.log_interval == 0:
+            elapsed = (time.perf_counter() - window_start) / train.log_interval
+            window_start = time.perf_counter()
+            tokens = train.global_batch_size * args.model.seq_length
+            print_rank0(f" iteration {it:8d}/{train.train_iters:8d} | consumed samples: {it * train.global_batch_size:10d} "
+                        f"| elapsed time per iteration (ms): {elapsed * 1000:.1f} | learning rate: {train.lr_at(it - 1):.3E} "
+                        f"| global batch size: {train.global_batch_size:5d} | lm loss: {entry.lm_loss:.6E} "
+                        f"| grad norm: {entry.grad_norm:.3f} | tokens/s: {tokens / elapsed:.0f}")
+        if ns.eval_interval and ns.eval_iters and valid_fn is not None and it % ns.eval_interval == 0:
+            loss = _evaluate(trainer, valid_fn, it, ns.eval_iters)
+            print_rank0(f" validation loss at iteration {it} | lm loss value: {loss:.6E} | "
+                        f"lm loss PPL: {torch.exp(torch.tensor(loss)).item():.3f}")
+        if ns.save and ns.save_interval and it % ns.save_interval == 0 and it < train.train_iters:
+            print_rank0(f"saved checkpoint {trainer.save_checkpoint(ns.save)}")
+    if ns.save:
+        print_rank0(f"saved checkpoint {trainer.save_checkpoint(ns.save)}")
+    if logs:
+        _stage_summary(trainer, logs)
+    return 0
