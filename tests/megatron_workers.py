@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from functools import partial
 
 from megatron_het.cluster import ModelSpec
@@ -52,9 +53,12 @@ def hetero_cases_worker(rank, world_size, model: ModelSpec, cases, train: TrainC
     from megatron_het.runtime.hetero_trainer import HeteroTrainer
     from megatron_het.runtime.megatron_trainer import train_megatron_block
 
+    from megatron_het.cluster import cluster_from_dict
+
     enable_cpu_backend()
     out = {}
-    for name, plan in cases:
+    for name, plan, *rest in cases:  # (name, plan) or (name, plan, cluster as a dict)
+        cluster = cluster_from_dict(rest[0]) if rest else None
         start = time.perf_counter()
         dist.barrier()
         if isinstance(plan, BlockShape):
@@ -63,8 +67,9 @@ def hetero_cases_worker(rank, world_size, model: ModelSpec, cases, train: TrainC
                                        padded_vocab=padded_vocab)
         else:
             trainer = HeteroTrainer(model=model, plan=plan, train=train, batch_fn=batch_fn(model, train.seed),
-                                    init_full_state=init_full_state, padded_vocab=padded_vocab)
+                                    init_full_state=init_full_state, padded_vocab=padded_vocab, cluster=cluster)
             res = trainer.run(return_shards=True)
+            res = dataclasses.replace(res, routes=tuple(trainer.sync.routes))
         out[name] = (res, time.perf_counter() - start)
     return out
 

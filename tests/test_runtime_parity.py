@@ -44,6 +44,21 @@ CASES = {
                             ([stage([3], (0, 1)), stage([4, 5], (1, 4))], 1),
                             ([stage([6], (0, 3)), stage([7], (3, 4))], 1)),
 }
+# (b) again on an emulated A100 + MI250X cluster: every cross-replica gradient group spans NCCL and
+# RCCL islands, so it must go through megatron_het.comm's bridge (gloo underneath, here)
+BRIDGED_CLUSTER = {
+    "islands": [{"name": "nv", "device": "A100-80GB", "nodes": 1, "gpus_per_node": 4},
+                {"name": "amd", "device": "MI250X", "nodes": 1, "gpus_per_node": 4}],
+    "links": [{"between": ["nv", "amd"], "bandwidth_gbps": 100}],
+}
+BRIDGED = Plan(replicas=(
+    ReplicaPlan(stages=(StagePlan(island="nv", device_type="A100-80GB", ranks=(0, 1), layers=(0, 3)),
+                        StagePlan(island="nv", device_type="A100-80GB", ranks=(2, 3), layers=(3, 4))),
+                num_micro_batches=3),
+    ReplicaPlan(stages=(StagePlan(island="amd", device_type="MI250X", ranks=(4, 5, 6, 7), layers=(0, 4)),),
+                num_micro_batches=1)),
+    micro_batch_size=TRAIN.micro_batch_size, global_batch_size=TRAIN.global_batch_size)
+
 # (d) a homogeneous plan: our runtime and plain megatron-core on TP2 x PP2 x DP2
 HOMOGENEOUS = plan(([stage([0, 1], (0, 2)), stage([2, 3], (2, 4))], 2),
                    ([stage([4, 5], (0, 2)), stage([6, 7], (2, 4))], 2))
@@ -53,7 +68,8 @@ HOMOGENEOUS = plan(([stage([0, 1], (0, 2)), stage([2, 3], (2, 4))], 2),
 def runs():
     ref = run_local(1, megatron_block_worker, (MODEL, TRAIN, BlockShape(tp=1, pp=1, dp=1), None, PADDED_VOCAB))[0]
     init = assemble_full_state([ref.initial_shards])
-    cases = list(CASES.items()) + [("homogeneous_runtime", HOMOGENEOUS),
+    cases = list(CASES.items()) + [("bridged_nv_amd", BRIDGED, BRIDGED_CLUSTER),
+                                   ("homogeneous_runtime", HOMOGENEOUS),
                                    ("homogeneous_megatron", BlockShape(tp=2, pp=2, dp=2))]
     per_rank = run_local(8, hetero_cases_worker, (MODEL, cases, TRAIN, init, PADDED_VOCAB))
     return ref, per_rank
@@ -70,7 +86,7 @@ def _losses(per_rank, name):
 
 
 @pytest.mark.multiproc
-@pytest.mark.parametrize("name", list(CASES) + ["homogeneous_runtime", "homogeneous_megatron"])
+@pytest.mark.parametrize("name", list(CASES) + ["bridged_nv_amd", "homogeneous_runtime", "homogeneous_megatron"])
 def test_plan_matches_single_process(runs, name):
     ref, per_rank = runs
     ref_losses = [log.lm_loss for log in ref.iterations]
@@ -94,3 +110,12 @@ def test_homogeneous_runtime_equals_plain_megatron(runs):
     ours, theirs = _losses(per_rank, "homogeneous_runtime"), _losses(per_rank, "homogeneous_megatron")
     for a, b in zip(ours, theirs):
         assert abs(a - b) <= 1e-5 * abs(b)
+
+
+@pytest.mark.multiproc
+def test_cross_vendor_gradient_groups_use_the_bridge(runs):
+    _, per_rank = runs
+    bridged = [kind for out in per_rank for _, kind in out["bridged_nv_amd"][0].routes]
+    assert bridged and set(bridged) == {"het-bridge"}, bridged
+    same_vendor = [kind for out in per_rank for _, kind in out["pp2tp2x3_pp1tp4x1"][0].routes]
+    assert same_vendor and set(same_vendor) == {"native"}

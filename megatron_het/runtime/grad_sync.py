@@ -101,19 +101,29 @@ class GradientSynchronizer:
     """Creates the reduction groups once (collective over the world) and reduces each step."""
 
     def __init__(self, local: Sequence[Holding], params: Mapping[str, torch.nn.Parameter], *,
-                 world_group=None) -> None:
+                 placement=None) -> None:
+        """``placement`` (comm_routing.RankPlacement) routes groups that span collective libraries
+        through the cross-vendor bridge; None: every group is a plain torch group."""
+        from megatron_het.runtime.comm_routing import NativeGroup, new_reduction_group
+
         gathered: list[list[Holding] | None] = [None] * dist.get_world_size()
-        dist.all_gather_object(gathered, list(local), group=world_group)
+        dist.all_gather_object(gathered, list(local))
         self.all_holdings = [h for hs in gathered for h in hs]
         self.buckets = plan_buckets(self.all_holdings)
         self.rank = dist.get_rank()
         self.params = dict(params)
         self.local = {h.name: h for h in local}
         self._groups = []
+        self.routes: list[tuple[tuple[int, ...], str]] = []  # (ranks, "native" | "het-bridge"), for the log
         for bucket in self.buckets:  # every rank creates every group, in the same order
-            group = dist.new_group(list(bucket.ranks))
-            if self.rank in bucket.ranks:
+            if placement is None:
+                group = dist.new_group(list(bucket.ranks))
+                group = NativeGroup(group) if self.rank in bucket.ranks else None
+            else:
+                group = new_reduction_group(bucket.ranks, placement)
+            if group is not None:
                 self._groups.append((bucket, group))
+                self.routes.append((bucket.ranks, group.kind))
         # (name, rank) pairs that count each full element once: the gradient norm and the
         # checkpoint's main replicas use the same owners.
         self.owned = owned_norm_holdings(self.all_holdings)
@@ -134,7 +144,7 @@ class GradientSynchronizer:
                         _slice(full, h).copy_(g)
                     pieces.append(full.reshape(-1))
                 flat = torch.cat(pieces)
-            dist.all_reduce(flat, group=group)
+            group.all_reduce(flat)
             offset = 0
             for name, g in zip(bucket.names, grads):
                 h = self.local[name]

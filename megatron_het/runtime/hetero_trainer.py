@@ -25,6 +25,7 @@ from megatron_het.checkpoint.full_state import Shard, global_name, load_full_sta
 from megatron_het.cluster import ClusterSpec, ModelSpec
 from megatron_het.plan import Plan
 from megatron_het.runtime.boundary import BoundaryLink, Neighbour
+from megatron_het.runtime.comm_routing import rank_placement
 from megatron_het.runtime.gpt_model import StageModelSpec, build_gpt_stage, padded_vocab_size, transformer_config
 from megatron_het.runtime.grad_sync import GradientSynchronizer, Holding
 from megatron_het.runtime.megatron_trainer import IterationLog, RunResult, split_tokens
@@ -122,7 +123,12 @@ class HeteroTrainer:
         self.total_micro_batches = sum(r.num_micro_batches for r in plan.replicas)
 
         self.params = self._named_global_params()
-        self.sync = GradientSynchronizer(self._holdings(), self.params)
+        self.placement = rank_placement(plan, cluster)
+        self.sync = GradientSynchronizer(self._holdings(), self.params, placement=self.placement)
+        for ranks, kind in self.sync.routes:
+            if kind != "native":
+                logger.info("rank %d: gradient group %s spans collective libraries %s -> %s", role.rank,
+                            list(ranks), sorted({self.placement.library[r] for r in ranks}), kind)
         decay = [p for n, p in self.params.items() if not (p.dim() == 1 or n.endswith(".bias"))]
         no_decay = [p for n, p in self.params.items() if p.dim() == 1 or n.endswith(".bias")]
         self.optimizer = torch.optim.AdamW(

@@ -43,6 +43,7 @@ class RunResult:
     iterations: tuple[IterationLog, ...]
     initial_shards: Mapping[str, Shard] | None  # parameters before the first step, if requested
     shards: Mapping[str, Shard] | None  # final parameters as global-named shards, if requested
+    routes: tuple = ()  # (ranks, "native" | "het-bridge") of this rank's gradient groups
 
 
 def lm_loss_func(loss_mask: torch.Tensor):

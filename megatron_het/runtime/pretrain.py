@@ -192,7 +192,7 @@ def _train(args: PretrainArgs, acc) -> int:
             load_path = iteration_dir(args.raw.load, it)
             padded_vocab = read_common(load_path).get("padded_vocab")
     trainer = HeteroTrainer(model=args.model, plan=plan, train=args.train, batch_fn=batch_fn,
-                            cluster=cluster if emulate else None, padded_vocab=padded_vocab,
+                            cluster=cluster, padded_vocab=padded_vocab,
                             slowdown=None if emulate else 1.0)
     if load_path:
         start = trainer.load_checkpoint(load_path)

@@ -1,0 +1,82 @@
+"""Which communicator a group of the runtime uses: native, or the cross-vendor bridge.
+
+NVIDIA ranks speak NCCL and AMD ranks RCCL, and the two cannot join one communicator even though
+torch calls both backends "nccl". So the decision is made on the *collective library* of each
+rank's device type (from the cluster file), not on torch backend names: a group whose ranks span
+islands of different libraries goes through ``megatron_het.comm``'s hierarchical group (native
+inside each island, host-staged between leaders); any other group is a plain ``new_group``.
+On CPU every island's torch backend is gloo, but a cluster file that emulates, say, A100 beside
+MI250X still routes their shared groups through the bridge, so the same path is exercised here.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Mapping, Sequence
+
+import torch
+import torch.distributed as dist
+
+from megatron_het.cluster import ClusterSpec
+from megatron_het.plan import Plan, rank_roles
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, kw_only=True)
+class RankPlacement:
+    """For every rank of a plan: its island and that island's collective library."""
+
+    island: Mapping[int, str]
+    library: Mapping[int, str]  # "nccl" | "rccl" | "gloo"
+
+    def spans_libraries(self, ranks: Sequence[int]) -> bool:
+        return len({self.library[r] for r in ranks}) > 1
+
+
+def rank_placement(plan: Plan, cluster: ClusterSpec | None) -> RankPlacement:
+    """Pure. Without a cluster every rank counts as one library (no bridge)."""
+    roles = rank_roles(plan)
+    island = {r: role.island for r, role in roles.items()}
+    if cluster is None:
+        return RankPlacement(island=island, library={r: "gloo" for r in roles})
+    return RankPlacement(island=island,
+                         library={r: cluster.island(i).device.collective_library for r, i in island.items()})
+
+
+class NativeGroup:
+    """A torch process group behind the same small interface as the bridge group."""
+
+    kind = "native"
+
+    def __init__(self, group) -> None:
+        self.group = group
+
+    def all_reduce(self, tensor: torch.Tensor) -> None:
+        dist.all_reduce(tensor, group=self.group)
+
+
+class BridgedGroup:
+    kind = "het-bridge"
+
+    def __init__(self, het_group) -> None:
+        self.het = het_group
+
+    def all_reduce(self, tensor: torch.Tensor) -> None:
+        self.het.all_reduce(tensor)
+
+
+def new_reduction_group(ranks: Sequence[int], placement: RankPlacement, *, torch_backend: str = "gloo"):
+    """Collective over the world (every rank calls it, same order); None on non-members."""
+    ranks = sorted(ranks)
+    if placement.spans_libraries(ranks):
+        from megatron_het.comm import IslandMembership, new_hierarchical_group
+
+        islands = sorted({placement.island[r] for r in ranks})
+        membership = IslandMembership(rank_to_island={r: placement.island[r] for r in ranks},
+                                      island_backend={i: torch_backend for i in islands})
+        het = new_hierarchical_group(ranks, membership)
+        return BridgedGroup(het) if het is not None else None
+    group = dist.new_group(ranks)
+    return NativeGroup(group) if dist.get_rank() in ranks else None
