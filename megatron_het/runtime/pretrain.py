@@ -181,6 +181,16 @@ def _train(args: PretrainArgs, acc) -> int:
         print_rank0(f"EMULATION (CPU): slower device types are emulated by waiting (slowdown-1) x the measured "
                     f"compute time after each forward/backward: {factors}")
 
+    libraries = sorted({cluster.island(s.island).device.collective_library
+                        for r in plan.replicas for s in r.stages})
+    if len(libraries) > 1:
+        from megatron_het.comm import het_backend_info
+
+        info = het_backend_info()
+        print_rank0(f"communication: the plan spans collective libraries {libraries}; groups across them use the "
+                    f"het bridge ({info.implementation}: {info.reason}), others the native backend")
+    else:
+        print_rank0(f"communication: one collective library ({libraries[0]}): native groups only")
     batch_fn, valid_fn = _batch_fns(args)
     padded_vocab = None
     load_path = None
