@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 import megatron_het.platform  # noqa: F401  (triton import guard)
+from megatron_het.checkpoint.tp_layout import local_pieces
 from megatron_het.cluster import ModelSpec
 
 TRACKER = "latest_checkpointed_iteration.txt"
@@ -46,6 +47,7 @@ class TensorSlot:
     tp_rank: int
     tp_size: int
     main: bool  # True on exactly one holder of each element: it writes them
+    glu: bool = False  # gated-MLP fc1 ([gate_r; up_r]): stored as two tensors, "<name>.gate" and ".up"
 
 
 def iteration_dir(save: str, iteration: int) -> str:
@@ -71,9 +73,20 @@ def _sharded(slots: Mapping[str, TensorSlot], prefix: str, select=lambda name, s
     for name, slot in slots.items():
         data = select(name, slot)
         offsets = () if slot.partition_dim is None else ((slot.partition_dim, slot.tp_rank, slot.tp_size),)
-        out[f"{prefix}{name}"] = ShardedTensor.from_rank_offsets(
-            f"{prefix}{name}", data, *offsets, replica_id=0 if slot.main else 1)
+        parts = {"": data}
+        if slot.glu:  # two regular grids instead of one interleaved one (tp_layout.py)
+            gate, up = local_pieces(data, slot.partition_dim, True)
+            parts = {".gate": gate, ".up": up}
+        for suffix, part in parts.items():
+            key = f"{prefix}{name}{suffix}"
+            out[key] = ShardedTensor.from_rank_offsets(key, part, *offsets, replica_id=0 if slot.main else 1)
     return out
+
+
+def _local(loaded: Mapping, key: str, slot: TensorSlot) -> torch.Tensor:
+    if slot.glu:
+        return torch.cat([loaded[key + ".gate"], loaded[key + ".up"]], dim=slot.partition_dim)
+    return loaded[key]
 
 
 def model_common_state(model: ModelSpec) -> dict:
@@ -160,7 +173,7 @@ def load_checkpoint(path: str, *, params: Mapping[str, TensorSlot], model: Model
     except Exception as e:  # surface shape mismatches with the file named
         raise CheckpointError(f"{path}: could not load this plan's shards: {e}. Fix: check that the checkpoint "
                               f"belongs to this model (and vocabulary padding)") from e
-    values = {name: loaded[f"model.{name}"] for name in params}
-    moments = ({name: {k: loaded[f"optimizer.{k}.{name}"] for k in ("exp_avg", "exp_avg_sq")} for name in params}
-               if with_optimizer else {})
+    values = {name: _local(loaded, f"model.{name}", slot) for name, slot in params.items()}
+    moments = ({name: {k: _local(loaded, f"optimizer.{k}.{name}", slot) for k in ("exp_avg", "exp_avg_sq")}
+                for name, slot in params.items()} if with_optimizer else {})
     return common, values, moments

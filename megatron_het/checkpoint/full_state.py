@@ -19,6 +19,8 @@ from typing import Mapping
 
 import torch
 
+from megatron_het.checkpoint.tp_layout import is_glu, join_shards, slice_full
+
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
 TIED_OUTPUT = "output_layer.weight"
 WORD_EMBEDDING = "embedding.word_embeddings.weight"
@@ -52,10 +54,11 @@ class Shard:
     partition_dim: int | None  # dim split across TP ranks, None if replicated
     tp_rank: int
     tp_size: int
+    glu: bool = False  # gated-MLP fc1: the shard is [gate_r; up_r] (see tp_layout.py)
 
 
 def local_shards(model: torch.nn.Module, *, layer_offset: int, tp_rank: int, tp_size: int,
-                 tied: bool) -> dict[str, Shard]:
+                 tied: bool, gated: bool = False) -> dict[str, Shard]:
     """This stage's parameters as global-named shards (``output_layer.weight`` dropped if tied)."""
     out: dict[str, Shard] = {}
     for name, param in model.named_parameters():
@@ -63,7 +66,7 @@ def local_shards(model: torch.nn.Module, *, layer_offset: int, tp_rank: int, tp_
         if tied and gname == TIED_OUTPUT:
             continue  # a copy of the word embedding kept in sync by megatron's embedding group
         out[gname] = Shard(tensor=param.detach().cpu().clone(), partition_dim=_partition_dim(param),
-                           tp_rank=tp_rank, tp_size=tp_size)
+                           tp_rank=tp_rank, tp_size=tp_size, glu=is_glu(gname, gated))
     return out
 
 
@@ -82,13 +85,13 @@ def assemble_full_state(shard_sets: list[Mapping[str, Shard]]) -> dict[str, torc
         missing = [r for r in range(first.tp_size) if r not in by_rank]
         if missing:
             raise ValueError(f"{name}: TP shards {missing} of {first.tp_size} are missing")
-        full[name] = torch.cat([by_rank[r].tensor for r in range(first.tp_size)], dim=first.partition_dim)
+        full[name] = join_shards([by_rank[r].tensor for r in range(first.tp_size)], first.partition_dim, first.glu)
     return full
 
 
 @torch.no_grad()
 def load_full_state(model: torch.nn.Module, full: Mapping[str, torch.Tensor], *, layer_offset: int,
-                    tp_rank: int, tp_size: int, tied: bool) -> None:
+                    tp_rank: int, tp_size: int, tied: bool, gated: bool = False) -> None:
     """Copy the matching slice of every full tensor into this stage's parameters."""
     for name, param in model.named_parameters():
         gname = _source_name(global_name(name, layer_offset), full, tied)
@@ -99,7 +102,7 @@ def load_full_state(model: torch.nn.Module, full: Mapping[str, torch.Tensor], *,
         if dim is not None:
             if src.shape[dim] % tp_size:
                 raise ValueError(f"{gname}: dim {dim} of size {src.shape[dim]} is not divisible by TP={tp_size}")
-            src = torch.chunk(src, tp_size, dim=dim)[tp_rank]
+            src = slice_full(src, dim, tp_rank, tp_size, is_glu(gname, gated))
         if tuple(src.shape) != tuple(param.shape):
             raise ValueError(f"{gname}: full-state slice has shape {tuple(src.shape)}, "
                              f"parameter {name!r} has {tuple(param.shape)}")

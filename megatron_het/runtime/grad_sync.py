@@ -25,6 +25,8 @@ from typing import Iterable, Mapping, Sequence
 import torch
 import torch.distributed as dist
 
+from megatron_het.checkpoint.tp_layout import slice_full, write_local
+
 
 @dataclass(frozen=True, kw_only=True)
 class Holding:
@@ -37,6 +39,7 @@ class Holding:
     tp_size: int
     partition_dim: int | None  # None: replicated across the stage's TP ranks
     full_shape: tuple[int, ...]
+    glu: bool = False  # gated-MLP fc1: the shard is [gate_r; up_r] (checkpoint/tp_layout.py)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -94,7 +97,14 @@ def owned_norm_holdings(holdings: Iterable[Holding]) -> set[tuple[str, int]]:
 def _slice(full: torch.Tensor, h: Holding) -> torch.Tensor:
     if h.partition_dim is None:
         return full
-    return torch.chunk(full, h.tp_size, dim=h.partition_dim)[h.tp_rank]
+    return slice_full(full, h.partition_dim, h.tp_rank, h.tp_size, h.glu)
+
+
+def _write(full: torch.Tensor, local: torch.Tensor, h: Holding) -> None:
+    if h.partition_dim is None:
+        full.copy_(local)
+    else:
+        write_local(full, local, h.partition_dim, h.tp_rank, h.tp_size, h.glu)
 
 
 class GradientSynchronizer:
@@ -141,7 +151,7 @@ class GradientSynchronizer:
                     h = self.local[name]
                     full = torch.zeros(h.full_shape, dtype=g.dtype)
                     if h.partition_dim is not None or h.tp_rank == 0:
-                        _slice(full, h).copy_(g)
+                        _write(full, g, h)
                     pieces.append(full.reshape(-1))
                 flat = torch.cat(pieces)
             group.all_reduce(flat)

@@ -24,6 +24,7 @@ import torch.distributed as dist
 from megatron_het.checkpoint.full_state import Shard, global_name, load_full_state, local_shards, TIED_OUTPUT, WORD_EMBEDDING
 from megatron_het.cluster import ClusterSpec, ModelSpec
 from megatron_het.plan import Plan
+from megatron_het.checkpoint.tp_layout import is_glu
 from megatron_het.runtime.boundary import BoundaryLink, Neighbour
 from megatron_het.runtime.comm_routing import rank_placement
 from megatron_het.runtime.gpt_model import StageModelSpec, build_gpt_stage, padded_vocab_size, transformer_config
@@ -74,12 +75,37 @@ class HeteroIterationLog(IterationLog):
     tokens_per_s: float = 0.0
 
 
+class TrainerHooks:
+    """Optional hook points of HeteroTrainer (fault tolerance plugs in here; defaults do nothing).
+
+    ``run_actions`` may replace the schedule executor for one iteration (return the loss sum) or
+    return None to use the plan's schedule; ``on_failure`` may repair the trainer after an exception
+    of an iteration and return True to redo that iteration (gradients are zeroed again).
+    """
+
+    def on_step_start(self, trainer: "HeteroTrainer", iteration: int) -> None:
+        return None
+
+    def run_actions(self, trainer: "HeteroTrainer", iteration: int, times: "StageTimes") -> torch.Tensor | None:
+        return None
+
+    def on_action(self, trainer: "HeteroTrainer", iteration: int, index: int, action) -> None:
+        return None
+
+    def on_step_end(self, trainer: "HeteroTrainer", log: "HeteroIterationLog") -> None:
+        return None
+
+    def on_failure(self, trainer: "HeteroTrainer", iteration: int, error: BaseException) -> bool:
+        return False
+
+
 class HeteroTrainer:
     """Builds this rank's stage from a plan and trains it. Call the constructor on every rank."""
 
     def __init__(self, *, model: ModelSpec, plan: Plan, train: TrainConfig, batch_fn: BatchFn,
                  cluster: ClusterSpec | None = None, init_full_state: Mapping[str, torch.Tensor] | None = None,
-                 padded_vocab: int | None = None, slowdown: float | None = None) -> None:
+                 padded_vocab: int | None = None, slowdown: float | None = None,
+                 hooks: TrainerHooks | None = None) -> None:
         from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
         if plan.sequence_parallel:
@@ -91,6 +117,7 @@ class HeteroTrainer:
                 f"training arguments micro {train.micro_batch_size} / global {train.global_batch_size}. "
                 f"Fix: pass the plan's sizes (or re-plan for yours)")
         self.model_spec, self.plan, self.train, self.batch_fn = model, plan, train, batch_fn
+        self.hooks = hooks  # None: plain training, an exception ends the run
         self.pgc, self.role = build_stage_groups(plan)
         role = self.role
         self.replica = plan.replicas[role.replica]
@@ -111,7 +138,7 @@ class HeteroTrainer:
         self.tied = not model.untie_embeddings_and_output_weights
         if init_full_state is not None:
             load_full_state(self.gpt, init_full_state, layer_offset=role.layers[0], tp_rank=role.tp_rank,
-                            tp_size=role.tp_size, tied=self.tied)
+                            tp_size=role.tp_size, tied=self.tied, gated=model.swiglu)
 
         stages = self.replica.stages
         prev = Neighbour(ranks=tuple(stages[role.stage - 1].ranks)) if role.stage > 0 else None
@@ -158,7 +185,8 @@ class HeteroTrainer:
             if dim is not None:
                 full[dim] *= role.tp_size
             hs.append(Holding(name=name, rank=role.rank, stage_key=(role.replica, role.stage), tp_rank=role.tp_rank,
-                              tp_size=role.tp_size, partition_dim=dim, full_shape=tuple(full)))
+                              tp_size=role.tp_size, partition_dim=dim, full_shape=tuple(full),
+                              glu=is_glu(name, self.model_spec.swiglu)))
         return hs
 
     # ---- one iteration ----------------------------------------------------------------------
@@ -198,7 +226,21 @@ class HeteroTrainer:
         return out
 
     def train_step(self) -> HeteroIterationLog:
-        it = self.iteration
+        while True:
+            it = self.iteration
+            if self.hooks is not None:
+                self.hooks.on_step_start(self, it)
+            try:
+                log = self._step(it)
+            except Exception as error:  # a peer failed: the hooks may repair the groups and redo
+                if self.hooks is None or not self.hooks.on_failure(self, it, error):
+                    raise
+                continue
+            if self.hooks is not None:
+                self.hooks.on_step_end(self, log)
+            return log
+
+    def _step(self, it: int) -> HeteroIterationLog:
         start = time.perf_counter()
         times = StageTimes()
         for group in self.optimizer.param_groups:
@@ -207,11 +249,32 @@ class HeteroTrainer:
         for p in self.params.values():
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
+        loss_sum = self.hooks.run_actions(self, it, times) if self.hooks is not None else None
+        if loss_sum is None:
+            loss_sum = self._run_actions(it, times)
+        self.sync.reduce()
+        grad_norm = self._clip()
+        # Global mean loss: last stages hold their replicas' per-micro-batch mean sums. Reported
+        # before the step so that a failure in any collective leaves every survivor un-stepped.
+        report = torch.tensor([loss_sum.item() if (self.is_last and self.role.tp_rank == 0) else 0.0])
+        dist.all_reduce(report)
+        self.optimizer.step()
+        times.total_s = time.perf_counter() - start
+        self.iteration += 1
+        tokens = self.train.global_batch_size * self.model_spec.seq_length
+        return HeteroIterationLog(iteration=self.iteration, lm_loss=float(report) / self.total_micro_batches,
+                                  grad_norm=grad_norm, elapsed_s=times.total_s, compute_s=times.compute_s,
+                                  idle_s=times.idle_s, tokens_per_s=tokens / times.total_s)
+
+    def _run_actions(self, it: int, times: StageTimes) -> torch.Tensor:
+        """Run this stage's action list of the plan's schedule; returns the local loss sum."""
         mbs, seq, h = self.train.micro_batch_size, self.model_spec.seq_length, self.model_spec.hidden_size
         act_shape = (seq, mbs, h)
         saved: dict[int, tuple[torch.Tensor | None, torch.Tensor]] = {}
         loss_sum = torch.zeros((), dtype=torch.float64)
-        for action in self.actions:
+        for index, action in enumerate(self.actions):
+            if self.hooks is not None:
+                self.hooks.on_action(self, it, index, action)
             m = action.micro_batch
             if action.kind == "F":
                 tokens = self._micro_tokens(it, m) if (self.is_first or self.is_last) else None
@@ -235,18 +298,7 @@ class HeteroTrainer:
             else:
                 raise ValueError(f"unknown schedule action {action}")
         self.link.drain()
-        self.sync.reduce()
-        grad_norm = self._clip()
-        self.optimizer.step()
-        # Global mean loss: last stages hold their replicas' per-micro-batch mean sums.
-        report = torch.tensor([loss_sum.item() if (self.is_last and self.role.tp_rank == 0) else 0.0])
-        dist.all_reduce(report)
-        times.total_s = time.perf_counter() - start
-        self.iteration += 1
-        tokens = self.train.global_batch_size * self.model_spec.seq_length
-        return HeteroIterationLog(iteration=self.iteration, lm_loss=float(report) / self.total_micro_batches,
-                                  grad_norm=grad_norm, elapsed_s=times.total_s, compute_s=times.compute_s,
-                                  idle_s=times.idle_s, tokens_per_s=tokens / times.total_s)
+        return loss_sum
 
     def _forward(self, tokens: torch.Tensor | None, inp: torch.Tensor | None) -> torch.Tensor:
         if inp is not None:
@@ -281,7 +333,8 @@ class HeteroTrainer:
 
         return {name: TensorSlot(tensor=p.detach(), partition_dim=self.sync.local[name].partition_dim,
                                  tp_rank=self.role.tp_rank, tp_size=self.role.tp_size,
-                                 main=(name, self.role.rank) in self.sync.owned)
+                                 main=(name, self.role.rank) in self.sync.owned,
+                                 glu=is_glu(name, self.model_spec.swiglu))
                 for name, p in self.params.items()}
 
     def save_checkpoint(self, save: str) -> str:
@@ -322,10 +375,11 @@ class HeteroTrainer:
     # ---- whole runs -------------------------------------------------------------------------
     def shards(self) -> dict[str, Shard]:
         return local_shards(self.gpt, layer_offset=self.role.layers[0], tp_rank=self.role.tp_rank,
-                            tp_size=self.role.tp_size, tied=self.tied)
+                            tp_size=self.role.tp_size, tied=self.tied, gated=self.model_spec.swiglu)
 
     def run(self, iterations: int | None = None, *, return_shards: bool = False,
             on_iteration: Callable[[HeteroIterationLog], None] | None = None) -> RunResult:
+        """Train ``iterations`` steps (default ``train.train_iters``), logging each."""
         initial = self.shards() if return_shards else None
         logs = []
         for _ in range(iterations if iterations is not None else self.train.train_iters):

@@ -98,10 +98,10 @@ def train_megatron_block(*, model: ModelSpec, train: TrainConfig, shape: BlockSh
     tied = not model.untie_embeddings_and_output_weights
     if init_full_state is not None:
         load_full_state(gpt, init_full_state, layer_offset=layer_offset, tp_rank=tp_rank,
-                        tp_size=shape.tp, tied=tied)
+                        tp_size=shape.tp, tied=tied, gated=model.swiglu)
     keep = return_shards and dp_rank == 0
-    initial = (local_shards(gpt, layer_offset=layer_offset, tp_rank=tp_rank, tp_size=shape.tp, tied=tied)
-               if keep else None)
+    initial = (local_shards(gpt, layer_offset=layer_offset, tp_rank=tp_rank, tp_size=shape.tp, tied=tied,
+                              gated=model.swiglu) if keep else None)
 
     ddp = DistributedDataParallel(config, DistributedDataParallelConfig(grad_reduce_in_fp32=True),
                                   gpt, pg_collection=pgc)
@@ -151,6 +151,6 @@ def train_megatron_block(*, model: ModelSpec, train: TrainConfig, shape: BlockSh
             loss = float(mean) / shape.dp
         logs.append(IterationLog(iteration=it + 1, lm_loss=loss, grad_norm=float(grad_norm),
                                  elapsed_s=time.perf_counter() - start))
-    shards = (local_shards(gpt, layer_offset=layer_offset, tp_rank=tp_rank, tp_size=shape.tp, tied=tied)
-              if keep else None)
+    shards = (local_shards(gpt, layer_offset=layer_offset, tp_rank=tp_rank, tp_size=shape.tp, tied=tied,
+                             gated=model.swiglu) if keep else None)
     return RunResult(rank=rank, iterations=tuple(logs), initial_shards=initial, shards=shards)
