@@ -1,0 +1,59 @@
+"""One conversion: read the input format into the neutral form, write the output format atomically."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from megatron_het.checkpoint.convert.errors import ConvertError
+from megatron_het.checkpoint.convert.het import read_het, write_het
+from megatron_het.checkpoint.convert.hf import read_hf, write_hf
+from megatron_het.checkpoint.convert.io import atomic_output_dir
+from megatron_het.checkpoint.convert.megatron import read_megatron, write_megatron
+from megatron_het.checkpoint.convert.state import ModelState
+from megatron_het.cluster import ModelSpec
+
+FORMATS = ("het", "megatron", "hf")
+
+
+@dataclass(frozen=True, kw_only=True)
+class ConvertRequest:
+    """What tools/checkpoint/convert.py was asked to do."""
+
+    input: str  # input directory (a --save directory, an iter_XXXXXXX directory, or a HF model directory)
+    input_format: str  # one of FORMATS
+    output: str  # output directory; must not exist (or be empty); written atomically
+    output_format: str  # one of FORMATS
+    model: ModelSpec | None = None  # overrides the model the input describes (needed when it records none)
+    tp: int = 1  # target tensor-parallel size: vocabulary padding (and recorded args) of het/megatron output
+    pp: int = 1  # target pipeline-parallel size: recorded in the output's args/plan only
+
+    def __post_init__(self) -> None:
+        for name in ("input_format", "output_format"):
+            if getattr(self, name) not in FORMATS:
+                raise ConvertError(f"--{name.replace('_', '-')}: unknown format {getattr(self, name)!r}. "
+                                   f"Fix: use one of {', '.join(FORMATS)}")
+        for name in ("tp", "pp"):
+            if getattr(self, name) < 1:
+                raise ConvertError(f"--{name}: must be >= 1 (got {getattr(self, name)}). Fix: pass --{name} 1 or more")
+
+
+def read_state(path: str, fmt: str, *, model: ModelSpec | None = None) -> ModelState:
+    readers = {"het": read_het, "megatron": read_megatron, "hf": read_hf}
+    return readers[fmt](path, model=model)
+
+
+def write_state(state: ModelState, out_dir: str, fmt: str, *, tp: int = 1, pp: int = 1) -> None:
+    if fmt == "hf":
+        write_hf(state, out_dir)
+    elif fmt == "het":
+        write_het(state, out_dir, tp=tp, pp=pp)
+    else:
+        write_megatron(state, out_dir, tp=tp, pp=pp)
+
+
+def convert(request: ConvertRequest) -> ModelState:
+    """Run the conversion; returns the state that was written."""
+    state = read_state(request.input, request.input_format, model=request.model)
+    with atomic_output_dir(request.output) as tmp:
+        write_state(state, tmp, request.output_format, tp=request.tp, pp=request.pp)
+    return state

@@ -1,0 +1,86 @@
+"""megatron-het checkpoints (any plan) <-> the neutral form.
+
+A megatron-het checkpoint stores every tensor whole under ``model.<global name>`` (dist_checkpointing
+assembles the TP slices on load), so reading needs no plan: each tensor is requested at its global
+shape. Written checkpoints carry zero Adam moments at the given iteration and a one-rank plan, so
+``pretrain_gpt.py --load`` resumes them under any plan (it takes the padded vocabulary from them).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from megatron_het.checkpoint.convert.errors import ConvertError
+from megatron_het.checkpoint.convert.io import progress, single_process_group
+from megatron_het.checkpoint.convert.state import VOCAB_ROWS, ModelState, check_state, pad_vocab, unpad_vocab
+from megatron_het.cluster import ModelSpec
+
+PREFIX = "model."
+
+
+def checkpoint_dir(path: str) -> str:
+    """``SAVE/`` (with a tracker file) -> its latest ``iter_XXXXXXX``; an iteration dir -> itself."""
+    from megatron_het.checkpoint.dist_ckpt import TRACKER, iteration_dir, latest_iteration
+
+    if os.path.exists(os.path.join(path, TRACKER)):
+        return iteration_dir(path, latest_iteration(path))
+    if os.path.exists(os.path.join(path, "metadata.json")):
+        return path
+    raise ConvertError(f"{path}: neither a checkpoint directory ({TRACKER}) nor an iter_XXXXXXX directory. "
+                       f"Fix: point --input at the --save directory of the run")
+
+
+def read_het(path: str, *, model: ModelSpec | None = None) -> ModelState:
+    """Weights of the latest (or the given) iteration; optimizer moments are not converted."""
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing import ShardedTensor
+
+    from megatron_het.checkpoint.dist_ckpt import check_model_matches, read_common
+
+    src = checkpoint_dir(path)
+    with single_process_group():
+        common = read_common(src)
+        saved = ModelSpec(**common["model"])
+        if model is not None:
+            check_model_matches(common, model, src)
+        model = model or saved
+        meta = dist_checkpointing.load_tensors_metadata(src)
+        keys = [k for k in meta if k.startswith(PREFIX)]
+        request = {k: ShardedTensor.from_rank_offsets(k, torch.empty(meta[k].global_shape, dtype=meta[k].dtype))
+                   for k in keys}
+        loaded = dist_checkpointing.load(request, src, validate_access_integrity=False)
+    tensors: dict[str, torch.Tensor] = {}
+    for key in progress(keys, len(keys), label="read het"):
+        name = key[len(PREFIX):]
+        tensor = loaded[key]
+        tensors[name] = unpad_vocab(tensor, model.vocab_size, name=name) if name in VOCAB_ROWS else tensor
+    state = ModelState(model=model, tensors=tensors, iteration=int(common.get("iteration", 0)))
+    check_state(state, source=src)
+    return state
+
+
+def write_het(state: ModelState, save_dir: str, *, tp: int = 1, pp: int = 1) -> str:
+    """A megatron-het checkpoint (``save_dir/iter_XXXXXXX`` + tracker); returns the iteration dir.
+
+    ``tp``/``pp`` only shape the recorded plan and the vocabulary padding (a multiple of 128 * tp);
+    the checkpoint loads under any plan whose padding matches (pretrain_gpt.py adopts it).
+    """
+    from megatron_het.checkpoint.dist_ckpt import TensorSlot, model_common_state, save_checkpoint
+    from megatron_het.plan import homogeneous_plan
+    from megatron_het.runtime.gpt_model import padded_vocab_size
+
+    check_state(state, source="input")
+    m = state.model
+    padded = padded_vocab_size(m.vocab_size, tp)
+    plan = homogeneous_plan(tp=tp, pp=pp, dp=1, num_layers=m.num_layers, micro_batch_size=1, global_batch_size=1)
+    slots, moments = {}, {}
+    for name, tensor in progress(state.tensors.items(), len(state.tensors), label="write het"):
+        full = pad_vocab(tensor, padded, name=name) if name in VOCAB_ROWS else tensor
+        slots[name] = TensorSlot(tensor=full.contiguous(), partition_dim=None, tp_rank=0, tp_size=1, main=True)
+        moments[name] = {"exp_avg": torch.zeros_like(full), "exp_avg_sq": torch.zeros_like(full)}
+    common = {"model": model_common_state(m), "padded_vocab": padded, "consumed_samples": 0,
+              "plan": plan.to_dict(), "converted": True}
+    with single_process_group():
+        return save_checkpoint(save_dir, state.iteration, params=slots, optimizer_state=moments, common=common)

@@ -1,0 +1,81 @@
+"""Shared plumbing of the adapters: atomic output directories, progress, a one-process group."""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import os
+import shutil
+import sys
+import tempfile
+from collections.abc import Iterable, Iterator
+from typing import TextIO, TypeVar
+
+from megatron_het.checkpoint.convert.errors import ConvertError
+
+T = TypeVar("T")
+
+
+@contextlib.contextmanager
+def atomic_output_dir(path: str) -> Iterator[str]:
+    """Yield a temporary sibling of ``path`` to write into; renamed to ``path`` only on success.
+
+    A failed or interrupted conversion leaves nothing at ``path`` (the temp dir is removed on
+    errors; a killed process leaves only a ``.<name>.tmp-*`` sibling).
+    """
+    path = os.path.abspath(path)
+    if os.path.exists(path) and (not os.path.isdir(path) or os.listdir(path)):
+        raise ConvertError(f"--output {path}: already exists and is not empty. "
+                           f"Fix: choose a new output directory or remove this one")
+    parent = os.path.dirname(path)
+    os.makedirs(parent, exist_ok=True)
+    tmp = tempfile.mkdtemp(dir=parent, prefix=f".{os.path.basename(path)}.tmp-")
+    try:
+        yield tmp
+        if os.path.isdir(path):
+            os.rmdir(path)  # empty (checked above); os.replace cannot replace a directory
+        os.replace(tmp, path)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def progress(items: Iterable[T], total: int, *, label: str, stream: TextIO | None = None) -> Iterator[T]:
+    """Yield ``items`` while printing ``label: i/total`` on stderr (one line, rewritten in place)."""
+    stream = sys.stderr if stream is None else stream
+    tty = hasattr(stream, "isatty") and stream.isatty()
+    for n, item in enumerate(items, 1):
+        yield item
+        if tty or n == total or n % 100 == 0:  # in place on a terminal, sparse in log files
+            stream.write(f"\r{label}: {n}/{total}")
+            stream.flush()
+    stream.write("\n")
+    stream.flush()
+
+
+@contextlib.contextmanager
+def single_process_group() -> Iterator[None]:
+    """torch.distributed on one gloo process (dist_checkpointing is collective), unless one is up.
+
+    An existing group must have one rank: conversion reads and writes whole tensors. Also turns on
+    the CPU backend for megatron-core (a no-op where a GPU is visible).
+    """
+    import torch.distributed as dist
+
+    from megatron_het.platform import enable_cpu_backend
+
+    enable_cpu_backend()  # dist_checkpointing synchronises CUDA; on a CPU-only host that is redirected
+    if dist.is_initialized():
+        if dist.get_world_size() != 1:
+            raise ConvertError(f"conversion runs in one process, this one is rank {dist.get_rank()} of "
+                               f"{dist.get_world_size()}. Fix: run tools/checkpoint/convert.py without torchrun")
+        yield
+        return
+    with tempfile.TemporaryDirectory(prefix="megatron-het-convert-") as tmp:
+        store = dist.FileStore(os.path.join(tmp, "store"), 1)
+        dist.init_process_group("gloo", store=store, rank=0, world_size=1,
+                                timeout=datetime.timedelta(minutes=30))
+        try:
+            yield
+        finally:
+            dist.destroy_process_group()

@@ -1,0 +1,199 @@
+"""Megatron-LM dist checkpoints (``torch_dist``, any TP/PP) <-> the neutral form.
+
+Megatron-LM saves ``{"model": GPTModel.sharded_state_dict(), "args": Namespace, "iteration", ...}``.
+megatron-core keys every layer tensor once for all layers (stacked on a leading layer axis, global
+layer index, so PP does not change the keys), names norms as transformer-engine's fused modules do
+(``self_attention.linear_qkv.layer_norm_weight`` for the input norm) and stores swiglu ``linear_fc1``
+as [gate; up] whatever the TP size. Only the vocabulary padding (a multiple of 128 * TP) depends on
+TP. Writing therefore builds a real megatron-core GPTModel (local spec, TP=1) holding the weights and
+saves its own ``sharded_state_dict`` (so the keys are exactly megatron-core's); reading maps the keys.
+Optimizer state and RNG are not written: load with ``--finetune`` or ``--no-load-optim --no-load-rng``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from collections.abc import Mapping
+
+import torch
+
+from megatron_het.checkpoint.convert.errors import ConvertError
+from megatron_het.checkpoint.convert.io import progress, single_process_group
+from megatron_het.checkpoint.convert.state import (
+    VOCAB_ROWS,
+    ModelState,
+    check_state,
+    expected_shapes,
+    layer_shapes,
+    pad_vocab,
+    unpad_vocab,
+)
+from megatron_het.cluster import ModelSpec
+
+CHECKPOINT_VERSION = 3.0  # Megatron-LM's value for dist checkpoints
+# megatron-core's local spec saves these norms under transformer-engine's fused-module names.
+_TE_NAMES = {
+    "input_layernorm.weight": "self_attention.linear_qkv.layer_norm_weight",
+    "input_layernorm.bias": "self_attention.linear_qkv.layer_norm_bias",
+    "pre_mlp_layernorm.weight": "mlp.linear_fc1.layer_norm_weight",
+    "pre_mlp_layernorm.bias": "mlp.linear_fc1.layer_norm_bias",
+}
+
+
+def megatron_key(layer_suffix: str) -> str:
+    """Stacked megatron-core key of a per-layer tensor suffix, e.g. ``input_layernorm.weight``."""
+    return "decoder.layers." + _TE_NAMES.get(layer_suffix, layer_suffix)
+
+
+def megatron_args(model: ModelSpec, *, tp: int, pp: int, padded_vocab: int, iteration: int) -> argparse.Namespace:
+    """The subset of Megatron-LM's arguments its loader checks and our reader needs."""
+    return argparse.Namespace(
+        num_layers=model.num_layers, hidden_size=model.hidden_size, ffn_hidden_size=model.ffn_hidden_size,
+        num_attention_heads=model.num_attention_heads, kv_channels=model.kv_channels,
+        group_query_attention=model.num_query_groups != model.num_attention_heads,
+        num_query_groups=model.num_query_groups, seq_length=model.seq_length,
+        max_position_embeddings=model.max_position_embeddings, vocab_size=model.vocab_size,
+        padded_vocab_size=padded_vocab, make_vocab_size_divisible_by=128,
+        swiglu=model.swiglu, untie_embeddings_and_output_weights=model.untie_embeddings_and_output_weights,
+        normalization="RMSNorm" if model.swiglu else "LayerNorm",
+        position_embedding_type="rope" if model.swiglu else "learned_absolute",
+        add_position_embedding=not model.swiglu, add_bias_linear=not model.swiglu, rotary_base=10000,
+        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, ckpt_format="torch_dist",
+        iteration=iteration, consumed_train_samples=0,
+    )
+
+
+def model_from_megatron_args(args: object, *, source: str) -> ModelSpec:
+    """ModelSpec from a checkpoint's ``args``; refuses recipes the runtime does not build."""
+    if args is None:
+        raise ConvertError(f"{source}: the checkpoint has no 'args'. Fix: pass --model M.yaml describing it")
+    get = lambda name, default=None: getattr(args, name, default)  # noqa: E731
+    if get("vocab_size") is None:
+        raise ConvertError(f"{source}: args.vocab_size is not recorded (Megatron-LM keeps only padded_vocab_size "
+                           f"{get('padded_vocab_size')} when a tokenizer sets it). Fix: pass --model M.yaml with the "
+                           f"unpadded vocab_size")
+    swiglu = bool(get("swiglu", False))
+    recipe = {"normalization": "RMSNorm" if swiglu else "LayerNorm",
+              "position_embedding_type": "rope" if swiglu else "learned_absolute",
+              "add_bias_linear": not swiglu}
+    for key, want in recipe.items():
+        if get(key, want) != want:
+            raise ConvertError(f"{source}: args.{key} is {get(key)!r}, megatron-het's {'Llama' if swiglu else 'GPT'} "
+                               f"recipe has {want!r}. Fix: convert a checkpoint of that recipe")
+    return ModelSpec(num_layers=int(get("num_layers")), hidden_size=int(get("hidden_size")),
+                     num_attention_heads=int(get("num_attention_heads")),
+                     num_query_groups=int(get("num_query_groups")) if get("group_query_attention") else None,
+                     ffn_hidden_size=get("ffn_hidden_size"), seq_length=int(get("seq_length")),
+                     max_position_embeddings=get("max_position_embeddings"), vocab_size=int(get("vocab_size")),
+                     swiglu=swiglu, untie_embeddings_and_output_weights=bool(get("untie_embeddings_and_output_weights")))
+
+
+def _iteration_dir(path: str) -> tuple[str, int | None]:
+    from megatron_het.checkpoint.dist_ckpt import TRACKER, iteration_dir
+
+    tracker = os.path.join(path, TRACKER)
+    if os.path.exists(tracker):
+        text = open(tracker, encoding="utf-8").read().strip()
+        if not text.isdigit():
+            raise ConvertError(f"{tracker}: holds {text!r}, not an iteration. Fix: write the iteration number")
+        return iteration_dir(path, int(text)), int(text)
+    if os.path.exists(os.path.join(path, "metadata.json")):
+        return path, None
+    raise ConvertError(f"{path}: neither a Megatron-LM save directory ({TRACKER}) nor an iter_XXXXXXX directory "
+                       f"of a torch_dist checkpoint. Fix: point --input at the --save directory")
+
+
+def read_megatron(path: str, *, model: ModelSpec | None = None) -> ModelState:
+    """Model weights of a Megatron-LM torch_dist checkpoint (TP/PP as saved; any)."""
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing import ShardedTensor
+
+    src, tracked = _iteration_dir(path)
+    with single_process_group():
+        common = dist_checkpointing.load_common_state_dict(src)
+        model = model or model_from_megatron_args(common.get("args"), source=src)
+        meta = dist_checkpointing.load_tensors_metadata(src)
+        wanted = _wanted_keys(model)
+        request = {}
+        for key, shape in wanted.items():
+            if key not in meta:
+                raise ConvertError(f"{src}: missing tensor {key!r}. Fix: check that the checkpoint is complete and "
+                                   f"that the model description matches it (swiglu, untied output layer, layers)")
+            got = tuple(meta[key].global_shape)
+            vocab = key in VOCAB_ROWS
+            if (got[1:] if vocab else got) != (shape[1:] if vocab else shape):
+                raise ConvertError(f"{src}: tensor {key!r} has global shape {got}, the model needs {shape}"
+                                   f"{' (rows: padded vocabulary)' if vocab else ''}. Fix: use the model "
+                                   f"description the checkpoint was trained with")
+            request[key] = ShardedTensor.from_rank_offsets(key, torch.empty(got, dtype=meta[key].dtype))
+        loaded = dist_checkpointing.load(request, src, validate_access_integrity=False)
+    tensors: dict[str, torch.Tensor] = {}
+    suffixes = {megatron_key(s): s for s in layer_shapes(model)}
+    keys = [k for k in loaded if k in wanted]  # load() also returns the common state (args, iteration)
+    for key in progress(keys, len(keys), label="read megatron"):
+        value = loaded[key]
+        if key in suffixes:
+            for i in range(model.num_layers):
+                tensors[f"decoder.layers.{i}.{suffixes[key]}"] = value[i].clone()
+        else:
+            tensors[key] = unpad_vocab(value, model.vocab_size, name=key) if key in VOCAB_ROWS else value
+    iteration = common.get("iteration", tracked or 0)
+    state = ModelState(model=model, tensors=tensors, iteration=int(iteration))
+    check_state(state, source=src)
+    return state
+
+
+def _wanted_keys(model: ModelSpec) -> dict[str, tuple[int, ...]]:
+    """megatron-core key -> global shape (vocabulary rows unpadded) of every model tensor."""
+    out: dict[str, tuple[int, ...]] = {}
+    for name, shape in expected_shapes(model).items():
+        if not name.startswith("decoder.layers."):
+            out[name] = shape
+    for suffix, shape in layer_shapes(model).items():
+        out[megatron_key(suffix)] = (model.num_layers, *shape)
+    return out
+
+
+def build_full_model(model: ModelSpec, padded_vocab: int, full: Mapping[str, torch.Tensor]):
+    """A TP=1 megatron-core GPTModel holding ``full`` (needs a one-rank process group); returns (gpt, pgc)."""
+    from megatron_het.checkpoint.full_state import load_full_state
+    from megatron_het.runtime.gpt_model import StageModelSpec, build_gpt_stage, transformer_config
+    from megatron_het.runtime.groups import BlockShape, block_process_groups
+
+    _, pgc = block_process_groups(BlockShape(tp=1, pp=1, dp=1))
+    spec = StageModelSpec(model=model, num_layers=model.num_layers, layer_offset=0, tp=1, pre_process=True,
+                          post_process=True, vocab_size=padded_vocab)
+    gpt = build_gpt_stage(spec, transformer_config(spec), pgc)
+    load_full_state(gpt, full, layer_offset=0, tp_rank=0, tp_size=1, tied=not model.untie_embeddings_and_output_weights)
+    return gpt, pgc
+
+
+def write_megatron(state: ModelState, save_dir: str, *, tp: int = 1, pp: int = 1) -> str:
+    """``save_dir/iter_XXXXXXX`` + ``latest_checkpointed_iteration.txt``; vocabulary padded for ``tp``."""
+    from megatron.core import dist_checkpointing
+
+    from megatron_het.checkpoint.dist_ckpt import TRACKER, iteration_dir
+    from megatron_het.runtime.gpt_model import padded_vocab_size
+
+    check_state(state, source="input")
+    m = state.model
+    padded = padded_vocab_size(m.vocab_size, tp)
+    full = {n: pad_vocab(t, padded, name=n) if n in VOCAB_ROWS else t
+            for n, t in progress(state.tensors.items(), len(state.tensors), label="write megatron")}
+    final = iteration_dir(save_dir, state.iteration)
+    with single_process_group():
+        gpt, pgc = build_full_model(m, padded, full)
+        sharded = gpt.sharded_state_dict(metadata={"dp_cp_group": pgc.dp_cp})
+        os.makedirs(final)
+        dist_checkpointing.save({"model": sharded, "checkpoint_version": CHECKPOINT_VERSION,
+                                 "iteration": state.iteration,
+                                 "args": megatron_args(m, tp=tp, pp=pp, padded_vocab=padded,
+                                                       iteration=state.iteration)}, final)
+    with open(os.path.join(save_dir, TRACKER), "w", encoding="utf-8") as f:
+        f.write(str(state.iteration))
+    return final
+
+
+__all__ = ["read_megatron", "write_megatron", "megatron_args", "model_from_megatron_args", "megatron_key",
+           "build_full_model", "CHECKPOINT_VERSION"]

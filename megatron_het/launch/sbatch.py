@@ -1,0 +1,158 @@
+"""Heterogeneous-job components -> an sbatch script (pure text rendering).
+
+The script asks for one Slurm het-job component per island (``#SBATCH hetjob`` between them) and
+starts one torchrun per node with ``srun --het-group=<n>``. Node ranks run over the components in
+order, so global ranks come out island by island in cluster-file order, as the plan expects.
+
+Rendezvous is ``static`` on the first node of component 0: with ``c10d`` torchrun ignores
+``--node-rank`` and orders nodes by host name, which would scramble the islands' rank blocks.
+Static rendezvous still lets each node start its own number of processes (torch elastic sums the
+local world sizes of the nodes before it).
+"""
+
+from __future__ import annotations
+
+import re
+import shlex
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from megatron_het.launch.errors import LaunchError
+from megatron_het.launch.layout import HetComponent, total_nodes
+
+DEFAULT_SCRIPT = "pretrain_scripts/pretrain_gpt.py"
+_TIME = re.compile(r"^(\d+-)?\d+(:\d{1,2}){0,2}$")  # Slurm --time forms: M, M:S, H:M:S, D-H, D-H:M:S
+_PLAIN = re.compile(r"^[A-Za-z0-9_.%\-/+=:@]+$")  # sbatch directive values that need no quoting
+
+
+@dataclass(frozen=True, kw_only=True)
+class JobOptions:
+    """Everything about the job that is not in the cluster or plan."""
+
+    cluster_file: str  # path given to --hetero-cluster (relative paths: relative to the submit directory)
+    plan_file: str  # path given to --hetero-plan
+    training_args: tuple[str, ...] = ()  # Megatron-LM flags after the cluster and plan
+    script: str = DEFAULT_SCRIPT  # training entry point torchrun starts
+    job_name: str = "megatron-het"  # #SBATCH --job-name
+    log: str = "%x-%j.out"  # #SBATCH --output (Slurm filename pattern)
+    time: str | None = None  # #SBATCH --time, e.g. "02:00:00"; None: the partition's default
+    account: str | None = None  # #SBATCH --account; None: the user's default
+    master_port: int | None = None  # rendezvous port; None: 20000 + job id % 20000 (jobs sharing a node differ)
+    source: str = "tools/slurm.py"  # named in the header comment
+
+    def __post_init__(self) -> None:
+        if self.time is not None and not _TIME.match(self.time):
+            raise LaunchError(field="--time", value=self.time, problem="not a Slurm time limit",
+                              fix="write minutes, HH:MM:SS or D-HH:MM:SS, e.g. --time 02:00:00")
+        for name in ("job_name", "log", "account"):
+            value = getattr(self, name)
+            if value is not None and not _PLAIN.match(value):
+                raise LaunchError(field=f"--{name.replace('_', '-')}", value=value,
+                                  problem="contains characters sbatch directives cannot carry (spaces, quotes, $)",
+                                  fix="use letters, digits and _ . % - / + = : @ only")
+        if self.master_port is not None and not 1024 <= self.master_port <= 65535:
+            raise LaunchError(field="--master-port", value=self.master_port,
+                              problem="must be between 1024 and 65535",
+                              fix="pick an unprivileged free port, e.g. 29500, or leave it out")
+
+
+def _directives(c: HetComponent) -> list[str]:
+    lines = []
+    if c.partition:
+        lines.append(f"#SBATCH --partition={c.partition}")
+    if c.nodelist:
+        lines.append(f"#SBATCH --nodelist={c.nodelist}")
+    lines += [f"#SBATCH --nodes={c.nodes}", "#SBATCH --ntasks-per-node=1"]
+    if c.gpus_per_node:
+        lines.append(f"#SBATCH --gpus-per-node={c.gpus_per_node}")
+    return lines
+
+
+def _describe(c: HetComponent) -> str:
+    last_node = c.first_node_rank + c.nodes - 1
+    return (f"#   component {c.index}: island {c.island} ({c.device_type}, {c.vendor}): {c.nodes} node(s) x "
+            f"{c.procs_per_node} ranks, node ranks {c.first_node_rank}-{last_node}, "
+            f"global ranks {c.first_rank}-{c.first_rank + c.num_ranks - 1}")
+
+
+def _srun(c: HetComponent) -> list[str]:
+    exports = [("MEGATRON_HET_ISLAND", c.island), ("MEGATRON_HET_NPROC", str(c.procs_per_node)),
+               ("MEGATRON_HET_FIRST_NODE_RANK", str(c.first_node_rank)), *c.environment]
+    export = ",".join(["ALL"] + [f"{k}={v}" for k, v in exports])
+    return [
+        f"# component {c.index}: island {c.island}",
+        f"srun --het-group={c.index} --nodes={c.nodes} --ntasks-per-node=1 --kill-on-bad-exit=1 \\",
+        f"  --export={export} \\",
+        '  bash -c "$NODE_CMD" torchrun "${TRAIN[@]}" &',
+        "pids+=($!)",
+    ]
+
+
+def render_sbatch(components: Sequence[HetComponent], options: JobOptions) -> str:
+    """The whole sbatch script text (ends with a newline)."""
+    if not components:
+        raise LaunchError(field="plan", value=[], problem="the plan places no ranks on any island",
+                          fix="pass a plan with at least one stage")
+    o = options
+    header = [
+        "#!/bin/bash",
+        f"# Generated by {o.source} from {o.cluster_file} and {o.plan_file}; regenerate rather than edit.",
+        f"# Slurm heterogeneous job, one component per island the plan uses ({total_nodes(components)} nodes, "
+        f"{sum(c.num_ranks for c in components)} ranks):",
+        *(_describe(c) for c in components),
+        "# Submit: sbatch THIS_FILE (from the directory the paths below are relative to).",
+        f"#SBATCH --job-name={o.job_name}",
+        f"#SBATCH --output={o.log}",
+    ]
+    if o.time:
+        header.append(f"#SBATCH --time={o.time}")
+    if o.account:
+        header.append(f"#SBATCH --account={o.account}")
+    for c in components:
+        if c.index:
+            header.append("#SBATCH hetjob")
+        header += _directives(c)
+
+    port = str(o.master_port) if o.master_port else "$((20000 + SLURM_JOB_ID % 20000))"
+    train = [o.script, "--hetero-cluster", o.cluster_file, "--hetero-plan", o.plan_file, *o.training_args]
+    body = [
+        "set -euo pipefail",
+        "",
+        "# Inside a het job SLURM_HET_JOB_ID is unset; SLURM_JOB_ID and the *_HET_GROUP_<n> variables describe it.",
+        "# The rendezvous runs on the first node of component 0, at the address Slurm knows it by (NodeAddr).",
+        'MASTER_NODE=$(scontrol show hostnames "$SLURM_JOB_NODELIST_HET_GROUP_0" | head -n 1)',
+        'MASTER_ADDR=${MASTER_ADDR:-$(scontrol show node "$MASTER_NODE" | sed -n \'s/.*NodeAddr=\\([^ ]*\\).*/\\1/p\')}',
+        "MASTER_ADDR=${MASTER_ADDR:-$MASTER_NODE}",
+        f"MASTER_PORT=${{MASTER_PORT:-{port}}}",
+        "TORCHRUN=${TORCHRUN:-torchrun}  # e.g. TORCHRUN=\"python -m torch.distributed.run\" sbatch ...",
+        f"NNODES={total_nodes(components)}",
+        "export MASTER_ADDR MASTER_PORT TORCHRUN NNODES",
+        'echo "megatron-het: job $SLURM_JOB_ID, ${SLURM_HET_SIZE:-1} components, $NNODES nodes, '
+        'rendezvous $MASTER_ADDR:$MASTER_PORT"',
+        "",
+        "TRAIN=(" + " ".join(shlex.quote(a) for a in train) + ")",
+        "",
+        "# Runs once per node; SLURM_NODEID is the node's index inside its component's step.",
+        "NODE_CMD='exec $TORCHRUN --nnodes=\"$NNODES\" --nproc-per-node=\"$MEGATRON_HET_NPROC\" "
+        "--node-rank=$((MEGATRON_HET_FIRST_NODE_RANK + SLURM_NODEID)) --rdzv-backend=static "
+        "--rdzv-endpoint=\"$MASTER_ADDR:$MASTER_PORT\" --rdzv-id=\"$SLURM_JOB_ID\" \"$@\"'",
+        "",
+        "pids=()",
+    ]
+    for c in components:
+        body += _srun(c)
+    body += [
+        "",
+        "# The first failing component stops the others: their ranks would wait in collectives forever.",
+        "status=0",
+        'for _ in "${pids[@]}"; do',
+        "  rc=0; wait -n || rc=$?",
+        '  if [ "$rc" -ne 0 ] && [ "$status" -eq 0 ]; then',
+        "    status=$rc",
+        '    echo "megatron-het: a component exited with $rc; stopping the others" >&2',
+        '    kill "${pids[@]}" 2>/dev/null || true',
+        "  fi",
+        "done",
+        'exit "$status"',
+    ]
+    return "\n".join(header + [""] + body) + "\n"
