@@ -1,0 +1,17 @@
+"""Uneven sharded data parallelism (Cephalo): compute share by speed, training-state share by memory.
+
+Pure parts (import without torch.distributed set up): ``plan`` (ShardedPlan), ``layout`` (who
+owns which flat elements, who computes which samples). Runtime parts: ``collectives`` (uneven
+all-gather / reduce-scatter), ``optimizer`` (AdamW on a flat shard), ``trainer`` (ShardedTrainer),
+``checkpoint`` (save/load across shard layouts), ``budget`` (emulated memory capacity).
+The planner lives in ``megatron_het.planner.sharded``, the perf model in ``megatron_het.perf.sharded``.
+"""
+
+from megatron_het.sharding.budget import MemoryBudgetError, check_budget
+from megatron_het.sharding.layout import FlatIndex, Segment, ShardLayout, proportional_split, sample_ranges, shard_sizes
+from megatron_het.sharding.plan import SHARDED_PLAN_FORMAT, SHARDED_PLAN_VERSION, RankShare, ShardedPlan
+
+__all__ = [
+    "FlatIndex", "MemoryBudgetError", "RankShare", "SHARDED_PLAN_FORMAT", "SHARDED_PLAN_VERSION", "Segment",
+    "ShardLayout", "ShardedPlan", "check_budget", "proportional_split", "sample_ranges", "shard_sizes",
+]

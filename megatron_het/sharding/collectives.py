@@ -1,0 +1,94 @@
+"""All-gather and reduce-scatter of *uneven* contiguous shards over any torch.distributed backend.
+
+NCCL has uneven variants (``all_gather_v``-style via padding or grouped p2p); gloo has neither
+uneven collectives nor a reduce-scatter at all, so two portable constructions are offered:
+
+- all-gather ``"padded"`` (default): every rank pads its shard to the largest one and one
+  ``all_gather`` moves ``world x max_size`` elements; the padding is cut off afterwards. One
+  collective; costs what a ring over the largest shard costs (the perf model assumes this).
+  ``"broadcast"``: each owner broadcasts its exact shard in turn (no padding, ``world`` calls).
+- reduce-scatter ``"reduce"`` (default): the slice owned by rank ``r`` is summed onto ``r`` with one
+  ``dist.reduce`` per owner, so every rank sends about the full buffer once (the traffic of a ring
+  reduce-scatter) and receives only its own slice. ``"all_reduce"``: all-reduce the full buffer and
+  keep the slice (simplest, twice the traffic).
+
+``layout`` is indexed by rank *in the group*; every rank must call with the same layout.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+import torch.distributed as dist
+
+from megatron_het.sharding.layout import ShardLayout
+
+__all__ = ["uneven_all_gather", "uneven_reduce_scatter", "GATHER_METHODS", "REDUCE_SCATTER_METHODS"]
+
+GATHER_METHODS = ("padded", "broadcast")
+REDUCE_SCATTER_METHODS = ("reduce", "all_reduce")
+
+
+def _global(group: dist.ProcessGroup | None, group_rank: int) -> int:
+    return group_rank if group is None else dist.get_global_rank(group, group_rank)
+
+
+def _check(layout: ShardLayout, group: dist.ProcessGroup | None) -> int:
+    world = dist.get_world_size(group)
+    if layout.world != world:
+        raise ValueError(f"layout: has {layout.world} shards but the group has {world} ranks. "
+                         "Fix: build the layout with one fraction per rank of the group")
+    return dist.get_rank(group)
+
+
+def uneven_all_gather(shard: torch.Tensor, layout: ShardLayout, *, group: dist.ProcessGroup | None = None,
+                      method: Literal["padded", "broadcast"] = "padded") -> torch.Tensor:
+    """Concatenate every rank's 1-D ``shard`` (rank ``r`` passes ``layout.sizes[r]`` elements)."""
+    me = _check(layout, group)
+    if shard.dim() != 1 or shard.numel() != layout.sizes[me]:
+        raise ValueError(f"shard: rank {me} must pass a 1-D tensor of {layout.sizes[me]} elements "
+                         f"(got shape {tuple(shard.shape)}). Fix: pass this rank's flat shard")
+    if method == "padded":
+        padded = torch.zeros(layout.max_size, dtype=shard.dtype)
+        padded[:shard.numel()] = shard
+        bufs = [torch.empty_like(padded) for _ in range(layout.world)]
+        dist.all_gather(bufs, padded, group=group)
+        return torch.cat([b[:n] for b, n in zip(bufs, layout.sizes)])
+    if method == "broadcast":
+        full = torch.empty(layout.numel, dtype=shard.dtype)
+        for r in range(layout.world):
+            start, stop = layout.range(r)
+            if stop == start:
+                continue
+            piece = shard.clone() if r == me else torch.empty(stop - start, dtype=shard.dtype)
+            dist.broadcast(piece, src=_global(group, r), group=group)
+            full[start:stop] = piece
+        return full
+    raise ValueError(f"method: unknown all-gather method {method!r}. Fix: use one of {GATHER_METHODS}")
+
+
+def uneven_reduce_scatter(full: torch.Tensor, layout: ShardLayout, *, group: dist.ProcessGroup | None = None,
+                          method: Literal["reduce", "all_reduce"] = "reduce") -> torch.Tensor:
+    """Sum of every rank's 1-D ``full`` over this rank's range (``full`` is left unchanged)."""
+    me = _check(layout, group)
+    if full.dim() != 1 or full.numel() != layout.numel:
+        raise ValueError(f"full: must be a 1-D tensor of {layout.numel} elements (got shape {tuple(full.shape)}). "
+                         "Fix: pass the flat buffer the layout was built for")
+    start, stop = layout.range(me)
+    if method == "reduce":
+        mine = None
+        for r in range(layout.world):
+            lo, hi = layout.range(r)
+            if hi == lo:
+                continue
+            piece = full[lo:hi].clone()
+            dist.reduce(piece, dst=_global(group, r), op=dist.ReduceOp.SUM, group=group)
+            if r == me:
+                mine = piece
+        return mine if mine is not None else full.new_empty(0)
+    if method == "all_reduce":
+        total = full.clone()
+        dist.all_reduce(total, group=group)
+        return total[start:stop].clone()
+    raise ValueError(f"method: unknown reduce-scatter method {method!r}. Fix: use one of {REDUCE_SCATTER_METHODS}")

@@ -1,0 +1,215 @@
+"""Train one GPT with uneven sharded data parallelism: compute share by speed, state share by memory.
+
+Each rank builds the whole model (megatron-core GPTModel, TP=1, PP=1, explicit process groups)
+and owns one contiguous slice of the flat training state, sized by ``plan.shard_fraction``.
+One iteration:
+
+1. all-gather the fp32 master shards (uneven) into the model's working weights;
+2. run the rank's ``num_micro_batches`` micro-batches of ``micro_batch_size`` samples (its
+   consecutive slice of the global batch), gradients accumulating in a full-size buffer. Each
+   micro-batch's loss is its *sum* of token losses divided by ``global_batch_size x seq_length``,
+   so every sample weighs the same whatever micro-batch it is in, and the sum over ranks is the
+   mean token loss of the global batch (= the single-device loss when all samples have equal
+   length, as here);
+3. reduce-scatter the gradient buffer (uneven): each rank gets the summed gradient of its slice;
+4. global-norm clipping (squared norms summed over shards) and AdamW on the shard.
+
+Speed is emulated on CPU as in ``HeteroTrainer._timed``: after each forward/backward the rank
+sleeps ``(slowdown - 1) x`` the measured time. Memory is emulated by a per-rank byte budget.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+from typing import Callable, Literal, Mapping, Sequence
+
+import torch
+import torch.distributed as dist
+
+from megatron_het.checkpoint.full_state import Shard, global_name, load_full_state
+from megatron_het.cluster import ClusterSpec, ModelSpec
+from megatron_het.perf.sharded import sharded_rank_memory
+from megatron_het.runtime.gpt_model import StageModelSpec, build_gpt_stage, padded_vocab_size, transformer_config
+from megatron_het.runtime.megatron_trainer import IterationLog, RunResult, split_tokens
+from megatron_het.runtime.train_config import TrainConfig
+from megatron_het.sharding.budget import check_budget
+from megatron_het.sharding.collectives import uneven_all_gather, uneven_reduce_scatter
+from megatron_het.sharding.layout import FlatIndex, ShardLayout, sample_ranges
+from megatron_het.sharding.optimizer import ShardedAdamW, decay_mask
+from megatron_het.sharding.plan import ShardedPlan
+
+__all__ = ["ShardedTrainer", "ShardedIterationLog"]
+
+BatchFn = Callable[[int, range], torch.Tensor]
+
+
+@dataclass(frozen=True, kw_only=True)
+class ShardedIterationLog(IterationLog):
+    """IterationLog plus where this rank's time went."""
+
+    compute_s: float = 0.0  # forward + backward, including emulated slowdown
+    emulated_s: float = 0.0  # of which: sleeping to emulate a slower device
+    comm_s: float = 0.0  # all-gather + reduce-scatter + norm all-reduce (includes waiting for slower ranks)
+    optimizer_s: float = 0.0  # AdamW on the shard
+    tokens_per_s: float = 0.0  # global tokens / elapsed
+
+
+class ShardedTrainer:
+    """Builds this rank's model and state shard from a ShardedPlan. Construct on every rank."""
+
+    def __init__(self, *, model: ModelSpec, plan: ShardedPlan, train: TrainConfig, batch_fn: BatchFn,
+                 cluster: ClusterSpec | None = None, init_full_state: Mapping[str, torch.Tensor] | None = None,
+                 padded_vocab: int | None = None, slowdown: float | None = None,
+                 memory_budget_bytes: Sequence[int] | None = None,
+                 gather_method: Literal["padded", "broadcast"] = "padded",
+                 reduce_scatter_method: Literal["reduce", "all_reduce"] = "reduce") -> None:
+        from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+        from megatron_het.runtime.groups import BlockShape, block_process_groups
+
+        world, rank = dist.get_world_size(), dist.get_rank()
+        if plan.world_size != world:
+            raise ValueError(f"plan.ranks: the plan has {plan.world_size} ranks, the world {world}. "
+                             f"Fix: launch {plan.world_size} processes or re-plan for {world}")
+        if plan.global_batch_size != train.global_batch_size:
+            raise ValueError(f"global_batch_size: the plan has {plan.global_batch_size}, the training arguments "
+                             f"{train.global_batch_size}. Fix: pass the plan's global batch size")
+        if memory_budget_bytes is not None and len(memory_budget_bytes) != world:
+            raise ValueError(f"memory_budget_bytes: has {len(memory_budget_bytes)} entries for {world} ranks. "
+                             "Fix: pass one budget per rank")
+        self.model_spec, self.plan, self.train, self.batch_fn = model, plan, train, batch_fn
+        self.rank, self.share = rank, plan.ranks[rank]
+        self.gather_method, self.reduce_scatter_method = gather_method, reduce_scatter_method
+        self.slowdown = slowdown if slowdown is not None else (
+            cluster.slowdown(self.share.island) if cluster is not None and cluster.emulated else 1.0)
+        _, self.pgc = block_process_groups(BlockShape(tp=1, pp=1, dp=world))
+
+        # Same seed on every rank: identical initial weights; each keeps only its shard as master.
+        torch.manual_seed(train.seed)
+        model_parallel_cuda_manual_seed(train.seed, tp_rank=0, ep_rank=0, etp_rank=0, force_reset_rng=True)
+        self.stage = StageModelSpec(model=model, num_layers=model.num_layers, layer_offset=0, tp=1,
+                                    pre_process=True, post_process=True,
+                                    vocab_size=padded_vocab or padded_vocab_size(model.vocab_size, 1),
+                                    recompute=self.share.recompute)
+        self.config = transformer_config(self.stage)
+        self.gpt = build_gpt_stage(self.stage, self.config, self.pgc)
+        self.tied = not model.untie_embeddings_and_output_weights
+        if init_full_state is not None:
+            load_full_state(self.gpt, init_full_state, layer_offset=0, tp_rank=0, tp_size=1, tied=self.tied)
+
+        named = [(global_name(n, 0), p) for n, p in self.gpt.named_parameters()]
+        self.params = dict(named)
+        self.shapes = {n: tuple(p.shape) for n, p in named}
+        self.index = FlatIndex(names=tuple(n for n, _ in named), numels=tuple(p.numel() for _, p in named))
+        self.layout = ShardLayout.from_fractions(self.index.numel, plan.shard_fractions)
+        # Working weights become views of one flat buffer, so a gather is one copy.
+        self.flat = torch.empty(self.index.numel, dtype=torch.float32)
+        for (name, p), off in zip(named, self.index.offsets().values()):
+            view = self.flat[off:off + p.numel()]
+            view.copy_(p.detach().reshape(-1))
+            p.data = view.view_as(p)
+        start, stop = self.layout.range(rank)
+        self.optimizer = ShardedAdamW(master=self.flat[start:stop].clone(),
+                                      mask=decay_mask(self.index, self.shapes, start, stop), train=train)
+        self.samples = sample_ranges(plan.samples_per_rank)[rank]
+        self.memory = sharded_rank_memory(model, shard_fraction=plan.shard_fractions[rank],
+                                          micro_batch_size=self.share.micro_batch_size,
+                                          recompute=self.share.recompute, precision="fp32", overhead_bytes=0,
+                                          num_parameters=self.index.numel)
+        if memory_budget_bytes is not None:
+            check_budget(self.memory, rank=rank, budget_bytes=int(memory_budget_bytes[rank]),
+                         shard_fraction=plan.shard_fractions[rank])
+        self.iteration = 0
+
+    # ---- collectives over the state ----------------------------------------------------------
+    def gather(self, shard: torch.Tensor) -> torch.Tensor:
+        """Full flat vector from every rank's slice (collective)."""
+        return uneven_all_gather(shard, self.layout, method=self.gather_method)
+
+    def _timed(self, fn, acc: dict[str, float]):
+        start = time.perf_counter()
+        out = fn()
+        dt = time.perf_counter() - start
+        if self.slowdown > 1.0:  # emulate a slower device: wait the extra time it would take
+            extra = (self.slowdown - 1.0) * dt
+            time.sleep(extra)
+            acc["emulated"] += extra
+            dt += extra
+        acc["compute"] += dt
+        return out
+
+    # ---- one iteration -----------------------------------------------------------------------
+    def train_step(self) -> ShardedIterationLog:
+        it, share, train = self.iteration, self.share, self.train
+        start = time.perf_counter()
+        acc = {"compute": 0.0, "emulated": 0.0}
+        t0 = time.perf_counter()
+        with torch.no_grad():
+            self.flat.copy_(self.gather(self.optimizer.master))
+        comm = time.perf_counter() - t0
+        for p in self.params.values():
+            p.grad = None
+        scale = 1.0 / (train.global_batch_size * self.model_spec.seq_length)
+        loss_sum = 0.0
+        for m in range(share.num_micro_batches):
+            first = self.samples.start + m * share.micro_batch_size
+            tokens = self.batch_fn(it, range(first, first + share.micro_batch_size))
+            inputs, labels, position_ids, _ = split_tokens(tokens)
+            loss = self._timed(lambda: self.gpt(inputs, position_ids, None, labels=labels).float().sum() * scale,
+                               acc)
+            self._timed(lambda: loss.backward(), acc)
+            loss_sum += float(loss.detach())
+        t0 = time.perf_counter()
+        grads = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1)
+                           for p in self.params.values()])
+        grad = uneven_reduce_scatter(grads, self.layout, method=self.reduce_scatter_method)
+        del grads
+        sq = grad.double().pow(2).sum().reshape(1)
+        dist.all_reduce(sq)
+        norm = math.sqrt(float(sq))
+        comm += time.perf_counter() - t0
+        if train.clip_grad > 0:
+            coeff = train.clip_grad / (norm + 1e-6)  # megatron's clip_grad_by_total_norm_fp32
+            if coeff < 1.0:
+                grad.mul_(coeff)
+        t0 = time.perf_counter()
+        self.optimizer.step(grad, train.lr_at(it))
+        opt = time.perf_counter() - t0
+        report = torch.tensor([loss_sum], dtype=torch.float64)
+        dist.all_reduce(report)
+        elapsed = time.perf_counter() - start
+        self.iteration += 1
+        return ShardedIterationLog(iteration=self.iteration, lm_loss=float(report), grad_norm=norm,
+                                   elapsed_s=elapsed, compute_s=acc["compute"], emulated_s=acc["emulated"],
+                                   comm_s=comm, optimizer_s=opt,
+                                   tokens_per_s=train.global_batch_size * self.model_spec.seq_length / elapsed)
+
+    # ---- state as global-named full tensors ---------------------------------------------------
+    def full_tensors(self, flat: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Split a full flat vector into named tensors of the parameters' shapes."""
+        out = {}
+        for name, off in self.index.offsets().items():
+            n = math.prod(self.shapes[name])
+            out[name] = flat[off:off + n].view(self.shapes[name]).clone()
+        return out
+
+    def shards(self) -> dict[str, Shard]:
+        """Current master weights as full global-named tensors (collective; every rank gets them)."""
+        full = self.full_tensors(self.gather(self.optimizer.master))
+        return {n: Shard(tensor=t, partition_dim=None, tp_rank=0, tp_size=1) for n, t in full.items()}
+
+    def run(self, iterations: int | None = None, *, return_shards: bool = False,
+            on_iteration: Callable[[ShardedIterationLog], None] | None = None) -> RunResult:
+        initial = self.shards() if return_shards else None
+        logs = []
+        for _ in range(iterations if iterations is not None else self.train.train_iters):
+            log = self.train_step()
+            logs.append(log)
+            if on_iteration is not None:
+                on_iteration(log)
+        final = self.shards() if return_shards else None
+        keep = self.rank == 0  # every rank has the same full tensors; send one copy back
+        return RunResult(rank=self.rank, iterations=tuple(logs), initial_shards=initial if keep else None,
+                         shards=final if keep else None)
