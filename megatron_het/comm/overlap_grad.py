@@ -1,0 +1,144 @@
+"""Opt-in overlap of the cross-replica gradient reduction with the backward pass.
+
+``runtime/grad_sync.GradientSynchronizer.reduce()`` runs after the whole backward: every bucket's
+all-reduce is exposed. megatron-core's DDP (``overlap_grad_reduce=True``) instead launches each
+bucket's reduction (all-reduce, or reduce-scatter with the distributed optimizer) from a hook as
+soon as the last gradient of the bucket has been accumulated during the *last* micro-batch's
+backward, and waits for all of them in ``finish_grad_sync``; ``overlap_param_gather=True`` (with the
+distributed optimizer) likewise all-gathers the updated parameter shards bucket by bucket in the
+next forward, just before each bucket's first layer needs them.
+
+``OverlappedGradientSynchronizer`` does the former for the heterogeneous runtime's buckets (same
+buckets, same groups, same packing as the parent, so the result is the same sum)::
+
+    sync = OverlappedGradientSynchronizer(local_holdings, params)   # instead of GradientSynchronizer
+    for i, mb in enumerate(microbatches):
+        if i == len(microbatches) - 1:
+            sync.arm()          # this backward launches each bucket's all-reduce when it is ready
+        loss(mb).backward()
+    sync.reduce()               # waits; launches any bucket that did not fire; copies results back
+
+Without ``arm()`` it behaves exactly like the parent (everything in ``reduce()``). Buckets routed
+through the cross-vendor bridge (``placement=``) have no async form: they reduce inside the hook,
+blocking, so they gain nothing but stay correct. Each bucket has
+its own process group (the parent creates one per bucket), so launching buckets in a different
+order on different ranks cannot deadlock. Parameters that got no gradient in the armed backward
+keep their bucket from firing; ``reduce()`` then launches it (zeros filled in, as the parent does).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping, Sequence
+
+import torch
+import torch.distributed as dist
+
+from megatron_het.runtime.grad_sync import Bucket, GradientSynchronizer, Holding
+
+__all__ = ["OverlappedGradientSynchronizer"]
+
+
+def _piece(full: torch.Tensor, h: Holding) -> torch.Tensor:
+    if h.partition_dim is None:
+        return full
+    return torch.chunk(full, h.tp_size, dim=h.partition_dim)[h.tp_rank]
+
+
+def _start_all_reduce(group: Any, flat: torch.Tensor) -> Any:
+    """Async all-reduce on a torch group (raw or the parent's ``NativeGroup`` wrapper); a bridged
+    cross-vendor group has no async form, so it reduces now (blocking, inside the hook)."""
+    if isinstance(group, dist.ProcessGroup):
+        return dist.all_reduce(flat, group=group, async_op=True)
+    if getattr(group, "kind", None) == "native":
+        return dist.all_reduce(flat, group=group.group, async_op=True)
+    group.all_reduce(flat)
+    return None
+
+
+class OverlappedGradientSynchronizer(GradientSynchronizer):
+    """``GradientSynchronizer`` whose bucket all-reduces start from gradient hooks when armed."""
+
+    def __init__(self, local: Sequence[Holding], params: Mapping[str, torch.nn.Parameter], **kwargs: Any) -> None:
+        """``kwargs`` go to ``GradientSynchronizer`` unchanged (e.g. ``placement``)."""
+        super().__init__(local, params, **kwargs)
+        self._armed = False
+        self._pending: dict[int, set[str]] = {}  # bucket index -> names whose grad is not final yet
+        self._inflight: dict[int, tuple[torch.Tensor, Any]] = {}  # bucket index -> (flat buffer, work)
+        self.launched_in_backward = 0  # buckets launched from hooks in the last armed backward
+        self._bucket_of: dict[str, list[int]] = {}
+        for i, (bucket, _) in enumerate(self._groups):
+            for name in bucket.names:
+                self._bucket_of.setdefault(name, []).append(i)
+        self._handles = [self.params[name].register_post_accumulate_grad_hook(self._hook(name))
+                         for name in self._bucket_of]
+
+    def arm(self) -> None:
+        """The next backward is the last before ``reduce()``: launch buckets as they complete."""
+        self._armed = True
+        self.launched_in_backward = 0
+        self._pending = {i: set(b.names) for i, (b, _) in enumerate(self._groups)}
+
+    def _hook(self, name: str):
+        def hook(_param: torch.Tensor) -> None:
+            if not self._armed:
+                return
+            for i in self._bucket_of[name]:
+                waiting = self._pending.get(i)
+                if waiting is None:
+                    continue
+                waiting.discard(name)
+                if not waiting:
+                    del self._pending[i]
+                    self._launch(i)
+                    self.launched_in_backward += 1
+
+        return hook
+
+    def _pack(self, bucket: Bucket) -> torch.Tensor:
+        grads = [self._grad(n) for n in bucket.names]
+        if bucket.direct:
+            return torch.cat([g.reshape(-1) for g in grads])
+        pieces = []
+        for name, g in zip(bucket.names, grads):
+            h = self.local[name]
+            full = torch.zeros(h.full_shape, dtype=g.dtype)
+            if h.partition_dim is not None or h.tp_rank == 0:
+                _piece(full, h).copy_(g)
+            pieces.append(full.reshape(-1))
+        return torch.cat(pieces)
+
+    def _unpack(self, bucket: Bucket, flat: torch.Tensor) -> None:
+        offset = 0
+        for name in bucket.names:
+            g, h = self._grad(name), self.local[name]
+            if bucket.direct:
+                n = g.numel()
+                g.copy_(flat[offset:offset + n].view_as(g))
+            else:
+                n = int(torch.Size(h.full_shape).numel())
+                g.copy_(_piece(flat[offset:offset + n].view(h.full_shape), h))
+            offset += n
+
+    def _launch(self, i: int) -> None:
+        bucket, group = self._groups[i]
+        flat = self._pack(bucket)
+        self._inflight[i] = (flat, _start_all_reduce(group, flat))
+
+    def reduce(self) -> None:
+        """Finish every bucket: wait for the launched ones, launch and wait for the rest."""
+        for i in range(len(self._groups)):
+            if i not in self._inflight:
+                self._launch(i)
+        for i, (bucket, _) in enumerate(self._groups):
+            flat, work = self._inflight.pop(i)
+            if work is not None:
+                work.wait()
+            self._unpack(bucket, flat)
+        self._armed = False
+        self._pending = {}
+
+    def remove_hooks(self) -> None:
+        """Detach the gradient hooks (before dropping the synchronizer while keeping the params)."""
+        for h in self._handles:
+            h.remove()
+        self._handles = []

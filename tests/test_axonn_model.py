@@ -1,0 +1,83 @@
+"""AxoNN 4D communication model: hand-computed volumes and times, overlap credit, grid choice."""
+
+import pytest
+
+from megatron_het.cluster import CATALOG, IslandSpec, ModelSpec
+from megatron_het.perf.axonn import axis_channel, best_grid, candidate_grids, chunked_overlap_time, grid_cost
+from megatron_het.perf.comm import ring_all_reduce_time
+from megatron_het.tp import Grid4D
+
+POD = IslandSpec(name="a100", device=CATALOG["A100-80GB"], nodes=4, gpus_per_node=8, inter_node_bandwidth_gbps=200.0)
+TINY = ModelSpec(num_layers=1, hidden_size=1024, num_attention_heads=16, seq_length=1024, vocab_size=50304)
+BIG = ModelSpec(num_layers=48, hidden_size=8192, num_attention_heads=64, seq_length=2048, vocab_size=50304)
+
+
+def test_chunked_overlap_time():
+    assert chunked_overlap_time(10.0, 10.0, 1) == 20.0  # no overlap
+    assert chunked_overlap_time(10.0, 10.0, 4) == pytest.approx(12.5)  # 2.5 + 3*10/4 + 2.5
+    assert chunked_overlap_time(4.0, 12.0, 4) == pytest.approx(1.0 + 9.0 + 3.0)  # compute-bound
+    with pytest.raises(ValueError, match=r"chunks: must be >= 1, got 0 \(limit 1\)"):
+        chunked_overlap_time(1.0, 1.0, 0)
+
+
+def test_axis_channel_by_span():
+    g = Grid4D(x=8, y=2, z=1, data=2)  # x spans 8 ranks (one node), y spans 16 (two nodes)
+    assert axis_channel(g, "x", POD).bandwidth_gbps == POD.intra_node_bandwidth_gbps
+    assert axis_channel(g, "y", POD).bandwidth_gbps == 200.0
+    assert axis_channel(g, "data", POD).bandwidth_gbps == 200.0
+
+
+def test_volumes_by_hand_one_axis_each():
+    tokens = 4096
+    h, f = 1024, 4096
+    # x=4 only: forward all-reduces of each GEMM's output over x; nothing else communicates
+    c = grid_cost(TINY, POD, Grid4D(x=4, y=1, z=1), batch_tokens=tokens)
+    out_widths = {"qkv": 3 * h, "projection": h, "fc1": f, "fc2": h}
+    # qkv and fc1 split k over x -> all-reduce m*n; projection and fc2 are transposed: k over y=1,
+    # n over x, so their forward all-reduce is over y (size 1): free; their backward one over x.
+    fwd = sum(2 * tokens * out_widths[n] for n in ("qkv", "fc1"))
+    bwd = sum(2 * tokens * k for k in (h, f))  # projection k=h, fc2 k=f: input grads over x
+    assert c.volume_bytes["ar_forward"] == pytest.approx(1.5 * fwd)
+    assert c.volume_bytes["ar_backward"] == pytest.approx(1.5 * bwd)
+    assert c.volume_bytes["ag_weight"] == c.volume_bytes["rs_wgrad"] == c.volume_bytes["ar_data"] == 0.0
+    ch = axis_channel(Grid4D(x=4, y=1, z=1), "x", POD)
+    expect = sum(ring_all_reduce_time(2 * tokens * out_widths[n], n=4, bandwidth_gbps=ch.bandwidth_gbps,
+                                      latency_us=ch.latency_us) for n in ("qkv", "fc1"))
+    assert c.comm_s["ar_forward"] == pytest.approx(expect)
+    assert c.exposed_s == pytest.approx(sum(c.comm_s.values()))
+
+
+def test_depth_axis_is_weight_traffic_only():
+    tokens = 4096
+    c = grid_cost(TINY, POD, Grid4D(x=1, y=1, z=4), batch_tokens=tokens)
+    weights = 2 * (1024 * 3072 + 1024 * 1024 + 1024 * 4096 + 4096 * 1024)  # bf16 bytes of the 4 GEMMs
+    assert c.volume_bytes["ag_weight"] == pytest.approx(0.75 * weights)
+    assert c.volume_bytes["rs_wgrad"] == pytest.approx(0.75 * weights)
+    assert c.volume_bytes["ar_forward"] == c.volume_bytes["ar_backward"] == 0.0
+    assert c.state_bytes_per_gpu == pytest.approx(weights / 2 / 4 * 18)  # 2+4+12 bytes per parameter
+
+
+def test_overlap_never_increases_exposed_time():
+    for c in candidate_grids(BIG, POD, 32, batch_tokens=2048 * 64):
+        assert 0.0 <= c.exposed_overlap_s <= c.exposed_s + 1e-12
+        assert c.exposed_overlap_s >= c.comm_s["ar_forward"] - 1e-12  # the forward all-reduce stays exposed
+
+
+def test_best_grid_minimises_exposed_time_and_respects_memory():
+    cands = candidate_grids(BIG, POD, 32, batch_tokens=2048 * 64)
+    assert all(c.state_bytes_per_gpu <= 0.5 * 80 * 2**30 for c in cands)
+    assert all(c.grid.data < 32 for c in cands)  # 48 layers of h=8192 do not fit one GPU
+    best = best_grid(BIG, POD, 32, batch_tokens=2048 * 64)
+    assert best.exposed_overlap_s == min(c.exposed_overlap_s for c in cands)
+    best_plain = best_grid(BIG, POD, 32, batch_tokens=2048 * 64, overlap=False)
+    assert best_plain.exposed_s == min(c.exposed_s for c in cands)
+    assert best.exposed_overlap_s <= best_plain.exposed_overlap_s
+
+
+def test_grid_cost_validation_messages():
+    with pytest.raises(ValueError, match=r"batch_tokens: 1000 must be a multiple of data\*z = 1\*3 = 3"):
+        grid_cost(TINY, POD, Grid4D(x=1, y=1, z=3), batch_tokens=1000)
+    with pytest.raises(ValueError, match=r"grid: 64 ranks exceed the island's 32 GPUs \(limit 32\)"):
+        grid_cost(TINY, POD, Grid4D(x=8, y=8, z=1), batch_tokens=4096)
+    with pytest.raises(ValueError, match=r"gpus: no grid of 1 ranks fits"):
+        best_grid(BIG, POD, 1, batch_tokens=2048)
