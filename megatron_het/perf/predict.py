@@ -9,21 +9,27 @@ Assumptions (docs/planner.md, "Prediction"):
   the island's emulation slowdown (1.0 on a real cluster).
 - Each replica's pipeline is simulated with its own micro-batch count by
   :func:`megatron_het.schedule.simulate`; zero-bubble B and W each take half of the backward.
-- Gradients (fp32, 4 bytes per parameter) are reduced after the last replica finishes its
-  pipeline, without overlap (Megatron's default). Replicas may have different layouts; a stage's
-  peers are, in every replica, the stage holding the same first layer, and the reduction moves
-  this stage's per-rank gradient bytes over :func:`dp_gradient_reduction` across those peers'
-  islands. With the distributed optimizer the reduce-scatter + all-gather pair costs the same as
-  the all-reduce in a ring, so the same time is used.
+- Gradients (fp32, 4 bytes per parameter) are reduced by every rank right after its own schedule
+  ends (megatron-het's runtime and Megatron's finalize_model_grads both do), so a stage's reduction
+  starts when the last of its peers ends its last backward in the simulation; later stages reduce
+  during earlier stages' cool-down. Replicas may have different layouts; a stage's peers are, in
+  every replica, the stage holding the same first layer, and the reduction moves this stage's
+  per-rank gradient bytes over :func:`dp_gradient_reduction` across those peers' islands. With the
+  distributed optimizer the reduce-scatter + all-gather pair costs the same as the all-reduce in a
+  ring, so the same time is used.
+- ``overlap_grad_reduce=True`` (off by default: megatron-het's runtime does not overlap) models
+  megatron-core's DDP option: stage 0 reduces in buckets during its last backward
+  (:func:`overlapped_reduction_tail_s`); other stages are not bucketed by Megatron and reduce at
+  their end as above.
 - The optimizer step is memory-bound: ``OPTIMIZER_STEP_BYTES`` per parameter (sharded over the
   replicas with the distributed optimizer) at the device's memory bandwidth.
-- iteration time = max over replicas of the pipeline time + the slowest stage's gradient
-  reduction + the slowest stage's optimizer step.
+- iteration time = max(slowest replica's pipeline, latest end of a stage's reduction) + the
+  slowest stage's optimizer step.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from megatron_het.cluster import ClusterSpec, IslandSpec, ModelSpec
@@ -40,6 +46,7 @@ from megatron_het.perf.memory import (
 from megatron_het.perf.profile import Profile
 from megatron_het.plan.types import Plan, ReplicaPlan, StagePlan
 from megatron_het.schedule import Action, build_schedule, simulate
+from megatron_het.schedule.simulate import SimResult
 
 __all__ = [
     "OPTIMIZER_STEP_BYTES",
@@ -50,6 +57,9 @@ __all__ = [
     "stage_cost",
     "profile_for",
     "predict",
+    "bucket_parameters",
+    "overlapped_reduction_tail_s",
+    "stage_gradient_chunks",
 ]
 
 # Adam step per parameter: read fp32 master, grad, exp_avg, exp_avg_sq (16), write master and the
@@ -123,7 +133,8 @@ class StagePrediction:
     backward_s: float  # per micro-batch, all model chunks (incl. recomputation)
     compute_s: float  # busy time over the iteration's pipeline
     idle_s: float  # pipeline bubble of this stage
-    gradient_reduction_s: float  # this stage's cross-replica gradient reduction
+    gradient_reduction_s: float  # this stage's cross-replica gradient reduction (all of it)
+    gradient_reduction_end_s: float  # when it ends: its peers' last backward (+ overlap) + the rest
     optimizer_s: float  # this stage's optimizer step
     memory: StageMemory  # peak bytes per rank, by part
     capacity_gib: float  # device memory per rank
@@ -141,6 +152,7 @@ class StagePrediction:
             "island": self.island, "device_type": self.device_type, "tp": self.tp, "layers": list(self.layers),
             "forward_s": self.forward_s, "backward_s": self.backward_s, "compute_s": self.compute_s,
             "idle_s": self.idle_s, "gradient_reduction_s": self.gradient_reduction_s,
+            "gradient_reduction_end_s": self.gradient_reduction_end_s,
             "optimizer_s": self.optimizer_s, "memory_gib": self.memory_gib, "capacity_gib": self.capacity_gib,
             "fits": self.fits,
             "memory_parts_gib": {k: v / _GIB for k, v in self.memory.parts().items()},
@@ -163,7 +175,7 @@ class Prediction:
 
     iteration_time_s: float  # max pipeline + gradient reduction + optimizer step
     pipeline_time_s: float  # slowest replica's pipeline
-    gradient_reduction_s: float  # slowest stage's exposed cross-replica reduction
+    gradient_reduction_s: float  # reduction time past the slowest pipeline's end (the exposed part)
     optimizer_s: float  # slowest stage's optimizer step
     tokens_per_s: float  # global_batch_size * seq_length / iteration_time_s
     tflops_per_gpu: float  # model FLOPs (Megatron formula, no recompute) / (time * GPUs) / 1e12
@@ -209,9 +221,61 @@ def _same_node(island: IslandSpec, a: StagePlan, b: StagePlan) -> bool:
     return island.nodes == 1 or a.tp + b.tp <= island.gpus_per_node
 
 
+def bucket_parameters(dp: int) -> int:
+    """megatron-core DDP's default gradient bucket with overlap_grad_reduce: max(40M, 1M x dp)
+    parameters (distributed_data_parallel.py); it buckets only pipeline stage 0."""
+    return max(40_000_000, 1_000_000 * dp)
+
+
+def overlapped_reduction_tail_s(chunks: Sequence[tuple[float, int]], *, backward_s: float, bucket_params: int,
+                                reduce_s: Callable[[int], float]) -> float:
+    """Seconds a bucketed gradient reduction runs past the end of the last backward it overlaps.
+
+    ``chunks`` are (ready time from the start of that backward, parameters) in the order the
+    backward produces them. Like megatron-core, a bucket closes once it holds ``bucket_params``
+    (a chunk is never split), is launched when its last gradient is ready, and buckets reduce one
+    after another; ``reduce_s(params)`` prices one bucket. When the network keeps up this is the
+    last bucket's reduction; when it does not, the backlog is exposed too.
+    """
+    t, size, ready = 0.0, 0, 0.0
+    for at, n in chunks:
+        size, ready = size + n, at
+        if size >= bucket_params:
+            t, size = max(t, ready) + reduce_s(size), 0
+    if size:
+        t = max(t, ready) + reduce_s(size)
+    return max(0.0, t - backward_s)
+
+
+def stage_gradient_chunks(model: ModelSpec, cost: StageCost, *, num_layers: int, is_first: bool, is_last: bool,
+                          tp: int) -> list[tuple[float, int]]:
+    """(ready time in the stage's backward, parameters) in backward order: output layer, the
+    layers last to first (each ready when its backward ends), then the embedding."""
+    def params(n: int, first: bool, last: bool) -> int:
+        return stage_parameters(model, num_layers=n, is_first=first, is_last=last, tp=tp)
+
+    out = []
+    t = cost.output_backward_s if is_last else 0.0
+    if is_last:  # final norm + output layer (minus the embedding when tied on a one-stage pipeline)
+        out.append((t, params(0, is_first, True) - params(0, is_first, False)))
+    per_layer = params(1, False, False)
+    for _ in range(num_layers):
+        t += cost.layer_backward_s
+        out.append((t, per_layer))
+    if is_first:
+        out.append((t + cost.embedding_backward_s, params(0, True, False)))
+    return out
+
+
 def predict(plan: Plan, model: ModelSpec, cluster: ClusterSpec, *, profile: Profile | Sequence[Profile] | None = None,
-            distributed_optimizer: bool | None = None, seq_length: int | None = None) -> Prediction:
-    """Predict one iteration of ``plan`` (assumed valid: run validate_plan first)."""
+            distributed_optimizer: bool | None = None, seq_length: int | None = None,
+            overlap_grad_reduce: bool = False) -> Prediction:
+    """Predict one iteration of ``plan`` (assumed valid: run validate_plan first).
+
+    ``overlap_grad_reduce`` models megatron-core's DDP option of that name (stage 0 reduces in
+    buckets during its last backward); megatron-het's runtime reduces after the schedule, so the
+    default is False.
+    """
     dist_opt = plan.use_distributed_optimizer if distributed_optimizer is None else distributed_optimizer
     s_len = model.seq_length if seq_length is None else seq_length
     mbs, v, sp = plan.micro_batch_size, plan.virtual_pipeline_size, plan.sequence_parallel
@@ -227,39 +291,62 @@ def predict(plan: Plan, model: ModelSpec, cluster: ClusterSpec, *, profile: Prof
                                     sequence_parallel=sp, tp_comm_overlap=stage.tp_comm_overlap, profile=profile)
         return costs[key]
 
-    # Which islands hold each layer range's first layer, across replicas (the reduction peers).
-    holders: dict[int, list[str]] = {}
+    # Simulate each distinct replica once; record when every stage's last backward ends.
+    sims: dict[tuple[object, ...], tuple[list[float], list[float], SimResult]] = {}
+    keys = []
     for r in plan.replicas:
-        for st in r.stages:
+        key = (tuple(_stage_key(st) for st in r.stages), r.num_micro_batches)
+        if key not in sims:
+            sims[key] = _simulate(plan, r, model, cluster, cost, seq_length=s_len)
+        keys.append(key)
+    # Reduction peers of a stage: in every replica, the stage holding its first layer.
+    holders: dict[int, list[tuple[str, float]]] = {}
+    for r, key in zip(plan.replicas, keys):
+        timings = sims[key][2].timings
+        for st, row in zip(r.stages, timings):
+            end = max((t.end for t in row), default=0.0)
             for layer in range(st.layers[0], st.layers[1]):
-                holders.setdefault(layer, []).append(st.island)
-    reductions: dict[tuple[object, ...], tuple[float, float]] = {}
+                holders.setdefault(layer, []).append((st.island, end))
+    reductions: dict[tuple[object, ...], tuple[float, float, float]] = {}
 
-    def reduce_and_step(stage: StagePlan, is_first: bool, is_last: bool) -> tuple[float, float]:
+    def reduce_and_step(stage: StagePlan, is_first: bool, is_last: bool, bwd_s: float) -> tuple[float, float, float]:
+        """(reduction seconds, when the reduction ends, optimizer seconds) of one stage."""
         key = (_stage_key(stage), is_first, is_last)
         if key not in reductions:
             params = stage_parameters(model, num_layers=stage.num_layers, is_first=is_first, is_last=is_last,
                                       tp=stage.tp)
             peers = holders[stage.layers[0]]
-            red = dp_gradient_reduction(GRAD_BYTES * params, cluster, replica_islands=peers).total_s if dp > 1 else 0.0
+            names = [name for name, _ in peers]
+            start = max(end for _, end in peers)  # every peer must be done with its backward
+
+            def reduce_s(n: int) -> float:
+                return dp_gradient_reduction(GRAD_BYTES * n, cluster, replica_islands=names).total_s
+
+            red = reduce_s(params) if dp > 1 else 0.0
+            tail = red
+            if dp > 1 and overlap_grad_reduce and is_first and v == 1:
+                chunks = stage_gradient_chunks(model, cost(stage), num_layers=stage.num_layers, is_first=is_first,
+                                               is_last=is_last, tp=stage.tp)
+                tail = overlapped_reduction_tail_s(chunks, backward_s=bwd_s, bucket_params=bucket_parameters(dp),
+                                                   reduce_s=reduce_s)
             island = cluster.island(stage.island)
             shard = len(peers) if dist_opt else 1
             opt = (cluster.slowdown(stage.island) * OPTIMIZER_STEP_BYTES * params / shard
                    / (island.device.memory_bandwidth_gbs * 1e9))
-            reductions[key] = (red, opt)
+            reductions[key] = (red, start + tail, opt)
         return reductions[key]
 
-    sims: dict[tuple[object, ...], ReplicaPrediction] = {}
+    built: dict[tuple[object, ...], ReplicaPrediction] = {}
     replicas = []
-    for r in plan.replicas:
-        key = (tuple(_stage_key(st) for st in r.stages), r.num_micro_batches)
-        if key not in sims:
-            sims[key] = _replica(plan, r, model, cluster, cost, reduce_and_step, dp=dp, dist_opt=dist_opt,
-                                 seq_length=s_len)
-        replicas.append(sims[key])
+    for r, key in zip(plan.replicas, keys):
+        if key not in built:
+            built[key] = _replica(plan, r, model, cluster, sims[key], reduce_and_step, dp=dp, dist_opt=dist_opt,
+                                  seq_length=s_len)
+        replicas.append(built[key])
 
     pipeline = max(r.pipeline_time_s for r in replicas)
-    reduction = max(s.gradient_reduction_s for r in replicas for s in r.stages)
+    reduced = max(s.gradient_reduction_end_s for r in replicas for s in r.stages)
+    reduction = max(0.0, reduced - pipeline)
     optimizer = max(s.optimizer_s for r in replicas for s in r.stages)
     iteration = pipeline + reduction + optimizer
     gpus = plan.world_size
@@ -273,8 +360,9 @@ def predict(plan: Plan, model: ModelSpec, cluster: ClusterSpec, *, profile: Prof
     )
 
 
-def _replica(plan: Plan, r: ReplicaPlan, model: ModelSpec, cluster: ClusterSpec, cost, reduce_and_step, *,
-             dp: int, dist_opt: bool, seq_length: int) -> ReplicaPrediction:
+def _simulate(plan: Plan, r: ReplicaPlan, model: ModelSpec, cluster: ClusterSpec, cost, *,
+              seq_length: int) -> tuple[list[float], list[float], SimResult]:
+    """Per-stage forward and backward seconds per micro-batch and the simulated schedule."""
     p, m, v, mbs = len(r.stages), r.num_micro_batches, plan.virtual_pipeline_size, plan.micro_batch_size
     fwd, bwd = [], []
     for i, st in enumerate(r.stages):
@@ -303,7 +391,14 @@ def _replica(plan: Plan, r: ReplicaPlan, model: ModelSpec, cluster: ClusterSpec,
     def p2p(src: int, dst: int, action: Action) -> float:
         return hop.get((src, dst), 0.0)
 
-    sim = simulate(schedule, duration, p2p)
+    return fwd, bwd, simulate(schedule, duration, p2p)
+
+
+def _replica(plan: Plan, r: ReplicaPlan, model: ModelSpec, cluster: ClusterSpec,
+             simulated: tuple[list[float], list[float], SimResult], reduce_and_step, *, dp: int, dist_opt: bool,
+             seq_length: int) -> ReplicaPrediction:
+    p, m, v, mbs = len(r.stages), r.num_micro_batches, plan.virtual_pipeline_size, plan.micro_batch_size
+    fwd, bwd, sim = simulated
     stages = []
     for i, st in enumerate(r.stages):
         is_first, is_last = i == 0, i == p - 1
@@ -314,12 +409,12 @@ def _replica(plan: Plan, r: ReplicaPlan, model: ModelSpec, cluster: ClusterSpec,
                            seq_length=seq_length, sequence_parallel=plan.sequence_parallel,
                            recompute="full" if st.recompute else "none", distributed_optimizer=dist_opt,
                            virtual_stages=v)
-        red, opt = reduce_and_step(st, is_first, is_last)
+        red, red_end, opt = reduce_and_step(st, is_first, is_last, bwd[i] / v)
         device = cluster.island(st.island).device
         stages.append(StagePrediction(
             island=st.island, device_type=st.device_type, tp=st.tp, layers=st.layers, forward_s=fwd[i],
             backward_s=bwd[i], compute_s=sim.busy[i], idle_s=sim.idle[i], gradient_reduction_s=red,
-            optimizer_s=opt, memory=mem, capacity_gib=device_capacity_bytes(device) / _GIB,
+            gradient_reduction_end_s=red_end, optimizer_s=opt, memory=mem, capacity_gib=device_capacity_bytes(device) / _GIB,
         ))
     return ReplicaPrediction(num_micro_batches=m, pipeline_time_s=sim.iteration_time,
                              bubble_fraction=sim.bubble_fraction, stages=tuple(stages))

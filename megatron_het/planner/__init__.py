@@ -9,6 +9,7 @@ from megatron_het.planner.space import (
     Template,
     allocate_micro_batches,
     balanced_split,
+    balanced_split_options,
     build_plan,
     tp_options,
 )
@@ -22,6 +23,7 @@ __all__ = [
     "Template",
     "allocate_micro_batches",
     "balanced_split",
+    "balanced_split_options",
     "build_plan",
     "describe_plan",
     "island_infeasibility",

@@ -2,24 +2,67 @@
 prediction (which simulates every pipeline) is run on the best few.
 
 A replica of stage times ``tau_j = f_j + b_j`` running 1F1B over m micro-batches takes
-``sum(tau) + 2 * sum(hops) + (m - 1) * max(tau)``; gradient reduction and the optimizer step are
-priced as in :func:`megatron_het.perf.predict`.
+``sum(tau) + sum(hops both ways) + (m - 1) * T`` where T is the steady-state period
+(:func:`pipeline_period`): not just ``max(tau)``, because 1F1B keeps only ``p - j`` micro-batches in
+flight on stage j, so a run of stages plus the transfers between them forms a loop that the
+pipeline cannot go around faster than its total time over its length. Gradient reduction and the
+optimizer step are priced as in :func:`megatron_het.perf.predict`.
 """
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Sequence
 from dataclasses import dataclass
+
+import numpy as np
 
 from megatron_het.cluster import ClusterSpec, ModelSpec
 from megatron_het.perf.comm import activation_message_bytes, dp_gradient_reduction, p2p_time
 from megatron_het.perf.flops import stage_parameters
 from megatron_het.perf.memory import GRAD_BYTES, device_capacity_bytes, stage_memory
-from megatron_het.perf.predict import OPTIMIZER_STEP_BYTES, StageCost, stage_cost
+from megatron_het.perf.predict import (
+    OPTIMIZER_STEP_BYTES,
+    StageCost,
+    bucket_parameters,
+    overlapped_reduction_tail_s,
+    stage_cost,
+    stage_gradient_chunks,
+)
 from megatron_het.perf.profile import Profile
-from megatron_het.planner.space import Template, allocate_micro_batches, balanced_split
+from megatron_het.planner.space import Template, allocate_micro_batches, balanced_split_options
 
-__all__ = ["Estimate", "Estimator"]
+__all__ = ["Estimate", "Estimator", "pipeline_period"]
+
+
+def pipeline_period(taus: Sequence[float], hops: Sequence[float]) -> float:
+    """Steady-state 1F1B period of stages ``taus`` (forward + backward per micro-batch) with
+    ``hops[j]`` = forward + backward transfer time between stages j and j+1.
+
+    In steady state stage i runs F(k) after B(k - (p - i)) and B(k) after F(k + p - i - 1); the
+    dependency graph then has one loop per run of stages i..l (forward down the run, backward
+    back up) that holds l - i + 1 micro-batches. The period is the largest loop time over its
+    length, ``max over i <= l of (sum tau[i..l] + sum hops[i..l-1]) / (l - i + 1)``; the single
+    stages give ``max(tau)``. It matches the simulator to ~1% where ``max(tau)`` was up to 20% low
+    when transfers are slow (e.g. across islands over 25 Gb/s).
+    """
+    best = max(taus)
+    if not any(hops):  # no transfers: loops cannot beat their slowest stage
+        return best
+    p = len(taus)
+    if p > 8:  # every run at once: sum over i..l = T[l+1] - T[i] + H[l] - H[i] from prefix sums
+        t = np.concatenate(([0.0], np.cumsum(taus)))
+        h = np.concatenate(([0.0], np.cumsum(hops)))
+        length = np.arange(p)[None, :] - np.arange(p)[:, None] + 1
+        runs = (t[None, 1:] - t[:-1, None] + h[None, :] - h[:, None]) / np.where(length > 0, length, 1)
+        return max(best, float(np.where(length > 0, runs, 0.0).max()))
+    for i in range(p - 1):
+        total = taus[i]
+        for length, l in enumerate(range(i + 1, p), start=2):
+            total += taus[l] + hops[l - 1]
+            if total > best * length:
+                best = total / length
+    return best
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -30,7 +73,8 @@ class Estimate:
     layer_counts: tuple[tuple[int, ...], ...]  # per template, layers per stage
     micro_batches: tuple[tuple[int, int], ...]  # per template, (m, replicas getting m; the rest m - 1)
     micro_batch_size: int  # sequences per micro-batch
-    recompute: bool  # full recomputation on every stage
+    recompute: bool  # recompute allowed: stages recompute where memory needs it (else none do)
+    stage_recompute: tuple[tuple[bool, ...], ...]  # per template, per stage: full recomputation on
     iteration_time_s: float  # closed-form estimate
 
 
@@ -38,17 +82,21 @@ class Estimator:
     """Prices search points; holds per-search caches (one instance per plan_cluster call)."""
 
     def __init__(self, model: ModelSpec, cluster: ClusterSpec, *, global_batch_size: int,
-                 profile: Profile | Sequence[Profile] | None, distributed_optimizer: bool) -> None:
+                 profile: Profile | Sequence[Profile] | None, distributed_optimizer: bool,
+                 overlap_grad_reduce: bool = False) -> None:
         self.model = model
         self.cluster = cluster
         self.global_batch_size = global_batch_size
         self.profile = profile
         self.distributed_optimizer = distributed_optimizer
+        self.overlap_grad_reduce = overlap_grad_reduce  # price stage 0's reduction as megatron's bucketed overlap
         self._costs: dict[tuple[int, int, int, bool], StageCost] = {}
         self._mem: dict[tuple[object, ...], tuple[int, int, int, int]] = {}
         self._hops: dict[tuple[object, ...], float] = {}
         self._red: dict[tuple[object, ...], tuple[float, float]] = {}
         self._params: dict[tuple[object, ...], int] = {}
+        self._rows: dict[tuple[object, ...], list[tuple[float, float, int]]] = {}
+        self._options: dict[tuple[object, ...], list[list[tuple[float, float, int]]]] = {}
         self._capacity = [device_capacity_bytes(i.device) for i in cluster.islands]
 
     def cost(self, isl: int, tp: int, mbs: int, recompute: bool) -> StageCost:
@@ -108,6 +156,21 @@ class Estimator:
         t0, slope = self._red[counts]
         return t0 + slope * nbytes
 
+    def rows(self, isl: int, tp: int, mbs: int, recompute: bool, first: bool, last: bool, in_flight: int,
+             dp: int) -> list[tuple[float, float, int]]:
+        """A stage's (fixed s, s per layer, layer cap) without recompute and, when allowed, with."""
+        key = (isl, tp, mbs, recompute, first, last, in_flight, dp)
+        if key not in self._rows:
+            out = []
+            for rc in ((False, True) if recompute else (False,)):
+                c = self.cost(isl, tp, mbs, rc)
+                out.append(((c.embedding_forward_s + c.embedding_backward_s if first else 0.0)
+                            + (c.output_forward_s + c.output_backward_s if last else 0.0),
+                            c.layer_forward_s + c.layer_backward_s,
+                            self.cap(isl, tp, mbs, rc, first=first, last=last, in_flight=in_flight, dp=dp)))
+            self._rows[key] = out
+        return self._rows[key]
+
     def params(self, n: int, first: bool, last: bool, tp: int) -> int:
         key = (n, first, last, tp)
         if key not in self._params:
@@ -123,58 +186,85 @@ class Estimator:
             return (f"{replicas} replicas need at least {replicas} micro-batches but global_batch_size "
                     f"{self.global_batch_size} / micro_batch_size {mbs} = {total_mb}")
         max_m = total_mb - replicas + 1
-        groups, all_counts = [], []
+        groups, all_counts, all_flags, all_lags = [], [], [], []
         for t in templates:
             stages = t.stage_islands()
             p = len(stages)
             if p > L:
                 return f"{p} stages > num_layers {L}"
-            per_layer, fixed, caps = [], [], []
-            for j, (isl, tp) in enumerate(stages):
-                c = self.cost(isl, tp, mbs, recompute)
-                first, last = j == 0, j == p - 1
-                per_layer.append(c.layer_forward_s + c.layer_backward_s)
-                fixed.append((c.embedding_forward_s + c.embedding_backward_s if first else 0.0)
-                             + (c.output_forward_s + c.output_backward_s if last else 0.0))
-                caps.append(self.cap(isl, tp, mbs, recompute, first=first, last=last,
-                                     in_flight=min(p - j, max_m), dp=replicas))
-            counts = balanced_split(L, per_layer, fixed, caps)
-            if counts is None:
+            # Per stage, the rows (fixed, per layer, cap) without recompute and, when allowed,
+            # with it: a stage recomputes only when it holds more layers than fit without.
+            okey = (stages, mbs, recompute, max_m, replicas)
+            if okey not in self._options:
+                self._options[okey] = [self.rows(isl, tp, mbs, recompute, j == 0, j == p - 1, min(p - j, max_m),
+                                                 replicas) for j, (isl, tp) in enumerate(stages)]
+            options = self._options[okey]
+            found = balanced_split_options(L, options)
+            if found is None:
                 names = "+".join(f"{self.cluster.islands[s.island].name}(TP={s.tp},PP={s.pp})" for s in t.segments)
+                held = sum(min(max(r[2] for r in rows), L) for rows in options)
                 return (f"{names}, micro_batch_size {mbs}, recompute {recompute}: stages hold at most "
-                        f"{sum(min(c, L) for c in caps)} of {L} layers in memory")
+                        f"{held} of {L} layers in memory")
+            counts, picked = found
+            fixed = [options[j][k][0] for j, k in enumerate(picked)]
+            per_layer = [options[j][k][1] for j, k in enumerate(picked)]
+            all_flags.append(tuple(k == 1 for k in picked))
             taus = [f + n * x for f, n, x in zip(fixed, counts, per_layer)]
-            hops = sum(self.hop(stages[j], stages[j + 1], mbs) + self.hop(stages[j + 1], stages[j], mbs)
-                       for j in range(p - 1))
-            groups.append((t.count, sum(taus) + hops, max(taus)))
+            # When each stage's last backward ends, relative to the replica's end: stage j
+            # finishes before stage 0 by the backward cool-down of stages 0..j-1.
+            lag, lags, chunk_rows = 0.0, [], []
+            for j, ((isl, tp), n, k) in enumerate(zip(stages, counts, picked)):
+                c = self.cost(isl, tp, mbs, k == 1)
+                lags.append(lag)
+                bwd = c.backward_s(n, is_first=j == 0, is_last=j == p - 1)
+                chunk_rows.append((c, bwd))
+                if j + 1 < p:
+                    lag += bwd + self.hop(stages[j + 1], stages[j], mbs)
+            all_lags.append((lags, chunk_rows))
+            hops = [self.hop(stages[j], stages[j + 1], mbs) + self.hop(stages[j + 1], stages[j], mbs)
+                    for j in range(p - 1)]
+            groups.append((t.count, sum(taus) + sum(hops), pipeline_period(taus, hops)))
             all_counts.append(counts)
         alloc = allocate_micro_batches(total_mb, groups)
         if alloc is None:
             return f"cannot give each of {replicas} replicas a micro-batch"
         split, pipeline = alloc
         # Reduction peers of a stage: in every template, the stage holding the same first layer.
+        # Its reduction starts when the last of them ends its backward (as in perf.predict).
         holders = []
-        for t, counts in zip(templates, all_counts):
-            bounds, first = [], 0
-            for (isl, _), n in zip(t.stage_islands(), counts):
-                bounds.append((first, first + n, isl))
-                first += n
-            holders.append((t.count, bounds))
-        reduction = optimizer = 0.0
-        for t, counts in zip(templates, all_counts):
+        for t, counts, (m, _), (lags, _), (_, a, c) in zip(templates, all_counts, split, all_lags, groups):
+            end = a + (m - 1) * c  # this template's slowest replica
+            starts = [0]
+            for n in counts[:-1]:
+                starts.append(starts[-1] + n)
+            holders.append((t.count, starts, [isl for isl, _ in t.stage_islands()], [end - lag for lag in lags]))
+        reduced = optimizer = 0.0
+        shard = replicas if self.distributed_optimizer else 1
+        for t, counts, (_, rows) in zip(templates, all_counts, all_lags):
             stages, first = t.stage_islands(), 0
             for j, ((isl, tp), n) in enumerate(zip(stages, counts)):
-                params = self.params(n, j == 0, j == len(stages) - 1, tp)
+                is_first, is_last = j == 0, j == len(stages) - 1
+                params = self.params(n, is_first, is_last, tp)
                 where: dict[int, int] = {}
-                for cnt, bounds in holders:
-                    peer = next(i for a, b, i in bounds if a <= first < b)
-                    where[peer] = where.get(peer, 0) + cnt
-                reduction = max(reduction, self.reduction(tuple(sorted(where.items())), GRAD_BYTES * params))
+                start = 0.0
+                for cnt, starts, isls, ends in holders:
+                    k = bisect.bisect_right(starts, first) - 1  # the stage holding layer ``first``
+                    where[isls[k]] = where.get(isls[k], 0) + cnt
+                    start = max(start, ends[k])
+                placement = tuple(sorted(where.items()))
+                tail = self.reduction(placement, GRAD_BYTES * params)
+                if self.overlap_grad_reduce and is_first and replicas > 1:
+                    c, bwd = rows[j]
+                    chunks = stage_gradient_chunks(self.model, c, num_layers=n, is_first=True, is_last=is_last, tp=tp)
+                    tail = overlapped_reduction_tail_s(
+                        chunks, backward_s=bwd, bucket_params=bucket_parameters(replicas),
+                        reduce_s=lambda k, placement=placement: self.reduction(placement, GRAD_BYTES * k))
+                reduced = max(reduced, start + tail)
                 island = self.cluster.islands[isl]
-                shard = replicas if self.distributed_optimizer else 1
                 optimizer = max(optimizer, self.cluster.slowdown(island.name) * OPTIMIZER_STEP_BYTES * params
                                 / shard / (island.device.memory_bandwidth_gbs * 1e9))
                 first += n
+        reduction = max(0.0, reduced - pipeline)
         return Estimate(templates=tuple(templates), layer_counts=tuple(all_counts), micro_batches=tuple(split),
-                        micro_batch_size=mbs, recompute=recompute,
+                        micro_batch_size=mbs, recompute=recompute, stage_recompute=tuple(all_flags),
                         iteration_time_s=pipeline + reduction + optimizer)

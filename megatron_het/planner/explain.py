@@ -51,14 +51,15 @@ def island_infeasibility(est: Estimator, isl: int, *, max_tp: int, micro_batch_s
 
 
 def describe_plan(plan: Plan) -> str:
-    """One line per distinct replica layout: "2 x [a100 TP=2 L0-10 | h100 TP=1 L10-32] m=8,8"."""
+    """One line per distinct replica layout: "2 x [a100 TP=2 L0-10 | h100 TP=1 L10-32 RC] m=8,8"
+    (RC: the stage recomputes activations)."""
     groups: dict[tuple[object, ...], list[int]] = {}
     for r in plan.replicas:
-        key = tuple((s.island, s.tp, s.layers) for s in r.stages)
+        key = tuple((s.island, s.tp, s.layers, s.recompute) for s in r.stages)
         groups.setdefault(key, []).append(r.num_micro_batches)
     lines = []
     for key, ms in groups.items():
-        stages = " | ".join(f"{isl} TP={tp} L{a}-{b}" for isl, tp, (a, b) in key)
+        stages = " | ".join(f"{isl} TP={tp} L{a}-{b}{' RC' if rc else ''}" for isl, tp, (a, b), rc in key)
         lines.append(f"{len(ms)} x [{stages}] micro-batches {sorted(set(ms), reverse=True)}")
     return "\n".join(lines)
 
@@ -67,11 +68,15 @@ def explain_choice(model: ModelSpec, cluster: ClusterSpec, ranked: Sequence[tupl
                    evaluated: int, pruned: int) -> str:
     best, pred = ranked[0]
     used = pred.num_gpus
+    stages = [st for r in best.replicas for st in r.stages]
+    recomputing = sum(st.recompute for st in stages)
+    rc = ("off" if not recomputing else "on" if recomputing == len(stages)
+          else f"on {recomputing} of {len(stages)} stages (where memory needs it)")
     text = [
         f"{model.name or 'model'} on {cluster.num_gpus} GPUs ({', '.join(f'{n} x {d}' for d, n in cluster.gpus_by_device_type().items())}): "
         f"{evaluated} candidate plans priced, {pruned} pruned as infeasible.",
         f"Best: {len(best.replicas)} replica(s), micro_batch_size {best.micro_batch_size}, "
-        f"recompute {best.replicas[0].stages[0].recompute}, {used} GPUs used; predicted "
+        f"recompute {rc}, {used} GPUs used; predicted "
         f"{pred.iteration_time_s:.4g} s/iteration, {pred.tokens_per_s:.4g} tokens/s, "
         f"{pred.tflops_per_gpu:.4g} TFLOP/s per GPU, peak {pred.memory_gib_per_rank_max:.1f} GiB per rank.",
         describe_plan(best),

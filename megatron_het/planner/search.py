@@ -141,10 +141,12 @@ def plan_cluster(model: ModelSpec, cluster: ClusterSpec, *, global_batch_size: i
                  profile: Profile | Sequence[Profile] | None = None, top_k: int = 5, exhaustive: bool = False,
                  max_tp: int = 8, recompute_options: Sequence[bool] = (False, True),
                  micro_batch_sizes: Sequence[int] = (1, 2, 4, 8), distributed_optimizer: bool = True,
-                 islands: Sequence[str] | None = None) -> PlannerResult:
+                 islands: Sequence[str] | None = None, overlap_grad_reduce: bool = False) -> PlannerResult:
     """Search plans for ``model`` on ``cluster`` and return the fastest predicted one.
 
-    ``islands`` restricts the search to those islands (the others get no ranks). Raises
+    ``islands`` restricts the search to those islands (the others get no ranks).
+    ``overlap_grad_reduce`` prices plans for a runtime that overlaps stage 0's gradient reduction
+    with its last backward, as megatron-core's DDP option of that name does (see perf.predict). Raises
     :class:`InfeasibleError` (a ValueError) naming the failed memory or divisibility constraint.
     """
     if global_batch_size < 1:
@@ -165,7 +167,7 @@ def plan_cluster(model: ModelSpec, cluster: ClusterSpec, *, global_batch_size: i
             f"{tuple(micro_batch_sizes)} (got {global_batch_size}). Fix: use a global batch size that is a "
             f"multiple of {min(micro_batch_sizes, default=1)}")
     est = Estimator(model, cluster, global_batch_size=global_batch_size, profile=profile,
-                    distributed_optimizer=distributed_optimizer)
+                    distributed_optimizer=distributed_optimizer, overlap_grad_reduce=overlap_grad_reduce)
     active = [i for i, isl in enumerate(cluster.islands) if isl.name in allowed]
     reasons: dict[str, None] = {}
     estimates: list[Estimate] = []
@@ -245,7 +247,7 @@ def plan_cluster(model: ModelSpec, cluster: ClusterSpec, *, global_batch_size: i
             break
         plan = build_plan(cluster, e.templates, e.layer_counts, e.micro_batches, micro_batch_size=e.micro_batch_size,
                           global_batch_size=global_batch_size, recompute=e.recompute,
-                          distributed_optimizer=distributed_optimizer)
+                          distributed_optimizer=distributed_optimizer, stage_recompute=e.stage_recompute)
         key = plan.to_json()
         if key in seen:
             continue
@@ -255,7 +257,7 @@ def plan_cluster(model: ModelSpec, cluster: ClusterSpec, *, global_batch_size: i
         except PlanError as err:  # a bug in the search if it happens; keep the reason, skip the plan
             reasons[f"internal: generated plan invalid: {err}"] = None
             continue
-        pred = predict(plan, model, cluster, profile=profile)
+        pred = predict(plan, model, cluster, profile=profile, overlap_grad_reduce=overlap_grad_reduce)
         if not pred.fits:
             reasons[f"predicted memory {pred.memory_gib_per_rank_max:.1f} GiB exceeds a device"] = None
             continue

@@ -3,6 +3,7 @@ balanced layer split, the micro-batch allocation and turning a choice into a Pla
 
 from __future__ import annotations
 
+import heapq
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -15,6 +16,7 @@ __all__ = [
     "Template",
     "tp_options",
     "balanced_split",
+    "balanced_split_options",
     "allocate_micro_batches",
     "island_gpus_used",
     "build_plan",
@@ -61,33 +63,44 @@ def tp_options(model: ModelSpec, island: IslandSpec, *, max_tp: int) -> tuple[in
 def balanced_split(num_layers: int, per_layer: Sequence[float], fixed: Sequence[float],
                    caps: Sequence[int]) -> tuple[int, ...] | None:
     """Layer counts minimising the slowest stage ``fixed[j] + n[j] * per_layer[j]`` with
-    ``1 <= n[j] <= caps[j]`` (memory) and ``sum(n) == num_layers``; None if the caps cannot hold it.
+    ``1 <= n[j] <= caps[j]`` (memory) and ``sum(n) == num_layers``; None if the caps cannot hold it."""
+    found = balanced_split_options(num_layers, [[(f, t, c)] for f, t, c in zip(fixed, per_layer, caps)])
+    return None if found is None else found[0]
 
-    Binary search on the slowest-stage time; each stage takes as many layers as fit under it.
+
+def balanced_split_options(num_layers: int, options: Sequence[Sequence[tuple[float, float, int]]]
+                           ) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
+    """Min-max layer split where stage j runs ``n`` layers with the first of its ``options[j]``
+    rows ``(fixed, per_layer, cap)`` whose cap holds ``n`` (rows ordered fastest first, e.g.
+    without then with recompute). Returns the counts and each stage's row index, or None if no
+    row holds the layers.
+
+    Greedy and exact: every stage's time is non-decreasing in its layer count, so starting every
+    stage at one layer and handing out the remaining layers one at a time to the stage whose time
+    with one more layer is smallest reaches the smallest achievable maximum. O((L - p) log p),
+    which matters at hundreds of stages and thousands of evaluations.
     """
-    p = len(per_layer)
-    if p > num_layers or any(c < 1 for c in caps) or sum(min(c, num_layers) for c in caps) < num_layers:
+    p = len(options)
+    most = [min(max(c for _, _, c in opts), num_layers) for opts in options]
+    if p > num_layers or any(m < 1 for m in most) or sum(most) < num_layers:
         return None
-    lo = max(f + t for f, t in zip(fixed, per_layer))
-    hi = max(f + min(c, num_layers) * t for f, t, c in zip(fixed, per_layer, caps))
 
-    rows = list(zip(fixed, per_layer, caps))
+    def time(opts: Sequence[tuple[float, float, int]], n: int) -> float:
+        for f, t, cap in opts:
+            if n <= cap:
+                return f + n * t
+        raise AssertionError("unreachable: n <= most[j]")
 
-    def counts(limit: float) -> list[int]:
-        return [max(1, min(c, int((limit - f) / t + 1e-9))) for f, t, c in rows]
-
-    for _ in range(40):
-        mid = (lo + hi) / 2
-        if sum(counts(mid)) >= num_layers:
-            hi = mid
-        else:
-            lo = mid
-    n = counts(hi)
-    # Give back extra layers from the stages that end up slowest with them.
-    while sum(n) > num_layers:
-        j = max((k for k in range(p) if n[k] > 1), key=lambda k: fixed[k] + n[k] * per_layer[k])
-        n[j] -= 1
-    return tuple(n)
+    n = [1] * p
+    heap = [(time(options[j], 2), j) for j in range(p) if most[j] > 1]
+    heapq.heapify(heap)
+    for _ in range(num_layers - p):
+        _, j = heapq.heappop(heap)  # non-empty: the caps hold num_layers (checked above)
+        n[j] += 1
+        if n[j] < most[j]:
+            heapq.heappush(heap, (time(options[j], n[j] + 1), j))
+    rows = tuple(next(k for k, (_, _, cap) in enumerate(options[j]) if n[j] <= cap) for j in range(p))
+    return tuple(n), rows
 
 
 def allocate_micro_batches(total: int, groups: Sequence[tuple[int, float, float]]) -> tuple[list[tuple[int, int]], float] | None:
@@ -106,7 +119,12 @@ def allocate_micro_batches(total: int, groups: Sequence[tuple[int, float, float]
 
     lo = max(a for _, a, _ in groups)
     hi = max(a + (total - 1) * c for _, a, c in groups)
+    if len(groups) == 1:  # one layout: an even split, no search needed
+        (n, a, c), = groups
+        lo = hi = a + (-(-total // n) - 1) * c
     for _ in range(80):
+        if hi - lo <= 1e-12 * hi:
+            break
         mid = (lo + hi) / 2
         if sum(n * m_at(mid, a, c) for n, a, c in groups) >= total:
             hi = mid
@@ -142,8 +160,11 @@ def island_gpus_used(templates: Sequence[Template], num_islands: int) -> list[in
 
 def build_plan(cluster: ClusterSpec, templates: Sequence[Template], layer_counts: Sequence[Sequence[int]],
                micro_batches: Sequence[tuple[int, int]], *, micro_batch_size: int, global_batch_size: int,
-               recompute: bool, distributed_optimizer: bool) -> Plan:
+               recompute: bool, distributed_optimizer: bool,
+               stage_recompute: Sequence[Sequence[bool]] | None = None) -> Plan:
     """Turn a search point into a Plan.
+
+    ``stage_recompute`` (per template, per stage) overrides ``recompute`` stage by stage.
 
     Ranks: island by island in cluster-file order, only the GPUs used (so ranks are exactly
     0..N-1); inside an island, replica by replica and stage by stage, each stage's TP ranks
@@ -153,14 +174,16 @@ def build_plan(cluster: ClusterSpec, templates: Sequence[Template], layer_counts
     offset = [sum(used[:i]) for i in range(len(used))]
     nxt = list(offset)
     replicas = []
-    for t, counts, (m, high) in zip(templates, layer_counts, micro_batches):
+    if stage_recompute is None:
+        stage_recompute = [[recompute] * len(counts) for counts in layer_counts]
+    for t, counts, (m, high), flags in zip(templates, layer_counts, micro_batches, stage_recompute):
         for copy in range(t.count):
             stages, first = [], 0
-            for (isl, tp), n in zip(t.stage_islands(), counts):
+            for (isl, tp), n, rc in zip(t.stage_islands(), counts, flags):
                 island = cluster.islands[isl]
                 stages.append(StagePlan(island=island.name, device_type=island.device.name,
                                         ranks=tuple(range(nxt[isl], nxt[isl] + tp)), layers=(first, first + n),
-                                        recompute=recompute))
+                                        recompute=rc))
                 nxt[isl] += tp
                 first += n
             replicas.append(ReplicaPlan(stages=tuple(stages), num_micro_batches=m if copy < high else m - 1))

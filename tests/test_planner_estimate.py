@@ -1,0 +1,72 @@
+"""planner.estimate/space: 1F1B period with transfers, exact layer split with per-stage recompute."""
+
+import itertools
+import random
+
+import pytest
+
+from megatron_het.planner import balanced_split, balanced_split_options
+from megatron_het.planner.estimate import pipeline_period
+from megatron_het.schedule import build_schedule, simulate
+
+
+def test_period_without_transfers_is_the_slowest_stage():
+    assert pipeline_period([1.0, 3.0, 2.0], [0.0, 0.0]) == 3.0
+
+
+def test_period_counts_loops_through_slow_transfers():
+    # Stages 0..1 with 2 s of transfers both ways: (1 + 1 + 2) / 2 = 2 per micro-batch.
+    assert pipeline_period([1.0, 1.0], [2.0]) == pytest.approx(2.0)
+    # The loop over all three stages: (1 + 1 + 1 + 3 + 3) / 3 = 3 beats any pair (1 + 1 + 3) / 2.
+    assert pipeline_period([1.0, 1.0, 1.0], [3.0, 3.0]) == pytest.approx(3.0)
+
+
+@pytest.mark.parametrize("taus,hops,m", [([1.0, 0.5, 0.7, 0.6], [0.4, 0.0, 0.9], 16),
+                                         ([0.3, 0.3, 0.3], [0.5, 0.5], 32),
+                                         ([2.0, 1.0], [0.1], 8)])
+def test_closed_form_tracks_the_simulator(taus, hops, m):
+    p = len(taus)
+    fwd, bwd = [t / 3 for t in taus], [2 * t / 3 for t in taus]
+    sim = simulate(build_schedule("1f1b", p, m),
+                   lambda s, a: fwd[s] if a.kind == "F" else bwd[s],
+                   lambda src, dst, a: hops[min(src, dst)] / 2)
+    closed = sum(taus) + sum(hops) + (m - 1) * pipeline_period(taus, hops)
+    old = sum(taus) + sum(hops) + (m - 1) * max(taus)
+    assert closed == pytest.approx(sim.iteration_time, rel=0.05)  # the fill term is conservative
+    assert abs(closed - sim.iteration_time) <= abs(old - sim.iteration_time) + 1e-12
+
+
+def test_split_is_exact_min_max():
+    rng = random.Random(3)
+    for _ in range(40):
+        p, L = rng.randint(1, 4), rng.randint(4, 9)
+        per = [rng.uniform(0.5, 2.0) for _ in range(p)]
+        fixed = [rng.uniform(0.0, 1.0) for _ in range(p)]
+        caps = [rng.randint(1, L) for _ in range(p)]
+        got = balanced_split(L, per, fixed, caps)
+        feasible = [n for n in itertools.product(*(range(1, c + 1) for c in caps)) if sum(n) == L]
+        if not feasible:
+            assert got is None
+            continue
+        best = min(max(f + k * t for f, k, t in zip(fixed, n, per)) for n in feasible)
+        assert sum(got) == L and all(1 <= k <= c for k, c in zip(got, caps))
+        assert max(f + k * t for f, k, t in zip(fixed, got, per)) == pytest.approx(best)
+
+
+def test_split_recomputes_only_the_stage_that_needs_it():
+    # Stage 0 holds 2 layers without recompute (1 s each) or 8 with it (1.5 s each); stage 1 holds 8.
+    counts, rows = balanced_split_options(8, [[(0.0, 1.0, 2), (0.0, 1.5, 8)], [(0.0, 1.0, 8)]])
+    assert counts == (3, 5) and rows == (1, 0)  # max(4.5, 5) beats (2, 6) without recompute
+    # Enough memory: nobody recomputes.
+    counts, rows = balanced_split_options(8, [[(0.0, 1.0, 8), (0.0, 1.5, 8)], [(0.0, 1.0, 8)]])
+    assert counts == (4, 4) and rows == (0, 0)
+    assert balanced_split_options(8, [[(0.0, 1.0, 2), (0.0, 1.5, 3)], [(0.0, 1.0, 4)]]) is None
+
+
+def test_period_of_long_pipelines_matches_every_run():
+    rng = random.Random(5)
+    for p in (9, 20, 40):
+        taus = [rng.uniform(0.5, 1.5) for _ in range(p)]
+        hops = [rng.choice((0.0, 0.1, 2.0)) for _ in range(p - 1)]
+        brute = max((sum(taus[i:l + 1]) + sum(hops[i:l])) / (l - i + 1) for i in range(p) for l in range(i, p))
+        assert pipeline_period(taus, hops) == pytest.approx(brute, rel=1e-12)

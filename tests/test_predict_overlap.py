@@ -1,0 +1,51 @@
+"""perf.predict: when gradient reductions start and megatron-style overlapped buckets."""
+
+import pytest
+
+from megatron_het.cluster import CATALOG, ClusterSpec, IslandSpec, ModelSpec
+from megatron_het.perf.predict import bucket_parameters, overlapped_reduction_tail_s, predict
+from megatron_het.plan import homogeneous_plan
+
+MODEL = ModelSpec(num_layers=8, hidden_size=2048, num_attention_heads=16, seq_length=2048, vocab_size=32000, name="t")
+
+
+def test_bucket_size_is_megatron_default():
+    assert bucket_parameters(8) == 40_000_000
+    assert bucket_parameters(64) == 64_000_000
+
+
+def test_tail_is_the_last_bucket_when_the_network_keeps_up():
+    chunks = [(1.0, 50), (2.0, 50), (3.0, 50)]
+    # Bucket of 100 ready at 2 s, reduced by 3 s; the last 50 ready at 3 s, reduced by 3.5 s.
+    assert overlapped_reduction_tail_s(chunks, backward_s=3.0, bucket_params=100,
+                                       reduce_s=lambda n: 0.01 * n) == pytest.approx(0.5)
+
+
+def test_tail_includes_the_backlog_when_the_network_is_slow():
+    chunks = [(1.0, 50), (2.0, 50), (3.0, 50)]
+    assert overlapped_reduction_tail_s(chunks, backward_s=3.0, bucket_params=100,
+                                       reduce_s=lambda n: 0.05 * n) == pytest.approx(6.5)
+
+
+def _cluster() -> ClusterSpec:
+    isl = IslandSpec(name="a", device=CATALOG["A100-80GB"], nodes=2, gpus_per_node=8, inter_node_bandwidth_gbps=25.0)
+    return ClusterSpec(islands=(isl,))
+
+
+def test_reduction_starts_when_each_stage_ends_and_overlap_only_shortens_it():
+    plan = homogeneous_plan(tp=1, pp=4, dp=4, num_layers=8, micro_batch_size=1, global_batch_size=32,
+                            island="a", device_type="A100-80GB")
+    plain = predict(plan, MODEL, _cluster())
+    overlapped = predict(plan, MODEL, _cluster(), overlap_grad_reduce=True)
+    stages = plain.replicas[0].stages
+    # A later stage ends its backward before stage 0, so its reduction ends earlier than
+    # pipeline end + its duration.
+    last = stages[-1]
+    assert last.gradient_reduction_end_s < plain.pipeline_time_s + last.gradient_reduction_s
+    worst_end = max(s.gradient_reduction_end_s for s in stages)
+    assert plain.gradient_reduction_s == pytest.approx(max(0.0, worst_end - plain.pipeline_time_s))
+    assert overlapped.pipeline_time_s == pytest.approx(plain.pipeline_time_s)
+    assert overlapped.iteration_time_s <= plain.iteration_time_s
+    first_plain, first_over = stages[0], overlapped.replicas[0].stages[0]
+    assert first_over.gradient_reduction_end_s < first_plain.gradient_reduction_end_s
+    assert "gradient_reduction_end_s" in plain.to_json_dict()["replica_groups"][0]["stages"][0]
