@@ -1,0 +1,156 @@
+"""Per-rank driver of a resilient run: train, survive failures, re-plan when re-routing stops paying.
+
+``resilient_train`` is what a rank calls (tests and the benchmark spawn it through
+``launch.run_resilient_local``; under torchrun the store address comes from the launcher).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch.distributed as dist
+
+from megatron_het.cluster import ModelSpec
+from megatron_het.plan import Plan, ReplicaPlan
+from megatron_het.resilience.agreement import StoreAddress
+from megatron_het.resilience.recovery import (
+    FailureEvent,
+    FaultSpec,
+    RankRetired,
+    ReplanRequired,
+    ResilienceConfig,
+    ResilienceHooks,
+    bounded_new_groups,
+)
+from megatron_het.runtime.train_config import TrainConfig
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, kw_only=True)
+class RankReport:
+    """What one rank did in a resilient run (pickled back to the launcher)."""
+
+    rank: int  # original rank
+    status: str  # "finished" or "retired"
+    losses: dict[int, float] = field(default_factory=dict)  # iteration (1-based) -> global mean loss
+    elapsed_s: dict[int, float] = field(default_factory=dict)  # iteration (1-based) -> wall time of the step
+    samples: dict[int, tuple[int, ...]] = field(default_factory=dict)  # iteration (0-based) -> samples read
+    reads_first: bool = False  # samples are what a first stage embedded (else: what a last stage scored)
+    events: tuple[FailureEvent, ...] = ()  # failures this rank survived
+    replans: tuple[str, ...] = ()  # one line per automatic re-plan
+    counted: bool = False  # this rank's samples count in the accounting (TP rank 0 of a first/last stage)
+
+
+def homogeneous_replan(plan: Plan, num_ranks: int) -> Plan:
+    """As many copies of the plan's smallest replica as ``num_ranks`` holds, the global batch kept."""
+    shape = min(plan.replicas, key=lambda r: len(r.ranks))
+    k = num_ranks // len(shape.ranks)
+    if k < 1:
+        raise ValueError(f"num_ranks: {num_ranks} survivors cannot hold one replica of {len(shape.ranks)} ranks. "
+                         f"Fix: restart with more ranks")
+    total = sum(r.num_micro_batches for r in plan.replicas)
+    replicas, next_rank = [], 0
+    for i in range(k):
+        stages = []
+        for st in shape.stages:
+            stages.append(dataclasses.replace(st, ranks=tuple(range(next_rank, next_rank + st.tp))))
+            next_rank += st.tp
+        replicas.append(ReplicaPlan(stages=tuple(stages), num_micro_batches=total // k + (i < total % k)))
+    return dataclasses.replace(plan, replicas=tuple(replicas))
+
+
+def resilient_train(*, rank: int, model: ModelSpec, plan: Plan, train: TrainConfig, batch_fn, iterations: int,
+                    config: ResilienceConfig, faults: Sequence[FaultSpec] = (), padded_vocab: int | None = None,
+                    init_full_state=None, slowdown: float | None = None,
+                    replan: Callable[[Plan, int], Plan] = homogeneous_replan) -> RankReport:
+    """Train ``iterations`` steps of ``plan`` on this rank, surviving failures (the default group must exist)."""
+    from megatron_het.checkpoint.dist_ckpt import iteration_dir, latest_iteration
+    from megatron_het.runtime.hetero_trainer import HeteroTrainer
+
+    epoch, my_rank, replans = 0, rank, []
+    losses, elapsed, samples, events = {}, {}, {}, []
+    load = None
+    while True:
+        fault = next((f for f in faults if f.rank == rank), None) if epoch == 0 else None
+        hooks = ResilienceHooks(config=config, rank=my_rank, plan=plan, fault=fault, epoch=epoch)
+        with bounded_new_groups(config.pg_timeout_s):
+            trainer = HeteroTrainer(model=model, plan=plan, train=train, batch_fn=batch_fn, hooks=hooks,
+                                    padded_vocab=padded_vocab, slowdown=slowdown,
+                                    init_full_state=init_full_state if load is None else None)
+        if load is not None:
+            trainer.load_checkpoint(iteration_dir(config.checkpoint_dir, load))
+        try:
+            while trainer.iteration < iterations:
+                log = trainer.train_step()
+                losses[log.iteration], elapsed[log.iteration] = log.lm_loss, log.elapsed_s
+            status = "finished"
+        except RankRetired:
+            status = "retired"
+        except ReplanRequired as req:
+            survivors = dist.get_world_size() if dist.is_initialized() else 0
+            events += hooks.events
+            samples.update(hooks.samples)
+            hooks.close()
+            new_plan = replan(plan, survivors)
+            new_rank = dist.get_rank()
+            load = latest_iteration(config.checkpoint_dir)
+            replans.append(f"re-plan after ranks {sorted(hooks.failed)} failed: {req.decision.reason}; "
+                           f"{len(new_plan.replicas)} replicas on {new_plan.world_size} of {survivors} survivors, "
+                           f"resuming from iteration {load}")
+            logger.warning("rank %d: %s", rank, replans[-1])
+            if new_rank >= new_plan.world_size:
+                return RankReport(rank=rank, status="retired", losses=losses, elapsed_s=elapsed,
+                                  samples={k: tuple(v) for k, v in samples.items()}, events=tuple(events),
+                                  replans=tuple(replans))
+            plan, my_rank, epoch = new_plan, new_rank, epoch + 1
+            continue
+        events += hooks.events
+        samples.update(hooks.samples)
+        hooks.close()
+        counted = trainer.role.tp_rank == 0 and (trainer.is_first or trainer.is_last)
+        return RankReport(rank=rank, status=status, losses=losses, elapsed_s=elapsed,
+                          samples={k: tuple(v) for k, v in samples.items()}, reads_first=trainer.is_first,
+                          events=tuple(events), replans=tuple(replans), counted=counted)
+
+
+def resilient_worker(rank: int, world_size: int, address: StoreAddress, model: ModelSpec, plan: Plan,
+                     train: TrainConfig, iterations: int, faults: Sequence[FaultSpec] = (),
+                     config_overrides: dict | None = None, reference: bool = False, padded_vocab: int | None = None,
+                     slowdown: float | None = None) -> dict:
+    """Module-level rank function for ``run_resilient_local``.
+
+    Returns {"reference": losses of a failure-free run of the same plan (when ``reference``),
+    "reference_elapsed": its step times, "report": RankReport of the resilient run}.
+    """
+    from megatron_het.data.synthetic import synthetic_batch
+    from megatron_het.platform import enable_cpu_backend
+    from megatron_het.runtime.hetero_trainer import HeteroTrainer
+
+    enable_cpu_backend()
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(message)s")
+
+    def batch_fn(iteration, indices):
+        return synthetic_batch(seed=train.seed, iteration=iteration, indices=indices,
+                               seq_length=model.seq_length, vocab_size=model.vocab_size)
+
+    out = {}
+    if reference:
+        ref = HeteroTrainer(model=model, plan=plan, train=train, batch_fn=batch_fn, padded_vocab=padded_vocab,
+                            slowdown=slowdown)
+        logs = ref.run(iterations).iterations
+        out["reference"] = {log.iteration: log.lm_loss for log in logs}
+        out["reference_elapsed"] = {log.iteration: log.elapsed_s for log in logs}
+        del ref
+        dist.barrier()
+    config = ResilienceConfig(store=address, **(config_overrides or {}))
+    start = time.time()
+    out["report"] = resilient_train(rank=rank, model=model, plan=plan, train=train, batch_fn=batch_fn,
+                                    iterations=iterations, config=config, faults=faults,
+                                    padded_vocab=padded_vocab, slowdown=slowdown)
+    out["wall_s"] = time.time() - start
+    return out
