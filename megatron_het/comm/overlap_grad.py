@@ -38,12 +38,6 @@ from megatron_het.runtime.grad_sync import Bucket, GradientSynchronizer, Holding
 __all__ = ["OverlappedGradientSynchronizer"]
 
 
-def _piece(full: torch.Tensor, h: Holding) -> torch.Tensor:
-    if h.partition_dim is None:
-        return full
-    return torch.chunk(full, h.tp_size, dim=h.partition_dim)[h.tp_rank]
-
-
 def _start_all_reduce(group: Any, flat: torch.Tensor) -> Any:
     """Async all-reduce on a torch group (raw or the parent's ``NativeGroup`` wrapper); a bridged
     cross-vendor group has no async form, so it reduces now (blocking, inside the hook)."""
@@ -93,31 +87,6 @@ class OverlappedGradientSynchronizer(GradientSynchronizer):
                     self.launched_in_backward += 1
 
         return hook
-
-    def _pack(self, bucket: Bucket) -> torch.Tensor:
-        grads = [self._grad(n) for n in bucket.names]
-        if bucket.direct:
-            return torch.cat([g.reshape(-1) for g in grads])
-        pieces = []
-        for name, g in zip(bucket.names, grads):
-            h = self.local[name]
-            full = torch.zeros(h.full_shape, dtype=g.dtype)
-            if h.partition_dim is not None or h.tp_rank == 0:
-                _piece(full, h).copy_(g)
-            pieces.append(full.reshape(-1))
-        return torch.cat(pieces)
-
-    def _unpack(self, bucket: Bucket, flat: torch.Tensor) -> None:
-        offset = 0
-        for name in bucket.names:
-            g, h = self._grad(name), self.local[name]
-            if bucket.direct:
-                n = g.numel()
-                g.copy_(flat[offset:offset + n].view_as(g))
-            else:
-                n = int(torch.Size(h.full_shape).numel())
-                g.copy_(_piece(flat[offset:offset + n].view(h.full_shape), h))
-            offset += n
 
     def _launch(self, i: int) -> None:
         bucket, group = self._groups[i]

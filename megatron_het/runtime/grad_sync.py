@@ -142,29 +142,36 @@ class GradientSynchronizer:
     def reduce(self) -> None:
         """Sum every parameter's gradient over all its holders (grads must exist)."""
         for bucket, group in self._groups:
-            grads = [self._grad(n) for n in bucket.names]
-            if bucket.direct:
-                flat = torch.cat([g.reshape(-1) for g in grads])
-            else:
-                pieces = []
-                for name, g in zip(bucket.names, grads):
-                    h = self.local[name]
-                    full = torch.zeros(h.full_shape, dtype=g.dtype)
-                    if h.partition_dim is not None or h.tp_rank == 0:
-                        _write(full, g, h)
-                    pieces.append(full.reshape(-1))
-                flat = torch.cat(pieces)
+            flat = self._pack(bucket)
             group.all_reduce(flat)
-            offset = 0
-            for name, g in zip(bucket.names, grads):
-                h = self.local[name]
-                if bucket.direct:
-                    n = g.numel()
-                    g.copy_(flat[offset:offset + n].view_as(g))
-                else:
-                    n = int(torch.Size(h.full_shape).numel())
-                    g.copy_(_slice(flat[offset:offset + n].view(h.full_shape), h))
-                offset += n
+            self._unpack(bucket, flat)
+
+    def _pack(self, bucket: Bucket) -> torch.Tensor:
+        """The bucket's gradients as one flat buffer: shards (direct) or zero-padded full tensors."""
+        grads = [self._grad(n) for n in bucket.names]
+        if bucket.direct:
+            return torch.cat([g.reshape(-1) for g in grads])
+        pieces = []
+        for name, g in zip(bucket.names, grads):
+            h = self.local[name]
+            full = torch.zeros(h.full_shape, dtype=g.dtype)
+            if h.partition_dim is not None or h.tp_rank == 0:
+                _write(full, g, h)
+            pieces.append(full.reshape(-1))
+        return torch.cat(pieces)
+
+    def _unpack(self, bucket: Bucket, flat: torch.Tensor) -> None:
+        """Copy each parameter's part of the reduced buffer back into its gradient."""
+        offset = 0
+        for name in bucket.names:
+            g, h = self._grad(name), self.local[name]
+            if bucket.direct:
+                n = g.numel()
+                g.copy_(flat[offset:offset + n].view_as(g))
+            else:
+                n = int(torch.Size(h.full_shape).numel())
+                g.copy_(_slice(flat[offset:offset + n].view(h.full_shape), h))
+            offset += n
 
     def grad_norm_sq_local(self) -> torch.Tensor:
         """This rank's share of the squared global gradient norm (sum it over the world)."""
