@@ -91,3 +91,36 @@ def test_megatron_core_layer_has_the_analytic_parameter_count():
                       seq_length=16, vocab_size=1, swiglu=True)
     # GPT: 12h^2 + 13h = 49152 + 832; Llama-style: h*(8+4)*8 + 64*64 + 64*192 + 96*64 + 2*64
     assert run.stdout.split() == [str(layer_parameters(gpt)), str(layer_parameters(llama))] == ["49984", "28800"]
+
+
+def test_cli_measures_parts_optimizer_and_links(tmp_path):
+    out = tmp_path / "profile.json"
+    run = subprocess.run([sys.executable, str(TOOL), "--num-layers", "1", "--hidden-size", "64",
+                          "--num-attention-heads", "4", "--seq-length", "16", "--micro-batch-sizes", "1,2",
+                          "--warmup", "1", "--repeats", "2", "--vocab-size", "300", "--optimizer",
+                          "--comm-ranks", "2", "--threads", "1", "--output", str(out)],
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    profile = load_profile(out)
+    assert profile.machine["threads"] == 1
+    # vocabulary padded like Megatron (multiple of 128); one embedding and one output entry per size
+    assert sorted((p.part, p.micro_batch_size, p.vocab_size) for p in profile.parts) == [
+        ("embedding", 1, 384), ("embedding", 2, 384), ("output", 1, 384), ("output", 2, 384)]
+    assert all(p.forward_s > 0 and p.backward_s > 0 for p in profile.parts)
+    assert 0 < profile.optimizer_s_per_parameter < 1e-5
+    link = profile.link
+    assert link.ranks == 2 and link.bandwidth_gbps > 0 and link.latency_us >= 0
+    assert {op for op, _, _ in link.samples} == {"all_reduce", "send_recv"} and len(link.samples) == 8
+    assert "links of this host" in run.stdout
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--comm-ranks", "1"], "--comm-ranks must be 0 (skip) or >= 2, got 1"),
+    (["--threads", "0"], "--threads must be >= 1, got 0"),
+    (["--vocab-size", "0"], "--vocab-size must be >= 1, got 0"),
+])
+def test_cli_rejects_bad_values(tmp_path, args, message):
+    run = subprocess.run([sys.executable, str(TOOL), "--hidden-size", "64", "--num-attention-heads", "4",
+                          "--seq-length", "16", "--output", str(tmp_path / "p.json"), *args],
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode == 2 and message in run.stderr

@@ -38,7 +38,8 @@ sys.path.insert(0, str(_HERE.parent))  # run from a checkout without installing
 import torch  # noqa: E402
 
 from megatron_het.cluster import ModelSpec  # noqa: E402
-from megatron_het.perf.profile import Profile, ProfileEntry, save_profile  # noqa: E402
+from megatron_het.perf.flops import padded_vocab_size  # noqa: E402
+from megatron_het.perf.profile import PartEntry, Profile, ProfileEntry, save_profile  # noqa: E402
 
 LayerStack = Callable[[torch.Tensor], torch.Tensor]
 
@@ -168,7 +169,8 @@ def measure(run: LayerStack, params: list[torch.nn.Parameter], *, shape: tuple[i
 
 
 def profile_layers(model: ModelSpec, *, num_layers: int, micro_batch_sizes: list[int], device: str,
-                   warmup: int, repeats: int, dtype: torch.dtype, implementation: str) -> Profile:
+                   warmup: int, repeats: int, dtype: torch.dtype, implementation: str,
+                   vocab_size: int | None = None, optimizer: bool = False) -> Profile:
     """Build the layers (megatron-core, or the torch reference if that fails) and measure them."""
     cleanup: Callable[[], None] = lambda: None
     fallback_reason = ""
@@ -186,8 +188,16 @@ def profile_layers(model: ModelSpec, *, num_layers: int, micro_batch_sizes: list
         layers = [_TorchReferenceLayer(model).to(dtype) for _ in range(num_layers)]
     params = [p for layer in layers for p in layer.parameters()]
     run = _stack(layers, megatron)
-    entries = []
+    entries, parts, opt_s, opt_method = [], (), None, ""
     try:
+        if optimizer:
+            opt_s, opt_method = profile_optimizer(params, warmup=warmup, repeats=repeats)
+        if vocab_size is not None:
+            if not megatron:
+                raise RuntimeError("--vocab-size needs megatron-core's embedding and output layer, which could not "
+                                   f"be built here ({fallback_reason or 'implementation=torch'})")
+            parts = profile_parts(model, vocab_size=vocab_size, micro_batch_sizes=micro_batch_sizes,
+                                  warmup=warmup, repeats=repeats, dtype=dtype)
         for mbs in micro_batch_sizes:
             fwd, bwd, peak = measure(run, params, shape=(model.seq_length, mbs, model.hidden_size), dtype=dtype,
                                      warmup=warmup, repeats=repeats)
@@ -206,7 +216,78 @@ def profile_layers(model: ModelSpec, *, num_layers: int, micro_batch_sizes: list
     machine = {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
                "python": platform.python_version(), "torch": torch.__version__,
                "threads": torch.get_num_threads()}
-    return Profile(device=device, entries=tuple(entries), method=method, machine=machine)
+    return Profile(device=device, entries=tuple(entries), method=method, machine=machine, parts=parts,
+                   optimizer_s_per_parameter=opt_s, optimizer_method=opt_method)
+
+
+def _median_times(step: Callable[[], tuple[float, float]], *, warmup: int, repeats: int) -> tuple[float, float]:
+    runs = [step() for _ in range(warmup + repeats)][warmup:]
+    return statistics.median(r[0] for r in runs), statistics.median(r[1] for r in runs)
+
+
+def profile_parts(model: ModelSpec, *, vocab_size: int, micro_batch_sizes: list[int], warmup: int, repeats: int,
+                  dtype: torch.dtype) -> tuple[PartEntry, ...]:
+    """Embedding (word + learned positions) and output (final norm, logits GEMM, vocab-parallel
+    cross entropy, mean) of a first / last stage, megatron-core modules, world size 1."""
+    from megatron.core import parallel_state, tensor_parallel
+    from megatron.core.models.common.embeddings.language_model_embedding import LanguageModelEmbedding
+
+    from megatron_het.runtime.gpt_model import StageModelSpec, transformer_config
+
+    spec = StageModelSpec(model=model, num_layers=1, layer_offset=0, tp=1, pre_process=True, post_process=True,
+                          vocab_size=vocab_size, params_dtype=dtype)
+    config = transformer_config(spec)
+    tp_group = parallel_state.get_tensor_model_parallel_group()
+    embedding = LanguageModelEmbedding(config, vocab_size, model.seq_length, "learned_absolute", tp_group=tp_group)
+    norm = torch.nn.LayerNorm(model.hidden_size, dtype=dtype)
+    output = tensor_parallel.ColumnParallelLinear(model.hidden_size, vocab_size, config=config,
+                                                  init_method=config.init_method, bias=False, skip_bias_add=False,
+                                                  gather_output=False, tp_group=tp_group)
+    s, entries = model.seq_length, []
+    for mbs in micro_batch_sizes:
+        tokens = torch.randint(0, vocab_size, (mbs, s))
+        positions = torch.arange(s).unsqueeze(0).expand(mbs, s)
+        hidden = torch.randn(s, mbs, model.hidden_size, dtype=dtype, requires_grad=True)
+
+        def embed() -> tuple[float, float]:
+            t0 = time.perf_counter()
+            out = embedding(tokens, positions)
+            t1 = time.perf_counter()
+            out.backward(torch.ones_like(out))
+            return t1 - t0, time.perf_counter() - t1
+
+        def head() -> tuple[float, float]:
+            t0 = time.perf_counter()
+            logits, _ = output(norm(hidden))
+            loss = tensor_parallel.vocab_parallel_cross_entropy(logits.float(), tokens.t().contiguous(),
+                                                                tp_group=tp_group).mean()
+            t1 = time.perf_counter()
+            loss.backward()
+            return t1 - t0, time.perf_counter() - t1
+
+        for part, step in (("embedding", embed), ("output", head)):
+            fwd, bwd = _median_times(step, warmup=warmup, repeats=repeats)
+            entries.append(PartEntry(part=part, hidden_size=model.hidden_size, vocab_size=vocab_size,
+                                     seq_length=s, micro_batch_size=mbs, tp=1, forward_s=fwd, backward_s=bwd))
+    return tuple(entries)
+
+
+def profile_optimizer(params: list[torch.nn.Parameter], *, warmup: int, repeats: int) -> tuple[float, str]:
+    """Seconds per parameter of one AdamW step as the runtime builds it (decay / no-decay groups)."""
+    for p in params:
+        p.grad = torch.randn_like(p)
+    decay = [p for p in params if p.dim() > 1]
+    optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": 0.01},
+                                   {"params": [p for p in params if p.dim() <= 1], "weight_decay": 0.0}], lr=1e-4)
+    times = []
+    for i in range(warmup + repeats):
+        t0 = time.perf_counter()
+        optimizer.step()
+        if i >= warmup:
+            times.append(time.perf_counter() - t0)
+    n = sum(p.numel() for p in params)
+    return statistics.median(times) / n, (f"torch.optim.AdamW step (defaults, two param groups) over {n} "
+                                          f"parameters, median of {repeats} after {warmup} warm-up")
 
 
 def _sizes(text: str) -> list[int]:
@@ -235,20 +316,54 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--device", default="CPU", help="catalog device type name recorded in the profile")
     ap.add_argument("--implementation", choices=("auto", "megatron", "torch"), default="auto",
                     help="auto: megatron-core, falling back to the torch reference layer")
+    ap.add_argument("--vocab-size", type=int, default=None,
+                    help="also measure the embedding and the output layer + loss for this vocabulary (padded "
+                         "like Megatron to a multiple of 128)")
+    ap.add_argument("--optimizer", action="store_true", help="also measure the AdamW step per parameter")
+    ap.add_argument("--comm-ranks", type=int, default=0,
+                    help="also measure all-reduce and send/recv among this many local gloo processes and fit "
+                         "the latency/bandwidth the model uses for links of this host (0: skip)")
+    ap.add_argument("--threads", type=int, default=None,
+                    help="torch intra-op threads (default: torch's); match what each training rank uses, e.g. 1 "
+                         "when one process per core stands in for a GPU (megatron_het.platform.local_launch)")
     ap.add_argument("--output", required=True)
     args = ap.parse_args(argv)
+    if args.threads is not None:
+        if args.threads < 1:
+            ap.error(f"--threads must be >= 1, got {args.threads}")
+        torch.set_num_threads(args.threads)
     model = ModelSpec(num_layers=args.num_layers, hidden_size=args.hidden_size,
                       num_attention_heads=args.num_attention_heads, num_query_groups=args.num_query_groups,
                       ffn_hidden_size=args.ffn_hidden_size, seq_length=args.seq_length, vocab_size=1,
                       swiglu=args.swiglu)
+    if args.vocab_size is not None and args.vocab_size < 1:
+        ap.error(f"--vocab-size must be >= 1, got {args.vocab_size}")
+    if args.comm_ranks == 1 or args.comm_ranks < 0:
+        ap.error(f"--comm-ranks must be 0 (skip) or >= 2, got {args.comm_ranks}")
+    vocab = None if args.vocab_size is None else padded_vocab_size(args.vocab_size)
     profile = profile_layers(model, num_layers=args.num_layers, micro_batch_sizes=args.micro_batch_sizes,
                              device=args.device, warmup=args.warmup, repeats=args.repeats,
-                             dtype=getattr(torch, args.dtype), implementation=args.implementation)
+                             dtype=getattr(torch, args.dtype), implementation=args.implementation,
+                             vocab_size=vocab, optimizer=args.optimizer)
+    if args.comm_ranks:
+        from dataclasses import replace
+
+        from megatron_het.perf.probe import measure_link
+
+        profile = replace(profile, link=measure_link(args.comm_ranks))
     save_profile(profile, args.output)
     print(f"wrote {args.output}: {profile.method}")
     for e in profile.entries:
         print(f"  micro_batch_size={e.micro_batch_size}: forward {e.forward_s * 1e3:.3f} ms, "
               f"backward {e.backward_s * 1e3:.3f} ms, peak {e.peak_memory_bytes / 2**20:.1f} MiB per layer")
+    for p in profile.parts:
+        print(f"  {p.part} (vocab {p.vocab_size}), micro_batch_size={p.micro_batch_size}: forward "
+              f"{p.forward_s * 1e3:.3f} ms, backward {p.backward_s * 1e3:.3f} ms")
+    if profile.optimizer_s_per_parameter is not None:
+        print(f"  AdamW step: {profile.optimizer_s_per_parameter * 1e9:.2f} ns per parameter")
+    if profile.link is not None:
+        print(f"  links of this host ({profile.link.ranks} processes): latency {profile.link.latency_us:.1f} us, "
+              f"bandwidth {profile.link.bandwidth_gbps:.2f} Gbit/s")
     return 0
 
 

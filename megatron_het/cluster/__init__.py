@@ -16,6 +16,7 @@ from megatron_het.cluster.loader import (
 from megatron_het.cluster.model_spec import ModelSpec, default_ffn_hidden_size
 from megatron_het.cluster.spec import (
     DEFAULT_INTER_NODE_BANDWIDTH_GBPS,
+    DEFAULT_INTRA_NODE_LATENCY_US,
     DEFAULT_LINK_LATENCY_US,
     ClusterSpec,
     IslandEmulation,
@@ -30,6 +31,7 @@ __all__ = [
     "VENDORS",
     "DEFAULT_INTER_NODE_BANDWIDTH_GBPS",
     "DEFAULT_LINK_LATENCY_US",
+    "DEFAULT_INTRA_NODE_LATENCY_US",
     "ClusterSpec",
     "ConfigError",
     "DeviceType",

@@ -27,7 +27,8 @@ __all__ = ["read_yaml", "load_cluster", "cluster_from_dict", "load_model", "mode
 TOP = "(top level)"  # field path of the document itself
 
 _CLUSTER_KEYS = ("device_types", "islands", "links", "default_link", "emulation")
-_ISLAND_KEYS = ("name", "device", "nodes", "gpus_per_node", "inter_node_bandwidth_gbps", "intra_node_bandwidth_gbps")
+_ISLAND_KEYS = ("name", "device", "nodes", "gpus_per_node", "inter_node_bandwidth_gbps", "intra_node_bandwidth_gbps",
+                "intra_node_latency_us", "inter_node_latency_us")
 _LINK_KEYS = ("between", "bandwidth_gbps", "latency_us")
 _DEVICE_KEYS = tuple(f.name for f in dataclasses.fields(DeviceType))
 _MODEL_KEYS = tuple(f.name for f in dataclasses.fields(ModelSpec))

@@ -23,12 +23,14 @@ __all__ = [
     "ClusterSpec",
     "DEFAULT_INTER_NODE_BANDWIDTH_GBPS",
     "DEFAULT_LINK_LATENCY_US",
+    "DEFAULT_INTRA_NODE_LATENCY_US",
 ]
 
 # A 100 Gbit/s NIC per GPU: a common InfiniBand HDR100 / 100GbE provisioning, and a safe
 # (pessimistic) guess for a pod whose fabric the user did not state.
 DEFAULT_INTER_NODE_BANDWIDTH_GBPS = 100.0
 DEFAULT_LINK_LATENCY_US = 5.0  # one switch hop on InfiniBand/RoCE, order of magnitude
+DEFAULT_INTRA_NODE_LATENCY_US = 2.0  # per message over NVLink/xGMI/PCIe inside a node, order of magnitude
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -43,6 +45,8 @@ class IslandSpec:
     # Per GPU inside a node, Gbit/s one direction; None means "take device.intra_node_bandwidth_gbps",
     # resolved in __post_init__ so readers always see a float.
     intra_node_bandwidth_gbps: float | None = None
+    intra_node_latency_us: float = DEFAULT_INTRA_NODE_LATENCY_US  # per message / ring step inside a node
+    inter_node_latency_us: float = DEFAULT_LINK_LATENCY_US  # per message / ring step between its nodes
 
     def __post_init__(self) -> None:
         as_str(self.name, "name")
@@ -56,6 +60,8 @@ class IslandSpec:
         intra = self.intra_node_bandwidth_gbps
         intra = self.device.intra_node_bandwidth_gbps if intra is None else as_float(intra, "intra_node_bandwidth_gbps")
         object.__setattr__(self, "intra_node_bandwidth_gbps", intra)
+        for name in ("intra_node_latency_us", "inter_node_latency_us"):
+            object.__setattr__(self, name, as_float(getattr(self, name), name, minimum=0.0, inclusive=True))
 
     @property
     def num_gpus(self) -> int:

@@ -33,9 +33,8 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass
 
-from megatron_het.cluster import DEFAULT_LINK_LATENCY_US, IslandSpec, ModelSpec
+from megatron_het.cluster import IslandSpec, ModelSpec
 from megatron_het.perf.comm import (
-    INTRA_NODE_LATENCY_US,
     Channel,
     ring_all_gather_time,
     ring_all_reduce_time,
@@ -80,9 +79,9 @@ def axis_channel(grid: Grid4D, axis: str, island: IslandSpec) -> Channel:
     """The link an axis's collective runs over: intra-node when its group fits in one node."""
     span = grid.stride(axis) * getattr(grid, axis)
     if span <= island.gpus_per_node:
-        return Channel(bandwidth_gbps=island.intra_node_bandwidth_gbps, latency_us=INTRA_NODE_LATENCY_US,
+        return Channel(bandwidth_gbps=island.intra_node_bandwidth_gbps, latency_us=island.intra_node_latency_us,
                        host_staged=False)
-    return Channel(bandwidth_gbps=island.inter_node_bandwidth_gbps, latency_us=DEFAULT_LINK_LATENCY_US,
+    return Channel(bandwidth_gbps=island.inter_node_bandwidth_gbps, latency_us=island.inter_node_latency_us,
                    host_staged=False)
 
 

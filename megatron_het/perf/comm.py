@@ -28,7 +28,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from megatron_het.cluster import DEFAULT_LINK_LATENCY_US, ClusterSpec, ConfigError, IslandSpec, ModelSpec
+from megatron_het.cluster import DEFAULT_INTRA_NODE_LATENCY_US, ClusterSpec, ConfigError, IslandSpec, ModelSpec
 from megatron_het.perf.flops import Recompute, check_recompute, check_tp
 
 __all__ = [
@@ -51,7 +51,7 @@ __all__ = [
 ]
 
 HOST_STAGING_BANDWIDTH_GBPS = 200.0  # sustained PCIe Gen4 x16 device<->host copy, one direction
-INTRA_NODE_LATENCY_US = 2.0  # per ring step over NVLink/xGMI/PCIe inside a node, order of magnitude
+INTRA_NODE_LATENCY_US = DEFAULT_INTRA_NODE_LATENCY_US  # an island's default; the cluster file may set its own
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -137,9 +137,9 @@ def _staged(link_gbps: float, latency_us: float, copies: int) -> Channel:
 
 def _intra_island_channel(island: IslandSpec, *, same_node: bool) -> Channel:
     if same_node:
-        return Channel(bandwidth_gbps=island.intra_node_bandwidth_gbps, latency_us=INTRA_NODE_LATENCY_US,
+        return Channel(bandwidth_gbps=island.intra_node_bandwidth_gbps, latency_us=island.intra_node_latency_us,
                        host_staged=False)
-    return Channel(bandwidth_gbps=island.inter_node_bandwidth_gbps, latency_us=DEFAULT_LINK_LATENCY_US,
+    return Channel(bandwidth_gbps=island.inter_node_bandwidth_gbps, latency_us=island.inter_node_latency_us,
                    host_staged=False)
 
 

@@ -29,8 +29,9 @@ from megatron_het.perf.flops import (
     check_tp,
     layer_gemms,
     logits_gemm,
+    padded_vocab_size,
 )
-from megatron_het.perf.profile import Profile, lookup
+from megatron_het.perf.profile import Profile, lookup, lookup_part
 
 __all__ = [
     "EfficiencyCurve",
@@ -143,9 +144,20 @@ def layer_times(model: ModelSpec, device: DeviceType, *, micro_batch_size: int, 
         profile, hidden_size=model.hidden_size, num_attention_heads=model.num_attention_heads,
         num_query_groups=model.num_query_groups, ffn_hidden_size=model.ffn_hidden_size, swiglu=model.swiglu,
         seq_length=s, tp=tp, micro_batch_size=micro_batch_size)
+    base = None if measured is not None or profile is None or tp == 1 else lookup(
+        profile, hidden_size=model.hidden_size, num_attention_heads=model.num_attention_heads,
+        num_query_groups=model.num_query_groups, ffn_hidden_size=model.ffn_hidden_size, swiglu=model.swiglu,
+        seq_length=s, tp=1, micro_batch_size=micro_batch_size)
     if measured is not None:
         forward, backward = measured.forward_s, measured.backward_s
         source = f"profile:{profile.source or profile.device}"
+    elif base is not None:  # measured unsplit: scale to this TP size by the analytic model's ratio
+        args = dict(micro_batch_size=micro_batch_size, seq_length=s, sequence_parallel=sequence_parallel,
+                    flash_attention=flash_attention, curve=curve)
+        split, whole = layer_times(model, device, tp=tp, **args), layer_times(model, device, tp=1, **args)
+        forward = base.forward_s * split.forward_s / whole.forward_s
+        backward = base.backward_s * split.backward_s / whole.backward_s
+        source = f"profile:{profile.source or profile.device} (tp=1, scaled to tp={tp} analytically)"
     else:
         elementwise = layer_elementwise_bytes(model, micro_batch_size=micro_batch_size, seq_length=s, tp=tp,
                                               sequence_parallel=sequence_parallel,
@@ -157,19 +169,52 @@ def layer_times(model: ModelSpec, device: DeviceType, *, micro_batch_size: int, 
     return LayerTimes(forward_s=forward, backward_s=backward + extra, source=source)
 
 
+def _measured_part(part: str, analytic, model: ModelSpec, *, micro_batch_size: int, seq_length: int | None,
+                   tp: int, profile: Profile | None) -> LayerTimes:
+    """A part's measured times (scaled from tp=1 by the analytic ratio when only that was measured),
+    or the analytic ones."""
+    here = analytic(tp)
+    if profile is None:
+        return here
+    s = model.seq_length if seq_length is None else seq_length
+    shape = dict(hidden_size=model.hidden_size, vocab_size=padded_vocab_size(model.vocab_size), seq_length=s,
+                 micro_batch_size=micro_batch_size)
+    measured = lookup_part(profile, part, tp=tp, **shape)
+    scale_f = scale_b = 1.0
+    if measured is None and tp > 1:
+        measured = lookup_part(profile, part, tp=1, **shape)
+        one = analytic(1)
+        scale_f, scale_b = here.forward_s / one.forward_s, here.backward_s / one.backward_s
+    if measured is None:
+        return here
+    return LayerTimes(forward_s=measured.forward_s * scale_f, backward_s=measured.backward_s * scale_b,
+                      source=f"profile:{profile.source or profile.device}")
+
+
 def logits_times(model: ModelSpec, device: DeviceType, *, micro_batch_size: int, seq_length: int | None = None,
-                 tp: int = 1, curve: EfficiencyCurve | None = None) -> LayerTimes:
+                 tp: int = 1, curve: EfficiencyCurve | None = None, profile: Profile | None = None) -> LayerTimes:
     """Output layer GEMM plus the fp32 cross entropy over the rank's vocabulary shard
-    (about three passes over ``4*s*b*V/t`` bytes: upcast, softmax, gradient)."""
-    gemm = logits_gemm(model, micro_batch_size=micro_batch_size, seq_length=seq_length, tp=tp)
-    cross_entropy = 3 * 4 * gemm.m * gemm.n / _bytes_per_s(device)
-    forward = gemm_time(gemm, device, curve=curve) + cross_entropy
-    return LayerTimes(forward_s=forward, backward_s=BACKWARD_TO_FORWARD * forward, source="analytic")
+    (about three passes over ``4*s*b*V/t`` bytes: upcast, softmax, gradient); measured "output"
+    part of ``profile`` (final norm, logits, cross entropy) when it has one for this shape."""
+    def analytic(t: int) -> LayerTimes:
+        gemm = logits_gemm(model, micro_batch_size=micro_batch_size, seq_length=seq_length, tp=t)
+        cross_entropy = 3 * 4 * gemm.m * gemm.n / _bytes_per_s(device)
+        forward = gemm_time(gemm, device, curve=curve) + cross_entropy
+        return LayerTimes(forward_s=forward, backward_s=BACKWARD_TO_FORWARD * forward, source="analytic")
+
+    return _measured_part("output", analytic, model, micro_batch_size=micro_batch_size, seq_length=seq_length,
+                          tp=tp, profile=profile)
 
 
 def embedding_times(model: ModelSpec, device: DeviceType, *, micro_batch_size: int,
-                    seq_length: int | None = None) -> LayerTimes:
-    """Embedding gather (read + write ``2*s*b*h`` bytes) and its scatter-add backward."""
+                    seq_length: int | None = None, tp: int = 1, profile: Profile | None = None) -> LayerTimes:
+    """Embedding gather (read + write ``2*s*b*h`` bytes) and its scatter-add backward; measured
+    "embedding" part of ``profile`` when it has one for this shape."""
     s = model.seq_length if seq_length is None else seq_length
-    forward = 2 * 2 * s * micro_batch_size * model.hidden_size / _bytes_per_s(device)
-    return LayerTimes(forward_s=forward, backward_s=BACKWARD_TO_FORWARD * forward, source="analytic")
+
+    def analytic(t: int) -> LayerTimes:  # the gathered activation is whole on every TP rank
+        forward = 2 * 2 * s * micro_batch_size * model.hidden_size / _bytes_per_s(device)
+        return LayerTimes(forward_s=forward, backward_s=BACKWARD_TO_FORWARD * forward, source="analytic")
+
+    return _measured_part("embedding", analytic, model, micro_batch_size=micro_batch_size, seq_length=seq_length,
+                          tp=tp, profile=profile)

@@ -32,9 +32,10 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from megatron_het.cluster import ClusterSpec, IslandSpec, ModelSpec
+from megatron_het.cluster import ClusterSpec, DeviceType, IslandSpec, ModelSpec
 from megatron_het.perf.comm import activation_message_bytes, dp_gradient_reduction, p2p_time, tp_layer_comm_times
 from megatron_het.perf.compute import embedding_times, layer_times, logits_times
+from megatron_het.perf.calibrate import with_measured_links
 from megatron_het.perf.flops import model_flops_per_iteration, stage_parameters
 from megatron_het.perf.memory import (
     GRAD_BYTES,
@@ -56,6 +57,7 @@ __all__ = [
     "Prediction",
     "stage_cost",
     "profile_for",
+    "optimizer_step_s",
     "predict",
     "bucket_parameters",
     "overlapped_reduction_tail_s",
@@ -88,6 +90,15 @@ class StageCost:
                 + (self.output_backward_s if is_last else 0.0))
 
 
+def optimizer_step_s(device: DeviceType, params: int, *, profile: Profile | Sequence[Profile] | None = None) -> float:
+    """One Adam step over ``params`` parameters on ``device``: measured per parameter when the
+    device's profile has it, else memory-bound at ``OPTIMIZER_STEP_BYTES`` per parameter."""
+    measured = profile_for(profile, device.name)
+    if measured is not None and measured.optimizer_s_per_parameter is not None:
+        return measured.optimizer_s_per_parameter * params
+    return OPTIMIZER_STEP_BYTES * params / (device.memory_bandwidth_gbs * 1e9)
+
+
 def profile_for(profile: Profile | Sequence[Profile] | None, device_name: str) -> Profile | None:
     """The profile measured on ``device_name`` among those given, or None (analytic model)."""
     if profile is None:
@@ -111,8 +122,11 @@ def stage_cost(model: ModelSpec, island: IslandSpec, *, tp: int, micro_batch_siz
         fwd_comm, bwd_comm = max(0.0, comm.forward_s - lt.forward_s), max(0.0, comm.backward_s - lt.backward_s)
     else:
         fwd_comm, bwd_comm = comm.forward_s, comm.backward_s
-    emb = embedding_times(model, device, micro_batch_size=micro_batch_size, seq_length=seq_length)
-    out = logits_times(model, device, micro_batch_size=micro_batch_size, seq_length=seq_length, tp=tp)
+    measured = profile_for(profile, device.name)
+    emb = embedding_times(model, device, micro_batch_size=micro_batch_size, seq_length=seq_length, tp=tp,
+                          profile=measured)
+    out = logits_times(model, device, micro_batch_size=micro_batch_size, seq_length=seq_length, tp=tp,
+                       profile=measured)
     k = slowdown
     return StageCost(
         layer_forward_s=k * (lt.forward_s + fwd_comm), layer_backward_s=k * (lt.backward_s + bwd_comm),
@@ -276,6 +290,7 @@ def predict(plan: Plan, model: ModelSpec, cluster: ClusterSpec, *, profile: Prof
     buckets during its last backward); megatron-het's runtime reduces after the schedule, so the
     default is False.
     """
+    cluster = with_measured_links(cluster, profile)
     dist_opt = plan.use_distributed_optimizer if distributed_optimizer is None else distributed_optimizer
     s_len = model.seq_length if seq_length is None else seq_length
     mbs, v, sp = plan.micro_batch_size, plan.virtual_pipeline_size, plan.sequence_parallel
@@ -331,8 +346,7 @@ def predict(plan: Plan, model: ModelSpec, cluster: ClusterSpec, *, profile: Prof
                                                    reduce_s=reduce_s)
             island = cluster.island(stage.island)
             shard = len(peers) if dist_opt else 1
-            opt = (cluster.slowdown(stage.island) * OPTIMIZER_STEP_BYTES * params / shard
-                   / (island.device.memory_bandwidth_gbs * 1e9))
+            opt = cluster.slowdown(stage.island) * optimizer_step_s(island.device, params // shard, profile=profile)
             reductions[key] = (red, start + tail, opt)
         return reductions[key]
 

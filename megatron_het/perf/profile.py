@@ -14,6 +14,19 @@ Format (JSON, written by ``tools/profile.py``)::
 ``num_query_groups`` defaults to ``num_attention_heads`` and ``swiglu`` to false. Times are the
 median wall time of one layer's forward (backward) for one micro-batch; ``peak_memory_bytes`` is
 parameters plus the tensors autograd saved for backward.
+
+Optional sections (``tools/profile.py --vocab-size``, ``--optimizer``, ``--comm-ranks``)::
+
+     "parts": [{"part": "embedding", "hidden_size": 256, "vocab_size": 1024, "seq_length": 128,
+                "micro_batch_size": 2, "tp": 1, "forward_s": 0.0004, "backward_s": 0.0009}],
+                                            # "output": final norm + logits GEMM + cross entropy
+     "optimizer": {"seconds_per_parameter": 5e-9, "method": "torch.optim.AdamW ..."},
+     "communication": {"ranks": 2, "latency_us": 120.0, "bandwidth_gbps": 8.0, "method": "...",
+                       "samples": [{"op": "all_reduce", "bytes": 65536, "seconds": 0.0004}]}
+
+``communication`` is one alpha-beta channel fitted to measured gloo/NCCL all-reduces and
+send/recv between processes of this host: :func:`megatron_het.perf.calibrate.with_measured_links`
+puts it in place of the cluster file's figures for the links it stands for.
 """
 
 from __future__ import annotations
@@ -32,12 +45,16 @@ __all__ = [
     "PROFILE_FORMAT",
     "PROFILE_VERSION",
     "ProfileEntry",
+    "PartEntry",
+    "MeasuredLink",
+    "PART_NAMES",
     "Profile",
     "profile_from_dict",
     "profile_to_dict",
     "load_profile",
     "save_profile",
     "lookup",
+    "lookup_part",
 ]
 
 PROFILE_FORMAT = "megatron-het-profile"
@@ -49,6 +66,10 @@ _INT_KEYS = ("hidden_size", "num_attention_heads", "ffn_hidden_size", "seq_lengt
              "peak_memory_bytes")
 _ENTRY_REQUIRED = _INT_KEYS + ("forward_s", "backward_s")
 _ENTRY_ALLOWED = _ENTRY_REQUIRED + ("num_query_groups", "swiglu")
+PART_NAMES = ("embedding", "output")
+_PART_INT_KEYS = ("hidden_size", "vocab_size", "seq_length", "micro_batch_size", "tp")
+_PART_KEYS = ("part",) + _PART_INT_KEYS + ("forward_s", "backward_s")
+_COMM_OPS = ("all_reduce", "send_recv")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -77,6 +98,35 @@ class ProfileEntry:
 
 
 @dataclass(frozen=True, kw_only=True)
+class PartEntry:
+    """One measurement of a stage's non-layer part at one micro-batch size."""
+
+    part: str  # "embedding" (first stage) or "output" (last stage: final norm, logits GEMM, cross entropy)
+    hidden_size: int  # h
+    vocab_size: int  # the (padded) vocabulary of the measured part
+    seq_length: int  # tokens per sample
+    micro_batch_size: int  # samples per micro-batch
+    tp: int  # tensor-parallel size the part was split over
+    forward_s: float  # median forward wall time, seconds
+    backward_s: float  # median backward wall time, seconds
+
+    @property
+    def tokens(self) -> int:
+        return self.micro_batch_size * self.seq_length
+
+
+@dataclass(frozen=True, kw_only=True)
+class MeasuredLink:
+    """An alpha-beta channel fitted to collectives measured between processes of one host."""
+
+    ranks: int  # processes the collectives ran over
+    latency_us: float  # alpha: per message / ring step, microseconds
+    bandwidth_gbps: float  # 1/beta: per rank, one direction, Gbit/s
+    method: str  # backend and fit, e.g. "gloo, least squares on all_reduce and send_recv"
+    samples: tuple[tuple[str, int, float], ...] = ()  # (op, bytes, median seconds) the fit used
+
+
+@dataclass(frozen=True, kw_only=True)
 class Profile:
     """A set of measurements taken on one device type."""
 
@@ -85,6 +135,10 @@ class Profile:
     method: str  # how the times were measured (which layer implementation, repeats)
     machine: Mapping[str, Any] = field(default_factory=lambda: types.MappingProxyType({}))  # host facts
     source: str | None = None  # file it was loaded from
+    parts: tuple[PartEntry, ...] = ()  # embedding / output measurements; empty: analytic model
+    optimizer_s_per_parameter: float | None = None  # measured AdamW step per parameter; None: analytic
+    optimizer_method: str = ""  # how the optimizer step was measured
+    link: MeasuredLink | None = None  # measured communication of this host; None: the cluster file's figures
 
 
 def _entry_from_dict(data: object, path: str) -> ProfileEntry:
@@ -105,11 +159,45 @@ def _entry_from_dict(data: object, path: str) -> ProfileEntry:
     )
 
 
+def _part_from_dict(data: object, path: str) -> PartEntry:
+    data = as_mapping(data, path, example='{"part": "embedding", "hidden_size": 256, ...}')
+    check_keys(data, path, allowed=_PART_KEYS, required=_PART_KEYS)
+    part = as_str(data["part"], join(path, "part"))
+    if part not in PART_NAMES:
+        raise ConfigError(f"unknown part (known: {', '.join(PART_NAMES)})", field=join(path, "part"), value=part,
+                          fix="regenerate the profile with tools/profile.py")
+    return PartEntry(part=part, **{k: as_int(data[k], join(path, k)) for k in _PART_INT_KEYS},
+                     forward_s=as_float(data["forward_s"], join(path, "forward_s")),
+                     backward_s=as_float(data["backward_s"], join(path, "backward_s")))
+
+
+def _link_from_dict(data: object, path: str) -> MeasuredLink:
+    data = as_mapping(data, path, example='{"ranks": 2, "latency_us": 100, "bandwidth_gbps": 8}')
+    check_keys(data, path, allowed=("ranks", "latency_us", "bandwidth_gbps", "method", "samples"),
+               required=("ranks", "latency_us", "bandwidth_gbps"))
+    samples = []
+    for i, item in enumerate(as_list(data.get("samples", []), join(path, "samples"), example="[]")):
+        sp = join(join(path, "samples"), i)
+        item = as_mapping(item, sp, example='{"op": "all_reduce", "bytes": 65536, "seconds": 0.001}')
+        check_keys(item, sp, allowed=("op", "bytes", "seconds"), required=("op", "bytes", "seconds"))
+        op = as_str(item["op"], join(sp, "op"))
+        if op not in _COMM_OPS:
+            raise ConfigError(f"unknown operation (known: {', '.join(_COMM_OPS)})", field=join(sp, "op"), value=op,
+                              fix="regenerate the profile with tools/profile.py")
+        samples.append((op, as_int(item["bytes"], join(sp, "bytes")), as_float(item["seconds"], join(sp, "seconds"))))
+    return MeasuredLink(ranks=as_int(data["ranks"], join(path, "ranks")),
+                        latency_us=as_float(data["latency_us"], join(path, "latency_us"), inclusive=True),
+                        bandwidth_gbps=as_float(data["bandwidth_gbps"], join(path, "bandwidth_gbps")),
+                        method=as_str(data.get("method", "unspecified"), join(path, "method")),
+                        samples=tuple(samples))
+
+
 def profile_from_dict(data: object, *, source: str | None = None) -> Profile:
     """Validate a parsed profile; errors are :class:`ConfigError` naming the file and field."""
     try:
         data = as_mapping(data, "", example='{"format": "megatron-het-profile", ...}')
-        check_keys(data, "", allowed=("format", "version", "device", "method", "machine", "entries"),
+        check_keys(data, "", allowed=("format", "version", "device", "method", "machine", "entries", "parts",
+                                      "optimizer", "communication"),
                    required=("format", "version", "device", "entries"))
         if data["format"] != PROFILE_FORMAT:
             raise ConfigError("not a megatron-het profile", field="format", value=data["format"],
@@ -130,15 +218,33 @@ def profile_from_dict(data: object, *, source: str | None = None) -> Profile:
                                   value=e.micro_batch_size, fix="keep one entry per layer shape and micro-batch size")
             seen[key] = i
         machine = as_mapping(data.get("machine", {}), "machine", example='{"cpu": "..."}')
+        parts = tuple(_part_from_dict(p, join("parts", i))
+                      for i, p in enumerate(as_list(data.get("parts", []), "parts", example="[]")))
+        seen_parts: set[tuple[object, ...]] = set()
+        for i, p in enumerate(parts):
+            key = (p.part, p.hidden_size, p.vocab_size, p.seq_length, p.tp, p.micro_batch_size)
+            if key in seen_parts:
+                raise ConfigError("duplicate measurement", field=f"parts[{i}]", value=p.part,
+                                  fix="keep one entry per part, shape and micro-batch size")
+            seen_parts.add(key)
+        opt_s, opt_method = None, ""
+        if "optimizer" in data:
+            opt = as_mapping(data["optimizer"], "optimizer", example='{"seconds_per_parameter": 5e-9}')
+            check_keys(opt, "optimizer", allowed=("seconds_per_parameter", "method"),
+                       required=("seconds_per_parameter",))
+            opt_s = as_float(opt["seconds_per_parameter"], "optimizer.seconds_per_parameter")
+            opt_method = as_str(opt.get("method", "unspecified"), "optimizer.method")
+        link = _link_from_dict(data["communication"], "communication") if "communication" in data else None
         return Profile(device=as_str(data["device"], "device"), entries=entries,
                        method=as_str(data.get("method", "unspecified"), "method"),
-                       machine=types.MappingProxyType(dict(machine)), source=source)
+                       machine=types.MappingProxyType(dict(machine)), source=source, parts=parts,
+                       optimizer_s_per_parameter=opt_s, optimizer_method=opt_method, link=link)
     except ConfigError as err:
         raise err.located(file=source) from None
 
 
 def profile_to_dict(profile: Profile) -> dict[str, Any]:
-    return {
+    out: dict[str, Any] = {
         "format": PROFILE_FORMAT,
         "version": PROFILE_VERSION,
         "device": profile.device,
@@ -146,6 +252,17 @@ def profile_to_dict(profile: Profile) -> dict[str, Any]:
         "machine": dict(profile.machine),
         "entries": [asdict(e) for e in profile.entries],
     }
+    if profile.parts:
+        out["parts"] = [asdict(p) for p in profile.parts]
+    if profile.optimizer_s_per_parameter is not None:
+        out["optimizer"] = {"seconds_per_parameter": profile.optimizer_s_per_parameter,
+                            "method": profile.optimizer_method}
+    if profile.link is not None:
+        link = profile.link
+        out["communication"] = {"ranks": link.ranks, "latency_us": link.latency_us,
+                                "bandwidth_gbps": link.bandwidth_gbps, "method": link.method,
+                                "samples": [{"op": o, "bytes": b, "seconds": t} for o, b, t in link.samples]}
+    return out
 
 
 def load_profile(path: str | Path) -> Profile:
@@ -200,3 +317,24 @@ def lookup(profile: Profile, *, hidden_size: int, num_attention_heads: int, ffn_
 
     return replace(lo, micro_batch_size=micro_batch_size, forward_s=value("forward_s"),
                    backward_s=value("backward_s"), peak_memory_bytes=round(value("peak_memory_bytes")))
+
+
+def lookup_part(profile: Profile, part: str, *, hidden_size: int, vocab_size: int, seq_length: int,
+                micro_batch_size: int, tp: int = 1) -> PartEntry | None:
+    """Measured ``part`` for this shape, interpolated in tokens like :func:`lookup`; None if not measured."""
+    points = sorted((p for p in profile.parts if (p.part, p.hidden_size, p.vocab_size, p.seq_length, p.tp)
+                     == (part, hidden_size, vocab_size, seq_length, tp)), key=lambda p: p.tokens)
+    if not points:
+        return None
+    tokens = micro_batch_size * seq_length
+    below = [p for p in points if p.tokens <= tokens]
+    above = [p for p in points if p.tokens >= tokens]
+    if below and above:
+        lo, hi = below[-1], above[0]
+        w = 0.0 if hi.tokens == lo.tokens else (tokens - lo.tokens) / (hi.tokens - lo.tokens)
+        fwd = lo.forward_s + w * (hi.forward_s - lo.forward_s)
+        bwd = lo.backward_s + w * (hi.backward_s - lo.backward_s)
+    else:  # outside the measured range: proportional to tokens from the nearest measurement
+        near = points[0] if not below else points[-1]
+        fwd, bwd = near.forward_s * tokens / near.tokens, near.backward_s * tokens / near.tokens
+    return replace(points[0], micro_batch_size=micro_batch_size, forward_s=fwd, backward_s=bwd)

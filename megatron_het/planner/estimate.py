@@ -21,10 +21,11 @@ from megatron_het.cluster import ClusterSpec, ModelSpec
 from megatron_het.perf.comm import activation_message_bytes, dp_gradient_reduction, p2p_time
 from megatron_het.perf.flops import stage_parameters
 from megatron_het.perf.memory import GRAD_BYTES, device_capacity_bytes, stage_memory
+from megatron_het.perf.calibrate import with_measured_links
 from megatron_het.perf.predict import (
-    OPTIMIZER_STEP_BYTES,
     StageCost,
     bucket_parameters,
+    optimizer_step_s,
     overlapped_reduction_tail_s,
     stage_cost,
     stage_gradient_chunks,
@@ -85,7 +86,7 @@ class Estimator:
                  profile: Profile | Sequence[Profile] | None, distributed_optimizer: bool,
                  overlap_grad_reduce: bool = False) -> None:
         self.model = model
-        self.cluster = cluster
+        self.cluster = with_measured_links(cluster, profile)  # the same links predict() prices
         self.global_batch_size = global_batch_size
         self.profile = profile
         self.distributed_optimizer = distributed_optimizer
@@ -261,8 +262,8 @@ class Estimator:
                         reduce_s=lambda k, placement=placement: self.reduction(placement, GRAD_BYTES * k))
                 reduced = max(reduced, start + tail)
                 island = self.cluster.islands[isl]
-                optimizer = max(optimizer, self.cluster.slowdown(island.name) * OPTIMIZER_STEP_BYTES * params
-                                / shard / (island.device.memory_bandwidth_gbs * 1e9))
+                optimizer = max(optimizer, self.cluster.slowdown(island.name)
+                                * optimizer_step_s(island.device, params // shard, profile=self.profile))
                 first += n
         reduction = max(0.0, reduced - pipeline)
         return Estimate(templates=tuple(templates), layer_counts=tuple(all_counts), micro_batches=tuple(split),
