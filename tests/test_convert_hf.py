@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import io
 import json
 import os
 
@@ -23,7 +22,7 @@ from megatron_het.checkpoint.convert import (
     to_hf,
     write_hf,
 )
-from megatron_het.checkpoint.convert.io import atomic_output_dir, progress
+from megatron_het.checkpoint.convert.io import atomic_output_dir, counted
 from megatron_het.cluster import ModelSpec
 
 GPT = ModelSpec(num_layers=2, hidden_size=16, num_attention_heads=4, seq_length=8, vocab_size=50)
@@ -160,7 +159,26 @@ def test_atomic_output_dir(tmp_path):
     assert (out / "x").read_text() == "keep"
 
 
-def test_progress_counts_on_stderr():
-    stream = io.StringIO()
-    assert list(progress(range(3), 3, label="write", stream=stream)) == [0, 1, 2]
-    assert stream.getvalue() == "\rwrite: 3/3\n"
+def test_counted_reports_each_item_without_printing(capsys):
+    calls = []
+    assert list(counted(range(3), 3, lambda done, total: calls.append((done, total)))) == [0, 1, 2]
+    assert calls == [(1, 3), (2, 3), (3, 3)]
+    assert list(counted("ab", 2, None)) == ["a", "b"]
+    assert capsys.readouterr().err == ""
+
+
+def test_convert_reports_tensors_read_then_written(tmp_path, capsys):
+    from megatron_het.checkpoint.convert import ConvertRequest, convert
+
+    state = random_state(LLAMA, seed=6)
+    src = tmp_path / "src"
+    with atomic_output_dir(str(src)) as tmp:
+        write_hf(state, tmp, max_shard_bytes=4096)
+    n_hf = len(to_hf(state))
+    calls = []
+    convert(ConvertRequest(input=str(src), input_format="hf", output=str(tmp_path / "dst"), output_format="hf"),
+            progress=lambda done, total: calls.append((done, total)))
+    dones = [d for d, _ in calls]
+    assert dones == sorted(dones) and all(d <= t for d, t in calls)
+    assert calls[-1] == (2 * n_hf, 2 * n_hf)  # every HF tensor read, then every one written
+    assert capsys.readouterr().err == ""  # the library does not print

@@ -101,6 +101,15 @@ def test_empty_texts_are_skipped(workdir: Path, model: Path) -> None:
     assert (report.documents, report.skipped_empty) == (2, 1)
 
 
+def test_progress_counts_documents_per_chunk(workdir: Path, model: Path) -> None:
+    src = write_jsonl(workdir / "many.jsonl", [{"text": f"doc {i}"} for i in range(150)] + [{"text": ""}])
+    calls: list[tuple[int, int]] = []
+    report = preprocess(config(input=src, output_prefix=str(workdir / "m"), tokenizer_model=model),
+                        progress=lambda done, total: calls.append((done, total)))
+    assert report.documents == 150
+    assert calls == [(64, 151), (128, 151), (151, 151)]  # CHUNK_DOCUMENTS = 64, the empty one included
+
+
 def test_missing_input(workdir: Path, model: Path) -> None:
     with pytest.raises(DataInputError, match=r"input: '.*absent.jsonl' does not exist\. Fix: pass --input"):
         preprocess(config(input=workdir / "absent.jsonl", output_prefix=str(workdir / "x"), tokenizer_model=model))
@@ -145,7 +154,11 @@ def test_cli_flags_match_megatron_lm(workdir: Path, model: Path, capsys: pytest.
             "--tokenizer-type", "SentencePieceTokenizer", "--tokenizer-model", str(model), "--append-eod",
             "--workers", "1"]
     assert tool.main(argv) == 0
-    assert "text: 2 documents" in capsys.readouterr().out
+    out = capsys.readouterr()
+    assert "text: 2 documents" in out.out
+    assert out.err.splitlines()[-1].startswith("preprocess: 2/2 documents (100.0%)")  # progress on stderr
+    assert tool.main(argv + ["--no-progress"]) == 0
+    assert capsys.readouterr().err == ""
     assert (workdir / "cli_text_document.idx").is_file()
     argv[argv.index("--tokenizer-model") + 1] = str(workdir / "gone.model")
     assert tool.main(argv) == 1

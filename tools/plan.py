@@ -24,6 +24,7 @@ from megatron_het.cluster import ConfigError, load_cluster, load_model
 from megatron_het.perf import load_profile
 from megatron_het.plan import PlanError
 from megatron_het.planner import InfeasibleError, plan_cluster
+from megatron_het.utils.progress import Progress, add_progress_argument
 
 
 def _table(candidates) -> str:
@@ -53,12 +54,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--exhaustive", action="store_true", help="search the full space (small clusters)")
     parser.add_argument("--json", action="store_true", help="print the top plans as a JSON list")
     parser.add_argument("--output", default=None, help="write the best plan here")
+    add_progress_argument(parser)
     args = parser.parse_args(argv)
     try:
         model, cluster = load_model(args.model), load_cluster(args.cluster)
         profiles = [load_profile(p) for p in args.profile] or None
-        result = plan_cluster(model, cluster, global_batch_size=args.global_batch_size, seq_length=args.seq_length,
-                              profile=profiles, top_k=args.top, exhaustive=args.exhaustive)
+        with Progress("plan: search", unit="candidates", quiet=args.no_progress) as bar:
+            result = plan_cluster(model, cluster, global_batch_size=args.global_batch_size,
+                                  seq_length=args.seq_length, profile=profiles, top_k=args.top,
+                                  exhaustive=args.exhaustive, progress=bar.update)
     except (ConfigError, PlanError, InfeasibleError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 1

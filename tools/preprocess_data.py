@@ -28,6 +28,7 @@ except ImportError:  # run from a checkout without installation
 
 from megatron_het.data.preprocess import PreprocessConfig, preprocess
 from megatron_het.data.tokenizer import SENTENCEPIECE_TYPES
+from megatron_het.utils.progress import Progress, add_progress_argument
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -39,13 +40,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tokenizer-model", required=True, help="SentencePiece .model file")
     parser.add_argument("--append-eod", action="store_true", help="end each document with the eod token")
     parser.add_argument("--workers", type=int, default=1, help="tokenizing processes")
+    add_progress_argument(parser)
     args = parser.parse_args(argv)
     try:
         config = PreprocessConfig(input=Path(args.input), json_keys=tuple(args.json_keys),
                                   output_prefix=args.output_prefix, tokenizer_type=args.tokenizer_type,
                                   tokenizer_model=Path(args.tokenizer_model), append_eod=args.append_eod,
                                   workers=args.workers)
-        report = preprocess(config)
+        with Progress("preprocess", unit="documents", quiet=args.no_progress) as bar:
+            report = preprocess(config, progress=bar.update)
     except ValueError as err:
         print(f"error: {err}", file=sys.stderr)
         return 1

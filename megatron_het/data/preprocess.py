@@ -17,6 +17,7 @@ from pathlib import Path
 
 from megatron_het.data.jsonl import DataInputError, read_jsonl_texts, require_file
 from megatron_het.data.tokenizer import check_tokenizer_type, load_tokenizer
+from megatron_het.utils.progress import ProgressCallback
 
 # Documents per worker task: large enough to amortise loading the tokenizer in each task.
 CHUNK_DOCUMENTS = 64
@@ -83,9 +84,19 @@ def _chunks(config: PreprocessConfig) -> Iterator[tuple[str, str, tuple[str, ...
         yield (str(config.tokenizer_model), config.tokenizer_type, config.json_keys, config.append_eod, chunk)
 
 
-def preprocess(config: PreprocessConfig) -> PreprocessReport:
-    """Tokenize ``config.input`` and write one .bin/.idx pair per json key."""
+def count_documents(path: Path) -> int:
+    """Non-blank lines of a JSONL file (one cheap pass; the total of a progress display)."""
+    with path.open("rb") as lines:
+        return sum(1 for line in lines if line.strip())
+
+
+def preprocess(config: PreprocessConfig, *, progress: ProgressCallback | None = None) -> PreprocessReport:
+    """Tokenize ``config.input`` and write one .bin/.idx pair per json key.
+
+    ``progress(done, total)`` is called after each chunk of documents (empty ones included).
+    """
     require_file(config.input, field="input", fix="pass --input with an existing JSONL file.")
+    total = count_documents(config.input) if progress is not None else 0
     tokenizer = load_tokenizer(config.tokenizer_model, tokenizer_type=config.tokenizer_type)
     import numpy
     from megatron.core.datasets.indexed_dataset import DType, IndexedDatasetBuilder
@@ -108,6 +119,8 @@ def preprocess(config: PreprocessConfig) -> PreprocessReport:
                     builders[key].add_document(numpy.asarray(seq, dtype=numpy.int64), [len(seq)])
                     tokens[key] += len(seq)
                 documents += 1
+            if progress is not None:
+                progress(documents + skipped, total)
         if documents == 0:
             raise DataInputError(f"input: {str(config.input)!r} produced no non-empty documents ({skipped} empty). "
                                  f"Fix: pass a JSONL file with text under {list(config.json_keys)}.")

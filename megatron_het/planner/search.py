@@ -19,7 +19,8 @@ island order) and predicts many more; it is the optimality reference for small c
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
+import math
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
 from megatron_het.cluster import ClusterSpec, ModelSpec
@@ -43,6 +44,29 @@ _EXHAUSTIVE_PREDICT = 40  # exhaustive mode: candidates predicted in full
 _SPANNING_BUDGET = 2000  # fast mode: spanning structures per island subset before TP pruning kicks in
 _CLIMB_STARTS = 6  # fast mode: best distinct candidates refined by hill climbing
 _MAX_REASONS = 50  # infeasibility reasons kept in the result
+
+
+@dataclass(kw_only=True)
+class _Progress:
+    """Search progress for a ``progress(done, total)`` callback; total grows as work is discovered."""
+
+    callback: Callable[[int, int], None] | None  # the caller's display, or None
+    done: int = 0  # structures priced + plans predicted so far
+    total: int = 0  # work known so far (>= done)
+
+    def add(self, n: int) -> None:
+        self.total += n
+
+    def step(self) -> None:
+        self.done += 1
+        self.total = max(self.total, self.done)  # hill-climbing neighbours are found one by one
+        if self.callback is not None:
+            self.callback(self.done, self.total)
+
+    def finish(self) -> None:
+        self.total = self.done  # the last call has done == total
+        if self.callback is not None:
+            self.callback(self.done, self.total)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -141,13 +165,17 @@ def plan_cluster(model: ModelSpec, cluster: ClusterSpec, *, global_batch_size: i
                  profile: Profile | Sequence[Profile] | None = None, top_k: int = 5, exhaustive: bool = False,
                  max_tp: int = 8, recompute_options: Sequence[bool] = (False, True),
                  micro_batch_sizes: Sequence[int] = (1, 2, 4, 8), distributed_optimizer: bool = True,
-                 islands: Sequence[str] | None = None, overlap_grad_reduce: bool = False) -> PlannerResult:
+                 islands: Sequence[str] | None = None, overlap_grad_reduce: bool = False,
+                 progress: Callable[[int, int], None] | None = None) -> PlannerResult:
     """Search plans for ``model`` on ``cluster`` and return the fastest predicted one.
 
     ``islands`` restricts the search to those islands (the others get no ranks).
     ``overlap_grad_reduce`` prices plans for a runtime that overlaps stage 0's gradient reduction
     with its last backward, as megatron-core's DDP option of that name does (see perf.predict). Raises
     :class:`InfeasibleError` (a ValueError) naming the failed memory or divisibility constraint.
+    ``progress(done, total)`` is called after each candidate structure priced and each plan predicted
+    in full; ``total`` counts the work known so far (it grows when a micro-batch size's combinations,
+    spanning layouts and hill-climbing neighbours are generated) and equals ``done`` at the last call.
     """
     if global_batch_size < 1:
         raise InfeasibleError(f"global_batch_size: must be >= 1 (got {global_batch_size}). Fix: pass a positive "
@@ -172,10 +200,16 @@ def plan_cluster(model: ModelSpec, cluster: ClusterSpec, *, global_batch_size: i
     reasons: dict[str, None] = {}
     estimates: list[Estimate] = []
     evaluated = 0
+    counter = _Progress(callback=progress)
+    for mbs in sizes:  # every local layout is known before any is priced
+        counter.add(len(recompute_options) * sum(
+            len(_local_templates(model, cluster, i, max_tp=max_tp, max_replicas=global_batch_size // mbs,
+                                 exhaustive=exhaustive)) for i in active))
 
     def price(structure: tuple[Template, ...], mbs: int, rc: bool) -> Estimate | None:
         nonlocal evaluated
         evaluated += 1
+        counter.step()
         e = est.evaluate(structure, mbs, rc)
         if isinstance(e, str):
             if len(reasons) < _MAX_REASONS:
@@ -199,6 +233,7 @@ def plan_cluster(model: ModelSpec, cluster: ClusterSpec, *, global_batch_size: i
                 per_island[i] = scored if exhaustive else scored[:_LOCAL_KEEP]
             # Combine islands' local layouts (None = island unused).
             options = [[None] + [t for _, t in per_island[i]] for i in active]
+            counter.add(math.prod(len(o) for o in options) - 1 - sum(len(o) - 1 for o in options))  # >= 2 islands
             for combo in itertools.product(*options):
                 chosen = tuple(t for t in combo if t is not None)
                 if len(chosen) < 2:
@@ -216,8 +251,10 @@ def plan_cluster(model: ModelSpec, cluster: ClusterSpec, *, global_batch_size: i
                 tps = {i: list(tp_options(model, cluster.islands[i], max_tp=max_tp)) for i in active}
             sub = _restrict(cluster, active)
             wide = {k: list(tp_options(model, cluster.islands[v], max_tp=max_tp)) for k, v in enumerate(active)}
-            for structure in _spanning_structures(model, sub.view, tps={k: tps[v] for k, v in enumerate(active)},
-                                                  max_replicas=max_replicas, exhaustive=exhaustive, wide_tps=wide):
+            spanning = _spanning_structures(model, sub.view, tps={k: tps[v] for k, v in enumerate(active)},
+                                            max_replicas=max_replicas, exhaustive=exhaustive, wide_tps=wide)
+            counter.add(len(spanning))
+            for structure in spanning:
                 price(sub.lift(structure), mbs, rc)
 
     if not estimates:
@@ -240,6 +277,7 @@ def plan_cluster(model: ModelSpec, cluster: ClusterSpec, *, global_batch_size: i
                        recompute_options=recompute_options)
         estimates.sort(key=lambda e: e.iteration_time_s)
     keep = _EXHAUSTIVE_PREDICT if exhaustive else max(_FAST_PREDICT, top_k)
+    counter.add(min(keep, len(estimates)))  # full predictions (duplicates skipped may need a few more)
     ranked: list[tuple[Plan, Prediction]] = []
     seen: set[str] = set()
     for e in estimates:
@@ -258,6 +296,7 @@ def plan_cluster(model: ModelSpec, cluster: ClusterSpec, *, global_batch_size: i
             reasons[f"internal: generated plan invalid: {err}"] = None
             continue
         pred = predict(plan, model, cluster, profile=profile, overlap_grad_reduce=overlap_grad_reduce)
+        counter.step()
         if not pred.fits:
             reasons[f"predicted memory {pred.memory_gib_per_rank_max:.1f} GiB exceeds a device"] = None
             continue
@@ -266,6 +305,7 @@ def plan_cluster(model: ModelSpec, cluster: ClusterSpec, *, global_batch_size: i
         raise InfeasibleError(_infeasible_text(est, active, sizes, recompute_options, max_tp, reasons),
                               reasons=tuple(reasons))
     ranked.sort(key=lambda x: x[1].iteration_time_s)
+    counter.finish()
     return PlannerResult(best=ranked[0][0], candidates=ranked[:top_k],
                          explanation=explain_choice(model, cluster, ranked, evaluated, evaluated - len(estimates)),
                          infeasible=list(reasons))

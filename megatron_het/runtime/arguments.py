@@ -8,9 +8,13 @@ from __future__ import annotations
 
 import argparse
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from megatron_het.cluster import ClusterSpec, ConfigError, ModelSpec, load_cluster, load_model
 from megatron_het.runtime.train_config import TrainConfig
+
+if TYPE_CHECKING:  # the module imports torch: only --tensorboard-dir pays for it at parse time
+    from megatron_het.runtime.tensorboard_log import TensorBoardConfig
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -60,6 +64,15 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--log-interval", type=int, default=1)
     c.add_argument("--eval-interval", type=int, default=0)
     c.add_argument("--eval-iters", type=int, default=0)
+    c.add_argument("--tensorboard-dir", metavar="DIR", help="write TensorBoard event files here (rank 0 writes)")
+    c.add_argument("--tensorboard-log-interval", type=int, default=1, help="iterations between TensorBoard points")
+    c.add_argument("--tensorboard-queue-size", type=int, default=1000,
+                   help="TensorBoard events buffered before they are written to disk")
+    c.add_argument("--log-timers-to-tensorboard", action="store_true",
+                   help="iteration time and every stage's compute/idle time")
+    c.add_argument("--log-memory-to-tensorboard", action="store_true",
+                   help="peak and current memory, per stage (CPU ranks: process RSS)")
+    c.add_argument("--log-throughput", action="store_true", help="tokens/s and samples/s to TensorBoard")
 
     h = p.add_argument_group("heterogeneous cluster")
     h.add_argument("--hetero-cluster", metavar="CLUSTER.yaml", required=True)
@@ -79,7 +92,8 @@ class PretrainArgs:
     train: TrainConfig
     cluster: ClusterSpec
     plan_source: str  # a path or "auto"
-    raw: argparse.Namespace
+    tensorboard: TensorBoardConfig | None  # None: no --tensorboard-dir
+    raw: argparse.Namespace  # every parsed flag, for the ones not lifted into typed fields
 
 
 _MODEL_FLAGS = ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "ffn_hidden_size",
@@ -122,6 +136,21 @@ def parse_args(argv: list[str] | None = None, *, tokenizer_vocab: int | None = N
                             lr_warmup_iters=ns.lr_warmup_iters, weight_decay=ns.weight_decay,
                             adam_beta1=ns.adam_beta1, adam_beta2=ns.adam_beta2, adam_eps=ns.adam_eps,
                             clip_grad=ns.clip_grad, seed=ns.seed, log_interval=ns.log_interval)
+        tensorboard = tensorboard_from_args(ns)
     except (ConfigError, ValueError) as e:
         parser.error(str(e))
-    return PretrainArgs(model=model, train=train, cluster=cluster, plan_source=ns.hetero_plan, raw=ns)
+    return PretrainArgs(model=model, train=train, cluster=cluster, plan_source=ns.hetero_plan,
+                        tensorboard=tensorboard, raw=ns)
+
+
+def tensorboard_from_args(ns: argparse.Namespace) -> TensorBoardConfig | None:
+    """The TensorBoard settings, or None without --tensorboard-dir (the --log-* flags then do nothing)."""
+    if ns.tensorboard_dir is None:
+        return None
+    from megatron_het.runtime.tensorboard_log import TensorBoardConfig, require_tensorboard
+
+    config = TensorBoardConfig(log_dir=ns.tensorboard_dir, log_interval=ns.tensorboard_log_interval,
+                               queue_size=ns.tensorboard_queue_size, log_timers=ns.log_timers_to_tensorboard,
+                               log_memory=ns.log_memory_to_tensorboard, log_throughput=ns.log_throughput)
+    require_tensorboard()  # every rank parses: all fail together, before any process group exists
+    return config

@@ -2,6 +2,7 @@
 
 Launched by torchrun (one process per GPU, or per CPU rank standing in for one). Megatron-style log
 lines come from rank 0; every rank's compute/idle split is gathered for the end-of-run summary.
+With --tensorboard-dir, rank 0 also writes TensorBoard scalars (runtime/tensorboard_log.py).
 """
 
 from __future__ import annotations
@@ -11,6 +12,8 @@ import logging
 import os
 import sys
 import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -19,6 +22,10 @@ from megatron_het.cluster import ConfigError
 from megatron_het.plan import Plan, PlanError, validate_plan
 from megatron_het.platform import detect_accelerator, detect_optional_accelerators, enable_cpu_backend
 from megatron_het.runtime.arguments import PretrainArgs, parse_args
+
+if TYPE_CHECKING:  # megatron-core loads only after the arguments are checked (fast usage errors)
+    from megatron_het.runtime.hetero_trainer import HeteroIterationLog, HeteroTrainer
+    from megatron_het.runtime.tensorboard_log import TensorBoardHooks
 
 log = logging.getLogger("megatron_het")
 
@@ -107,24 +114,27 @@ def describe_plan_lines(plan: Plan) -> list[str]:
     return lines
 
 
+@dataclass(frozen=True, kw_only=True)
+class PretrainResult:
+    """What one rank saw of a run (losses are global: every rank holds the same values)."""
+
+    logs: tuple[HeteroIterationLog, ...]  # one per iteration trained in this run
+    validation: tuple[tuple[int, float], ...]  # (iteration, validation loss) at each --eval-interval
+
+
 def _stage_summary(trainer, logs) -> None:
-    """Gather (replica, stage, compute, idle) of every rank; rank 0 prints one line per stage."""
-    mine = (trainer.role.replica, trainer.role.stage, trainer.role.island,
-            sum(l.compute_s for l in logs), sum(l.idle_s for l in logs), len(logs))
-    gathered = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, mine)
-    if dist.get_rank() != 0:
+    """Gather every rank's compute/idle; rank 0 prints one line per stage (mean over its ranks)."""
+    from megatron_het.runtime.tensorboard_log import gather_stage_times
+
+    stages = gather_stage_times(trainer.role, logs, group=None, dst=0)
+    if stages is None:
         return
     print("per-stage time over the run (mean over the stage's ranks):")
-    by_stage: dict = {}
-    for replica, stage, island, compute, idle, n in gathered:
-        by_stage.setdefault((replica, stage, island), []).append((compute, idle, n))
-    for (replica, stage, island), vals in sorted(by_stage.items()):
-        compute = sum(v[0] for v in vals) / len(vals)
-        idle = sum(v[1] for v in vals) / len(vals)
-        n = vals[0][2]
-        print(f"  replica {replica} stage {stage} ({island}): compute {compute / n * 1000:8.1f} ms/it, "
-              f"idle {idle / n * 1000:8.1f} ms/it ({100 * idle / max(compute + idle, 1e-9):4.1f}% idle)")
+    for st in stages:
+        n = st.iterations
+        print(f"  replica {st.replica} stage {st.stage} ({st.island}): compute {st.compute_s / n * 1000:8.1f} ms/it, "
+              f"idle {st.idle_s / n * 1000:8.1f} ms/it ({100 * st.idle_s / max(st.compute_s + st.idle_s, 1e-9):4.1f}% "
+              f"idle), peak memory {st.peak_memory_bytes / 2**20:.0f} MiB")
 
 
 def _evaluate(trainer, valid_fn, iteration: int, eval_iters: int) -> float:
@@ -143,20 +153,26 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
     acc = detect_accelerator()
-    dist.init_process_group("gloo" if not acc.is_gpu else "cpu:gloo,cuda:nccl",
-                            timeout=datetime.timedelta(minutes=10))
+    owned = not dist.is_initialized()  # run_local (tests) sets the group up itself
+    if owned:
+        dist.init_process_group("gloo" if not acc.is_gpu else "cpu:gloo,cuda:nccl",
+                                timeout=datetime.timedelta(minutes=10))
     try:
-        return _train(args, acc)
+        run(args, acc)
+        return 0
     except (ConfigError, PlanError, ValueError) as e:
         print(f"[rank {dist.get_rank()}] pretrain_gpt.py: error: {e}", file=sys.stderr, flush=True)
         return 2
     finally:
-        dist.destroy_process_group()
+        if owned:
+            dist.destroy_process_group()
 
 
-def _train(args: PretrainArgs, acc) -> int:
+def run(args: PretrainArgs, acc) -> PretrainResult:
+    """Build and train the run ``args`` describes on the initialised default group (collective)."""
     from megatron_het.checkpoint.dist_ckpt import iteration_dir, latest_iteration, read_common
     from megatron_het.runtime.hetero_trainer import HeteroTrainer
+    from megatron_het.runtime.tensorboard_log import TensorBoardHooks
 
     if not acc.is_gpu:
         print_rank0(enable_cpu_backend().describe())
@@ -201,15 +217,29 @@ def _train(args: PretrainArgs, acc) -> int:
         else:
             load_path = iteration_dir(args.raw.load, it)
             padded_vocab = read_common(load_path).get("padded_vocab")
-    trainer = HeteroTrainer(model=args.model, plan=plan, train=args.train, batch_fn=batch_fn,
-                            cluster=cluster, padded_vocab=padded_vocab,
-                            slowdown=None if emulate else 1.0)
-    if load_path:
-        start = trainer.load_checkpoint(load_path)
-        print_rank0(f"loaded checkpoint {load_path} (iteration {start}, written under another plan is fine)")
+    tensorboard = None
+    if args.tensorboard is not None:
+        tensorboard = TensorBoardHooks(args.tensorboard, group=None, global_batch_size=args.train.global_batch_size,
+                                       seq_length=args.model.seq_length, writer_rank=0)
+        print_rank0(f"tensorboard: rank 0 writes to {args.tensorboard.log_dir}")
+    try:
+        trainer = HeteroTrainer(model=args.model, plan=plan, train=args.train, batch_fn=batch_fn,
+                                cluster=cluster, padded_vocab=padded_vocab,
+                                slowdown=None if emulate else 1.0, hooks=tensorboard)
+        if load_path:
+            start = trainer.load_checkpoint(load_path)
+            print_rank0(f"loaded checkpoint {load_path} (iteration {start}, written under another plan is fine)")
+        return _train_loop(args, trainer, valid_fn, tensorboard)
+    finally:  # the event file is complete even when training fails
+        if tensorboard is not None:
+            tensorboard.close()
 
+
+def _train_loop(args: PretrainArgs, trainer: HeteroTrainer, valid_fn, tensorboard: TensorBoardHooks | None
+                ) -> PretrainResult:
     ns, train = args.raw, args.train
     logs = []
+    validation = []
     window_start = time.perf_counter()
     while trainer.iteration < train.train_iters:
         entry = trainer.train_step()
@@ -225,6 +255,9 @@ def _train(args: PretrainArgs, acc) -> int:
                         f"| grad norm: {entry.grad_norm:.3f} | tokens/s: {tokens / elapsed:.0f}")
         if ns.eval_interval and ns.eval_iters and valid_fn is not None and it % ns.eval_interval == 0:
             loss = _evaluate(trainer, valid_fn, it, ns.eval_iters)
+            validation.append((it, loss))
+            if tensorboard is not None:
+                tensorboard.log_validation(it, loss)
             print_rank0(f" validation loss at iteration {it} | lm loss value: {loss:.6E} | "
                         f"lm loss PPL: {torch.exp(torch.tensor(loss)).item():.3f}")
         if ns.save and ns.save_interval and it % ns.save_interval == 0 and it < train.train_iters:
@@ -233,4 +266,4 @@ def _train(args: PretrainArgs, acc) -> int:
         print_rank0(f"saved checkpoint {trainer.save_checkpoint(ns.save)}")
     if logs:
         _stage_summary(trainer, logs)
-    return 0
+    return PretrainResult(logs=tuple(logs), validation=tuple(validation))

@@ -24,6 +24,7 @@ except ImportError:  # run from a checkout without installation
 from megatron_het.checkpoint.convert import FORMATS, ConvertError, ConvertRequest, convert
 from megatron_het.checkpoint.dist_ckpt import CheckpointError
 from megatron_het.cluster import ConfigError, load_model
+from megatron_het.utils.progress import Progress, add_progress_argument
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -35,11 +36,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model", default=None, help="model YAML; needed when the input does not describe the model")
     parser.add_argument("--tp", type=int, default=1, help="target TP size (vocabulary padding of het/megatron output)")
     parser.add_argument("--pp", type=int, default=1, help="target PP size (recorded in het/megatron output)")
+    add_progress_argument(parser)
     args = parser.parse_args(argv)
     try:
         model = load_model(args.model) if args.model else None
-        state = convert(ConvertRequest(input=args.input, input_format=args.input_format, output=args.output,
-                                       output_format=args.output_format, model=model, tp=args.tp, pp=args.pp))
+        request = ConvertRequest(input=args.input, input_format=args.input_format, output=args.output,
+                                 output_format=args.output_format, model=model, tp=args.tp, pp=args.pp)
+        with Progress(f"convert {args.input_format} -> {args.output_format}", unit="tensors",
+                      quiet=args.no_progress) as bar:
+            state = convert(request, progress=bar.update)
     except (ConvertError, ConfigError, CheckpointError) as e:
         print(f"convert.py: {e}", file=sys.stderr)
         return 1

@@ -11,6 +11,7 @@ from megatron_het.checkpoint.convert.io import atomic_output_dir
 from megatron_het.checkpoint.convert.megatron import read_megatron, write_megatron
 from megatron_het.checkpoint.convert.state import ModelState
 from megatron_het.cluster import ModelSpec
+from megatron_het.utils.progress import ProgressCallback
 
 FORMATS = ("het", "megatron", "hf")
 
@@ -37,23 +38,41 @@ class ConvertRequest:
                 raise ConvertError(f"--{name}: must be >= 1 (got {getattr(self, name)}). Fix: pass --{name} 1 or more")
 
 
-def read_state(path: str, fmt: str, *, model: ModelSpec | None = None) -> ModelState:
+def read_state(path: str, fmt: str, *, model: ModelSpec | None = None,
+               progress: ProgressCallback | None = None) -> ModelState:
     readers = {"het": read_het, "megatron": read_megatron, "hf": read_hf}
-    return readers[fmt](path, model=model)
+    return readers[fmt](path, model=model, progress=progress)
 
 
-def write_state(state: ModelState, out_dir: str, fmt: str, *, tp: int = 1, pp: int = 1) -> None:
+def write_state(state: ModelState, out_dir: str, fmt: str, *, tp: int = 1, pp: int = 1,
+                progress: ProgressCallback | None = None) -> None:
     if fmt == "hf":
-        write_hf(state, out_dir)
+        write_hf(state, out_dir, progress=progress)
     elif fmt == "het":
-        write_het(state, out_dir, tp=tp, pp=pp)
+        write_het(state, out_dir, tp=tp, pp=pp, progress=progress)
     else:
-        write_megatron(state, out_dir, tp=tp, pp=pp)
+        write_megatron(state, out_dir, tp=tp, pp=pp, progress=progress)
 
 
-def convert(request: ConvertRequest) -> ModelState:
-    """Run the conversion; returns the state that was written."""
-    state = read_state(request.input, request.input_format, model=request.model)
+def convert(request: ConvertRequest, *, progress: ProgressCallback | None = None) -> ModelState:
+    """Run the conversion; returns the state that was written.
+
+    ``progress(done, total)`` counts tensors read, then tensors written; while reading, the write
+    phase is assumed to have as many tensors as the read one (formats may group them differently).
+    """
+    read_total = 0
+
+    def on_read(done: int, total: int) -> None:
+        nonlocal read_total
+        read_total = total
+        progress(done, 2 * total)
+
+    def on_write(done: int, total: int) -> None:
+        progress(read_total + done, read_total + total)
+
+    state = read_state(request.input, request.input_format, model=request.model,
+                       progress=on_read if progress is not None else None)
     with atomic_output_dir(request.output) as tmp:
-        write_state(state, tmp, request.output_format, tp=request.tp, pp=request.pp)
+        write_state(state, tmp, request.output_format, tp=request.tp, pp=request.pp,
+                    progress=on_write if progress is not None else None)
     return state

@@ -13,9 +13,10 @@ import os
 import torch
 
 from megatron_het.checkpoint.convert.errors import ConvertError
-from megatron_het.checkpoint.convert.io import progress, single_process_group
+from megatron_het.checkpoint.convert.io import counted, single_process_group
 from megatron_het.checkpoint.convert.state import VOCAB_ROWS, ModelState, check_state, pad_vocab, unpad_vocab
 from megatron_het.cluster import ModelSpec
+from megatron_het.utils.progress import ProgressCallback
 
 PREFIX = "model."
 
@@ -32,7 +33,7 @@ def checkpoint_dir(path: str) -> str:
                        f"Fix: point --input at the --save directory of the run")
 
 
-def read_het(path: str, *, model: ModelSpec | None = None) -> ModelState:
+def read_het(path: str, *, model: ModelSpec | None = None, progress: ProgressCallback | None = None) -> ModelState:
     """Weights of the latest (or the given) iteration; optimizer moments are not converted."""
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing import ShardedTensor
@@ -52,7 +53,7 @@ def read_het(path: str, *, model: ModelSpec | None = None) -> ModelState:
                    for k in keys}
         loaded = dist_checkpointing.load(request, src, validate_access_integrity=False)
     tensors: dict[str, torch.Tensor] = {}
-    for key in progress(keys, len(keys), label="read het"):
+    for key in counted(keys, len(keys), progress):
         name = key[len(PREFIX):]
         tensor = loaded[key]
         tensors[name] = unpad_vocab(tensor, model.vocab_size, name=name) if name in VOCAB_ROWS else tensor
@@ -61,7 +62,8 @@ def read_het(path: str, *, model: ModelSpec | None = None) -> ModelState:
     return state
 
 
-def write_het(state: ModelState, save_dir: str, *, tp: int = 1, pp: int = 1) -> str:
+def write_het(state: ModelState, save_dir: str, *, tp: int = 1, pp: int = 1,
+              progress: ProgressCallback | None = None) -> str:
     """A megatron-het checkpoint (``save_dir/iter_XXXXXXX`` + tracker); returns the iteration dir.
 
     ``tp``/``pp`` only shape the recorded plan and the vocabulary padding (a multiple of 128 * tp);
@@ -76,7 +78,7 @@ def write_het(state: ModelState, save_dir: str, *, tp: int = 1, pp: int = 1) -> 
     padded = padded_vocab_size(m.vocab_size, tp)
     plan = homogeneous_plan(tp=tp, pp=pp, dp=1, num_layers=m.num_layers, micro_batch_size=1, global_batch_size=1)
     slots, moments = {}, {}
-    for name, tensor in progress(state.tensors.items(), len(state.tensors), label="write het"):
+    for name, tensor in counted(state.tensors.items(), len(state.tensors), progress):
         full = pad_vocab(tensor, padded, name=name) if name in VOCAB_ROWS else tensor
         slots[name] = TensorSlot(tensor=full.contiguous(), partition_dim=None, tp_rank=0, tp_size=1, main=True)
         moments[name] = {"exp_avg": torch.zeros_like(full), "exp_avg_sq": torch.zeros_like(full)}

@@ -16,10 +16,10 @@ from collections.abc import Mapping
 import torch
 
 from megatron_het.checkpoint.convert.errors import ConvertError
-from megatron_het.checkpoint.convert.io import progress
 from megatron_het.checkpoint.convert.qkv import fuse_qkv, split_qkv
 from megatron_het.checkpoint.convert.state import OUTPUT_LAYER, POSITION_EMBEDDING, WORD_EMBEDDING, ModelState
 from megatron_het.cluster import ModelSpec
+from megatron_het.utils.progress import ProgressCallback
 
 CONFIG = "config.json"
 INDEX = "model.safetensors.index.json"
@@ -206,7 +206,8 @@ def from_hf(tensors: Mapping[str, torch.Tensor], model: ModelSpec, *, source: st
     return ModelState(model=model, tensors={k: v.contiguous() for k, v in t.items()})
 
 
-def write_hf(state: ModelState, out_dir: str, *, max_shard_bytes: int = MAX_SHARD_BYTES) -> None:
+def write_hf(state: ModelState, out_dir: str, *, max_shard_bytes: int = MAX_SHARD_BYTES,
+             progress: ProgressCallback | None = None) -> None:
     """config.json plus safetensors (one file, or shards with an index past ``max_shard_bytes``)."""
     from safetensors.torch import save_file
 
@@ -226,8 +227,8 @@ def write_hf(state: ModelState, out_dir: str, *, max_shard_bytes: int = MAX_SHAR
     for fname, shard in zip(names, shards):
         save_file(shard, os.path.join(out_dir, fname), metadata={"format": "pt"})
         written += len(shard)
-        print(f"\rwrite hf: {written}/{len(tensors)} tensors", end="", file=sys.stderr, flush=True)
-    print(file=sys.stderr)
+        if progress is not None:
+            progress(written, len(tensors))
     if len(shards) > 1:
         index = {"metadata": {"total_size": sum(t.numel() * t.element_size() for t in tensors.values())},
                  "weight_map": {n: f for f, s in zip(names, shards) for n in s}}
@@ -238,8 +239,9 @@ def write_hf(state: ModelState, out_dir: str, *, max_shard_bytes: int = MAX_SHAR
         f.write("\n")
 
 
-def read_hf(in_dir: str, *, model: ModelSpec | None = None) -> ModelState:
+def read_hf(in_dir: str, *, model: ModelSpec | None = None, progress: ProgressCallback | None = None) -> ModelState:
     """A HF model directory (config.json + *.safetensors); ``model`` overrides what config.json says."""
+    from safetensors import safe_open
     from safetensors.torch import load_file
 
     config_path = os.path.join(in_dir, CONFIG)
@@ -252,7 +254,13 @@ def read_hf(in_dir: str, *, model: ModelSpec | None = None) -> ModelState:
     if not files:
         raise ConvertError(f"{in_dir}: no *.safetensors files. Fix: convert a safetensors checkpoint "
                            f"(pytorch_model.bin is not read)")
+    total = 0
+    for fname in files:  # the headers alone give the tensor count
+        with safe_open(os.path.join(in_dir, fname), framework="pt") as f:
+            total += len(list(f.keys()))
     tensors: dict[str, torch.Tensor] = {}
-    for fname in progress(files, len(files), label="read hf: files"):
+    for fname in files:
         tensors.update(load_file(os.path.join(in_dir, fname)))
+        if progress is not None:
+            progress(len(tensors), total)
     return from_hf(tensors, model, source=in_dir)

@@ -1,4 +1,4 @@
-"""Shared plumbing of the adapters: atomic output directories, progress, a one-process group."""
+"""Shared plumbing of the adapters: atomic output directories, progress counting, a one-process group."""
 
 from __future__ import annotations
 
@@ -6,12 +6,12 @@ import contextlib
 import datetime
 import os
 import shutil
-import sys
 import tempfile
 from collections.abc import Iterable, Iterator
-from typing import TextIO, TypeVar
+from typing import TypeVar
 
 from megatron_het.checkpoint.convert.errors import ConvertError
+from megatron_het.utils.progress import ProgressCallback
 
 T = TypeVar("T")
 
@@ -40,17 +40,12 @@ def atomic_output_dir(path: str) -> Iterator[str]:
         raise
 
 
-def progress(items: Iterable[T], total: int, *, label: str, stream: TextIO | None = None) -> Iterator[T]:
-    """Yield ``items`` while printing ``label: i/total`` on stderr (one line, rewritten in place)."""
-    stream = sys.stderr if stream is None else stream
-    tty = hasattr(stream, "isatty") and stream.isatty()
+def counted(items: Iterable[T], total: int, progress: ProgressCallback | None) -> Iterator[T]:
+    """Yield ``items``, calling ``progress(n, total)`` after the n-th (the library never prints)."""
     for n, item in enumerate(items, 1):
         yield item
-        if tty or n == total or n % 100 == 0:  # in place on a terminal, sparse in log files
-            stream.write(f"\r{label}: {n}/{total}")
-            stream.flush()
-    stream.write("\n")
-    stream.flush()
+        if progress is not None:
+            progress(n, total)
 
 
 @contextlib.contextmanager

@@ -19,7 +19,7 @@ from collections.abc import Mapping
 import torch
 
 from megatron_het.checkpoint.convert.errors import ConvertError
-from megatron_het.checkpoint.convert.io import progress, single_process_group
+from megatron_het.checkpoint.convert.io import counted, single_process_group
 from megatron_het.checkpoint.convert.state import (
     VOCAB_ROWS,
     ModelState,
@@ -30,6 +30,7 @@ from megatron_het.checkpoint.convert.state import (
     unpad_vocab,
 )
 from megatron_het.cluster import ModelSpec
+from megatron_het.utils.progress import ProgressCallback
 
 CHECKPOINT_VERSION = 3.0  # Megatron-LM's value for dist checkpoints
 # megatron-core's local spec saves these norms under transformer-engine's fused-module names.
@@ -104,7 +105,8 @@ def _iteration_dir(path: str) -> tuple[str, int | None]:
                        f"of a torch_dist checkpoint. Fix: point --input at the --save directory")
 
 
-def read_megatron(path: str, *, model: ModelSpec | None = None) -> ModelState:
+def read_megatron(path: str, *, model: ModelSpec | None = None,
+                  progress: ProgressCallback | None = None) -> ModelState:
     """Model weights of a Megatron-LM torch_dist checkpoint (TP/PP as saved; any)."""
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing import ShardedTensor
@@ -131,7 +133,7 @@ def read_megatron(path: str, *, model: ModelSpec | None = None) -> ModelState:
     tensors: dict[str, torch.Tensor] = {}
     suffixes = {megatron_key(s): s for s in layer_shapes(model)}
     keys = [k for k in loaded if k in wanted]  # load() also returns the common state (args, iteration)
-    for key in progress(keys, len(keys), label="read megatron"):
+    for key in counted(keys, len(keys), progress):
         value = loaded[key]
         if key in suffixes:
             for i in range(model.num_layers):
@@ -169,7 +171,8 @@ def build_full_model(model: ModelSpec, padded_vocab: int, full: Mapping[str, tor
     return gpt, pgc
 
 
-def write_megatron(state: ModelState, save_dir: str, *, tp: int = 1, pp: int = 1) -> str:
+def write_megatron(state: ModelState, save_dir: str, *, tp: int = 1, pp: int = 1,
+                   progress: ProgressCallback | None = None) -> str:
     """``save_dir/iter_XXXXXXX`` + ``latest_checkpointed_iteration.txt``; vocabulary padded for ``tp``."""
     from megatron.core import dist_checkpointing
 
@@ -180,7 +183,7 @@ def write_megatron(state: ModelState, save_dir: str, *, tp: int = 1, pp: int = 1
     m = state.model
     padded = padded_vocab_size(m.vocab_size, tp)
     full = {n: pad_vocab(t, padded, name=n) if n in VOCAB_ROWS else t
-            for n, t in progress(state.tensors.items(), len(state.tensors), label="write megatron")}
+            for n, t in counted(state.tensors.items(), len(state.tensors), progress)}
     final = iteration_dir(save_dir, state.iteration)
     with single_process_group():
         gpt, pgc = build_full_model(m, padded, full)
