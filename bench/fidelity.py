@@ -1,12 +1,23 @@
 """Fidelity of the performance model on this machine: predicted vs measured iteration time.
 
-For several plans on the CPU-emulated two-type cluster (examples/clusters/cpu-demo.yaml: island
-`fast`, island `slow` emulated 2x slower, 2 ranks each), with a per-layer profile measured here by
-tools/profile.py, predict the iteration time with megatron_het.perf.predict and measure it with the
-heterogeneous runtime (median over iterations after warm-up, all plans in one 4-process spawn,
-rounds alternating). Target: median absolute error <= 10%; the worst is reported.
+Two ranks, one per core (more would oversubscribe the 2-core machine, and the model prices each
+rank as a device of its own). Two CPU-emulated clusters:
+- examples/clusters/cpu-pair.yaml: island `fast` (1 rank) and island `slow` (1 rank, emulated 2x
+  slower: it waits the extra time without using the CPU);
+- examples/clusters/cpu-2.yaml: one island of 2 ranks (tensor parallelism over gloo).
+Plans cover uneven pipeline splits (1F1B and GPipe, either island first), data parallelism with
+equal and speed-proportional micro-batch counts, TP2 and a homogeneous PP2.
 
-    python bench/fidelity.py [--iters 6] [--rounds 2]
+Profile: tools/profile.py (layers, embedding, output layer + loss, AdamW step) run twice at once
+with ``--threads 1``, so the parts are measured under the same conditions as the two training ranks
+(one core each, shared memory bandwidth), before and after the runs; the model uses the mean of the
+four. The host's links (gloo all-reduce and send/recv between 2 processes, the alpha-beta fit of
+megatron_het.profiling.links) are measured before and after as well and fitted together. Measured: the heterogeneous
+runtime (megatron_het.runtime.HeteroTrainer, what pretrain_gpt.py runs), median over iterations
+after warm-up of the slowest rank's iteration time, all plans in one 2-process spawn, rounds
+alternating between plans. Target: median absolute error <= 10%; the worst is reported.
+
+    python bench/fidelity.py [--iters 6] [--rounds 2]      # ~3-5 min on a quiet 2-core machine
 """
 
 from __future__ import annotations
@@ -19,43 +30,43 @@ import platform
 import statistics
 import subprocess
 import sys
+from dataclasses import replace
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from megatron_het.cluster import ModelSpec, load_cluster  # noqa: E402
+from megatron_het.profiling.links import fit_link, measure_link  # noqa: E402
+from megatron_het.perf.profile import MeasuredLink, Profile, load_profile, save_profile  # noqa: E402
 from megatron_het.plan import Plan, ReplicaPlan, StagePlan  # noqa: E402
 from megatron_het.platform.local_launch import run_local  # noqa: E402
 from megatron_het.runtime.train_config import TrainConfig  # noqa: E402
 
 MODEL = ModelSpec(num_layers=8, hidden_size=256, num_attention_heads=8, seq_length=128, vocab_size=1000)
-CLUSTER = os.path.join(ROOT, "examples/clusters/cpu-demo.yaml")
+CLUSTERS = {"pair": "examples/clusters/cpu-pair.yaml", "cpu2": "examples/clusters/cpu-2.yaml"}
 PROFILE = os.path.join(ROOT, "bench/results/fidelity_cpu_profile.json")
-WARMUP = 2
+OUT = os.path.join(ROOT, "bench/results/fidelity.json")
+MICRO_BATCH, GLOBAL_BATCH, WARMUP = 2, 16, 2
 
 
-def _s(island, rank, layers):
-    return StagePlan(island=island, device_type="CPU", ranks=(rank,), layers=layers)
+def plans() -> dict[str, tuple[str, Plan]]:
+    """name -> (cluster key, plan); 8 micro-batches of 2 samples per iteration."""
+    def s(island, rank, layers, ranks=None):
+        return StagePlan(island=island, device_type="CPU", ranks=ranks or (rank,), layers=layers)
 
-
-def plans(train: TrainConfig) -> dict[str, Plan]:
-    def plan(*replicas):
-        return Plan(replicas=tuple(ReplicaPlan(stages=tuple(s), num_micro_batches=m) for s, m in replicas),
-                    micro_batch_size=train.micro_batch_size, global_batch_size=train.global_batch_size)
+    def plan(*replicas, schedule="1f1b"):
+        return Plan(replicas=tuple(ReplicaPlan(stages=tuple(st), num_micro_batches=m) for st, m in replicas),
+                    micro_batch_size=MICRO_BATCH, global_batch_size=GLOBAL_BATCH, schedule=schedule)
 
     return {
-        "pp4_fast_fast_slow_slow": plan(([_s("fast", 0, (0, 3)), _s("fast", 1, (3, 6)), _s("slow", 2, (6, 7)),
-                                          _s("slow", 3, (7, 8))], 8)),
-        "2x_pp2_equal_layers": plan(([_s("fast", 0, (0, 4)), _s("slow", 2, (4, 8))], 4),
-                                    ([_s("fast", 1, (0, 4)), _s("slow", 3, (4, 8))], 4)),
-        "2x_pp2_balanced_layers": plan(([_s("fast", 0, (0, 5)), _s("slow", 2, (5, 8))], 4),
-                                       ([_s("fast", 1, (0, 5)), _s("slow", 3, (5, 8))], 4)),
-        "dp4_equal": plan(([_s("fast", 0, (0, 8))], 2), ([_s("fast", 1, (0, 8))], 2),
-                          ([_s("slow", 2, (0, 8))], 2), ([_s("slow", 3, (0, 8))], 2)),
-        "dp4_by_speed": plan(([_s("fast", 0, (0, 8))], 3), ([_s("fast", 1, (0, 8))], 3),
-                             ([_s("slow", 2, (0, 8))], 1), ([_s("slow", 3, (0, 8))], 1)),
-        "fast_pp2_slow_pp2": plan(([_s("fast", 0, (0, 4)), _s("fast", 1, (4, 8))], 5),
-                                  ([_s("slow", 2, (0, 4)), _s("slow", 3, (4, 8))], 3)),
+        "pp2_equal_layers": ("pair", plan(([s("fast", 0, (0, 4)), s("slow", 1, (4, 8))], 8))),
+        "pp2_balanced_layers": ("pair", plan(([s("fast", 0, (0, 5)), s("slow", 1, (5, 8))], 8))),
+        "pp2_balanced_gpipe": ("pair", plan(([s("fast", 0, (0, 5)), s("slow", 1, (5, 8))], 8), schedule="gpipe")),
+        "pp2_slow_first": ("pair", plan(([s("slow", 1, (0, 3)), s("fast", 0, (3, 8))], 8))),
+        "dp2_equal": ("pair", plan(([s("fast", 0, (0, 8))], 4), ([s("slow", 1, (0, 8))], 4))),
+        "dp2_by_speed": ("pair", plan(([s("fast", 0, (0, 8))], 5), ([s("slow", 1, (0, 8))], 3))),
+        "tp2": ("cpu2", plan(([s("cpu", 0, (0, 8), ranks=(0, 1))], 8))),
+        "pp2_homogeneous": ("cpu2", plan(([s("cpu", 0, (0, 4)), s("cpu", 1, (4, 8))], 8))),
     }
 
 
@@ -66,7 +77,7 @@ def _batch(seed, iteration, indices):
                            vocab_size=MODEL.vocab_size)
 
 
-def _rank(rank, world_size, train, names, rounds):
+def _rank(rank, world_size, train, rounds):
     from functools import partial
 
     import torch.distributed as dist
@@ -75,61 +86,100 @@ def _rank(rank, world_size, train, names, rounds):
     from megatron_het.runtime.hetero_trainer import HeteroTrainer
 
     enable_cpu_backend()
-    cluster = load_cluster(CLUSTER)
-    table = plans(train)
-    times: dict[str, list[float]] = {n: [] for n in names}
+    clusters = {k: load_cluster(os.path.join(ROOT, p)) for k, p in CLUSTERS.items()}
+    table = plans()
+    times: dict[str, list[float]] = {n: [] for n in table}
     for _ in range(rounds):
-        for name in names:
+        for name, (key, plan) in table.items():
             dist.barrier()
-            trainer = HeteroTrainer(model=MODEL, plan=table[name], train=train, batch_fn=partial(_batch, train.seed),
-                                    cluster=cluster)
+            trainer = HeteroTrainer(model=MODEL, plan=plan, train=train, batch_fn=partial(_batch, train.seed),
+                                    cluster=clusters[key])
             times[name].extend(log.elapsed_s for log in trainer.run().iterations[WARMUP:])
     return times
 
 
-def measure_profile() -> None:
-    subprocess.run([sys.executable, os.path.join(ROOT, "tools/profile.py"), "--num-layers", "2",
-                    "--hidden-size", str(MODEL.hidden_size), "--num-attention-heads", str(MODEL.num_attention_heads),
-                    "--seq-length", str(MODEL.seq_length), "--micro-batch-sizes", "2", "--device", "CPU",
-                    "--output", PROFILE], check=True)
+def measure_profiles(tag: str) -> list[str]:
+    """Two tools/profile.py at once, one thread each (as the two ranks run); their output files."""
+    outs = [os.path.join(ROOT, "bench", "results", f".fidelity_profile_{tag}_{i}.json") for i in range(2)]
+    cmd = [sys.executable, os.path.join(ROOT, "tools/profile.py"), "--num-layers", "2", "--hidden-size",
+           str(MODEL.hidden_size), "--num-attention-heads", str(MODEL.num_attention_heads), "--seq-length",
+           str(MODEL.seq_length), "--micro-batch-sizes", str(MICRO_BATCH), "--threads", "1", "--repeats", "7",
+           "--vocab-size", str(MODEL.vocab_size), "--optimizer", "--device", "CPU"]
+    procs = [subprocess.Popen(cmd + ["--output", out], stdout=subprocess.DEVNULL) for out in outs]
+    for p in procs:
+        if p.wait() != 0:
+            raise SystemExit(f"tools/profile.py failed with exit code {p.returncode}")
+    return outs
+
+
+def mean_profile(paths: list[str], link: MeasuredLink) -> Profile:
+    """One profile whose times are the mean of the given ones (same entries, same order), plus ``link``."""
+    profiles = [load_profile(p) for p in paths]
+    first = profiles[0]
+
+    def mean(items):
+        return tuple(replace(e, forward_s=statistics.mean(p[i].forward_s for p in items),
+                             backward_s=statistics.mean(p[i].backward_s for p in items))
+                     for i, e in enumerate(items[0]))
+
+    method = first.method + f"; mean of {len(profiles)} runs (two concurrent, before and after the measurement)"
+    return replace(first, entries=mean([p.entries for p in profiles]), parts=mean([p.parts for p in profiles]),
+                   optimizer_s_per_parameter=statistics.mean(p.optimizer_s_per_parameter for p in profiles),
+                   link=link, method=method, source=None)
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--iters", type=int, default=6)
+    ap.add_argument("--iters", type=int, default=6, help="iterations per plan and round (first 2 are warm-up)")
     ap.add_argument("--rounds", type=int, default=2)
-    ap.add_argument("--reuse-profile", action="store_true", help="use the existing profile file")
     args = ap.parse_args()
-    if not (args.reuse_profile and os.path.exists(PROFILE)):
-        measure_profile()
-    from megatron_het.perf import load_profile, predict
+    from megatron_het.perf import predict
 
-    profile = load_profile(PROFILE)
-    cluster = load_cluster(CLUSTER)
-    train = TrainConfig(micro_batch_size=2, global_batch_size=16, train_iters=args.iters, lr=1e-4)
-    table = plans(train)
-    predicted = {n: predict(p, MODEL, cluster, profile=profile).iteration_time_s for n, p in table.items()}
-    per_rank = run_local(4, _rank, (train, list(table), args.rounds), timeout_s=3600)
+    before, link_before = measure_profiles("before"), measure_link(2)
+    train = TrainConfig(micro_batch_size=MICRO_BATCH, global_batch_size=GLOBAL_BATCH, train_iters=args.iters,
+                        lr=1e-4)
+    per_rank = run_local(2, _rank, (train, args.rounds), timeout_s=3600)
+    after, link_after = measure_profiles("after"), measure_link(2)
+    link = fit_link(link_before.samples + link_after.samples, ranks=2, method=link_before.method + "; before and "
+                    "after the measurement, fitted together")
+    profile = mean_profile(before + after, link)
+    save_profile(profile, PROFILE)
+    layer_ms = {tag: statistics.mean(load_profile(p).entries[0].forward_s + load_profile(p).entries[0].backward_s
+                                     for p in paths) * 1e3 for tag, paths in (("before", before), ("after", after))}
+    for p in before + after:
+        os.remove(p)
+
+    clusters = {k: load_cluster(os.path.join(ROOT, p)) for k, p in CLUSTERS.items()}
+    table = plans()
+    predicted = {n: predict(p, MODEL, clusters[k], profile=profile).iteration_time_s for n, (k, p) in table.items()}
     measured = {n: statistics.median(max(v) for v in zip(*(r[n] for r in per_rank))) for n in table}
     errors = {n: (predicted[n] - measured[n]) / measured[n] for n in table}
     abs_err = sorted(abs(e) for e in errors.values())
     median_err, worst = statistics.median(abs_err), max(abs_err)
-    print(f"{'plan':26s} {'predicted s':>12s} {'measured s':>11s} {'error':>8s}")
-    for n in table:
-        print(f"{n:26s} {predicted[n]:12.4f} {measured[n]:11.4f} {100 * errors[n]:7.1f}%")
-    print(f"\nmedian |error| {100 * median_err:.1f}% (target <= 10%), worst {100 * worst:.1f}%")
+    print(f"{'plan':22s} {'cluster':8s} {'predicted s':>12s} {'measured s':>11s} {'error':>8s}")
+    for n, (k, _) in table.items():
+        print(f"{n:22s} {k:8s} {predicted[n]:12.4f} {measured[n]:11.4f} {100 * errors[n]:7.1f}%")
+    print(f"\nlayer fwd+bwd per micro-batch: {layer_ms['before']:.1f} ms before, {layer_ms['after']:.1f} ms after; "
+          f"links: {link.latency_us:.0f} us + {link.bandwidth_gbps:.2f} Gbit/s (before {link_before.latency_us:.0f} "
+          f"us, {link_before.bandwidth_gbps:.2f}; after {link_after.latency_us:.0f} us, "
+          f"{link_after.bandwidth_gbps:.2f})")
+    print(f"median |error| {100 * median_err:.1f}% (target <= 10%), worst {100 * worst:.1f}%")
     result = {
         "figures": {"predicted_s": predicted, "measured_s": measured, "relative_error": errors,
-                    "median_abs_error": median_err, "worst_abs_error": worst},
-        "targets": {"median_abs_error": "<= 0.10"},
+                    "median_abs_error": median_err, "worst_abs_error": worst,
+                    "profile_layer_ms_before_after": layer_ms,
+                    "link": {"latency_us": link.latency_us, "bandwidth_gbps": link.bandwidth_gbps}},
+        "targets": {"median_abs_error": "<= 0.10", "plans": ">= 5"},
         "command": "python bench/fidelity.py " + " ".join(sys.argv[1:]),
-        "setup": {"model": MODEL.__dict__, "cluster": "examples/clusters/cpu-demo.yaml", "profile": PROFILE,
-                  "micro_batch_size": 2, "global_batch_size": 16, "iters": args.iters, "warmup": WARMUP,
-                  "rounds": args.rounds},
-        "machine": {"cpus": os.cpu_count(), "python": platform.python_version(), "platform": platform.platform()},
+        "setup": {"model": {k: v for k, v in MODEL.__dict__.items() if v is not None}, "clusters": CLUSTERS,
+                  "profile": os.path.relpath(PROFILE, ROOT), "micro_batch_size": MICRO_BATCH,
+                  "global_batch_size": GLOBAL_BATCH, "iters": args.iters, "warmup": WARMUP, "rounds": args.rounds,
+                  "ranks": 2, "threads_per_rank": 1},
+        "machine": {"cpus": os.cpu_count(), "python": platform.python_version(), "platform": platform.platform(),
+                    "load_average": os.getloadavg()},
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
     }
-    with open(os.path.join(ROOT, "bench", "results", "fidelity.json"), "w") as f:
+    with open(OUT, "w") as f:
         json.dump(result, f, indent=2)
     return 0
 

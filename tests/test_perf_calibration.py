@@ -11,7 +11,7 @@ from megatron_het.perf.calibrate import with_measured_links
 from megatron_het.perf.comm import p2p_time, ring_all_reduce_time, tp_layer_comm_times
 from megatron_het.perf.compute import embedding_times, layer_times, logits_times
 from megatron_het.perf.predict import optimizer_step_s
-from megatron_het.perf.probe import fit_link
+from megatron_het.profiling.links import fit_link
 from megatron_het.perf.profile import (
     MeasuredLink,
     load_profile,

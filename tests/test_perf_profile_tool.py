@@ -1,6 +1,5 @@
 """tools/profile.py: the measured layers match the analytic shapes and the output loads."""
 
-import importlib.util
 import subprocess
 import sys
 from pathlib import Path
@@ -15,10 +14,9 @@ TOOL = Path(__file__).resolve().parents[1] / "tools" / "profile.py"
 
 
 def _tool():
-    spec = importlib.util.spec_from_file_location("megatron_het_tool_profile", TOOL)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    from megatron_het.profiling import layers
+
+    return layers
 
 
 @pytest.mark.parametrize("model", [
@@ -27,7 +25,7 @@ def _tool():
               seq_length=16, vocab_size=1, swiglu=True),
 ], ids=["gpt", "llama-gqa"])
 def test_reference_layer_has_the_analytic_parameter_count(model):
-    layer = _tool()._TorchReferenceLayer(model)
+    layer = _tool().TorchReferenceLayer(model)
     assert sum(p.numel() for p in layer.parameters()) == layer_parameters(model)
 
 
@@ -68,9 +66,8 @@ def test_cli_rejects_bad_sizes(tmp_path):
 
 
 _COUNT_SCRIPT = """
-import importlib.util, sys, torch
-spec = importlib.util.spec_from_file_location("tool", sys.argv[1])
-tool = importlib.util.module_from_spec(spec); spec.loader.exec_module(tool)
+import torch
+from megatron_het.profiling import layers as tool
 from megatron_het.cluster import ModelSpec
 for swiglu in (False, True):
     model = ModelSpec(num_layers=1, hidden_size=64, num_attention_heads=8, num_query_groups=2 if swiglu else None,
@@ -83,7 +80,7 @@ for swiglu in (False, True):
 
 def test_megatron_core_layer_has_the_analytic_parameter_count():
     # Separate process: megatron-core needs a process group and patches modules process-wide.
-    run = subprocess.run([sys.executable, "-c", _COUNT_SCRIPT, str(TOOL)], capture_output=True, text=True,
+    run = subprocess.run([sys.executable, "-c", _COUNT_SCRIPT], capture_output=True, text=True,
                          timeout=300, cwd=TOOL.parents[1])
     assert run.returncode == 0, run.stderr[-2000:]
     gpt = ModelSpec(num_layers=1, hidden_size=64, num_attention_heads=8, seq_length=16, vocab_size=1)
@@ -124,3 +121,24 @@ def test_cli_rejects_bad_values(tmp_path, args, message):
                           "--seq-length", "16", "--output", str(tmp_path / "p.json"), *args],
                          capture_output=True, text=True, timeout=120)
     assert run.returncode == 2 and message in run.stderr
+
+
+def test_tp2_layers_include_their_collectives(tmp_path):
+    out = tmp_path / "profile.json"
+    run = subprocess.run([sys.executable, str(TOOL), "--num-layers", "1", "--hidden-size", "64",
+                          "--num-attention-heads", "4", "--seq-length", "16", "--micro-batch-sizes", "2",
+                          "--tp-sizes", "1,2", "--warmup", "1", "--repeats", "2", "--output", str(out)],
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    profile = load_profile(out)
+    by_tp = {e.tp: e for e in profile.entries}
+    assert sorted(by_tp) == [1, 2]
+    assert by_tp[2].includes_tp_comm and not by_tp[1].includes_tp_comm
+    model = ModelSpec(num_layers=1, hidden_size=64, num_attention_heads=4, seq_length=16, vocab_size=1)
+    # each TP rank holds half of the layer's weight matrices (norms and the row-parallel biases stay whole)
+    assert by_tp[2].peak_memory_bytes < by_tp[1].peak_memory_bytes
+    assert by_tp[2].forward_s > 0 and "tp=2 micro_batch_size=2" in run.stdout
+    from megatron_het.perf.compute import layer_times
+    from megatron_het.cluster import CATALOG
+    lt = layer_times(model, CATALOG["CPU"], micro_batch_size=2, tp=2, profile=profile)
+    assert lt.includes_tp_comm and lt.forward_s == by_tp[2].forward_s

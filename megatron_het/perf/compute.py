@@ -79,6 +79,7 @@ class LayerTimes:
     forward_s: float  # forward pass
     backward_s: float  # backward pass, including any recomputation it triggers
     source: str  # "analytic" or "profile:<file or device>", so predictions can be explained
+    includes_tp_comm: bool = False  # measured with its TP collectives: do not add modelled TP traffic
 
 
 def efficiency_curve_for(device: DeviceType) -> EfficiencyCurve:
@@ -148,9 +149,11 @@ def layer_times(model: ModelSpec, device: DeviceType, *, micro_batch_size: int, 
         profile, hidden_size=model.hidden_size, num_attention_heads=model.num_attention_heads,
         num_query_groups=model.num_query_groups, ffn_hidden_size=model.ffn_hidden_size, swiglu=model.swiglu,
         seq_length=s, tp=1, micro_batch_size=micro_batch_size)
+    includes_comm = False
     if measured is not None:
         forward, backward = measured.forward_s, measured.backward_s
         source = f"profile:{profile.source or profile.device}"
+        includes_comm = measured.includes_tp_comm
     elif base is not None:  # measured unsplit: scale to this TP size by the analytic model's ratio
         args = dict(micro_batch_size=micro_batch_size, seq_length=s, sequence_parallel=sequence_parallel,
                     flash_attention=flash_attention, curve=curve)
@@ -166,7 +169,7 @@ def layer_times(model: ModelSpec, device: DeviceType, *, micro_batch_size: int, 
         backward = BACKWARD_TO_FORWARD * forward
         source = "analytic"
     extra = {"none": 0.0, "full": forward, "selective": core}[recompute]
-    return LayerTimes(forward_s=forward, backward_s=backward + extra, source=source)
+    return LayerTimes(forward_s=forward, backward_s=backward + extra, source=source, includes_tp_comm=includes_comm)
 
 
 def _measured_part(part: str, analytic, model: ModelSpec, *, micro_batch_size: int, seq_length: int | None,

@@ -17,10 +17,11 @@ Assumptions (docs/planner.md, "Prediction"):
   per-rank gradient bytes over :func:`dp_gradient_reduction` across those peers' islands. With the
   distributed optimizer the reduce-scatter + all-gather pair costs the same as the all-reduce in a
   ring, so the same time is used.
-- ``overlap_grad_reduce=True`` (off by default: megatron-het's runtime does not overlap) models
+- ``overlap_grad_reduce=True`` (off by default, as in Megatron and megatron-het's runtime) models
   megatron-core's DDP option: stage 0 reduces in buckets during its last backward
   (:func:`overlapped_reduction_tail_s`); other stages are not bucketed by Megatron and reduce at
-  their end as above.
+  their end as above. ``bucket_all_stages=True`` models megatron-het's runtime with
+  ``TrainConfig.overlap_grad_reduce`` instead, which buckets every stage the same way.
 - The optimizer step is memory-bound: ``OPTIMIZER_STEP_BYTES`` per parameter (sharded over the
   replicas with the distributed optimizer) at the device's memory bandwidth.
 - iteration time = max(slowest replica's pipeline, latest end of a stage's reduction) + the
@@ -118,7 +119,9 @@ def stage_cost(model: ModelSpec, island: IslandSpec, *, tp: int, micro_batch_siz
                      profile=profile_for(profile, device.name))
     comm = tp_layer_comm_times(model, island, micro_batch_size=micro_batch_size, tp=tp, seq_length=seq_length,
                                sequence_parallel=sequence_parallel, recompute=mode)
-    if tp_comm_overlap:  # chunked overlap hides the traffic behind the GEMMs it feeds
+    if lt.includes_tp_comm:  # measured on tp ranks together: its collectives are in the times already
+        fwd_comm = bwd_comm = 0.0
+    elif tp_comm_overlap:  # chunked overlap hides the traffic behind the GEMMs it feeds
         fwd_comm, bwd_comm = max(0.0, comm.forward_s - lt.forward_s), max(0.0, comm.backward_s - lt.backward_s)
     else:
         fwd_comm, bwd_comm = comm.forward_s, comm.backward_s
@@ -283,12 +286,13 @@ def stage_gradient_chunks(model: ModelSpec, cost: StageCost, *, num_layers: int,
 
 def predict(plan: Plan, model: ModelSpec, cluster: ClusterSpec, *, profile: Profile | Sequence[Profile] | None = None,
             distributed_optimizer: bool | None = None, seq_length: int | None = None,
-            overlap_grad_reduce: bool = False) -> Prediction:
+            overlap_grad_reduce: bool = False, bucket_all_stages: bool = False) -> Prediction:
     """Predict one iteration of ``plan`` (assumed valid: run validate_plan first).
 
     ``overlap_grad_reduce`` models megatron-core's DDP option of that name (stage 0 reduces in
-    buckets during its last backward); megatron-het's runtime reduces after the schedule, so the
-    default is False.
+    buckets during its last backward); with ``bucket_all_stages`` every stage does, as
+    megatron-het's runtime with ``TrainConfig.overlap_grad_reduce``. Both default to False (the
+    reduction runs after the schedule).
     """
     cluster = with_measured_links(cluster, profile)
     dist_opt = plan.use_distributed_optimizer if distributed_optimizer is None else distributed_optimizer
@@ -339,7 +343,7 @@ def predict(plan: Plan, model: ModelSpec, cluster: ClusterSpec, *, profile: Prof
 
             red = reduce_s(params) if dp > 1 else 0.0
             tail = red
-            if dp > 1 and overlap_grad_reduce and is_first and v == 1:
+            if dp > 1 and overlap_grad_reduce and (is_first or bucket_all_stages) and v == 1:
                 chunks = stage_gradient_chunks(model, cost(stage), num_layers=stage.num_layers, is_first=is_first,
                                                is_last=is_last, tp=stage.tp)
                 tail = overlapped_reduction_tail_s(chunks, backward_s=bwd_s, bucket_params=bucket_parameters(dp),

@@ -9,9 +9,10 @@ Format (JSON, written by ``tools/profile.py``)::
      "entries": [{"hidden_size": 256, "num_attention_heads": 4, "ffn_hidden_size": 1024,
                   "seq_length": 128, "micro_batch_size": 2, "tp": 1,
                   "forward_s": 0.0012, "backward_s": 0.0025, "peak_memory_bytes": 12345678,
-                  "num_query_groups": 4, "swiglu": false}]}   # last two optional
+                  "num_query_groups": 4, "swiglu": false, "includes_tp_comm": false}]}   # last three optional
 
-``num_query_groups`` defaults to ``num_attention_heads`` and ``swiglu`` to false. Times are the
+``num_query_groups`` defaults to ``num_attention_heads``, ``swiglu`` and ``includes_tp_comm`` to
+false (true: measured on ``tp`` ranks together, the times include the TP collectives). Times are the
 median wall time of one layer's forward (backward) for one micro-batch; ``peak_memory_bytes`` is
 parameters plus the tensors autograd saved for backward.
 
@@ -65,7 +66,7 @@ _SHAPE_KEYS = ("hidden_size", "num_attention_heads", "num_query_groups", "ffn_hi
 _INT_KEYS = ("hidden_size", "num_attention_heads", "ffn_hidden_size", "seq_length", "micro_batch_size", "tp",
              "peak_memory_bytes")
 _ENTRY_REQUIRED = _INT_KEYS + ("forward_s", "backward_s")
-_ENTRY_ALLOWED = _ENTRY_REQUIRED + ("num_query_groups", "swiglu")
+_ENTRY_ALLOWED = _ENTRY_REQUIRED + ("num_query_groups", "swiglu", "includes_tp_comm")
 PART_NAMES = ("embedding", "output")
 _PART_INT_KEYS = ("hidden_size", "vocab_size", "seq_length", "micro_batch_size", "tp")
 _PART_KEYS = ("part",) + _PART_INT_KEYS + ("forward_s", "backward_s")
@@ -87,6 +88,9 @@ class ProfileEntry:
     forward_s: float  # median forward wall time, seconds
     backward_s: float  # median backward wall time, seconds
     peak_memory_bytes: int  # parameters + saved-for-backward tensors, bytes
+    # True when measured on tp ranks together: the times include the layer's TP collectives on the
+    # measuring host, so the model must not add its own TP traffic on top.
+    includes_tp_comm: bool = False
 
     @property
     def tokens(self) -> int:
@@ -154,6 +158,7 @@ def _entry_from_dict(data: object, path: str) -> ProfileEntry:
         **ints,
         num_query_groups=groups,
         swiglu=as_bool(data.get("swiglu", False), join(path, "swiglu")),
+        includes_tp_comm=as_bool(data.get("includes_tp_comm", False), join(path, "includes_tp_comm")),
         forward_s=as_float(data["forward_s"], join(path, "forward_s")),
         backward_s=as_float(data["backward_s"], join(path, "backward_s")),
     )
@@ -250,7 +255,7 @@ def profile_to_dict(profile: Profile) -> dict[str, Any]:
         "device": profile.device,
         "method": profile.method,
         "machine": dict(profile.machine),
-        "entries": [asdict(e) for e in profile.entries],
+        "entries": [{k: v for k, v in asdict(e).items() if k != "includes_tp_comm" or v} for e in profile.entries],
     }
     if profile.parts:
         out["parts"] = [asdict(p) for p in profile.parts]

@@ -1,0 +1,304 @@
+"""Measure layers, stage parts and the optimizer step on this host (``tools/profile.py``'s engine).
+
+The layers are megatron-core ``TransformerLayer``s built from the local layer spec
+(``get_gpt_layer_local_spec``), run on CPU after ``megatron_het.platform.enable_cpu_backend()`` in a
+gloo group of ``tp`` processes (world size 1 for ``tp=1``; ``tp > 1`` is spawned by
+:func:`profile_tp_layers`, and its times then include the layer's tensor-parallel collectives on
+this host). If megatron-core cannot be built, a plain torch layer of the same shape (pre-norm
+attention + MLP, unfused softmax) is measured instead and the profile's "method" says so. Layers are
+stacked and times divided by their number, which amortises per-call overhead; each time is the
+median of ``repeats`` runs after ``warmup``.
+
+Peak memory per layer = parameter bytes + bytes of the tensors autograd saves for backward
+(``torch.autograd.graph.saved_tensors_hooks``, each storage counted once). tracemalloc cannot see
+torch's allocator, and this sum is what the activation model in ``megatron_het/perf/memory.py``
+predicts, so the two can be compared directly.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+
+from megatron_het.cluster import ModelSpec
+from megatron_het.perf.profile import PartEntry, Profile, ProfileEntry
+from megatron_het.platform.local_launch import free_port
+
+__all__ = ["TorchReferenceLayer", "measure", "profile_layers", "profile_parts", "profile_optimizer",
+           "profile_tp_layers"]
+
+LayerStack = Callable[[torch.Tensor], torch.Tensor]
+
+
+class TorchReferenceLayer(torch.nn.Module):
+    """Pre-norm GPT/Llama layer in plain torch, shaped like megatron-core's local spec."""
+
+    def __init__(self, model: ModelSpec) -> None:
+        super().__init__()
+        h, d = model.hidden_size, model.kv_channels
+        self.heads, self.groups, self.d, self.swiglu = model.num_attention_heads, model.num_query_groups, d, model.swiglu
+        bias = not model.swiglu
+        norm = torch.nn.RMSNorm if model.swiglu else torch.nn.LayerNorm
+        self.norm1, self.norm2 = norm(h), norm(h)
+        self.qkv = torch.nn.Linear(h, (self.heads + 2 * self.groups) * d, bias=bias)
+        self.proj = torch.nn.Linear(self.heads * d, h, bias=bias)
+        self.fc1 = torch.nn.Linear(h, model.ffn_hidden_size * (2 if model.swiglu else 1), bias=bias)
+        self.fc2 = torch.nn.Linear(model.ffn_hidden_size, h, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [s, b, h]
+        s, b, _ = x.shape
+        q, k, v = self.qkv(self.norm1(x)).split(
+            [self.heads * self.d, self.groups * self.d, self.groups * self.d], dim=-1)
+        q = q.reshape(s, b * self.heads, self.d).transpose(0, 1)
+        k = k.reshape(s, b * self.groups, self.d).transpose(0, 1).repeat_interleave(self.heads // self.groups, 0)
+        v = v.reshape(s, b * self.groups, self.d).transpose(0, 1).repeat_interleave(self.heads // self.groups, 0)
+        scores = torch.bmm(q, k.transpose(1, 2)) / self.d ** 0.5
+        causal = torch.ones(s, s, dtype=torch.bool).triu(1)
+        probs = scores.masked_fill(causal, float("-inf")).softmax(-1)
+        context = torch.bmm(probs, v).transpose(0, 1).reshape(s, b, self.heads * self.d)
+        x = x + self.proj(context)
+        y = self.fc1(self.norm2(x))
+        if self.swiglu:
+            gate, up = y.chunk(2, dim=-1)
+            y = torch.nn.functional.silu(gate) * up
+        else:
+            y = torch.nn.functional.gelu(y)
+        return x + self.fc2(y)
+
+
+def _build_megatron(model: ModelSpec, num_layers: int, dtype: torch.dtype,
+                    tp: int = 1) -> tuple[list[torch.nn.Module], Callable[[], None]]:
+    """Megatron-core layers split over ``tp`` ranks (the current gloo world, or a new world of one);
+    returns them and a cleanup function."""
+    import torch.distributed as dist
+
+    from megatron_het.platform import enable_cpu_backend
+
+    enable_cpu_backend()
+    from megatron.core import parallel_state
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+    from megatron.core.transformer.spec_utils import build_module
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    created_group = not dist.is_initialized()
+    if created_group:
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(free_port()))
+        dist.init_process_group("gloo", rank=0, world_size=1)
+    parallel_state.initialize_model_parallel(tp, 1)
+    model_parallel_cuda_manual_seed(1234)
+    config = TransformerConfig(
+        num_layers=num_layers, hidden_size=model.hidden_size, num_attention_heads=model.num_attention_heads,
+        num_query_groups=model.num_query_groups, ffn_hidden_size=model.ffn_hidden_size,
+        gated_linear_unit=model.swiglu, add_bias_linear=not model.swiglu,
+        activation_func=torch.nn.functional.silu if model.swiglu else torch.nn.functional.gelu,
+        normalization="RMSNorm" if model.swiglu else "LayerNorm",
+        hidden_dropout=0.0, attention_dropout=0.0, use_cpu_initialization=True, params_dtype=dtype,
+        bf16=dtype == torch.bfloat16,
+    )
+    spec = get_gpt_layer_local_spec(normalization=config.normalization)
+    layers = [build_module(spec, config=config, layer_number=i + 1).to(dtype) for i in range(num_layers)]
+
+    def cleanup() -> None:
+        parallel_state.destroy_model_parallel()
+        if created_group:
+            dist.destroy_process_group()
+
+    return layers, cleanup
+
+
+def _stack(layers: list[torch.nn.Module], megatron: bool) -> LayerStack:
+    def run(x: torch.Tensor) -> torch.Tensor:
+        for layer in layers:
+            x = layer(hidden_states=x, attention_mask=None)[0] if megatron else layer(x)
+        return x
+    return run
+
+
+def _saved_bytes(run: LayerStack, x: torch.Tensor) -> int:
+    """Bytes of distinct storages autograd keeps for backward during one forward."""
+    storages: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()
+        storages[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        run(x)
+    return sum(storages.values())
+
+
+def measure(run: LayerStack, params: list[torch.nn.Parameter], *, shape: tuple[int, int, int], dtype: torch.dtype,
+            warmup: int, repeats: int, synchronize: Callable[[], None] = lambda: None) -> tuple[float, float, int]:
+    """Median forward and backward seconds of the whole stack, and its peak bytes. ``synchronize``
+    (a barrier across TP ranks) runs before every repetition so all ranks start together."""
+    x = torch.randn(*shape, dtype=dtype, requires_grad=True)
+    forward, backward = [], []
+    for i in range(warmup + repeats):
+        for p in params:
+            p.grad = None
+        synchronize()
+        t0 = time.perf_counter()
+        out = run(x)
+        t1 = time.perf_counter()
+        out.backward(torch.ones_like(out))
+        t2 = time.perf_counter()
+        if i >= warmup:
+            forward.append(t1 - t0)
+            backward.append(t2 - t1)
+    peak = sum(p.numel() * p.element_size() for p in params) + _saved_bytes(run, x)
+    return statistics.median(forward), statistics.median(backward), peak
+
+
+def profile_layers(model: ModelSpec, *, num_layers: int, micro_batch_sizes: list[int], device: str,
+                   warmup: int, repeats: int, dtype: torch.dtype, implementation: str,
+                   vocab_size: int | None = None, optimizer: bool = False, tp: int = 1) -> Profile:
+    """Build the layers (megatron-core, or the torch reference if that fails) and measure them.
+    ``tp > 1`` must run on every rank of a gloo world of ``tp`` processes (:func:`profile_tp_layers`)."""
+    cleanup: Callable[[], None] = lambda: None
+    fallback_reason = ""
+    layers: list[torch.nn.Module] = []
+    megatron = implementation in ("auto", "megatron")
+    if megatron:
+        try:
+            layers, cleanup = _build_megatron(model, num_layers, dtype, tp)
+        except Exception as err:  # any megatron-core failure on this machine -> reference layer
+            if implementation == "megatron" or tp > 1:
+                raise
+            megatron, fallback_reason = False, f"{type(err).__name__}: {err}"
+    if not megatron:
+        torch.manual_seed(1234)
+        layers = [TorchReferenceLayer(model).to(dtype) for _ in range(num_layers)]
+    params = [p for layer in layers for p in layer.parameters()]
+    run = _stack(layers, megatron)
+    entries, parts, opt_s, opt_method = [], (), None, ""
+    try:
+        if optimizer:
+            opt_s, opt_method = profile_optimizer(params, warmup=warmup, repeats=repeats)
+        if vocab_size is not None:
+            if not megatron:
+                raise RuntimeError("--vocab-size needs megatron-core's embedding and output layer, which could not "
+                                   f"be built here ({fallback_reason or 'implementation=torch'})")
+            parts = profile_parts(model, vocab_size=vocab_size, micro_batch_sizes=micro_batch_sizes,
+                                  warmup=warmup, repeats=repeats, dtype=dtype)
+        sync = (lambda: None) if tp == 1 else torch.distributed.barrier
+        for mbs in micro_batch_sizes:
+            fwd, bwd, peak = measure(run, params, shape=(model.seq_length, mbs, model.hidden_size), dtype=dtype,
+                                     warmup=warmup, repeats=repeats, synchronize=sync)
+            entries.append(ProfileEntry(
+                hidden_size=model.hidden_size, num_attention_heads=model.num_attention_heads,
+                num_query_groups=model.num_query_groups, ffn_hidden_size=model.ffn_hidden_size,
+                swiglu=model.swiglu, seq_length=model.seq_length, micro_batch_size=mbs, tp=tp,
+                forward_s=fwd / num_layers, backward_s=bwd / num_layers, peak_memory_bytes=peak // num_layers,
+                includes_tp_comm=tp > 1))
+    finally:
+        cleanup()
+    what = (f"megatron-core TransformerLayer (local spec), CPU backend, gloo world size {tp}" if megatron else
+            "plain torch reference layer of the same shape" +
+            (f" (megatron-core failed: {fallback_reason})" if fallback_reason else ""))
+    method = (f"{what}; {dtype}; {num_layers} stacked layers, times per layer = median of {repeats} after "
+              f"{warmup} warm-up; memory = parameters + saved-for-backward tensors")
+    machine = {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
+               "python": platform.python_version(), "torch": torch.__version__,
+               "threads": torch.get_num_threads()}
+    return Profile(device=device, entries=tuple(entries), method=method, machine=machine, parts=parts,
+                   optimizer_s_per_parameter=opt_s, optimizer_method=opt_method)
+
+
+def _median_times(step: Callable[[], tuple[float, float]], *, warmup: int, repeats: int) -> tuple[float, float]:
+    runs = [step() for _ in range(warmup + repeats)][warmup:]
+    return statistics.median(r[0] for r in runs), statistics.median(r[1] for r in runs)
+
+
+def profile_parts(model: ModelSpec, *, vocab_size: int, micro_batch_sizes: list[int], warmup: int, repeats: int,
+                  dtype: torch.dtype) -> tuple[PartEntry, ...]:
+    """Embedding (word + learned positions) and output (final norm, logits GEMM, vocab-parallel
+    cross entropy, mean) of a first / last stage, megatron-core modules, world size 1."""
+    from megatron.core import parallel_state, tensor_parallel
+    from megatron.core.models.common.embeddings.language_model_embedding import LanguageModelEmbedding
+
+    from megatron_het.runtime.gpt_model import StageModelSpec, transformer_config
+
+    spec = StageModelSpec(model=model, num_layers=1, layer_offset=0, tp=1, pre_process=True, post_process=True,
+                          vocab_size=vocab_size, params_dtype=dtype)
+    config = transformer_config(spec)
+    tp_group = parallel_state.get_tensor_model_parallel_group()
+    embedding = LanguageModelEmbedding(config, vocab_size, model.seq_length, "learned_absolute", tp_group=tp_group)
+    norm = torch.nn.LayerNorm(model.hidden_size, dtype=dtype)
+    output = tensor_parallel.ColumnParallelLinear(model.hidden_size, vocab_size, config=config,
+                                                  init_method=config.init_method, bias=False, skip_bias_add=False,
+                                                  gather_output=False, tp_group=tp_group)
+    s, entries = model.seq_length, []
+    for mbs in micro_batch_sizes:
+        tokens = torch.randint(0, vocab_size, (mbs, s))
+        positions = torch.arange(s).unsqueeze(0).expand(mbs, s)
+        hidden = torch.randn(s, mbs, model.hidden_size, dtype=dtype, requires_grad=True)
+
+        def embed() -> tuple[float, float]:
+            t0 = time.perf_counter()
+            out = embedding(tokens, positions)
+            t1 = time.perf_counter()
+            out.backward(torch.ones_like(out))
+            return t1 - t0, time.perf_counter() - t1
+
+        def head() -> tuple[float, float]:
+            t0 = time.perf_counter()
+            logits, _ = output(norm(hidden))
+            loss = tensor_parallel.vocab_parallel_cross_entropy(logits.float(), tokens.t().contiguous(),
+                                                                tp_group=tp_group).mean()
+            t1 = time.perf_counter()
+            loss.backward()
+            return t1 - t0, time.perf_counter() - t1
+
+        for part, step in (("embedding", embed), ("output", head)):
+            fwd, bwd = _median_times(step, warmup=warmup, repeats=repeats)
+            entries.append(PartEntry(part=part, hidden_size=model.hidden_size, vocab_size=vocab_size,
+                                     seq_length=s, micro_batch_size=mbs, tp=1, forward_s=fwd, backward_s=bwd))
+    return tuple(entries)
+
+
+def profile_optimizer(params: list[torch.nn.Parameter], *, warmup: int, repeats: int) -> tuple[float, str]:
+    """Seconds per parameter of one AdamW step as the runtime builds it (decay / no-decay groups)."""
+    for p in params:
+        p.grad = torch.randn_like(p)
+    decay = [p for p in params if p.dim() > 1]
+    optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": 0.01},
+                                   {"params": [p for p in params if p.dim() <= 1], "weight_decay": 0.0}], lr=1e-4)
+    times = []
+    for i in range(warmup + repeats):
+        t0 = time.perf_counter()
+        optimizer.step()
+        if i >= warmup:
+            times.append(time.perf_counter() - t0)
+    n = sum(p.numel() for p in params)
+    return statistics.median(times) / n, (f"torch.optim.AdamW step (defaults, two param groups) over {n} "
+                                          f"parameters, median of {repeats} after {warmup} warm-up")
+
+
+
+
+def _tp_rank(rank: int, world_size: int, model: ModelSpec, kwargs: dict) -> tuple[ProfileEntry, ...]:
+    return profile_layers(model, tp=world_size, implementation="megatron", **kwargs).entries
+
+
+def profile_tp_layers(model: ModelSpec, *, tp: int, num_layers: int, micro_batch_sizes: list[int], device: str,
+                      warmup: int, repeats: int, dtype: torch.dtype, timeout_s: float = 1800.0) -> tuple[ProfileEntry, ...]:
+    """Layers split over ``tp`` local gloo processes (one thread each), rank 0's times: the layer's
+    compute plus its tensor-parallel collectives on this host (``includes_tp_comm``)."""
+    from megatron_het.platform.local_launch import run_local
+
+    if tp < 2:
+        raise ValueError(f"tp must be >= 2 for a tensor-parallel profile, got {tp}")
+    if model.num_attention_heads % tp or model.ffn_hidden_size % tp:
+        raise ValueError(f"tp={tp} must divide num_attention_heads={model.num_attention_heads} and "
+                         f"ffn_hidden_size={model.ffn_hidden_size}; choose a TP size that divides both")
+    kwargs = dict(num_layers=num_layers, micro_batch_sizes=micro_batch_sizes, device=device, warmup=warmup,
+                  repeats=repeats, dtype=dtype)
+    return run_local(tp, _tp_rank, (model, kwargs), timeout_s=timeout_s)[0]
