@@ -1,5 +1,5 @@
 """plan_sharded / perf.sharded: memory-proportional shards fit where equal ones cannot; speed-
-proportional batches are predicted faster; comparison with the pipeline planner (no processes)."""
+proportional batches are predicted faster (no processes). Mode choice: tests/test_planner_modes.py."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from megatron_het.perf.comm import ring_all_gather_time
 from megatron_het.perf.flops import total_parameters
 from megatron_het.perf.sharded import free_state_bytes, sharded_rank_memory, uneven_ring_s
 from megatron_het.planner.errors import InfeasibleError
-from megatron_het.planner.sharded import balanced_fractions, compare_with_pipeline, plan_sharded
+from megatron_het.planner.sharded import balanced_fractions, plan_sharded
 
 GPT_6_7B = ModelSpec(num_layers=32, hidden_size=4096, num_attention_heads=32, seq_length=2048, vocab_size=50257)
 SMALL = ModelSpec(num_layers=24, hidden_size=2048, num_attention_heads=32, seq_length=2048, vocab_size=50257)
@@ -81,14 +81,3 @@ def test_speed_proportional_batches_are_predicted_faster():
     assert gain == pytest.approx(24 / 12, rel=1e-9)  # slowest rank: 8 x 3 units vs 12 x 1 (or 4 x 3)
     assert fast.predicted["iteration_time_s"] < even.predicted["iteration_time_s"]
 
-
-def test_comparison_with_the_pipeline_planner_is_consistent():
-    cmp = compare_with_pipeline(SMALL, two_islands("H100-SXM", "H200", 2400), global_batch_size=64)
-    assert cmp.sharded is not None and cmp.pipeline is not None
-    assert cmp.winner == ("sharded" if cmp.sharded_time_s < cmp.pipeline_time_s else "pipeline")
-    assert cmp.speedup == pytest.approx(cmp.pipeline_time_s / cmp.sharded_time_s)
-    json.dumps(cmp.to_json_dict())
-    # a model whose working copy cannot fit an RTX-4090: only the pipeline planner has a plan
-    cmp = compare_with_pipeline(GPT_6_7B, two_islands("RTX-4090", "A100-80GB"), global_batch_size=64)
-    assert cmp.sharded is None and cmp.winner == "pipeline"
-    assert "RTX-4090" in cmp.sharded_reason and "capacity 25769803776" in cmp.sharded_reason

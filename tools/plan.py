@@ -23,7 +23,8 @@ except ImportError:  # run from a checkout without installation
 from megatron_het.cluster import ConfigError, load_cluster, load_model
 from megatron_het.perf import load_profile
 from megatron_het.plan import PlanError
-from megatron_het.planner import InfeasibleError, plan_cluster
+from megatron_het.planner import MODES, InfeasibleError, plan_best
+from megatron_het.sharding import describe_sharded_plan
 from megatron_het.utils.progress import Progress, add_progress_argument
 
 
@@ -54,26 +55,37 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--exhaustive", action="store_true", help="search the full space (small clusters)")
     parser.add_argument("--json", action="store_true", help="print the top plans as a JSON list")
     parser.add_argument("--output", default=None, help="write the best plan here")
+    parser.add_argument("--mode", choices=("auto", *MODES), default="auto",
+                        help="plan family: the pipeline search, uneven sharded data parallelism (Cephalo), or "
+                             "the faster of the two (auto, default)")
     add_progress_argument(parser)
     args = parser.parse_args(argv)
     try:
         model, cluster = load_model(args.model), load_cluster(args.cluster)
         profiles = [load_profile(p) for p in args.profile] or None
         with Progress("plan: search", unit="candidates", quiet=args.no_progress) as bar:
-            result = plan_cluster(model, cluster, global_batch_size=args.global_batch_size,
-                                  seq_length=args.seq_length, profile=profiles, top_k=args.top,
-                                  exhaustive=args.exhaustive, progress=bar.update)
+            choice = plan_best(model, cluster, global_batch_size=args.global_batch_size, seq_length=args.seq_length,
+                               profile=profiles, modes=MODES if args.mode == "auto" else (args.mode,),
+                               pipeline_options={"top_k": args.top, "exhaustive": args.exhaustive,
+                                                 "progress": bar.update})
     except (ConfigError, PlanError, InfeasibleError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 1
-    if args.json:
-        print(json.dumps([plan.to_dict() for plan, _ in result.candidates], indent=2))
+    result = choice.pipeline_result
+    if args.json:  # the chosen mode's plans, best first
+        plans = ([plan.to_dict() for plan, _ in result.candidates] if choice.mode == "pipeline"
+                 else [choice.plan.to_dict()])
+        print(json.dumps(plans, indent=2))
     else:
-        print(_table(result.candidates))
-        print()
-        print(result.explanation)
+        if result is not None:
+            print(_table(result.candidates))
+            print()
+            print(result.explanation)
+        if choice.sharded is not None:
+            print("\n".join(describe_sharded_plan(choice.sharded)))
+        print(f"mode: {choice.explanation}")
     if args.output:
-        result.best.save(args.output)
+        choice.plan.save(args.output)
         if not args.json:
             print(f"wrote {args.output}")
     return 0

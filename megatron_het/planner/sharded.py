@@ -17,9 +17,8 @@ size cap the search:
    largest activation saving first, while the state does not fit;
 4. prices the result with ``perf.sharded.predict_sharded_ranks``; the fastest cap wins.
 
-Hook into ``plan_cluster`` (not done here, another file's owner): after the pipeline search,
-``compare_with_pipeline`` (or ``plan_sharded`` directly) prices this mode for the same cluster
-and the caller keeps the faster; see docs/sharding.md.
+``planner.modes.plan_best`` runs this and the pipeline search (``plan_cluster``) on the same
+inputs and keeps the faster.
 """
 
 from __future__ import annotations
@@ -27,7 +26,7 @@ from __future__ import annotations
 import heapq
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Literal
 
 from megatron_het.cluster import ClusterSpec, ModelSpec
 from megatron_het.perf.flops import total_parameters
@@ -36,19 +35,16 @@ from megatron_het.perf.profile import Profile
 from megatron_het.perf.sharded import (
     Precision,
     ShardedPrediction,
-    free_state_bytes,
     predict_sharded_ranks,
     rank_compute_s,
     sharded_rank_memory,
     state_bytes_for,
 )
-from megatron_het.plan.types import Plan
 from megatron_het.planner.errors import InfeasibleError
 from megatron_het.sharding.layout import proportional_split
 from megatron_het.sharding.plan import RankShare, ShardedPlan
 
-__all__ = ["ShardPolicy", "BatchPolicy", "balanced_fractions", "plan_sharded", "predict_sharded", "ModeComparison",
-           "compare_with_pipeline"]
+__all__ = ["ShardPolicy", "BatchPolicy", "balanced_fractions", "plan_sharded", "predict_sharded"]
 
 ShardPolicy = Literal["auto", "memory", "balanced", "equal"]
 BatchPolicy = Literal["speed", "equal"]
@@ -251,70 +247,3 @@ def plan_sharded(model: ModelSpec, cluster: ClusterSpec, *, global_batch_size: i
     _, plan, pred = best
     predicted = dict(pred.to_json_dict(), shard_policy=chosen_policy, batch_policy=batch_policy)
     return ShardedPlan(ranks=plan.ranks, global_batch_size=plan.global_batch_size, predicted=predicted)
-
-
-@dataclass(frozen=True, kw_only=True)
-class ModeComparison:
-    """The sharded plan and the pipeline planner's best for the same cluster and batch."""
-
-    sharded: ShardedPlan | None  # None when no sharded plan fits
-    sharded_time_s: float | None  # its predicted iteration time
-    sharded_reason: str | None  # why it is None
-    pipeline: Plan | None  # plan_cluster's best, None when infeasible
-    pipeline_time_s: float | None  # its predicted iteration time
-    pipeline_reason: str | None  # why it is None
-
-    @property
-    def winner(self) -> str:
-        """"sharded", "pipeline" or "none" (nothing fits)."""
-        if self.sharded_time_s is None and self.pipeline_time_s is None:
-            return "none"
-        if self.pipeline_time_s is None:
-            return "sharded"
-        if self.sharded_time_s is None:
-            return "pipeline"
-        return "sharded" if self.sharded_time_s < self.pipeline_time_s else "pipeline"
-
-    @property
-    def speedup(self) -> float | None:
-        """Pipeline time / sharded time (> 1: sharded is faster); None unless both fit."""
-        if self.sharded_time_s is None or self.pipeline_time_s is None:
-            return None
-        return self.pipeline_time_s / self.sharded_time_s
-
-    def to_json_dict(self) -> dict[str, Any]:
-        return {"winner": self.winner, "speedup": self.speedup, "sharded_time_s": self.sharded_time_s,
-                "pipeline_time_s": self.pipeline_time_s, "sharded_reason": self.sharded_reason,
-                "pipeline_reason": self.pipeline_reason,
-                "sharded": self.sharded.to_dict() if self.sharded else None,
-                "pipeline": self.pipeline.to_dict() if self.pipeline else None}
-
-
-def compare_with_pipeline(model: ModelSpec, cluster: ClusterSpec, *, global_batch_size: int,
-                          micro_batch_sizes: Sequence[int] = (1, 2, 4, 8),
-                          recompute_options: Sequence[bool] = (False, True),
-                          profile: Profile | Sequence[Profile] | None = None,
-                          islands: Sequence[str] | None = None, **pipeline_kwargs: Any) -> ModeComparison:
-    """Run ``plan_sharded`` and ``plan_cluster`` on the same inputs and put their predictions side by side."""
-    from megatron_het.planner.search import plan_cluster
-
-    sharded = pipeline = None
-    s_time = p_time = None
-    s_reason = p_reason = None
-    try:
-        sharded = plan_sharded(model, cluster, global_batch_size=global_batch_size,
-                               micro_batch_sizes=micro_batch_sizes, recompute_options=recompute_options,
-                               profile=profile, islands=islands)
-        s_time = float(sharded.predicted["iteration_time_s"])
-    except InfeasibleError as err:
-        s_reason = str(err)
-    try:
-        result = plan_cluster(model, cluster, global_batch_size=global_batch_size, profile=profile,
-                              micro_batch_sizes=micro_batch_sizes, recompute_options=recompute_options,
-                              islands=islands, **pipeline_kwargs)
-        pipeline = result.best
-        p_time = float(pipeline.predicted["iteration_time_s"])
-    except InfeasibleError as err:
-        p_reason = str(err)
-    return ModeComparison(sharded=sharded, sharded_time_s=s_time, sharded_reason=s_reason, pipeline=pipeline,
-                          pipeline_time_s=p_time, pipeline_reason=p_reason)

@@ -22,6 +22,7 @@ from megatron_het.cluster import ConfigError
 from megatron_het.plan import Plan, PlanError, validate_plan
 from megatron_het.platform import detect_accelerator, detect_optional_accelerators, enable_cpu_backend
 from megatron_het.runtime.arguments import PretrainArgs, parse_args
+from megatron_het.sharding.plan import ShardedPlan, load_any_plan, validate_sharded_plan
 
 if TYPE_CHECKING:  # megatron-core loads only after the arguments are checked (fast usage errors)
     from megatron_het.runtime.hetero_trainer import HeteroIterationLog, HeteroTrainer
@@ -48,18 +49,24 @@ def _pre_tokenizer_vocab(argv: list[str]) -> int | None:
     return int(load_tokenizer(path).vocab_size)
 
 
-def resolve_plan(args: PretrainArgs) -> Plan:
-    """A plan file, validated against the model and cluster, or the planner's best plan."""
+def resolve_plan(args: PretrainArgs) -> Plan | ShardedPlan:
+    """A plan file of either kind, validated against the model and cluster, or the planner's best plan
+    over both modes (pipeline search, uneven sharded data parallelism)."""
     if args.plan_source == "auto":
-        from megatron_het.planner import plan_cluster
+        from megatron_het.planner.modes import plan_best
 
-        result = plan_cluster(args.model, args.cluster, global_batch_size=args.train.global_batch_size,
-                              micro_batch_sizes=(args.train.micro_batch_size,), top_k=3,
-                              profile=_load_profile(args.raw.hetero_profile))
-        print_rank0(f"planner: {result.explanation}")
-        return result.best
-    plan = Plan.load(args.plan_source)
-    validate_plan(plan, args.model, args.cluster)
+        choice = plan_best(args.model, args.cluster, global_batch_size=args.train.global_batch_size,
+                           micro_batch_sizes=(args.train.micro_batch_size,),
+                           profile=_load_profile(args.raw.hetero_profile), pipeline_options={"top_k": 3})
+        if choice.pipeline_result is not None:
+            print_rank0(f"planner: {choice.pipeline_result.explanation}")
+        print_rank0(f"planner: {choice.explanation}")
+        return choice.plan
+    plan = load_any_plan(args.plan_source)
+    if isinstance(plan, ShardedPlan):
+        validate_sharded_plan(plan, args.cluster)
+    else:
+        validate_plan(plan, args.model, args.cluster)
     return plan
 
 
@@ -181,6 +188,10 @@ def run(args: PretrainArgs, acc) -> PretrainResult:
         raise ValueError("this build's heterogeneous runtime places tensors on the CPU only (got a GPU). "
                          "Fix: run on CPU ranks, or wait for the GPU device placement of the runtime")
     plan = resolve_plan(args)
+    if isinstance(plan, ShardedPlan):
+        from megatron_het.sharding.pretrain_sharded import run_sharded_pretrain
+
+        return run_sharded_pretrain(args, cluster=args.cluster, plan=plan, model=args.model)
     world = dist.get_world_size()
     if world != plan.world_size:
         raise ValueError(f"world size: the plan uses {plan.world_size} ranks, torchrun started {world}. "

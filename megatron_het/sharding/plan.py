@@ -10,11 +10,21 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import tempfile
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
-__all__ = ["SHARDED_PLAN_FORMAT", "SHARDED_PLAN_VERSION", "RankShare", "ShardedPlan"]
+from megatron_het.plan.errors import PlanError
+
+if TYPE_CHECKING:
+    from megatron_het.cluster import ClusterSpec
+    from megatron_het.plan.types import Plan
+
+__all__ = ["SHARDED_PLAN_FORMAT", "SHARDED_PLAN_VERSION", "RankShare", "ShardedPlan", "describe_sharded_plan",
+           "load_any_plan", "validate_sharded_plan"]
 
 SHARDED_PLAN_FORMAT = "megatron-het-sharded-plan"  # "format" key of the JSON
 SHARDED_PLAN_VERSION = 1  # "version" key this code reads and writes
@@ -129,3 +139,89 @@ class ShardedPlan:
     @classmethod
     def from_json(cls, text: str) -> "ShardedPlan":
         return cls.from_dict(json.loads(text))
+
+    def save(self, path: str | os.PathLike[str]) -> None:
+        """Write JSON atomically (temp file in the same directory, fsync, os.replace), as Plan.save does."""
+        target = Path(path)
+        fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
+        try:
+            with os.fdopen(fd, "w", encoding="utf-8") as f:
+                f.write(self.to_json() + "\n")
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, target)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
+
+    @classmethod
+    def load(cls, path: str | os.PathLike[str]) -> "ShardedPlan":
+        plan = load_any_plan(path)
+        if not isinstance(plan, ShardedPlan):
+            raise PlanError(file=str(path), field="format", value=plan.to_dict()["format"],
+                            problem=f"a pipeline plan, not a sharded one ({SHARDED_PLAN_FORMAT!r})",
+                            fix="load it with Plan.load or load_any_plan")
+        return plan
+
+
+def load_any_plan(path: str | os.PathLike[str]) -> "Plan | ShardedPlan":
+    """A pipeline Plan or a ShardedPlan, chosen by the file's ``"format"`` key."""
+    from megatron_het.plan.types import PLAN_FORMAT, Plan
+
+    source = str(path)
+    try:
+        data = json.loads(Path(path).read_text(encoding="utf-8"))
+    except OSError as e:
+        raise PlanError(file=source, field="(file)", value=source, problem=f"cannot read: {e.strerror}",
+                        fix="check the path") from e
+    except json.JSONDecodeError as e:
+        raise PlanError(file=source, field=f"line {e.lineno} column {e.colno}", value=e.msg,
+                        problem="invalid JSON", fix="correct the JSON syntax") from e
+    fmt = data.get("format") if isinstance(data, dict) else None
+    if fmt == PLAN_FORMAT:
+        return Plan.from_dict(data, source=source)
+    if fmt == SHARDED_PLAN_FORMAT:
+        try:
+            return ShardedPlan.from_dict(data)
+        except (KeyError, TypeError, ValueError) as e:
+            raise PlanError(file=source, field="ranks" if isinstance(e, (KeyError, TypeError)) else "(plan)",
+                            value=str(e), problem="not a valid sharded plan",
+                            fix="re-plan with tools/plan.py --mode sharded") from e
+    raise PlanError(file=source, field="format", value=fmt,
+                    problem=f"unknown plan format (this build reads {PLAN_FORMAT!r} and {SHARDED_PLAN_FORMAT!r})",
+                    fix="pass a file written by tools/plan.py (Plan.save or ShardedPlan.save)")
+
+
+def validate_sharded_plan(plan: ShardedPlan, cluster: "ClusterSpec") -> None:
+    """Raise PlanError unless every rank names an island of ``cluster`` with its device type, and no
+    island gets more ranks than it has GPUs."""
+    used: dict[str, int] = {}
+    for r in plan.ranks:
+        if r.island not in cluster.island_names:
+            raise PlanError(field=f"ranks[{r.rank}].island", value=r.island, problem="no such island in the cluster",
+                            fix=f"use one of {list(cluster.island_names)} or re-plan for this cluster")
+        device = cluster.island(r.island).device.name
+        if r.device_type != device:
+            raise PlanError(field=f"ranks[{r.rank}].device_type", value=r.device_type,
+                            problem=f"island {r.island!r} has {device} GPUs",
+                            fix="re-plan for this cluster file")
+        used[r.island] = used.get(r.island, 0) + 1
+    for name, n in used.items():
+        have = cluster.island(name).num_gpus
+        if n > have:
+            raise PlanError(field="ranks", value=n, problem=f"{n} ranks on island {name!r}, which has {have} GPUs "
+                            f"(limit {have})", fix="re-plan for this cluster file")
+
+
+def describe_sharded_plan(plan: ShardedPlan) -> list[str]:
+    """Human lines: a header, one line per rank, the prediction (pretrain_gpt.py and tools/plan.py print these)."""
+    lines = [f"plan: uneven sharded data parallelism, {plan.world_size} ranks, global batch {plan.global_batch_size}"]
+    for r in plan.ranks:
+        lines.append(f"  rank {r.rank}: {r.island}({r.device_type}) micro-batch {r.micro_batch_size} x "
+                     f"{r.num_micro_batches}, state shard {100 * r.shard_fraction:.2f}%"
+                     + (", recompute" if r.recompute else ""))
+    if plan.predicted:
+        p = plan.predicted
+        lines.append(f"  predicted: {p.get('iteration_time_s', float('nan')) * 1000:.1f} ms/iteration, "
+                     f"{p.get('tokens_per_s', float('nan')):.0f} tokens/s")
+    return lines

@@ -186,6 +186,37 @@ class ShardedTrainer:
                                    comm_s=comm, optimizer_s=opt,
                                    tokens_per_s=train.global_batch_size * self.model_spec.seq_length / elapsed)
 
+    @torch.no_grad()
+    def evaluate(self, batch_fn: BatchFn, iteration: int) -> float:
+        """Forward-only mean token loss of one global batch from ``batch_fn`` (collective).
+
+        The working weights are refreshed from the master shards first (after a step they hold the
+        pre-step values); each rank evaluates its own samples, as in training.
+        """
+        self.flat.copy_(self.gather(self.optimizer.master))
+        scale = 1.0 / (self.train.global_batch_size * self.model_spec.seq_length)
+        loss_sum, mbs = 0.0, self.share.micro_batch_size
+        for m in range(self.share.num_micro_batches):
+            first = self.samples.start + m * mbs
+            inputs, labels, position_ids, _ = split_tokens(batch_fn(iteration, range(first, first + mbs)))
+            loss_sum += float(self.gpt(inputs, position_ids, None, labels=labels).float().sum()) * scale
+        report = torch.tensor([loss_sum], dtype=torch.float64)
+        dist.all_reduce(report)
+        return float(report)
+
+    # ---- checkpoints (sharding/checkpoint.py; the pipeline runtime's format) -------------------
+    def save_checkpoint(self, save: str) -> str:
+        """Write the full state under ``save`` (collective); returns the iteration directory."""
+        from megatron_het.sharding.checkpoint import save_sharded
+
+        return save_sharded(self, save)
+
+    def load_checkpoint(self, path: str, *, with_optimizer: bool = True) -> int:
+        """Load an iteration directory written under any plan (collective); returns its iteration."""
+        from megatron_het.sharding.checkpoint import load_sharded
+
+        return load_sharded(self, path, with_optimizer=with_optimizer)
+
     # ---- state as global-named full tensors ---------------------------------------------------
     def full_tensors(self, flat: torch.Tensor) -> dict[str, torch.Tensor]:
         """Split a full flat vector into named tensors of the parameters' shapes."""
