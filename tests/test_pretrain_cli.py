@@ -45,3 +45,31 @@ def test_cluster_typo_exits_cleanly(tmp_path):
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2
     assert "A100-80GB" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_overlap_flags_reach_the_plan_and_the_training_config(tmp_path):
+    from megatron_het.plan import Plan, ReplicaPlan, StagePlan, validate_plan
+    from megatron_het.plan.serialize import save_plan
+    from megatron_het.runtime.pretrain import resolve_plan
+
+    stages = (StagePlan(island="fast", device_type="CPU", ranks=(0, 1), layers=(0, 2)),
+              StagePlan(island="slow", device_type="CPU", ranks=(2,), layers=(2, 4)))
+    plan = Plan(replicas=(ReplicaPlan(stages=stages, num_micro_batches=8),), micro_batch_size=2,
+                global_batch_size=16)
+    path = tmp_path / "plan.json"
+    save_plan(plan, path)
+    base = [a if a != "auto" else str(path) for a in BASE] + ["--mock-data", "--num-layers", "4"]
+    args = parse_args(base + ["--sequence-parallel", "--tp-comm-overlap", "--overlap-grad-reduce",
+                              "--ddp-bucket-size", "5000", "--hetero-tp-comm-overlap-chunks", "2"])
+    assert (args.train.overlap_grad_reduce, args.train.ddp_bucket_size, args.train.tp_comm_overlap_chunks) == (
+        True, 5000, 2)
+    got = resolve_plan(args)
+    assert got.sequence_parallel
+    assert [s.tp_comm_overlap for s in got.replicas[0].stages] == [True, False]  # only the TP > 1 stage
+    # without --sequence-parallel the overlap is refused, naming the stage and the fix
+    with pytest.raises(Exception) as err:
+        resolve_plan(parse_args(base + ["--tp-comm-overlap"]))
+    assert "replicas[0].stages[0].tp_comm_overlap" in str(err.value) and "sequence_parallel" in str(err.value)
+    plain = resolve_plan(parse_args(base))
+    assert plain == plan and not plain.sequence_parallel
+    validate_plan(plain, args.model, args.cluster)

@@ -1,11 +1,11 @@
 """Switch a megatron-core stage's tensor-parallel linear layers to the overlapped path.
 
-The runtime builds a stage with ``runtime/gpt_model.build_gpt_stage`` (megatron-core's local spec)
-and, when the plan's ``StagePlan.tp_comm_overlap`` is set, calls, once, before wrapping the model
-in DDP and before the first forward::
+``runtime/hetero_trainer.HeteroTrainer`` builds a stage with ``runtime/gpt_model.build_gpt_stage``
+(megatron-core's local spec, sequence-parallel variant) and, when the plan's
+``StagePlan.tp_comm_overlap`` is set, calls, once, before the first forward (and before any DDP
+wrapping, for other trainers)::
 
-    from megatron_het.comm.overlap_megatron import apply_tp_comm_overlap
-    report = apply_tp_comm_overlap(stage_model, chunks=4)
+    report = apply_tp_comm_overlap(stage_model, chunks=train.tp_comm_overlap_chunks)
     logger.info(report.describe())
 
 What is replaced (per instance; the classes are untouched, so other stages are unaffected):

@@ -163,6 +163,21 @@ def _check_tp(plan: Plan, model: ModelSpec) -> None:
                 )
 
 
+def check_tp_comm_overlap(plan: Plan) -> None:
+    """``tp_comm_overlap`` chunks the all-gather/reduce-scatter of sequence parallelism: it needs it."""
+    if plan.sequence_parallel:
+        return
+    for ri, r in enumerate(plan.replicas):
+        for si, s in enumerate(r.stages):
+            if s.tp_comm_overlap:
+                raise PlanError(
+                    field=f"replicas[{ri}].stages[{si}].tp_comm_overlap", value=True,
+                    problem="the chunked TP overlap splits sequence parallelism's all-gather/reduce-scatter, "
+                    "but the plan has sequence_parallel false",
+                    fix='set "sequence_parallel": true in the plan, or "tp_comm_overlap": false on this stage',
+                )
+
+
 def _check_cluster(plan: Plan, cluster: ClusterSpec) -> None:
     islands = {i.name: i for i in cluster.islands}
     used: dict[str, int] = {}
@@ -210,6 +225,7 @@ def validate_plan(
     _check_batch(plan)
     _check_schedule(plan)
     _check_tp(plan, model)
+    check_tp_comm_overlap(plan)
     if cluster is not None:
         _check_cluster(plan, cluster)
     if memory_check is not None:

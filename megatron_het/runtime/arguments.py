@@ -74,6 +74,18 @@ def build_parser() -> argparse.ArgumentParser:
                    help="peak and current memory, per stage (CPU ranks: process RSS)")
     c.add_argument("--log-throughput", action="store_true", help="tokens/s and samples/s to TensorBoard")
 
+    o = p.add_argument_group("overlap (Megatron-LM names)")
+    o.add_argument("--sequence-parallel", action="store_true", help="turn on the plan's sequence_parallel")
+    o.add_argument("--tp-comm-overlap", action="store_true",
+                   help="chunked TP collective/GEMM overlap on every stage with TP > 1 (plans can also choose per "
+                        "stage with tp_comm_overlap); needs sequence parallelism")
+    o.add_argument("--hetero-tp-comm-overlap-chunks", type=int, default=4,
+                   help="pieces each overlapped GEMM is split into")
+    o.add_argument("--overlap-grad-reduce", action="store_true",
+                   help="launch each gradient bucket's reduction during the last backward")
+    o.add_argument("--ddp-bucket-size", type=int, default=None,
+                   help="parameters per gradient bucket (default: megatron-core's max(40M, 1M x replicas))")
+
     h = p.add_argument_group("heterogeneous cluster")
     h.add_argument("--hetero-cluster", metavar="CLUSTER.yaml", required=True)
     h.add_argument("--hetero-plan", metavar="PLAN.json|auto", required=True,
@@ -135,7 +147,9 @@ def parse_args(argv: list[str] | None = None, *, tokenizer_vocab: int | None = N
                             train_iters=ns.train_iters, lr=ns.lr, min_lr=ns.min_lr, lr_decay_style=ns.lr_decay_style,
                             lr_warmup_iters=ns.lr_warmup_iters, weight_decay=ns.weight_decay,
                             adam_beta1=ns.adam_beta1, adam_beta2=ns.adam_beta2, adam_eps=ns.adam_eps,
-                            clip_grad=ns.clip_grad, seed=ns.seed, log_interval=ns.log_interval)
+                            clip_grad=ns.clip_grad, seed=ns.seed, log_interval=ns.log_interval,
+                            tp_comm_overlap_chunks=ns.hetero_tp_comm_overlap_chunks,
+                            overlap_grad_reduce=ns.overlap_grad_reduce, ddp_bucket_size=ns.ddp_bucket_size)
         tensorboard = tensorboard_from_args(ns)
     except (ConfigError, ValueError) as e:
         parser.error(str(e))

@@ -6,6 +6,14 @@ the gradient w.r.t. a stage's input is replicated on all of its TP ranks (megatr
 copy from one rank on the other side. Pairing receiver j with sender ``j % sender_tp`` spreads the
 sends over all sender ranks and works for any (a, b): TP 1 -> 2, 2 -> 4, 4 -> 2, 3 -> 2, ...
 
+With sequence parallelism (megatron's ``sequence_parallel`` on a stage of TP > 1) TP rank i of a
+stage holds only rows ``[i*s/tp, (i+1)*s/tp)`` of the sequence, both of its output activations and
+of its input gradient. The two sides are then re-split point to point: each receiver gets, from
+every sender whose rows overlap its own, exactly the overlapping rows (``sequence_transfers``).
+Every element crosses the boundary once (s*b*h per micro-batch and direction, against
+``receiver_tp`` whole copies without sequence parallelism), and no TP all-gather is needed on
+either side. A TP=1 stage holds the whole sequence, so TP 2 -> 1 -> 4 works the same way.
+
 megatron-core's ``BridgeCommunicator`` does leader-to-leader then a broadcast inside the TP group
 and creates its groups with ``backend='nccl'`` (bridge_communicator.py ~199/209); it also needs
 ``variable_seq_lengths`` (only valid with the alltoall MoE dispatcher). Our schedule executor sends
@@ -23,13 +31,44 @@ FORWARD, BACKWARD = 0, 1
 
 
 def sender_for(receiver_tp_rank: int, sender_tp: int) -> int:
-    """TP rank on the sending side that serves ``receiver_tp_rank``."""
+    """TP rank on the sending side that serves ``receiver_tp_rank`` (replicated activations)."""
     return receiver_tp_rank % sender_tp
 
 
 def receivers_of(sender_tp_rank: int, sender_tp: int, receiver_tp: int) -> list[int]:
     """TP ranks on the receiving side that ``sender_tp_rank`` sends to (possibly none)."""
     return [j for j in range(receiver_tp) if j % sender_tp == sender_tp_rank]
+
+
+def shard_rows(seq_length: int, tp: int, tp_rank: int) -> tuple[int, int]:
+    """[start, stop) sequence rows held by ``tp_rank`` under sequence parallelism."""
+    if seq_length % tp:
+        raise ValueError(f"seq_length: sequence parallelism needs the TP size {tp} to divide seq_length "
+                         f"{seq_length}. Fix: use a TP size that divides {seq_length} or turn sequence_parallel off")
+    rows = seq_length // tp
+    return tp_rank * rows, (tp_rank + 1) * rows
+
+
+@dataclass(frozen=True, kw_only=True)
+class Transfer:
+    """One point-to-point piece of a sequence-parallel boundary."""
+
+    sender: int  # TP rank on the sending side
+    receiver: int  # TP rank on the receiving side
+    rows: tuple[int, int]  # [start, stop) global sequence rows carried
+
+
+def sequence_transfers(seq_length: int, sender_tp: int, receiver_tp: int) -> list[Transfer]:
+    """Every (sender, receiver) pair whose sequence shards overlap, with the overlapping rows."""
+    out = []
+    for i in range(sender_tp):
+        a0, a1 = shard_rows(seq_length, sender_tp, i)
+        for j in range(receiver_tp):
+            b0, b1 = shard_rows(seq_length, receiver_tp, j)
+            lo, hi = max(a0, b0), min(a1, b1)
+            if lo < hi:
+                out.append(Transfer(sender=i, receiver=j, rows=(lo, hi)))
+    return out
 
 
 def tag(micro_batch: int, direction: int) -> int:
@@ -48,29 +87,56 @@ class Neighbour:
 
 
 class BoundaryLink:
-    """Point-to-point transfers of one rank with its previous and next stage."""
+    """Point-to-point transfers of one rank with its previous and next stage.
 
-    def __init__(self, *, tp_rank: int, tp: int, prev: Neighbour | None, next: Neighbour | None) -> None:
+    ``shape`` arguments are always the full ``[s, b, h]`` activation shape; with
+    ``sequence_parallel`` the tensors sent and returned are this rank's ``[s/tp, b, h]`` shard.
+    """
+
+    def __init__(self, *, tp_rank: int, tp: int, prev: Neighbour | None, next: Neighbour | None,
+                 sequence_parallel: bool = False) -> None:
         self.tp_rank, self.tp = tp_rank, tp
         self.prev, self.next = prev, next
+        # the plan's flag: a stage of TP > 1 holds a sequence shard; TP = 1 holds the whole sequence
+        self.sequence_parallel = sequence_parallel
         self._pending: list[dist.Work] = []
 
     def send_forward(self, tensor: torch.Tensor, micro_batch: int) -> None:
-        for j in receivers_of(self.tp_rank, self.tp, self.next.tp):
-            self._pending.append(dist.isend(tensor.contiguous(), self.next.ranks[j], tag=tag(micro_batch, FORWARD)))
+        self._send(tensor, self.next, tag(micro_batch, FORWARD))
 
     def recv_forward(self, shape, dtype, micro_batch: int) -> torch.Tensor:
-        buf = torch.empty(shape, dtype=dtype)
-        dist.recv(buf, self.prev.ranks[sender_for(self.tp_rank, self.prev.tp)], tag=tag(micro_batch, FORWARD))
-        return buf
+        return self._recv(shape, dtype, self.prev, tag(micro_batch, FORWARD))
 
     def send_backward(self, tensor: torch.Tensor, micro_batch: int) -> None:
-        for j in receivers_of(self.tp_rank, self.tp, self.prev.tp):
-            self._pending.append(dist.isend(tensor.contiguous(), self.prev.ranks[j], tag=tag(micro_batch, BACKWARD)))
+        self._send(tensor, self.prev, tag(micro_batch, BACKWARD))
 
     def recv_backward(self, shape, dtype, micro_batch: int) -> torch.Tensor:
-        buf = torch.empty(shape, dtype=dtype)
-        dist.recv(buf, self.next.ranks[sender_for(self.tp_rank, self.next.tp)], tag=tag(micro_batch, BACKWARD))
+        return self._recv(shape, dtype, self.next, tag(micro_batch, BACKWARD))
+
+    def _send(self, tensor: torch.Tensor, peer: Neighbour, t: int) -> None:
+        if not self.sequence_parallel:
+            for j in receivers_of(self.tp_rank, self.tp, peer.tp):
+                self._pending.append(dist.isend(tensor.contiguous(), peer.ranks[j], tag=t))
+            return
+        seq = tensor.shape[0] * self.tp
+        start = shard_rows(seq, self.tp, self.tp_rank)[0]
+        for tr in sequence_transfers(seq, self.tp, peer.tp):
+            if tr.sender == self.tp_rank:
+                piece = tensor[tr.rows[0] - start:tr.rows[1] - start].contiguous()
+                self._pending.append(dist.isend(piece, peer.ranks[tr.receiver], tag=t))
+
+    def _recv(self, shape, dtype, peer: Neighbour, t: int) -> torch.Tensor:
+        if not self.sequence_parallel:
+            buf = torch.empty(shape, dtype=dtype)
+            dist.recv(buf, peer.ranks[sender_for(self.tp_rank, peer.tp)], tag=t)
+            return buf
+        seq = shape[0]
+        start, stop = shard_rows(seq, self.tp, self.tp_rank)
+        buf = torch.empty((stop - start, *shape[1:]), dtype=dtype)
+        works = [dist.irecv(buf[tr.rows[0] - start:tr.rows[1] - start], peer.ranks[tr.sender], tag=t)
+                 for tr in sequence_transfers(seq, peer.tp, self.tp) if tr.receiver == self.tp_rank]
+        for w in works:  # dim-0 slices of a contiguous buffer are contiguous: received in place
+            w.wait()
         return buf
 
     def drain(self) -> None:

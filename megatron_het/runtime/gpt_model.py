@@ -4,7 +4,8 @@ The stage is an ordinary megatron-core ``GPTModel`` holding ``num_layers`` of th
 (``pre_process`` = it owns the embedding, ``post_process`` = the output layer and loss). Its layers
 are numbered from 1 inside the stage; ``layer_offset`` maps them to global indices for
 checkpoints. transformer-engine's layer spec is used when it is importable on a GPU; otherwise
-megatron-core's local spec.
+megatron-core's local spec, or with sequence parallelism ``tp/spec.sequence_parallel_block_spec``
+(the local spec's torch norms refuse sequence parallelism without Apex).
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ class StageModelSpec:
     post_process: bool  # holds the final norm, output layer and loss (last stage)
     vocab_size: int  # padded vocabulary, identical on every stage of every replica
     params_dtype: torch.dtype = torch.float32
-    sequence_parallel: bool = False
+    sequence_parallel: bool = False  # the plan's flag; megatron's config turns it on only where tp > 1
     recompute: bool = False  # full activation recomputation of every layer of the stage
 
 
@@ -71,14 +72,20 @@ def transformer_config(spec: StageModelSpec, *, pp: int = 1, deterministic: bool
     return TransformerConfig(**kwargs)
 
 
-def layer_spec(model: ModelSpec):
-    """transformer-engine spec on a GPU where TE is importable, else megatron-core's local spec."""
+def layer_spec(model: ModelSpec, *, sequence_parallel: bool = False, num_layers: int = 0):
+    """transformer-engine spec on a GPU where TE is importable, else megatron-core's local spec;
+    with ``sequence_parallel`` (the config's flag: TP > 1) the local spec with norms that accept it,
+    as a block spec of ``num_layers`` layers."""
     from megatron.core.models.gpt import gpt_layer_specs
 
     if detect_optional_accelerators().transformer_engine:
         return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec()
-    return gpt_layer_specs.get_gpt_layer_local_spec(
-        normalization="RMSNorm" if model.swiglu else "LayerNorm")
+    normalization = "RMSNorm" if model.swiglu else "LayerNorm"
+    if sequence_parallel:
+        from megatron_het.tp.spec import sequence_parallel_block_spec
+
+        return sequence_parallel_block_spec(normalization, num_layers)
+    return gpt_layer_specs.get_gpt_layer_local_spec(normalization=normalization)
 
 
 def build_gpt_stage(spec: StageModelSpec, config, pg_collection):
@@ -88,7 +95,8 @@ def build_gpt_stage(spec: StageModelSpec, config, pg_collection):
     m = spec.model
     return GPTModel(
         config=config,
-        transformer_layer_spec=layer_spec(m),
+        transformer_layer_spec=layer_spec(m, sequence_parallel=config.sequence_parallel,
+                                          num_layers=spec.num_layers),
         vocab_size=spec.vocab_size,
         max_sequence_length=m.max_position_embeddings or m.seq_length,
         pre_process=spec.pre_process,

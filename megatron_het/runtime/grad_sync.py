@@ -10,11 +10,20 @@ iteration with the sum of every replica's gradient for the piece they hold. Two 
   word embedding at TP=1 on the first stage and TP=2 on the last); each holder writes its slice into a
   zero full-size buffer, the holders all-reduce it, and each reads its slice back. A replicated
   (non-partitioned) parameter is contributed once per stage (by TP rank 0) so it is not counted TP
-  times.
+  times (unless it is a sequence-parallel partial gradient, below).
+
+With sequence parallelism, a replicated parameter used on sequence shards (norms, row-parallel
+biases: megatron marks them ``sequence_parallel``) holds on each TP rank only its shard's part of
+the gradient; megatron-core's ``finalize_model_grads`` sums them over the TP group. Here such a
+parameter's bucket spans every holder of every stage, TP peers included, and every holder
+contributes: one all-reduce gives the TP sum and the cross-replica sum together (also for a
+parameter held by a single stage, which otherwise needs no reduction).
 
 Which parameters go together in one buffer and which ranks reduce it is a pure function of what
 every rank holds (``plan_buckets``), tested without processes; creating the groups is a thin
-collective step (``GradientSynchronizer``).
+collective step (``GradientSynchronizer``). ``bucket_numel`` splits a group's parameters into
+buckets of about that many elements in backward order, so an overlapped reduction
+(``comm/overlap_grad.py``) can start the first buckets while the backward still runs.
 """
 
 from __future__ import annotations
@@ -40,6 +49,8 @@ class Holding:
     partition_dim: int | None  # None: replicated across the stage's TP ranks
     full_shape: tuple[int, ...]
     glu: bool = False  # gated-MLP fc1: the shard is [gate_r; up_r] (checkpoint/tp_layout.py)
+    # replicated, but each TP rank's gradient covers only its sequence shard: every holder contributes
+    sequence_parallel: bool = False
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -51,14 +62,33 @@ class Bucket:
     direct: bool  # True: shard-sized all-reduce among same-TP-rank peers
 
 
-def plan_buckets(holdings: Iterable[Holding]) -> list[Bucket]:
-    """Group parameters by who holds them; deterministic order (every rank computes the same)."""
+def plan_buckets(holdings: Iterable[Holding], *, bucket_numel: int | None = None) -> list[Bucket]:
+    """Group parameters by who holds them; deterministic order (every rank computes the same).
+
+    A group's names run in reverse order of first appearance in ``holdings`` (each rank lists its
+    parameters in forward order, so this is about the order the backward produces them).
+    ``bucket_numel`` None: one bucket per group; otherwise a bucket closes once it holds
+    ``bucket_numel`` full-tensor elements (a parameter is never split), as megatron-core's DDP does.
+    """
+    holdings = list(holdings)
     by_name: dict[str, list[Holding]] = {}
-    for h in holdings:
+    first_seen: dict[str, int] = {}
+    for i, h in enumerate(holdings):
         by_name.setdefault(h.name, []).append(h)
+        first_seen.setdefault(h.name, i)
     groups: dict[tuple, list[str]] = {}
-    for name in sorted(by_name):
+    for name in sorted(by_name, key=lambda n: -first_seen[n]):
         hs = by_name[name]
+        if any(h.sequence_parallel for h in hs):
+            partitioned = [h for h in hs if h.partition_dim is not None]
+            if partitioned:
+                raise ValueError(f"{name}: a sequence_parallel parameter must be replicated across TP ranks, but "
+                                 f"rank {partitioned[0].rank} holds it split on dim {partitioned[0].partition_dim}. "
+                                 f"Fix: do not mark tensor-parallel parameters sequence_parallel")
+            ranks = tuple(sorted(h.rank for h in hs))
+            if len(ranks) > 1:  # TP peers of one stage and every other holder: one sum
+                groups.setdefault((ranks, False), []).append(name)
+            continue
         stages = {h.stage_key for h in hs}
         if len(stages) < 2:
             continue  # held by a single stage: nothing to reduce across replicas
@@ -71,8 +101,19 @@ def plan_buckets(holdings: Iterable[Holding]) -> list[Bucket]:
         else:
             ranks = tuple(sorted(h.rank for h in hs))
             groups.setdefault((ranks, False), []).append(name)
-    return [Bucket(ranks=ranks, names=tuple(names), direct=direct)
-            for (ranks, direct), names in sorted(groups.items())]
+    numel = {name: int(torch.Size(hs[0].full_shape).numel()) for name, hs in by_name.items()}
+    buckets = []
+    for (ranks, direct), names in sorted(groups.items()):
+        current, size = [], 0
+        for name in names:
+            current.append(name)
+            size += numel[name]
+            if bucket_numel is not None and size >= bucket_numel:
+                buckets.append(Bucket(ranks=ranks, names=tuple(current), direct=direct))
+                current, size = [], 0
+        if current:
+            buckets.append(Bucket(ranks=ranks, names=tuple(current), direct=direct))
+    return buckets
 
 
 def owned_norm_holdings(holdings: Iterable[Holding]) -> set[tuple[str, int]]:
@@ -111,15 +152,16 @@ class GradientSynchronizer:
     """Creates the reduction groups once (collective over the world) and reduces each step."""
 
     def __init__(self, local: Sequence[Holding], params: Mapping[str, torch.nn.Parameter], *,
-                 placement=None) -> None:
+                 placement=None, bucket_numel: int | None = None) -> None:
         """``placement`` (comm_routing.RankPlacement) routes groups that span collective libraries
-        through the cross-vendor bridge; None: every group is a plain torch group."""
+        through the cross-vendor bridge; None: every group is a plain torch group.
+        ``bucket_numel``: see ``plan_buckets`` (None: one bucket per group of holders)."""
         from megatron_het.runtime.comm_routing import NativeGroup, new_reduction_group
 
         gathered: list[list[Holding] | None] = [None] * dist.get_world_size()
         dist.all_gather_object(gathered, list(local))
         self.all_holdings = [h for hs in gathered for h in hs]
-        self.buckets = plan_buckets(self.all_holdings)
+        self.buckets = plan_buckets(self.all_holdings, bucket_numel=bucket_numel)
         self.rank = dist.get_rank()
         self.params = dict(params)
         self.local = {h.name: h for h in local}
@@ -155,7 +197,7 @@ class GradientSynchronizer:
         for name, g in zip(bucket.names, grads):
             h = self.local[name]
             full = torch.zeros(h.full_shape, dtype=g.dtype)
-            if h.partition_dim is not None or h.tp_rank == 0:
+            if h.partition_dim is not None or h.tp_rank == 0 or h.sequence_parallel:
                 _write(full, g, h)
             pieces.append(full.reshape(-1))
         return torch.cat(pieces)

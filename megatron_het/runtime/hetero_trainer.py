@@ -8,6 +8,12 @@ size (``boundary.py``), then gradients are summed over every holder of each full
 (``grad_sync.py``), clipped by the global norm and applied by AdamW with Megatron's weight-decay
 groups. Each micro-batch's loss is divided by the *global* micro-batch count, so the sum over
 replicas of different sizes is the mean gradient over the whole global batch.
+
+Overlap options (docs/overlap.md): the plan's ``sequence_parallel`` shards activations along the
+sequence inside each TP group (boundaries re-split them between TP sizes); a stage whose plan sets
+``tp_comm_overlap`` switches its TP linears to the chunked collective/GEMM path
+(``comm/overlap_megatron.py``); ``TrainConfig.overlap_grad_reduce`` launches the cross-replica
+gradient buckets from gradient hooks during each stage's last backward (``comm/overlap_grad.py``).
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ import torch.distributed as dist
 from megatron_het.checkpoint.full_state import Shard, global_name, load_full_state, local_shards, TIED_OUTPUT, WORD_EMBEDDING
 from megatron_het.cluster import ClusterSpec, ModelSpec
 from megatron_het.plan import Plan
+from megatron_het.plan.validate import check_tp_comm_overlap
 from megatron_het.checkpoint.tp_layout import is_glu
 from megatron_het.runtime.boundary import BoundaryLink, Neighbour
 from megatron_het.runtime.comm_routing import rank_placement
@@ -51,6 +58,14 @@ def plan_padded_vocab(model: ModelSpec, plan: Plan) -> int:
 def replica_first_micro_batch(plan: Plan, replica: int) -> int:
     """Global index of the replica's first micro-batch (replicas take consecutive slices)."""
     return sum(r.num_micro_batches for r in plan.replicas[:replica])
+
+
+def grad_reduce_trigger(actions) -> int | None:
+    """Index of the action before which an overlapped gradient synchronizer is armed: the stage's
+    last backward. ``_run_actions`` computes weight gradients inside B (its W actions are no-ops),
+    so with zero-bubble schedules (B and W split) this is the last B, not the last W."""
+    backward = [i for i, a in enumerate(actions) if a.kind in ("B", "BW")]
+    return backward[-1] if backward else None
 
 
 @dataclass
@@ -108,9 +123,7 @@ class HeteroTrainer:
                  hooks: TrainerHooks | None = None) -> None:
         from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
-        if plan.sequence_parallel:
-            raise ValueError("plan.sequence_parallel: the heterogeneous runtime does not support sequence "
-                             "parallelism yet (got true). Fix: set \"sequence_parallel\": false")
+        check_tp_comm_overlap(plan)
         if plan.micro_batch_size != train.micro_batch_size or plan.global_batch_size != train.global_batch_size:
             raise ValueError(
                 f"batch sizes: the plan has micro {plan.micro_batch_size} / global {plan.global_batch_size}, the "
@@ -132,18 +145,27 @@ class HeteroTrainer:
         self.stage = StageModelSpec(model=model, num_layers=role.layers[1] - role.layers[0],
                                     layer_offset=role.layers[0], tp=role.tp_size, pre_process=self.is_first,
                                     post_process=self.is_last, vocab_size=padded_vocab or plan_padded_vocab(model, plan),
-                                    recompute=self.stage_plan.recompute)
+                                    recompute=self.stage_plan.recompute, sequence_parallel=plan.sequence_parallel)
         self.config = transformer_config(self.stage)
         self.gpt = build_gpt_stage(self.stage, self.config, self.pgc)
         self.tied = not model.untie_embeddings_and_output_weights
         if init_full_state is not None:
             load_full_state(self.gpt, init_full_state, layer_offset=role.layers[0], tp_rank=role.tp_rank,
                             tp_size=role.tp_size, tied=self.tied, gated=model.swiglu)
+        self.overlap_report = None  # comm.overlap_megatron.OverlapReport when the stage overlaps
+        if self.stage_plan.tp_comm_overlap:
+            from megatron_het.comm.overlap_megatron import apply_tp_comm_overlap
+
+            self.overlap_report = apply_tp_comm_overlap(self.gpt, chunks=train.tp_comm_overlap_chunks)
+            if role.tp_rank == 0:
+                logger.info("rank %d (replica %d stage %d): %s", role.rank, role.replica, role.stage,
+                            self.overlap_report.describe())
 
         stages = self.replica.stages
         prev = Neighbour(ranks=tuple(stages[role.stage - 1].ranks)) if role.stage > 0 else None
         nxt = Neighbour(ranks=tuple(stages[role.stage + 1].ranks)) if role.stage + 1 < len(stages) else None
-        self.link = BoundaryLink(tp_rank=role.tp_rank, tp=role.tp_size, prev=prev, next=nxt)
+        self.link = BoundaryLink(tp_rank=role.tp_rank, tp=role.tp_size, prev=prev, next=nxt,
+                                 sequence_parallel=plan.sequence_parallel)
         self.schedule = build_schedule(plan.schedule, len(stages), self.replica.num_micro_batches,
                                        plan.virtual_pipeline_size)
         self.actions = self.schedule.actions[role.stage]
@@ -151,7 +173,7 @@ class HeteroTrainer:
 
         self.params = self._named_global_params()
         self.placement = rank_placement(plan, cluster)
-        self.sync = GradientSynchronizer(self._holdings(), self.params, placement=self.placement)
+        self.sync = self._gradient_synchronizer()
         for ranks, kind in self.sync.routes:
             if kind != "native":
                 logger.info("rank %d: gradient group %s spans collective libraries %s -> %s", role.rank,
@@ -176,6 +198,18 @@ class HeteroTrainer:
             out[g] = p
         return out
 
+    def _gradient_synchronizer(self) -> GradientSynchronizer:
+        """The plain synchronizer, or with ``overlap_grad_reduce`` the hook-driven one in buckets of
+        ``ddp_bucket_size`` parameters (megatron-core's default size when None)."""
+        if not self.train.overlap_grad_reduce:
+            return GradientSynchronizer(self._holdings(), self.params, placement=self.placement)
+        from megatron_het.comm.overlap_grad import OverlappedGradientSynchronizer
+        from megatron_het.perf.predict import bucket_parameters
+
+        size = self.train.ddp_bucket_size or bucket_parameters(len(self.plan.replicas))
+        return OverlappedGradientSynchronizer(self._holdings(), self.params, placement=self.placement,
+                                              bucket_numel=size)
+
     def _holdings(self) -> list[Holding]:
         role = self.role
         hs = []
@@ -186,7 +220,9 @@ class HeteroTrainer:
                 full[dim] *= role.tp_size
             hs.append(Holding(name=name, rank=role.rank, stage_key=(role.replica, role.stage), tp_rank=role.tp_rank,
                               tp_size=role.tp_size, partition_dim=dim, full_shape=tuple(full),
-                              glu=is_glu(name, self.model_spec.swiglu)))
+                              glu=is_glu(name, self.model_spec.swiglu),
+                              sequence_parallel=bool(self.config.sequence_parallel
+                                                     and getattr(p, "sequence_parallel", False))))
         return hs
 
     # ---- one iteration ----------------------------------------------------------------------
@@ -272,6 +308,7 @@ class HeteroTrainer:
         act_shape = (seq, mbs, h)
         saved: dict[int, tuple[torch.Tensor | None, torch.Tensor]] = {}
         loss_sum = torch.zeros((), dtype=torch.float64)
+        trigger = grad_reduce_trigger(self.actions) if hasattr(self.sync, "arm") else None
         for index, action in enumerate(self.actions):
             if self.hooks is not None:
                 self.hooks.on_action(self, it, index, action)
@@ -290,6 +327,8 @@ class HeteroTrainer:
             elif action.kind in ("B", "BW"):
                 inp, out = saved.pop(m)
                 grad = None if self.is_last else self.link.recv_backward(act_shape, out.dtype, m)
+                if index == trigger:  # buckets start reducing as this backward completes them
+                    self.sync.arm()
                 self._timed(times, lambda: torch.autograd.backward(out, grad_tensors=grad))
                 if not self.is_first:
                     self.link.send_backward(inp.grad, m)

@@ -12,6 +12,7 @@ import logging
 import os
 import sys
 import time
+import dataclasses
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -49,6 +50,18 @@ def _pre_tokenizer_vocab(argv: list[str]) -> int | None:
     return int(load_tokenizer(path).vocab_size)
 
 
+def apply_overlap_flags(plan: Plan, ns) -> Plan:
+    """--sequence-parallel turns the plan's sequence parallelism on; --tp-comm-overlap the overlap of
+    every stage with TP > 1 (a plan may already choose it per stage)."""
+    if ns.sequence_parallel:
+        plan = dataclasses.replace(plan, sequence_parallel=True)
+    if ns.tp_comm_overlap:
+        plan = dataclasses.replace(plan, replicas=tuple(dataclasses.replace(r, stages=tuple(
+            dataclasses.replace(s, tp_comm_overlap=s.tp_comm_overlap or s.tp > 1) for s in r.stages))
+            for r in plan.replicas))
+    return plan
+
+
 def resolve_plan(args: PretrainArgs) -> Plan | ShardedPlan:
     """A plan file of either kind, validated against the model and cluster, or the planner's best plan
     over both modes (pipeline search, uneven sharded data parallelism)."""
@@ -61,11 +74,16 @@ def resolve_plan(args: PretrainArgs) -> Plan | ShardedPlan:
         if choice.pipeline_result is not None:
             print_rank0(f"planner: {choice.pipeline_result.explanation}")
         print_rank0(f"planner: {choice.explanation}")
-        return choice.plan
-    plan = load_any_plan(args.plan_source)
+        plan = choice.plan
+    else:
+        plan = load_any_plan(args.plan_source)
     if isinstance(plan, ShardedPlan):
+        if args.raw.sequence_parallel or args.raw.tp_comm_overlap:
+            raise ValueError("--sequence-parallel / --tp-comm-overlap: the plan is a sharded data-parallel plan "
+                             "(no tensor parallelism). Fix: drop the flags or use a pipeline/TP plan")
         validate_sharded_plan(plan, args.cluster)
     else:
+        plan = apply_overlap_flags(plan, args.raw)
         validate_plan(plan, args.model, args.cluster)
     return plan
 

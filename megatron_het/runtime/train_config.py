@@ -23,6 +23,15 @@ class TrainConfig:
     clip_grad: float = 1.0  # global gradient-norm clip; 0 disables
     seed: int = 1234  # model initialisation and data order
     log_interval: int = 1  # iterations between log lines
+    # pieces per GEMM of the chunked TP collective/GEMM overlap on stages whose plan sets
+    # tp_comm_overlap (comm/overlap.py); a shard whose rows it does not divide uses fewer
+    tp_comm_overlap_chunks: int = 4
+    # Megatron's --overlap-grad-reduce: cross-replica gradient buckets are reduced from gradient
+    # hooks during each stage's last backward (comm/overlap_grad.py) instead of after the schedule
+    overlap_grad_reduce: bool = False
+    # Megatron's --ddp-bucket-size: parameters per gradient bucket with overlap_grad_reduce; None:
+    # megatron-core's default max(40M, 1M x replicas). Without overlap a bucket is one holder group
+    ddp_bucket_size: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("micro_batch_size", "global_batch_size", "train_iters", "log_interval"):
@@ -33,6 +42,12 @@ class TrainConfig:
                              f"micro_batch_size {self.micro_batch_size}; choose sizes that divide")
         if self.lr_decay_style not in ("constant", "linear", "cosine"):
             raise ValueError(f"lr_decay_style must be constant, linear or cosine, got {self.lr_decay_style!r}")
+        if self.tp_comm_overlap_chunks < 1:
+            raise ValueError(f"tp_comm_overlap_chunks must be >= 1, got {self.tp_comm_overlap_chunks} (limit 1). "
+                             f"Fix: use 1 for Megatron's unchunked path or e.g. 4")
+        if self.ddp_bucket_size is not None and self.ddp_bucket_size < 1:
+            raise ValueError(f"ddp_bucket_size must be >= 1 parameter or None, got {self.ddp_bucket_size} "
+                             f"(limit 1). Fix: leave it None for megatron-core's default")
         if self.clip_grad < 0:
             raise ValueError(f"clip_grad must be >= 0, got {self.clip_grad}")
 

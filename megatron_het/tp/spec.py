@@ -5,8 +5,8 @@ and it refuses ``sequence_parallel`` (``transformer/torch_norm.py:50``), althoug
 correct under sequence parallelism as long as its weight gradients are summed over the TP group —
 which ``finalize_model_grads`` does for every parameter marked ``sequence_parallel``
 (``distributed/finalize_model_grads.py:452``), exactly as Apex's ``FusedLayerNorm`` marks them.
-Sequence parallelism is what the TP overlap path needs (``comm/overlap_megatron.py``), so a CPU
-stage with ``tp_comm_overlap`` is built with this spec.
+Sequence parallelism is what the TP overlap path needs (``comm/overlap_megatron.py``);
+``runtime/gpt_model.build_gpt_stage`` uses this spec on every stage whose config has it on.
 """
 
 from __future__ import annotations
