@@ -31,7 +31,7 @@ from megatron_het.cluster import ClusterSpec, IslandSpec, ModelSpec
 from megatron_het.perf.comm import bytes_per_s, p2p_channel
 from megatron_het.perf.flops import total_parameters
 from megatron_het.perf.memory import DEFAULT_OVERHEAD_BYTES, StageMemory, stage_memory
-from megatron_het.perf.predict import OPTIMIZER_STEP_BYTES, stage_cost
+from megatron_het.perf.predict import optimizer_step_s, stage_cost
 from megatron_het.perf.profile import Profile
 
 __all__ = ["Precision", "StateBytes", "state_bytes_for", "sharded_rank_memory", "free_state_bytes",
@@ -184,7 +184,7 @@ def predict_sharded_ranks(model: ModelSpec, cluster: ClusterSpec, *, islands: Se
         comp = rank_compute_s(model, island, micro_batch_size=micro_batch_sizes[r],
                               num_micro_batches=num_micro_batches[r], recompute=recompute[r],
                               slowdown=cluster.slowdown(islands[r]), profile=profile)
-        opt = OPTIMIZER_STEP_BYTES * p * shard_fractions[r] / (island.device.memory_bandwidth_gbs * 1e9)
+        opt = optimizer_step_s(island.device, round(p * shard_fractions[r]), profile=profile)
         cap = capacity_bytes[r] if capacity_bytes is not None else int(island.device.memory_gib * 2**30)
         ranks.append(RankPrediction(rank=r, island=islands[r], compute_s=comp, optimizer_s=opt, memory=mem,
                                     capacity_bytes=cap))

@@ -73,7 +73,7 @@ class StageTimes:
     """Where one rank's time went in one iteration."""
 
     compute_s: float = 0.0  # forward + backward compute (including emulated slowdown)
-    emulated_s: float = 0.0  # of which: added waiting to emulate a slower device
+    emulated_s: float = 0.0  # added waiting to emulate a slower device (in compute_s, plus the optimizer step's)
     total_s: float = 0.0  # the whole iteration
 
     @property
@@ -294,7 +294,12 @@ class HeteroTrainer:
         # before the step so that a failure in any collective leaves every survivor un-stepped.
         report = torch.tensor([loss_sum.item() if (self.is_last and self.role.tp_rank == 0) else 0.0])
         dist.all_reduce(report)
+        step_start = time.perf_counter()
         self.optimizer.step()
+        if self.slowdown > 1.0:  # a slower device steps its optimizer slower too (the model prices it so)
+            extra = (self.slowdown - 1.0) * (time.perf_counter() - step_start)
+            time.sleep(extra)
+            times.emulated_s += extra
         times.total_s = time.perf_counter() - start
         self.iteration += 1
         tokens = self.train.global_batch_size * self.model_spec.seq_length
