@@ -332,7 +332,9 @@ class HetBackend : public c10d::Backend {
   }
 
   // Chunked pipeline: all intra reduces are queued at once; the leader forwards chunk i over the
-  // bridge as soon as its reduce is done, and queues its broadcast as soon as the bridge is done.
+  // bridge as soon as its reduce is done, and while it spends chunk i+1's link time chunk i's
+  // bridge exchange runs, after which chunk i's broadcast is queued (no phase waits for the whole
+  // tensor).
   void runAllreduce(at::Tensor flat, c10d::ReduceOp op) {
     int64_t per = std::max<int64_t>(1, chunk_bytes_ / flat.element_size());
     auto chunks = flat.split(per);
@@ -347,39 +349,39 @@ class HetBackend : public c10d::Backend {
         reduces.push_back(intra_->reduce(v, ro));
       }
     }
+    c10d::BroadcastOptions bo;
+    bo.rootRank = 0;
+    auto broadcast = [&](size_t i) {
+      std::vector<at::Tensor> v{chunks[i]};
+      bcasts.push_back(intra_->broadcast(v, bo));
+    };
+    bool bridging = is_leader_ && islands() > 1;
     std::vector<at::Tensor> staged(n);
-    if (is_leader_ && islands() > 1) {
-      c10d::AllreduceOptions ao;
-      ao.reduceOp = op;
-      int64_t k = islands();
-      for (size_t i = 0; i < n; ++i) {
-        if (!reduces.empty()) wait(reduces[i]);
+    size_t released = 0;  // bridged chunks [0, released) are copied back and broadcast
+    auto release = [&] {  // oldest bridged chunk: copy back, then broadcast inside the island
+      wait(bridges[released]);
+      if (!staged[released].is_same(chunks[released])) chunks[released].copy_(staged[released]);
+      if (islandSize() > 1) broadcast(released);
+      ++released;
+    };
+    c10d::AllreduceOptions ao;
+    ao.reduceOp = op;
+    int64_t k = islands();
+    for (size_t i = 0; i < n; ++i) {
+      if (!reduces.empty()) wait(reduces[i]);  // gloo may run ops concurrently: never broadcast over a live reduce
+      if (bridging) {
         staged[i] = stage(chunks[i]);
         throttle(2 * (k - 1) * staged[i].numel() * staged[i].element_size() / k);  // ring model
         std::vector<at::Tensor> v{staged[i]};
         bridges.push_back(leaders_->allreduce(v, ao));
+        if (bridges.size() - released > 1) release();
+      } else if (islandSize() > 1) {
+        broadcast(i);
       }
     }
-    if (islandSize() > 1) {
-      c10d::BroadcastOptions bo;
-      bo.rootRank = 0;
-      for (size_t i = 0; i < n; ++i) {
-        if (!bridges.empty()) {
-          wait(bridges[i]);
-          if (!staged[i].is_same(chunks[i])) chunks[i].copy_(staged[i]);
-        } else if (!reduces.empty()) {
-          wait(reduces[i]);
-        }
-        std::vector<at::Tensor> v{chunks[i]};
-        bcasts.push_back(intra_->broadcast(v, bo));
-      }
-      for (auto& w : bcasts) wait(w);
-    } else {
-      for (size_t i = 0; i < bridges.size(); ++i) {
-        wait(bridges[i]);
-        if (!staged[i].is_same(chunks[i])) chunks[i].copy_(staged[i]);
-      }
-    }
+    while (released < bridges.size()) release();
+    for (auto& w : reduces) wait(w);
+    for (auto& w : bcasts) wait(w);
   }
 
   void doBroadcast(at::Tensor t, int root) {

@@ -117,30 +117,37 @@ class PythonHetComm:
         return self.submit("all_reduce", job)
 
     def _all_reduce_flat(self, flat: torch.Tensor, op: ReduceOp) -> None:
+        # Chunk i's bridge exchange runs while the leader spends chunk i+1's link time, and chunk
+        # i's broadcast is queued right after, so no phase waits for the whole tensor.
         g = self.groups
         chunks = flat.split(max(1, self.chunk_bytes // flat.element_size()))
         reduces = ([dist.reduce(c, dst=self.leader, op=op, group=g.intra, async_op=True) for c in chunks]
                    if self._m > 1 else [])
-        staged: list[torch.Tensor] = []
-        bridges = []
-        if self.is_leader and self._k > 1:
-            k = self._k
-            for i, c in enumerate(chunks):
-                if reduces:
-                    reduces[i].wait()
-                staged.append(stage(c))
-                self._throttle(2 * (k - 1) * c.numel() * c.element_size() // k)  # ring model
-                bridges.append(dist.all_reduce(staged[i], op=op, group=g.leaders, async_op=True))
+        bridging = self.is_leader and self._k > 1
+        in_flight: list[tuple[torch.Tensor, torch.Tensor, object]] = []  # (chunk, staged, bridge work)
         bcasts = []
-        for i, c in enumerate(chunks):
-            if bridges:
-                bridges[i].wait()
-                if staged[i].data_ptr() != c.data_ptr():
-                    c.copy_(staged[i])
-            elif reduces:  # gloo may run ops concurrently: never broadcast over a live reduce
-                reduces[i].wait()
+
+        def release() -> None:  # oldest bridged chunk: copy back, then broadcast inside the island
+            c, staged, bridge = in_flight.pop(0)
+            bridge.wait()
+            if staged.data_ptr() != c.data_ptr():
+                c.copy_(staged)
             if self._m > 1:
                 bcasts.append(dist.broadcast(c, src=self.leader, group=g.intra, async_op=True))
+
+        for i, c in enumerate(chunks):
+            if reduces:  # gloo may run ops concurrently: never broadcast over a live reduce
+                reduces[i].wait()
+            if bridging:
+                staged = stage(c)
+                self._throttle(2 * (self._k - 1) * c.numel() * c.element_size() // self._k)  # ring model
+                in_flight.append((c, staged, dist.all_reduce(staged, op=op, group=g.leaders, async_op=True)))
+                if len(in_flight) > 1:
+                    release()
+            elif self._m > 1:
+                bcasts.append(dist.broadcast(c, src=self.leader, group=g.intra, async_op=True))
+        while in_flight:
+            release()
         for w in itertools.chain(reduces, bcasts):
             w.wait()
 
