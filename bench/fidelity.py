@@ -1,21 +1,26 @@
 """Fidelity of the performance model on this machine: predicted vs measured iteration time.
 
-Two ranks, one per core (more would oversubscribe the 2-core machine, and the model prices each
-rank as a device of its own). Two CPU-emulated clusters:
+Two ranks, one per core (more would oversubscribe the 2-core machine, and the model prices each rank
+as a device of its own). Two CPU-emulated clusters:
 - examples/clusters/cpu-pair.yaml: island `fast` (1 rank) and island `slow` (1 rank, emulated 2x
   slower: it waits the extra time without using the CPU);
 - examples/clusters/cpu-2.yaml: one island of 2 ranks (tensor parallelism over gloo).
 Plans cover uneven pipeline splits (1F1B and GPipe, either island first), data parallelism with
 equal and speed-proportional micro-batch counts, TP2 and a homogeneous PP2.
 
-Profile: tools/profile.py (layers, embedding, output layer + loss, AdamW step) run twice at once
-with ``--threads 1``, so the parts are measured under the same conditions as the two training ranks
-(one core each, shared memory bandwidth), before and after the runs; the model uses the mean of the
-four. The host's links (gloo all-reduce and send/recv between 2 processes, the alpha-beta fit of
-megatron_het.profiling.links) are measured before and after as well and fitted together. Measured: the heterogeneous
-runtime (megatron_het.runtime.HeteroTrainer, what pretrain_gpt.py runs), median over iterations
-after warm-up of the slowest rank's iteration time, all plans in one 2-process spawn, rounds
-alternating between plans. Target: median absolute error <= 10%; the worst is reported.
+Profile: tools/profile.py (layers, embedding, output layer + loss, AdamW step) with ``--concurrent 2
+--threads 1``: two processes measure together, every repetition started at once, as the two
+training ranks compute (measured here: two processes computing at once each run ~1.5x slower than
+one alone, so the 2 vCPUs are not independent cores); then ``--tp-sizes 2`` (layers on two
+processes, their collectives included); before and after the runs; the model uses the means. The host's links
+(gloo all-reduce and send/recv between 2 processes, the alpha-beta fit of
+megatron_het.profiling.links) are measured before and after as well and fitted together. Measured:
+pretrain_gpt.py's entry (megatron_het.runtime.pretrain.run with its command line: --hetero-cluster,
+--hetero-plan, mock data), median over iterations after warm-up of the slowest rank's iteration
+time, a fresh 2-process spawn per plan and round (a long-lived process was measured to slow down
+as it builds trainer after trainer), rounds alternating the order of the plans.
+
+Target: median absolute error <= 10%; the worst is reported.
 
     python bench/fidelity.py [--iters 6] [--rounds 2]      # ~3-5 min on a quiet 2-core machine
 """
@@ -30,6 +35,7 @@ import platform
 import statistics
 import subprocess
 import sys
+import tempfile
 from dataclasses import replace
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -39,8 +45,8 @@ from megatron_het.cluster import ModelSpec, load_cluster  # noqa: E402
 from megatron_het.profiling.links import fit_link, measure_link  # noqa: E402
 from megatron_het.perf.profile import MeasuredLink, Profile, load_profile, save_profile  # noqa: E402
 from megatron_het.plan import Plan, ReplicaPlan, StagePlan  # noqa: E402
+from megatron_het.plan.serialize import save_plan  # noqa: E402
 from megatron_het.platform.local_launch import run_local  # noqa: E402
-from megatron_het.runtime.train_config import TrainConfig  # noqa: E402
 
 MODEL = ModelSpec(num_layers=8, hidden_size=256, num_attention_heads=8, seq_length=128, vocab_size=1000)
 CLUSTERS = {"pair": "examples/clusters/cpu-pair.yaml", "cpu2": "examples/clusters/cpu-2.yaml"}
@@ -70,60 +76,60 @@ def plans() -> dict[str, tuple[str, Plan]]:
     }
 
 
-def _batch(seed, iteration, indices):
-    from megatron_het.data.synthetic import synthetic_batch
-
-    return synthetic_batch(seed=seed, iteration=iteration, indices=indices, seq_length=MODEL.seq_length,
-                           vocab_size=MODEL.vocab_size)
-
-
-def _rank(rank, world_size, train, rounds):
-    from functools import partial
-
-    import torch.distributed as dist
-
-    from megatron_het.platform import enable_cpu_backend
-    from megatron_het.runtime.hetero_trainer import HeteroTrainer
-
-    enable_cpu_backend()
-    clusters = {k: load_cluster(os.path.join(ROOT, p)) for k, p in CLUSTERS.items()}
-    table = plans()
-    times: dict[str, list[float]] = {n: [] for n in table}
-    for _ in range(rounds):
-        for name, (key, plan) in table.items():
-            dist.barrier()
-            trainer = HeteroTrainer(model=MODEL, plan=plan, train=train, batch_fn=partial(_batch, train.seed),
-                                    cluster=clusters[key])
-            times[name].extend(log.elapsed_s for log in trainer.run().iterations[WARMUP:])
-    return times
+def _argv(cluster: str, plan_path: str, iters: int) -> list[str]:
+    """pretrain_gpt.py's command line for one plan (mock data; no eval, no checkpoints)."""
+    return ["--hetero-cluster", os.path.join(ROOT, cluster), "--hetero-plan", plan_path,
+            "--num-layers", str(MODEL.num_layers), "--hidden-size", str(MODEL.hidden_size),
+            "--num-attention-heads", str(MODEL.num_attention_heads), "--seq-length", str(MODEL.seq_length),
+            "--max-position-embeddings", str(MODEL.seq_length), "--vocab-size", str(MODEL.vocab_size),
+            "--mock-data", "--micro-batch-size", str(MICRO_BATCH), "--global-batch-size", str(GLOBAL_BATCH),
+            "--train-iters", str(iters), "--lr", "1e-4", "--log-interval", str(iters)]
 
 
-def measure_profiles(tag: str) -> list[str]:
-    """Two tools/profile.py at once, one thread each (as the two ranks run); their output files."""
+def _rank(rank, world_size, argv):
+    """One plan through pretrain_gpt.py's entry (megatron_het.runtime.pretrain.run); its iteration times."""
+    import contextlib
+    import io
+
+    from megatron_het.platform import detect_accelerator
+    from megatron_het.runtime.arguments import parse_args
+    from megatron_het.runtime.pretrain import run
+
+    with contextlib.redirect_stdout(io.StringIO()):  # the log lines are not the point
+        result = run(parse_args(argv), detect_accelerator())
+    return [log.elapsed_s for log in result.logs[WARMUP:]]
+
+
+def measure_profiles(tag: str) -> tuple[list[str], str]:
+    """tools/profile.py on two processes at once, one thread each (as the two ranks run), then the
+    TP=2 layers on two processes (as the TP2 plan runs); their output files."""
     outs = [os.path.join(ROOT, "bench", "results", f".fidelity_profile_{tag}_{i}.json") for i in range(2)]
     cmd = [sys.executable, os.path.join(ROOT, "tools/profile.py"), "--num-layers", "2", "--hidden-size",
            str(MODEL.hidden_size), "--num-attention-heads", str(MODEL.num_attention_heads), "--seq-length",
            str(MODEL.seq_length), "--micro-batch-sizes", str(MICRO_BATCH), "--threads", "1", "--repeats", "7",
-           "--vocab-size", str(MODEL.vocab_size), "--optimizer", "--device", "CPU"]
-    procs = [subprocess.Popen(cmd + ["--output", out], stdout=subprocess.DEVNULL) for out in outs]
-    for p in procs:
-        if p.wait() != 0:
-            raise SystemExit(f"tools/profile.py failed with exit code {p.returncode}")
-    return outs
+           "--device", "CPU"]
+    parts = ["--vocab-size", str(MODEL.vocab_size), "--optimizer"]
+    subprocess.run(cmd + parts + ["--concurrent", "2", "--output", outs[0]], check=True, stdout=subprocess.DEVNULL)
+    subprocess.run(cmd + ["--tp-sizes", "2", "--output", outs[1]], check=True, stdout=subprocess.DEVNULL)
+    return outs[:1], outs[1]
 
 
-def mean_profile(paths: list[str], link: MeasuredLink) -> Profile:
-    """One profile whose times are the mean of the given ones (same entries, same order), plus ``link``."""
+def _mean(items):
+    """Entries of several profiles (same entries, same order) with mean times."""
+    return tuple(replace(e, forward_s=statistics.mean(p[i].forward_s for p in items),
+                         backward_s=statistics.mean(p[i].backward_s for p in items))
+                 for i, e in enumerate(items[0]))
+
+
+def mean_profile(paths: list[str], tp_paths: list[str], link: MeasuredLink) -> Profile:
+    """One profile: mean times of the tp=1 runs and of the TP=2 runs, plus ``link``."""
     profiles = [load_profile(p) for p in paths]
+    tp = [load_profile(p) for p in tp_paths]
     first = profiles[0]
-
-    def mean(items):
-        return tuple(replace(e, forward_s=statistics.mean(p[i].forward_s for p in items),
-                             backward_s=statistics.mean(p[i].backward_s for p in items))
-                     for i, e in enumerate(items[0]))
-
-    method = first.method + f"; mean of {len(profiles)} runs (two concurrent, before and after the measurement)"
-    return replace(first, entries=mean([p.entries for p in profiles]), parts=mean([p.parts for p in profiles]),
+    method = (first.method + f"; mean of {len(profiles)} runs (before and after the measurement); "
+              f"tp=2 entries: {tp[0].method}, mean of {len(tp)} runs")
+    return replace(first, entries=_mean([p.entries for p in profiles]) + _mean([p.entries for p in tp]),
+                   parts=_mean([p.parts for p in profiles]),
                    optimizer_s_per_parameter=statistics.mean(p.optimizer_s_per_parameter for p in profiles),
                    link=link, method=method, source=None)
 
@@ -132,41 +138,64 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--iters", type=int, default=6, help="iterations per plan and round (first 2 are warm-up)")
     ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--only", default=None, help="comma-separated plan names (default: all)")
     args = ap.parse_args()
     from megatron_het.perf import predict
 
-    before, link_before = measure_profiles("before"), measure_link(2)
-    train = TrainConfig(micro_batch_size=MICRO_BATCH, global_batch_size=GLOBAL_BATCH, train_iters=args.iters,
-                        lr=1e-4)
-    per_rank = run_local(2, _rank, (train, args.rounds), timeout_s=3600)
-    after, link_after = measure_profiles("after"), measure_link(2)
+    (before, tp_before), link_before = measure_profiles("before"), measure_link(2)
+    table = plans()
+    if args.only:
+        unknown = set(args.only.split(",")) - set(table)
+        if unknown:
+            ap.error(f"--only: unknown plans {sorted(unknown)}; known: {sorted(table)}")
+        table = {n: v for n, v in table.items() if n in args.only.split(",")}
+    runs = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for name, (key, plan) in table.items():
+            path = os.path.join(tmp, f"{name}.json")
+            save_plan(plan, path)
+            runs[name] = _argv(CLUSTERS[key], path, args.iters)
+        # A fresh pair of processes per plan and round (a long-lived process slows down as it builds
+        # trainer after trainer); rounds alternate the order of the plans.
+        times: dict[str, list[list[float]]] = {n: [[], []] for n in table}
+        for r in range(args.rounds):
+            for name in (list(table) if r % 2 == 0 else list(reversed(table))):
+                for rank, got in enumerate(run_local(2, _rank, (runs[name],), timeout_s=1800)):
+                    times[name][rank].extend(got)
+    load_during = os.getloadavg()[1]  # 5-minute mean: the two ranks alone make about 2
+    (after, tp_after), link_after = measure_profiles("after"), measure_link(2)
     link = fit_link(link_before.samples + link_after.samples, ranks=2, method=link_before.method + "; before and "
                     "after the measurement, fitted together")
-    profile = mean_profile(before + after, link)
+    profile = mean_profile(before + after, [tp_before, tp_after], link)
     save_profile(profile, PROFILE)
     layer_ms = {tag: statistics.mean(load_profile(p).entries[0].forward_s + load_profile(p).entries[0].backward_s
                                      for p in paths) * 1e3 for tag, paths in (("before", before), ("after", after))}
-    for p in before + after:
+    for p in before + after + [tp_before, tp_after]:
         os.remove(p)
 
     clusters = {k: load_cluster(os.path.join(ROOT, p)) for k, p in CLUSTERS.items()}
-    table = plans()
     predicted = {n: predict(p, MODEL, clusters[k], profile=profile).iteration_time_s for n, (k, p) in table.items()}
-    measured = {n: statistics.median(max(v) for v in zip(*(r[n] for r in per_rank))) for n in table}
+    slowest = {n: [max(v) for v in zip(*times[n])] for n in table}
+    measured = {n: statistics.median(v) for n, v in slowest.items()}
+    fastest = {n: min(v) for n, v in slowest.items()}
     errors = {n: (predicted[n] - measured[n]) / measured[n] for n in table}
     abs_err = sorted(abs(e) for e in errors.values())
     median_err, worst = statistics.median(abs_err), max(abs_err)
-    print(f"{'plan':22s} {'cluster':8s} {'predicted s':>12s} {'measured s':>11s} {'error':>8s}")
+    print(f"{'plan':22s} {'cluster':8s} {'predicted s':>12s} {'measured s':>11s} {'error':>8s} {'fastest s':>10s}")
     for n, (k, _) in table.items():
-        print(f"{n:22s} {k:8s} {predicted[n]:12.4f} {measured[n]:11.4f} {100 * errors[n]:7.1f}%")
+        print(f"{n:22s} {k:8s} {predicted[n]:12.4f} {measured[n]:11.4f} {100 * errors[n]:7.1f}% {fastest[n]:10.4f}")
     print(f"\nlayer fwd+bwd per micro-batch: {layer_ms['before']:.1f} ms before, {layer_ms['after']:.1f} ms after; "
           f"links: {link.latency_us:.0f} us + {link.bandwidth_gbps:.2f} Gbit/s (before {link_before.latency_us:.0f} "
           f"us, {link_before.bandwidth_gbps:.2f}; after {link_after.latency_us:.0f} us, "
           f"{link_after.bandwidth_gbps:.2f})")
     print(f"median |error| {100 * median_err:.1f}% (target <= 10%), worst {100 * worst:.1f}%")
+    if load_during > 2.5:
+        print(f"WARNING: 5-minute load average {load_during:.1f} while measuring (the two ranks make ~2): other "
+              f"jobs shared the cores, measured times are inflated; rerun on a quiet machine")
     result = {
         "figures": {"predicted_s": predicted, "measured_s": measured, "relative_error": errors,
-                    "median_abs_error": median_err, "worst_abs_error": worst,
+                    "median_abs_error": median_err, "worst_abs_error": worst, "fastest_iteration_s": fastest,
+                    "load_average_5min_after_runs": load_during,
                     "profile_layer_ms_before_after": layer_ms,
                     "link": {"latency_us": link.latency_us, "bandwidth_gbps": link.bandwidth_gbps}},
         "targets": {"median_abs_error": "<= 0.10", "plans": ">= 5"},

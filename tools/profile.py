@@ -28,7 +28,7 @@ import torch  # noqa: E402
 from megatron_het.cluster import ModelSpec  # noqa: E402
 from megatron_het.perf.flops import padded_vocab_size  # noqa: E402
 from megatron_het.perf.profile import save_profile  # noqa: E402
-from megatron_het.profiling.layers import profile_layers, profile_tp_layers  # noqa: E402
+from megatron_het.profiling.layers import profile_concurrent, profile_layers, profile_tp_layers  # noqa: E402
 
 def _sizes(text: str) -> list[int]:
     try:
@@ -59,6 +59,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--device", default="CPU", help="catalog device type name recorded in the profile")
     ap.add_argument("--implementation", choices=("auto", "megatron", "torch"), default="auto",
                     help="auto: megatron-core, falling back to the torch reference layer")
+    ap.add_argument("--concurrent", type=int, default=1,
+                    help="measure tp=1 parts on this many local processes at once (one thread each), as that many "
+                         "ranks sharing this host see them when all compute; 1: this process alone")
     ap.add_argument("--vocab-size", type=int, default=None,
                     help="also measure the embedding and the output layer + loss for this vocabulary (padded "
                          "like Megatron to a multiple of 128)")
@@ -84,10 +87,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.comm_ranks == 1 or args.comm_ranks < 0:
         ap.error(f"--comm-ranks must be 0 (skip) or >= 2, got {args.comm_ranks}")
     vocab = None if args.vocab_size is None else padded_vocab_size(args.vocab_size)
-    profile = profile_layers(model, num_layers=args.num_layers, micro_batch_sizes=args.micro_batch_sizes,
-                             device=args.device, warmup=args.warmup, repeats=args.repeats,
-                             dtype=getattr(torch, args.dtype), implementation=args.implementation,
-                             vocab_size=vocab, optimizer=args.optimizer)
+    if args.concurrent < 1:
+        ap.error(f"--concurrent must be >= 1, got {args.concurrent}")
+    options = dict(num_layers=args.num_layers, micro_batch_sizes=args.micro_batch_sizes, device=args.device,
+                   warmup=args.warmup, repeats=args.repeats, dtype=getattr(torch, args.dtype),
+                   implementation=args.implementation, vocab_size=vocab, optimizer=args.optimizer)
+    profile = (profile_layers(model, **options) if args.concurrent == 1 else
+               profile_concurrent(model, processes=args.concurrent, **options))
     tp_entries = tuple(e for tp in args.tp_sizes if tp > 1 for e in profile_tp_layers(
         model, tp=tp, num_layers=args.num_layers, micro_batch_sizes=args.micro_batch_sizes, device=args.device,
         warmup=args.warmup, repeats=args.repeats, dtype=getattr(torch, args.dtype)))

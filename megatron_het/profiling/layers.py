@@ -30,7 +30,7 @@ from megatron_het.perf.profile import PartEntry, Profile, ProfileEntry
 from megatron_het.platform.local_launch import free_port
 
 __all__ = ["TorchReferenceLayer", "measure", "profile_layers", "profile_parts", "profile_optimizer",
-           "profile_tp_layers"]
+           "profile_tp_layers", "profile_concurrent"]
 
 LayerStack = Callable[[torch.Tensor], torch.Tensor]
 
@@ -91,6 +91,9 @@ def _build_megatron(model: ModelSpec, num_layers: int, dtype: torch.dtype,
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         os.environ.setdefault("MASTER_PORT", str(free_port()))
         dist.init_process_group("gloo", rank=0, world_size=1)
+    # A runtime in this process (megatron_het.runtime.groups.ensure_global_memory_buffer) may have
+    # created the buffer initialize_model_parallel insists on creating itself; it is stateless scratch.
+    parallel_state.destroy_global_memory_buffer()
     parallel_state.initialize_model_parallel(tp, 1)
     model_parallel_cuda_manual_seed(1234)
     config = TransformerConfig(
@@ -188,7 +191,7 @@ def profile_layers(model: ModelSpec, *, num_layers: int, micro_batch_sizes: list
                                    f"be built here ({fallback_reason or 'implementation=torch'})")
             parts = profile_parts(model, vocab_size=vocab_size, micro_batch_sizes=micro_batch_sizes,
                                   warmup=warmup, repeats=repeats, dtype=dtype)
-        sync = (lambda: None) if tp == 1 else torch.distributed.barrier
+        sync = _synchronize()
         for mbs in micro_batch_sizes:
             fwd, bwd, peak = measure(run, params, shape=(model.seq_length, mbs, model.hidden_size), dtype=dtype,
                                      warmup=warmup, repeats=repeats, synchronize=sync)
@@ -212,8 +215,23 @@ def profile_layers(model: ModelSpec, *, num_layers: int, micro_batch_sizes: list
                    optimizer_s_per_parameter=opt_s, optimizer_method=opt_method)
 
 
+def _synchronize() -> Callable[[], None]:
+    """A barrier when several processes measure together (TP ranks, or concurrent copies), else nothing."""
+    import torch.distributed as dist
+
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        return dist.barrier
+    return lambda: None
+
+
 def _median_times(step: Callable[[], tuple[float, float]], *, warmup: int, repeats: int) -> tuple[float, float]:
-    runs = [step() for _ in range(warmup + repeats)][warmup:]
+    sync = _synchronize()
+
+    def synced() -> tuple[float, float]:
+        sync()
+        return step()
+
+    runs = [synced() for _ in range(warmup + repeats)][warmup:]
     return statistics.median(r[0] for r in runs), statistics.median(r[1] for r in runs)
 
 
@@ -271,8 +289,9 @@ def profile_optimizer(params: list[torch.nn.Parameter], *, warmup: int, repeats:
     decay = [p for p in params if p.dim() > 1]
     optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": 0.01},
                                    {"params": [p for p in params if p.dim() <= 1], "weight_decay": 0.0}], lr=1e-4)
-    times = []
+    times, sync = [], _synchronize()
     for i in range(warmup + repeats):
+        sync()
         t0 = time.perf_counter()
         optimizer.step()
         if i >= warmup:
@@ -302,3 +321,21 @@ def profile_tp_layers(model: ModelSpec, *, tp: int, num_layers: int, micro_batch
     kwargs = dict(num_layers=num_layers, micro_batch_sizes=micro_batch_sizes, device=device, warmup=warmup,
                   repeats=repeats, dtype=dtype)
     return run_local(tp, _tp_rank, (model, kwargs), timeout_s=timeout_s)[0]
+
+
+def _concurrent_rank(rank: int, world_size: int, model: ModelSpec, kwargs: dict) -> Profile:
+    return profile_layers(model, **kwargs)
+
+
+def profile_concurrent(model: ModelSpec, *, processes: int, timeout_s: float = 1800.0, **kwargs) -> Profile:
+    """:func:`profile_layers` (tp=1) on ``processes`` local processes at once, one thread each, every
+    repetition started together: what each of that many ranks sharing this host sees when they all
+    compute (cores of a VM can share a physical core or memory bandwidth). Rank 0's profile."""
+    from dataclasses import replace
+
+    from megatron_het.platform.local_launch import run_local
+
+    if processes < 2:
+        raise ValueError(f"processes must be >= 2 for a concurrent profile, got {processes}; use profile_layers")
+    profile = run_local(processes, _concurrent_rank, (model, kwargs), timeout_s=timeout_s)[0]
+    return replace(profile, method=profile.method + f"; {processes} processes measuring at once (rank 0's times)")
