@@ -215,6 +215,19 @@ class GradientSynchronizer:
                 g.copy_(_slice(flat[offset:offset + n].view(h.full_shape), h))
             offset += n
 
+    @torch.no_grad()
+    def synchronize_values(self) -> None:
+        """Give every holder of a parameter its owners' values (the same owners as the gradient
+        norm's): one reduction of the owners' values with zeros elsewhere. Stages seeded apart,
+        replicas of other layouts and the last stage's copy of a tied embedding then start equal."""
+        saved = {name: p.grad for name, p in self.params.items()}
+        for name, p in self.params.items():
+            p.grad = p.detach().clone() if (name, self.rank) in self.owned else torch.zeros_like(p)
+        self.reduce()
+        for name, p in self.params.items():
+            p.copy_(p.grad)
+            p.grad = saved[name]
+
     def grad_norm_sq_local(self) -> torch.Tensor:
         """This rank's share of the squared global gradient norm (sum it over the world)."""
         total = torch.zeros((), dtype=torch.float64)

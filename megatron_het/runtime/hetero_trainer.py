@@ -174,6 +174,8 @@ class HeteroTrainer:
         self.params = self._named_global_params()
         self.placement = rank_placement(plan, cluster)
         self.sync = self._gradient_synchronizer()
+        if init_full_state is None:  # stages are seeded apart: every copy of a parameter starts from one value
+            self.sync.synchronize_values()
         for ranks, kind in self.sync.routes:
             if kind != "native":
                 logger.info("rank %d: gradient group %s spans collective libraries %s -> %s", role.rank,
