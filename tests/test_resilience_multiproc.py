@@ -72,7 +72,7 @@ def test_every_sample_read_exactly_once(outcomes):
     reports = [o.result["report"] for o in outcomes if o.status == "ok"]
     for first_stage in (True, False):
         for it in range(ITERATIONS):
-            seen = [s for r in reports if r.counted and r.reads_first == first_stage for s in r.samples.get(it, ())]
+            seen = [s for r in reports for s in (r.embedded if first_stage else r.scored).get(it, ())]
             if first_stage and it < 3:
                 seen += list(range(0, 4))
             if not first_stage and it < 1:

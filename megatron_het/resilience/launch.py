@@ -4,6 +4,10 @@
 killed on purpose is an expected outcome, and the TCP store (heartbeats, agreement, every
 generation's process-group rendezvous) is hosted by this parent process so that it survives any
 rank. ``fn(rank, world_size, store_address, *args)`` must be a module-level function.
+
+Each rank leads its own process group, and the launcher kills every group at the end: a rank that
+was SIGKILLed cannot stop the helpers it started (megatron's checkpoint writer starts a
+multiprocessing manager on the first save), which would otherwise outlive the run as orphans.
 """
 
 from __future__ import annotations
@@ -12,6 +16,7 @@ import datetime
 import os
 import pickle
 import queue as queue_mod
+import signal
 import time
 import traceback
 from collections.abc import Callable, Sequence
@@ -36,6 +41,7 @@ class RankOutcome:
 
 
 def _child(fn, rank, world_size, address, args, queue, pg_timeout_s):
+    os.setpgid(0, 0)  # this rank and everything it starts: one group the launcher can kill
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
     import torch
 
@@ -95,4 +101,15 @@ def run_resilient_local(world_size: int, fn: Callable[..., Any], args: Sequence[
             if p.is_alive():
                 p.kill()
                 p.join()
+            kill_group(p.pid)
         del store
+
+
+def kill_group(pgid: int | None) -> None:
+    """SIGKILL what is left of a rank's process group (its orphaned helpers); no-op when empty."""
+    if pgid is None:
+        return
+    try:
+        os.killpg(pgid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass

@@ -194,7 +194,10 @@ class ResilienceHooks(TrainerHooks):
         self.routing: Routing | None = None
         self.executor: RoutedExecutor | None = None
         self.events: list[FailureEvent] = []
-        self.samples: dict[int, list[int]] = {}  # iteration -> samples this rank read (completed iterations)
+        # Accounting, per completed iteration (0-based): samples this rank embedded / scored as TP
+        # rank 0 of a first / last stage. Kept apart because a re-plan may give a rank another stage.
+        self.embedded: dict[int, list[int]] = {}
+        self.scored: dict[int, list[int]] = {}
         self._step_samples: list[int] = []
         self._bounded = False  # set_timeout applied to the current groups
 
@@ -225,7 +228,11 @@ class ResilienceHooks(TrainerHooks):
         return loss
 
     def on_step_end(self, trainer, log) -> None:
-        self.samples[log.iteration - 1] = self._step_samples
+        if trainer.role.tp_rank == 0:
+            if trainer.is_first:
+                self.embedded[log.iteration - 1] = self._step_samples
+            if trainer.is_last:
+                self.scored[log.iteration - 1] = self._step_samples
 
     def on_failure(self, trainer, iteration: int, error: BaseException) -> bool:
         detected = time.time()

@@ -39,11 +39,22 @@ class RankReport:
     status: str  # "finished" or "retired"
     losses: dict[int, float] = field(default_factory=dict)  # iteration (1-based) -> global mean loss
     elapsed_s: dict[int, float] = field(default_factory=dict)  # iteration (1-based) -> wall time of the step
-    samples: dict[int, tuple[int, ...]] = field(default_factory=dict)  # iteration (0-based) -> samples read
-    reads_first: bool = False  # samples are what a first stage embedded (else: what a last stage scored)
+    embedded: dict[int, tuple[int, ...]] = field(default_factory=dict)  # iteration (0-based) -> samples this
+    # rank embedded as TP rank 0 of a first stage
+    scored: dict[int, tuple[int, ...]] = field(default_factory=dict)  # same, scored as TP rank 0 of a last stage
     events: tuple[FailureEvent, ...] = ()  # failures this rank survived
     replans: tuple[str, ...] = ()  # one line per automatic re-plan
-    counted: bool = False  # this rank's samples count in the accounting (TP rank 0 of a first/last stage)
+
+
+class LogLines(logging.Handler):
+    """Keeps the formatted records it receives, so a spawned rank can return its log to the launcher."""
+
+    def __init__(self) -> None:
+        super().__init__(level=logging.INFO)
+        self.lines: list[str] = []  # formatted records, in order
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(self.format(record))
 
 
 def homogeneous_replan(plan: Plan, num_ranks: int) -> Plan:
@@ -73,7 +84,14 @@ def resilient_train(*, rank: int, model: ModelSpec, plan: Plan, train: TrainConf
     from megatron_het.runtime.hetero_trainer import HeteroTrainer
 
     epoch, my_rank, replans = 0, rank, []
-    losses, elapsed, samples, events = {}, {}, {}, []
+    losses, elapsed, embedded, scored, events = {}, {}, {}, {}, []
+
+    def report(status: str) -> RankReport:
+        return RankReport(rank=rank, status=status, losses=losses, elapsed_s=elapsed,
+                          embedded={k: tuple(v) for k, v in embedded.items()},
+                          scored={k: tuple(v) for k, v in scored.items()}, events=tuple(events),
+                          replans=tuple(replans))
+
     load = None
     while True:
         fault = next((f for f in faults if f.rank == rank), None) if epoch == 0 else None
@@ -94,7 +112,8 @@ def resilient_train(*, rank: int, model: ModelSpec, plan: Plan, train: TrainConf
         except ReplanRequired as req:
             survivors = dist.get_world_size() if dist.is_initialized() else 0
             events += hooks.events
-            samples.update(hooks.samples)
+            embedded.update(hooks.embedded)
+            scored.update(hooks.scored)
             hooks.close()
             new_plan = replan(plan, survivors)
             new_rank = dist.get_rank()
@@ -104,28 +123,29 @@ def resilient_train(*, rank: int, model: ModelSpec, plan: Plan, train: TrainConf
                            f"resuming from iteration {load}")
             logger.warning("rank %d: %s", rank, replans[-1])
             if new_rank >= new_plan.world_size:
-                return RankReport(rank=rank, status="retired", losses=losses, elapsed_s=elapsed,
-                                  samples={k: tuple(v) for k, v in samples.items()}, events=tuple(events),
-                                  replans=tuple(replans))
+                return report("retired")
             plan, my_rank, epoch = new_plan, new_rank, epoch + 1
             continue
         events += hooks.events
-        samples.update(hooks.samples)
+        embedded.update(hooks.embedded)
+        scored.update(hooks.scored)
         hooks.close()
-        counted = trainer.role.tp_rank == 0 and (trainer.is_first or trainer.is_last)
-        return RankReport(rank=rank, status=status, losses=losses, elapsed_s=elapsed,
-                          samples={k: tuple(v) for k, v in samples.items()}, reads_first=trainer.is_first,
-                          events=tuple(events), replans=tuple(replans), counted=counted)
+        return report(status)
 
 
 def resilient_worker(rank: int, world_size: int, address: StoreAddress, model: ModelSpec, plan: Plan,
                      train: TrainConfig, iterations: int, faults: Sequence[FaultSpec] = (),
                      config_overrides: dict | None = None, reference: bool = False, padded_vocab: int | None = None,
-                     slowdown: float | None = None) -> dict:
+                     slowdown: float | None = None, init_full_state=None) -> dict:
     """Module-level rank function for ``run_resilient_local``.
 
+    ``init_full_state``: full initial tensors (same on every rank), for runs that must resume
+    exactly from a checkpoint: a HeteroTrainer built without it initialises the last stage's copy of
+    a tied word embedding independently of the first stage's, and a checkpoint keeps only one.
+
     Returns {"reference": losses of a failure-free run of the same plan (when ``reference``),
-    "reference_elapsed": its step times, "report": RankReport of the resilient run}.
+    "reference_elapsed" / "reference_compute": its step times / forward+backward times, "report": RankReport of the resilient run, "wall_s": its wall
+    time, "log": the lines this rank logged under ``megatron_het.resilience``}.
     """
     from megatron_het.data.synthetic import synthetic_batch
     from megatron_het.platform import enable_cpu_backend
@@ -133,6 +153,8 @@ def resilient_worker(rank: int, world_size: int, address: StoreAddress, model: M
 
     enable_cpu_backend()
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(message)s")
+    log_lines = LogLines()
+    logging.getLogger("megatron_het.resilience").addHandler(log_lines)
 
     def batch_fn(iteration, indices):
         return synthetic_batch(seed=train.seed, iteration=iteration, indices=indices,
@@ -141,16 +163,18 @@ def resilient_worker(rank: int, world_size: int, address: StoreAddress, model: M
     out = {}
     if reference:
         ref = HeteroTrainer(model=model, plan=plan, train=train, batch_fn=batch_fn, padded_vocab=padded_vocab,
-                            slowdown=slowdown)
+                            slowdown=slowdown, init_full_state=init_full_state)
         logs = ref.run(iterations).iterations
         out["reference"] = {log.iteration: log.lm_loss for log in logs}
         out["reference_elapsed"] = {log.iteration: log.elapsed_s for log in logs}
+        out["reference_compute"] = {log.iteration: log.compute_s for log in logs}
         del ref
         dist.barrier()
     config = ResilienceConfig(store=address, **(config_overrides or {}))
     start = time.time()
     out["report"] = resilient_train(rank=rank, model=model, plan=plan, train=train, batch_fn=batch_fn,
                                     iterations=iterations, config=config, faults=faults,
-                                    padded_vocab=padded_vocab, slowdown=slowdown)
+                                    padded_vocab=padded_vocab, slowdown=slowdown, init_full_state=init_full_state)
     out["wall_s"] = time.time() - start
+    out["log"] = list(log_lines.lines)
     return out
