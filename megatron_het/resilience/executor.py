@@ -38,7 +38,7 @@ class RoutedExecutor:
     """Executes this rank's instance list of a RoutedSchedule inside HeteroTrainer's step."""
 
     def __init__(self, *, routing: Routing, schedule: RoutedSchedule, key: InstanceKey, tp_rank: int,
-                 on_action: ActionHook | None = None) -> None:
+                 on_action: ActionHook | None = None, sequence_parallel: bool = False) -> None:
         self.routing, self.schedule, self.key, self.tp_rank = routing, schedule, key, tp_rank
         self.actions = schedule.actions[key]
         self.on_action = on_action
@@ -54,7 +54,8 @@ class RoutedExecutor:
 
             link = BoundaryLink(tp_rank=tp_rank, tp=len(mine.ranks),
                                 prev=neighbour(pipe.hops[s - 1]) if s > 0 else None,
-                                next=neighbour(pipe.hops[s + 1]) if s + 1 < len(pipe.hops) else None)
+                                next=neighbour(pipe.hops[s + 1]) if s + 1 < len(pipe.hops) else None,
+                                sequence_parallel=sequence_parallel)
             for g in pipe.micro_batches:
                 self.links[g] = link
         self.samples: list[int] = []  # sample indices this rank read in the last iteration (accounting)

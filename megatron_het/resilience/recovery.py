@@ -120,6 +120,10 @@ def rebind_trainer(trainer, routing: Routing, old_rank: int) -> None:
 
     pgc, _ = build_stage_groups(instances_plan(routing, trainer.plan))
     gpt = build_gpt_stage(trainer.stage, trainer.config, pgc)
+    if trainer.stage_plan.tp_comm_overlap:  # the new stage model takes the overlapped path like the old one
+        from megatron_het.comm.overlap_megatron import apply_tp_comm_overlap
+
+        trainer.overlap_report = apply_tp_comm_overlap(gpt, chunks=trainer.train.tp_comm_overlap_chunks)
     gpt.load_state_dict(trainer.gpt.state_dict())
     opt_state = trainer.optimizer.state_dict()
     trainer.gpt, trainer.pgc = gpt, pgc
@@ -132,7 +136,8 @@ def rebind_trainer(trainer, routing: Routing, old_rank: int) -> None:
         lr=trainer.train.lr, betas=(trainer.train.adam_beta1, trainer.train.adam_beta2), eps=trainer.train.adam_eps)
     trainer.optimizer.load_state_dict(opt_state)  # same parameter order: state moves by position
     trainer.sync = GradientSynchronizer(trainer._holdings(), trainer.params)  # plain groups among survivors
-    trainer.link = BoundaryLink(tp_rank=trainer.role.tp_rank, tp=trainer.role.tp_size, prev=None, next=None)
+    trainer.link = BoundaryLink(tp_rank=trainer.role.tp_rank, tp=trainer.role.tp_size, prev=None, next=None,
+                                sequence_parallel=trainer.plan.sequence_parallel)
 
 
 def _groups() -> list:
@@ -283,7 +288,8 @@ class ResilienceHooks(TrainerHooks):
         key = routing.instance_of(self.rank).key
         self.routing = routing
         self.executor = RoutedExecutor(routing=routing, schedule=sched, key=key, tp_rank=trainer.role.tp_rank,
-                                       on_action=lambda it, i, a: self.on_action(trainer, it, i, a))
+                                       on_action=lambda it, i, a: self.on_action(trainer, it, i, a),
+                                       sequence_parallel=trainer.plan.sequence_parallel)
         event = FailureEvent(generation=self.generation, iteration=iteration, failed=agreement.failed,
                              error=first_line, detected_at=detected, agreed_at=agreed, resumed_at=time.time(),
                              decision=f"{decision.action}: {decision.reason}", takeovers=tuple(describe(routing)),
