@@ -212,10 +212,9 @@ def plan_from_dict(d: Mapping[str, object], *, source: str | None = None) -> Pla
     )
 
 
-def save_plan(plan: Plan, path: str | os.PathLike[str]) -> None:
+def write_text_atomic(path: str | os.PathLike[str], text: str) -> None:
     """Atomic write: a reader sees the old file or the new one, never a partial file."""
     target = Path(path)
-    text = plan_to_json(plan)
     fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent or ".")
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as f:
@@ -226,6 +225,11 @@ def save_plan(plan: Plan, path: str | os.PathLike[str]) -> None:
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+def save_plan(plan: Plan, path: str | os.PathLike[str]) -> None:
+    """Atomic write (see write_text_atomic)."""
+    write_text_atomic(path, plan_to_json(plan))
 
 
 def load_plan(path: str | os.PathLike[str]) -> Plan:
