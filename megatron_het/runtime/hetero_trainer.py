@@ -114,6 +114,37 @@ class TrainerHooks:
         return False
 
 
+class ChainedHooks(TrainerHooks):
+    """Several hooks as one (e.g. TensorBoard logging and fault tolerance): every hook sees every
+    event in order; the first executor that does not return None runs the iteration; a failure is
+    repaired as soon as one hook repairs it."""
+
+    def __init__(self, *hooks: TrainerHooks) -> None:
+        self.hooks = tuple(hooks)  # called in this order
+
+    def on_step_start(self, trainer: "HeteroTrainer", iteration: int) -> None:
+        for h in self.hooks:
+            h.on_step_start(trainer, iteration)
+
+    def run_actions(self, trainer: "HeteroTrainer", iteration: int, times: "StageTimes") -> torch.Tensor | None:
+        for h in self.hooks:
+            loss = h.run_actions(trainer, iteration, times)
+            if loss is not None:
+                return loss
+        return None
+
+    def on_action(self, trainer: "HeteroTrainer", iteration: int, index: int, action) -> None:
+        for h in self.hooks:
+            h.on_action(trainer, iteration, index, action)
+
+    def on_step_end(self, trainer: "HeteroTrainer", log: "HeteroIterationLog") -> None:
+        for h in self.hooks:
+            h.on_step_end(trainer, log)
+
+    def on_failure(self, trainer: "HeteroTrainer", iteration: int, error: BaseException) -> bool:
+        return any(h.on_failure(trainer, iteration, error) for h in self.hooks)
+
+
 class HeteroTrainer:
     """Builds this rank's stage from a plan and trains it. Call the constructor on every rank."""
 
