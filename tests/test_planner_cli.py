@@ -60,3 +60,16 @@ def test_predict_homogeneous_form():
     res = _run("predict.py", "--cluster", "examples/clusters/cpu-demo.yaml", "--model", "examples/models/tiny-cpu.yaml",
                "--tp", "1", "--pp", "1", "--dp", "1", "--micro-batch-size", "1", "--global-batch-size", "4")
     assert res.returncode == 1 and "one-island cluster" in res.stderr and "Traceback" not in res.stderr
+
+
+def test_predict_reads_a_sharded_plan_written_by_plan(tmp_path):
+    out = tmp_path / "sharded.json"
+    res = _run("plan.py", *CPU_DEMO, "--global-batch-size", "16", "--mode", "sharded", "--no-progress",
+               "--output", str(out))
+    assert res.returncode == 0, res.stderr
+    res = _run("predict.py", *CPU_DEMO, "--plan", str(out), "--json")
+    assert res.returncode == 0, res.stderr
+    got = json.loads(res.stdout)
+    assert got["mode"] == "sharded" and got["iteration_time_s"] > 0 and len(got["ranks"]) == 4
+    text = _run("predict.py", *CPU_DEMO, "--plan", str(out))
+    assert text.returncode == 0 and "all-gather" in text.stdout and text.stdout.count("rank ") == 4

@@ -24,7 +24,9 @@ except ImportError:  # run from a checkout without installation
 from megatron_het.cluster import ConfigError, load_cluster, load_model
 from megatron_het.perf import load_profile, predict
 from megatron_het.plan import Plan, PlanError, homogeneous_plan, layer_split, validate_plan
+from megatron_het.planner.sharded import predict_sharded
 from megatron_het.schedule import ScheduleError
+from megatron_het.sharding.plan import ShardedPlan, load_any_plan, validate_sharded_plan
 
 
 def _homogeneous(args, model, cluster) -> Plan:
@@ -69,11 +71,14 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("pass --plan, or all of --tp --pp --dp --micro-batch-size --global-batch-size")
     try:
         model, cluster = load_model(args.model), load_cluster(args.cluster)
-        plan = Plan.load(args.plan) if args.plan else _homogeneous(args, model, cluster)
-        validate_plan(plan, model, cluster)
+        plan = load_any_plan(args.plan) if args.plan else _homogeneous(args, model, cluster)
         profiles = [load_profile(p) for p in args.profile] or None
+        if isinstance(plan, ShardedPlan):
+            validate_sharded_plan(plan, cluster)
+            return _print_sharded(predict_sharded(plan, model, cluster, profile=profiles), args.json)
+        validate_plan(plan, model, cluster)
         pred = predict(plan, model, cluster, profile=profiles)
-    except (ConfigError, PlanError, ScheduleError) as err:
+    except (ConfigError, PlanError, ScheduleError, ValueError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 1
     if args.json:
@@ -94,6 +99,18 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{ri:<7} {si:<5} {s.island:<13} {s.device_type:<11} {s.tp:<3} {s.layers[0]}-{s.layers[1]:<6} "
                   f"{1e3 * s.forward_s:<9.4g} {1e3 * s.backward_s:<9.4g} {s.idle_s:<9.4g} "
                   f"{s.memory_gib:.2f} / {s.capacity_gib:g}{'' if s.fits else '  DOES NOT FIT'}")
+    return 0
+
+
+def _print_sharded(pred, as_json: bool) -> int:
+    if as_json:
+        print(json.dumps(pred.to_json_dict(), indent=2))
+        return 0
+    print(f"iteration time  {pred.iteration_time_s:.4g} s (compute {pred.compute_s:.4g}, all-gather "
+          f"{pred.all_gather_s:.4g}, reduce-scatter {pred.reduce_scatter_s:.4g}, optimizer {pred.optimizer_s:.4g})")
+    print(f"throughput      {pred.tokens_per_s:.4g} tokens/s; fits: {pred.fits}")
+    for i, r in enumerate(pred.ranks):
+        print(f"rank {i}: {json.dumps(r.to_json_dict())}")
     return 0
 
 
