@@ -19,8 +19,8 @@ from __future__ import annotations
 import dataclasses
 import os
 import shutil
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Mapping
 
 import torch
 import torch.distributed as dist
@@ -28,13 +28,14 @@ import torch.distributed as dist
 import megatron_het.platform  # noqa: F401  (triton import guard)
 from megatron_het.checkpoint.tp_layout import local_pieces
 from megatron_het.cluster import ModelSpec
+from megatron_het.errors import UserError
 
 TRACKER = "latest_checkpointed_iteration.txt"
 FORMAT = "megatron-het-checkpoint"
 FORMAT_VERSION = 1
 
 
-class CheckpointError(ValueError):
+class CheckpointError(UserError):
     """A checkpoint that cannot be used here; the message names the field and the fix."""
 
 

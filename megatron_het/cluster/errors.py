@@ -5,10 +5,12 @@ from __future__ import annotations
 import difflib
 from collections.abc import Iterable
 
+from megatron_het.errors import UserError
+
 __all__ = ["ConfigError", "suggest"]
 
 
-class ConfigError(ValueError):
+class ConfigError(UserError):
     """Bad user input. ``str(err)`` is the whole human message, ready to print.
 
     Format: ``"{file}: {field}: {problem} (got {value!r}). Fix: {fix}"``; the ``file``
@@ -24,16 +26,7 @@ class ConfigError(ValueError):
         fix: str,
         file: str | None = None,
     ) -> None:
-        self.problem = problem  # what is wrong, e.g. "must be >= 1"
-        self.field = field  # path to the offending field, e.g. "islands[1].device"
-        self.value = value  # the offending value as read
-        self.fix = fix  # what the user should do
-        self.file = file  # the file it came from, None for in-code input
-        super().__init__(self._message())
-
-    def _message(self) -> str:
-        where = f"{self.file}: " if self.file else ""
-        return f"{where}{self.field}: {self.problem} (got {self.value!r}). Fix: {self.fix}"
+        super().__init__(problem, field=field, value=value, fix=fix, file=file)
 
     def located(self, *, file: str | None = None, prefix: str = "") -> ConfigError:
         """Same error with ``prefix`` put before the field path and ``file`` filled in.

@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Mapping, Sequence
+
+from megatron_het.errors import UserError
 
 TORCH_BACKENDS = ("nccl", "gloo")  # torch names: RCCL is torch's "nccl" on ROCm builds
 
 
-class CommConfigError(ValueError):
+class CommConfigError(UserError):
     """A hierarchical group was asked for with inconsistent ranks, islands or settings."""
 
 

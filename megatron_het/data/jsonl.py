@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+from megatron_het.errors import UserError
 import json
 from collections.abc import Iterator
 from pathlib import Path
 
 
-class DataInputError(ValueError):
+class DataInputError(UserError):
     """A corpus, tokenizer or dataset input is missing or malformed; str() is the whole message."""
 
 

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+from megatron_het.errors import UserError
 
-class PlanError(ValueError):
+
+class PlanError(UserError):
     """A plan is malformed or does not fit the model or cluster.
 
     ``str()`` is the whole human message:
@@ -13,10 +15,5 @@ class PlanError(ValueError):
     def __init__(
         self, *, field: str, value: object, problem: str, fix: str, file: str | None = None
     ) -> None:
-        self.file = file  # plan file the bad value came from, when known
-        self.field = field  # dotted/indexed path, e.g. "replicas[1].stages[0].ranks"
-        self.value = value  # the offending value
-        self.problem = problem  # what is wrong, with the limit when there is one
-        self.fix = fix  # what the user should change
-        prefix = f"{file}: " if file else ""
-        super().__init__(f"{prefix}{field}: {problem} (got {value!r}). Fix: {fix}")
+        # field: dotted/indexed path, e.g. "replicas[1].stages[0].ranks"; file: the plan file, when known
+        super().__init__(problem, field=field, value=value, fix=fix, file=file)

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+from megatron_het.errors import UserError
 
-class ScheduleError(ValueError):
+
+class ScheduleError(UserError):
     """A schedule is malformed, incomplete or deadlocks.
 
     ``str()`` is ``"{field}: {problem} (got {value!r}). Fix: {fix}"``, followed by a rank x time
@@ -13,10 +15,8 @@ class ScheduleError(ValueError):
     def __init__(
         self, *, field: str, value: object, problem: str, fix: str, grid: str | None = None
     ) -> None:
-        self.field = field  # what is wrong, e.g. "actions[1][4]" or "num_micro_batches"
-        self.value = value  # the offending value
-        self.problem = problem  # what is wrong, with the limit when there is one
-        self.fix = fix  # what to change
+        # field: e.g. "actions[1][4]" or "num_micro_batches"
         self.grid = grid  # rendered grid of what ran before the problem, or None
-        message = f"{field}: {problem} (got {value!r}). Fix: {fix}"
-        super().__init__(message + ("\n" + grid if grid else ""))
+        super().__init__(problem, field=field, value=value, fix=fix)
+        if grid:
+            self.args = (self.format() + "\n" + grid,)

@@ -7,12 +7,13 @@ rank's real parameter count, shard fraction, micro-batch size and recompute choi
 
 from __future__ import annotations
 
+from megatron_het.errors import UserError
 from megatron_het.perf.memory import StageMemory
 
 __all__ = ["MemoryBudgetError", "check_budget"]
 
 
-class MemoryBudgetError(ValueError):
+class MemoryBudgetError(UserError):
     """A rank's predicted peak exceeds its emulated memory budget."""
 
     def __init__(self, message: str, *, rank: int, needed_bytes: int, budget_bytes: int) -> None:

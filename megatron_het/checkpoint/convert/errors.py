@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from megatron_het.errors import UserError
 
-class ConvertError(ValueError):
+
+class ConvertError(UserError):
     """A checkpoint that cannot be converted; the message names the tensor or field and the fix."""
