@@ -4,13 +4,17 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PYTEST_ARGS ?=
 
-.PHONY: env test test-all test-slow demo clean
+.PHONY: env lint test test-all test-slow demo clean
 
 env:
 	@VENV=$(VENV) bash scripts/bootstrap_env.sh
 
+# ruff (ruff.toml); `make test` runs it first.
+lint: env
+	$(VENV)/bin/ruff check .
+
 # Default suite: everything except tests marked `slow` (long multi-process runs).
-test: env
+test: env lint
 	$(PY) -m pytest -q -m "not slow" $(PYTEST_ARGS)
 
 # Only the long multi-process runs, and everything together.

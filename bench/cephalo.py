@@ -26,10 +26,8 @@ import json
 import os
 import platform
 import statistics
-import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
 
 from megatron_het.cluster import CATALOG, ClusterSpec, IslandEmulation, IslandSpec, LinkSpec, ModelSpec  # noqa: E402
 from megatron_het.perf.flops import total_parameters  # noqa: E402
@@ -181,7 +179,7 @@ def main() -> None:
     ap.add_argument("--iters", type=int, default=6, help="timed iterations per case per round")
     ap.add_argument("--rounds", type=int, default=2, help="A B A B rounds")
     args = ap.parse_args()
-    started = datetime.datetime.now(datetime.timezone.utc)
+    started = datetime.datetime.now(datetime.UTC)
 
     planner = planner_figures()
     choice = choose_cpu_mode()
@@ -256,7 +254,7 @@ def main() -> None:
         "mode_choice": mode_choice,
     }
     figures = {"planner": planner, "emulated": emulated,
-               "wall_s": round((datetime.datetime.now(datetime.timezone.utc) - started).total_seconds(), 1)}
+               "wall_s": round((datetime.datetime.now(datetime.UTC) - started).total_seconds(), 1)}
     targets = {"memory": "equal shards infeasible where memory-proportional ones fit (planner and runtime); "
                          "plan_best picks the sharded mode where the pipeline search cannot fit",
                "mode": "plan_best picks the sharded mode when it is predicted faster; measured gain vs the "

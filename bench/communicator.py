@@ -41,15 +41,12 @@ import platform
 import re
 import shutil
 import subprocess
-import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import torch
 import torch.distributed as dist
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from megatron_het.comm import IslandMembership, new_hierarchical_group  # noqa: E402
 from megatron_het.platform.local_launch import run_local  # noqa: E402
@@ -290,7 +287,7 @@ def main(argv: list[str] | None = None) -> None:
         "targets": targets, "command": command,
         "machine": {"cpu_count": os.cpu_count(), "python": platform.python_version(),
                     "torch": torch.__version__, "platform": platform.platform()},
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
     }, indent=2) + "\n")
     print(f"\nwrote {args.out} ({time.time() - started:.0f} s)")
 

@@ -8,7 +8,7 @@ as a device of its own). Two CPU-emulated clusters:
 Plans cover uneven pipeline splits (1F1B and GPipe, either island first), data parallelism with
 equal and speed-proportional micro-batch counts, TP2 and a homogeneous PP2.
 
-Profile: tools/profile.py (layers, embedding, output layer + loss, AdamW step) with ``--concurrent 2
+Profile: tools/profile_host.py (layers, embedding, output layer + loss, AdamW step) with ``--concurrent 2
 --threads 1``: two processes measure together, every repetition started at once, as the two
 training ranks compute (measured here: two processes computing at once each run ~1.5x slower than
 one alone, so the 2 vCPUs are not independent cores); then ``--tp-sizes 2`` (layers on two
@@ -39,14 +39,13 @@ import tempfile
 from dataclasses import replace
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
 
 from megatron_het.cluster import ModelSpec, load_cluster  # noqa: E402
-from megatron_het.profiling.links import fit_link, measure_link  # noqa: E402
 from megatron_het.perf.profile import MeasuredLink, Profile, load_profile, save_profile  # noqa: E402
 from megatron_het.plan import Plan, ReplicaPlan, StagePlan  # noqa: E402
 from megatron_het.plan.serialize import save_plan  # noqa: E402
 from megatron_het.platform.local_launch import run_local  # noqa: E402
+from megatron_het.profiling.links import fit_link, measure_link  # noqa: E402
 
 MODEL = ModelSpec(num_layers=8, hidden_size=256, num_attention_heads=8, seq_length=128, vocab_size=1000)
 CLUSTERS = {"pair": "examples/clusters/cpu-pair.yaml", "cpu2": "examples/clusters/cpu-2.yaml"}
@@ -101,10 +100,10 @@ def _rank(rank, world_size, argv):
 
 
 def measure_profiles(tag: str) -> tuple[list[str], str]:
-    """tools/profile.py on two processes at once, one thread each (as the two ranks run), then the
+    """tools/profile_host.py on two processes at once, one thread each (as the two ranks run), then the
     TP=2 layers on two processes (as the TP2 plan runs); their output files."""
     outs = [os.path.join(ROOT, "bench", "results", f".fidelity_profile_{tag}_{i}.json") for i in range(2)]
-    cmd = [sys.executable, os.path.join(ROOT, "tools/profile.py"), "--num-layers", "2", "--hidden-size",
+    cmd = [sys.executable, os.path.join(ROOT, "tools/profile_host.py"), "--num-layers", "2", "--hidden-size",
            str(MODEL.hidden_size), "--num-attention-heads", str(MODEL.num_attention_heads), "--seq-length",
            str(MODEL.seq_length), "--micro-batch-sizes", str(MICRO_BATCH), "--threads", "1", "--repeats", "7",
            "--device", "CPU"]
@@ -206,7 +205,7 @@ def main() -> int:
                   "ranks": 2, "threads_per_rank": 1},
         "machine": {"cpus": os.cpu_count(), "python": platform.python_version(), "platform": platform.platform(),
                     "load_average": os.getloadavg()},
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
     }
     with open(OUT, "w") as f:
         json.dump(result, f, indent=2)

@@ -23,14 +23,11 @@ import json
 import os
 import platform
 import statistics
-import sys
 import time
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from megatron_het.comm.overlap import all_gather_linear, linear_reduce_scatter  # noqa: E402
 from megatron_het.perf.axonn import chunked_overlap_time  # noqa: E402
@@ -184,7 +181,7 @@ def main() -> None:
         "machine": {"platform": platform.platform(), "processor": platform.processor(),
                     "cpus": os.cpu_count(), "torch": torch.__version__,
                     "load_average_at_end": os.getloadavg()},
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
     }, indent=2) + "\n")
     print(f"wrote {OUT}")
 

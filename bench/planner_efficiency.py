@@ -21,7 +21,6 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
 
 from megatron_het.cluster import CATALOG, ClusterSpec, IslandSpec, LinkSpec, ModelSpec, load_model  # noqa: E402
 from megatron_het.perf import predict  # noqa: E402
@@ -115,7 +114,7 @@ def main() -> int:
     out = {"figures": figures,
            "targets": {"ratio_to_upper_min": 0.95, "met": min(ratios) >= 0.95, "min_ratio": min(ratios)},
            "command": "python bench/planner_efficiency.py", "machine": machine(),
-           "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
+           "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")}
     (ROOT / "bench/results/planner_efficiency.json").write_text(json.dumps(out, indent=2) + "\n")
     return 0
 

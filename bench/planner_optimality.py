@@ -20,7 +20,6 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
 
 from megatron_het.cluster import CATALOG, ClusterSpec, IslandSpec, LinkSpec, ModelSpec, load_model  # noqa: E402
 from megatron_het.planner import InfeasibleError, plan_cluster  # noqa: E402
@@ -92,7 +91,7 @@ def main() -> int:
     out = {"figures": {"cases": figures, "summary": summary},
            "targets": {"gap_percent_max": 1.0, "met": summary["worst_gap_percent"] <= 1.0},
            "command": "python bench/planner_optimality.py", "machine": machine(),
-           "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
+           "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")}
     (ROOT / "bench/results/planner_optimality.json").write_text(json.dumps(out, indent=2) + "\n")
     return 0
 

@@ -18,7 +18,6 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
 
 from megatron_het.cluster import CATALOG, ClusterSpec, IslandSpec, LinkSpec, load_model  # noqa: E402
 from megatron_het.planner import describe_plan, plan_cluster  # noqa: E402
@@ -65,7 +64,7 @@ def main() -> int:
                                "16384": figures[3]["planning_time_s"] <= 60.0}},
            "command": "python bench/planner_scale.py",
            "machine": {**machine(), "load_average": os.getloadavg()},
-           "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
+           "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")}
     (ROOT / "bench/results/planner_scale.json").write_text(json.dumps(out, indent=2) + "\n")
     return 0
 

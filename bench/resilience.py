@@ -48,7 +48,6 @@ import tempfile
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
 
 from megatron_het.cluster import ModelSpec, load_cluster  # noqa: E402
 from megatron_het.plan import Plan, ReplicaPlan, StagePlan  # noqa: E402
@@ -238,7 +237,7 @@ def main() -> None:
         "command": "python bench/resilience.py " + " ".join(sys.argv[1:]),
         "machine": {"cpu_count": os.cpu_count(), "python": platform.python_version(), "platform": platform.platform(),
                     "load_average": list(os.getloadavg())},
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
     }
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out, "w") as f:

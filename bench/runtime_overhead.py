@@ -23,7 +23,6 @@ import statistics
 import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
 
 from megatron_het.cluster import ModelSpec, load_cluster  # noqa: E402
 from megatron_het.plan import Plan, ReplicaPlan, StagePlan  # noqa: E402
@@ -68,7 +67,6 @@ def _rank(rank, world_size, train, order, rounds, cluster_path):
 
     import torch.distributed as dist
 
-    from megatron_het.data.synthetic import synthetic_batch
     from megatron_het.platform import enable_cpu_backend
     from megatron_het.runtime.hetero_trainer import HeteroTrainer, plan_padded_vocab
     from megatron_het.runtime.megatron_trainer import train_megatron_block
@@ -136,7 +134,7 @@ def main() -> int:
                   "warmup": WARMUP, "rounds": args.rounds, "ranks": 4},
         "machine": {"cpus": os.cpu_count(), "python": platform.python_version(), "platform": platform.platform(),
                     "torch": __import__("torch").__version__},
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
     }
     os.makedirs(os.path.join(ROOT, "bench", "results"), exist_ok=True)
     with open(os.path.join(ROOT, "bench", "results", "runtime_overhead.json"), "w") as f:

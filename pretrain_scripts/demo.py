@@ -15,7 +15,6 @@ import sys
 from pathlib import Path
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
 
 RUN = os.path.join(ROOT, "runs", "demo")
 DATA = os.path.join(RUN, "data")

@@ -8,10 +8,7 @@
 Thin: everything lives in megatron_het.runtime.pretrain (parse, build, train, close).
 """
 
-import os
 import sys
-
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megatron_het.runtime.pretrain import main  # noqa: E402
 

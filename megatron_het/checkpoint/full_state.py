@@ -14,8 +14,8 @@ reads ``embedding.word_embeddings.weight``.
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Mapping
 
 import torch
 

@@ -7,8 +7,8 @@ every rank calls it with the same arguments in the same order, members or not.
 from __future__ import annotations
 
 import datetime
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import torch
 import torch.distributed as dist

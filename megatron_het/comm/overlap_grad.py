@@ -28,12 +28,13 @@ keep their bucket from firing; ``reduce()`` then launches it (zeros filled in, a
 
 from __future__ import annotations
 
-from typing import Any, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from megatron_het.runtime.grad_sync import Bucket, GradientSynchronizer, Holding
+from megatron_het.runtime.grad_sync import GradientSynchronizer, Holding
 
 __all__ = ["OverlappedGradientSynchronizer"]
 

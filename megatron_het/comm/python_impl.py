@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import itertools
 import time
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 import torch.distributed as dist

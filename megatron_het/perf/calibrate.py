@@ -1,6 +1,6 @@
 """Put measured communication in place of a cluster file's nominal link figures.
 
-A profile's ``link`` (tools/profile.py ``--comm-ranks``) is an alpha-beta channel fitted to
+A profile's ``link`` (tools/profile_host.py ``--comm-ranks``) is an alpha-beta channel fitted to
 collectives between processes of the host where it was measured. It stands for:
 - the intra-node link of every island whose device type is the profile's (same kind of host);
 - on an emulated cluster whose islands are all of that device type, every other link too: every

@@ -9,7 +9,7 @@ Backward is twice the forward for both kinds (two GEMMs per forward GEMM; elemen
 reads the saved input and the incoming gradient and writes a gradient).
 
 The per-vendor curve defaults are rough, documented guesses meant to be replaced by a profile
-(``tools/profile.py``): NVIDIA cuBLAS reaches ~70% of dense peak on large bf16 GEMMs and half of
+(``tools/profile_host.py``): NVIDIA cuBLAS reaches ~70% of dense peak on large bf16 GEMMs and half of
 that near m=128; AMD (rocBLAS/hipBLASLt) saturates lower and later; CPUs (oneDNN/MKL) saturate
 early but far below their nominal peak.
 """

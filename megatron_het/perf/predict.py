@@ -34,9 +34,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from megatron_het.cluster import ClusterSpec, DeviceType, IslandSpec, ModelSpec
+from megatron_het.perf.calibrate import with_measured_links
 from megatron_het.perf.comm import activation_message_bytes, dp_gradient_reduction, p2p_time, tp_layer_comm_times
 from megatron_het.perf.compute import embedding_times, layer_times, logits_times
-from megatron_het.perf.calibrate import with_measured_links
 from megatron_het.perf.flops import model_flops_per_iteration, stage_parameters
 from megatron_het.perf.memory import (
     GRAD_BYTES,

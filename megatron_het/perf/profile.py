@@ -1,6 +1,6 @@
 """Measured per-layer times: the profile file format, its loader, and lookup by layer shape.
 
-Format (JSON, written by ``tools/profile.py``)::
+Format (JSON, written by ``tools/profile_host.py``)::
 
     {"format": "megatron-het-profile", "version": 1,
      "device": "CPU",                       # catalog name of the device type measured
@@ -16,7 +16,7 @@ false (true: measured on ``tp`` ranks together, the times include the TP collect
 median wall time of one layer's forward (backward) for one micro-batch; ``peak_memory_bytes`` is
 parameters plus the tensors autograd saved for backward.
 
-Optional sections (``tools/profile.py --vocab-size``, ``--optimizer``, ``--comm-ranks``)::
+Optional sections (``tools/profile_host.py --vocab-size``, ``--optimizer``, ``--comm-ranks``)::
 
      "parts": [{"part": "embedding", "hidden_size": 256, "vocab_size": 1024, "seq_length": 128,
                 "micro_batch_size": 2, "tp": 1, "forward_s": 0.0004, "backward_s": 0.0009}],
@@ -170,7 +170,7 @@ def _part_from_dict(data: object, path: str) -> PartEntry:
     part = as_str(data["part"], join(path, "part"))
     if part not in PART_NAMES:
         raise ConfigError(f"unknown part (known: {', '.join(PART_NAMES)})", field=join(path, "part"), value=part,
-                          fix="regenerate the profile with tools/profile.py")
+                          fix="regenerate the profile with tools/profile_host.py")
     return PartEntry(part=part, **{k: as_int(data[k], join(path, k)) for k in _PART_INT_KEYS},
                      forward_s=as_float(data["forward_s"], join(path, "forward_s")),
                      backward_s=as_float(data["backward_s"], join(path, "backward_s")))
@@ -188,7 +188,7 @@ def _link_from_dict(data: object, path: str) -> MeasuredLink:
         op = as_str(item["op"], join(sp, "op"))
         if op not in _COMM_OPS:
             raise ConfigError(f"unknown operation (known: {', '.join(_COMM_OPS)})", field=join(sp, "op"), value=op,
-                              fix="regenerate the profile with tools/profile.py")
+                              fix="regenerate the profile with tools/profile_host.py")
         samples.append((op, as_int(item["bytes"], join(sp, "bytes")), as_float(item["seconds"], join(sp, "seconds"))))
     return MeasuredLink(ranks=as_int(data["ranks"], join(path, "ranks")),
                         latency_us=as_float(data["latency_us"], join(path, "latency_us"), inclusive=True),
@@ -206,14 +206,14 @@ def profile_from_dict(data: object, *, source: str | None = None) -> Profile:
                    required=("format", "version", "device", "entries"))
         if data["format"] != PROFILE_FORMAT:
             raise ConfigError("not a megatron-het profile", field="format", value=data["format"],
-                              fix=f"set \"format\": \"{PROFILE_FORMAT}\" or regenerate it with tools/profile.py")
+                              fix=f"set \"format\": \"{PROFILE_FORMAT}\" or regenerate it with tools/profile_host.py")
         if data["version"] != PROFILE_VERSION:
             raise ConfigError(f"unsupported version (this code reads {PROFILE_VERSION})", field="version",
-                              value=data["version"], fix="regenerate the profile with tools/profile.py")
+                              value=data["version"], fix="regenerate the profile with tools/profile_host.py")
         raw = as_list(data["entries"], "entries", example='[{"hidden_size": 256, ...}]')
         if not raw:
             raise ConfigError("a profile needs at least one entry", field="entries", value=raw,
-                              fix="regenerate the profile with tools/profile.py")
+                              fix="regenerate the profile with tools/profile_host.py")
         entries = tuple(_entry_from_dict(e, join("entries", i)) for i, e in enumerate(raw))
         seen: dict[tuple[object, ...], int] = {}
         for i, e in enumerate(entries):
@@ -276,10 +276,10 @@ def load_profile(path: str | Path) -> Profile:
         data = json.loads(path.read_text())
     except FileNotFoundError:
         raise ConfigError("file not found", field="profile", value=str(path),
-                          fix="pass the JSON written by tools/profile.py") from None
+                          fix="pass the JSON written by tools/profile_host.py") from None
     except json.JSONDecodeError as err:
         raise ConfigError(f"not valid JSON ({err.msg} at line {err.lineno})", field="profile", value=str(path),
-                          fix="regenerate the profile with tools/profile.py") from None
+                          fix="regenerate the profile with tools/profile_host.py") from None
     return profile_from_dict(data, source=str(path))
 
 

@@ -18,10 +18,10 @@ from dataclasses import dataclass
 import numpy as np
 
 from megatron_het.cluster import ClusterSpec, ModelSpec
+from megatron_het.perf.calibrate import with_measured_links
 from megatron_het.perf.comm import activation_message_bytes, dp_gradient_reduction, p2p_time
 from megatron_het.perf.flops import stage_parameters
 from megatron_het.perf.memory import GRAD_BYTES, device_capacity_bytes, stage_memory
-from megatron_het.perf.calibrate import with_measured_links
 from megatron_het.perf.predict import (
     StageCost,
     bucket_parameters,
@@ -180,7 +180,7 @@ class Estimator:
 
     def evaluate(self, templates: Sequence[Template], mbs: int, recompute: bool) -> Estimate | str:
         """The estimate, or a reason string when the point is infeasible."""
-        model, L = self.model, self.model.num_layers
+        L = self.model.num_layers
         total_mb = self.global_batch_size // mbs
         replicas = sum(t.count for t in templates)
         if replicas > total_mb:

@@ -31,8 +31,8 @@ from megatron_het.plan.types import Plan
 from megatron_het.plan.validate import validate_plan
 from megatron_het.planner.errors import InfeasibleError
 from megatron_het.planner.estimate import Estimate, Estimator
-from megatron_het.planner.refine import hill_climb
 from megatron_het.planner.explain import explain_choice, island_infeasibility
+from megatron_het.planner.refine import hill_climb
 from megatron_het.planner.space import Segment, Template, build_plan, tp_options
 
 __all__ = ["PlannerResult", "plan_cluster", "with_seq_length"]

@@ -24,8 +24,9 @@ import functools
 import importlib
 import logging
 import types
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import torch
 

@@ -13,7 +13,8 @@ import os
 import pickle
 import socket
 import traceback
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch.multiprocessing as mp
 

@@ -1,4 +1,4 @@
-"""Measure layers, stage parts and the optimizer step on this host (``tools/profile.py``'s engine).
+"""Measure layers, stage parts and the optimizer step on this host (``tools/profile_host.py``'s engine).
 
 The layers are megatron-core ``TransformerLayer``s built from the local layer spec
 (``get_gpt_layer_local_spec``), run on CPU after ``megatron_het.platform.enable_cpu_backend()`` in a

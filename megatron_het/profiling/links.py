@@ -1,5 +1,5 @@
 """Measure this host's communication for a profile: gloo all-reduce and send/recv between local
-processes, and the alpha-beta channel that fits them (used by ``tools/profile.py --comm-ranks``).
+processes, and the alpha-beta channel that fits them (used by ``tools/profile_host.py --comm-ranks``).
 
 The fit is the model's own formula (perf/comm.py): a ring all-reduce over ``n`` ranks costs
 ``2(n-1) alpha + 2(n-1)/n S / B``, a send ``alpha + S / B``. Least squares in relative error

@@ -12,8 +12,8 @@ MI250X still routes their shared groups through the bridge, so the same path is 
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Mapping, Sequence
 
 import torch
 import torch.distributed as dist

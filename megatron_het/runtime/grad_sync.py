@@ -28,8 +28,8 @@ buckets of about that many elements in backward order, so an overlapped reductio
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Iterable, Mapping, Sequence
 
 import torch
 import torch.distributed as dist

@@ -21,17 +21,24 @@ from __future__ import annotations
 import logging
 import math
 import time
-from dataclasses import dataclass, field
-from typing import Callable, Mapping
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
-from megatron_het.checkpoint.full_state import Shard, global_name, load_full_state, local_shards, TIED_OUTPUT, WORD_EMBEDDING
+from megatron_het.checkpoint.full_state import (
+    TIED_OUTPUT,
+    WORD_EMBEDDING,
+    Shard,
+    global_name,
+    load_full_state,
+    local_shards,
+)
+from megatron_het.checkpoint.tp_layout import is_glu
 from megatron_het.cluster import ClusterSpec, ModelSpec
 from megatron_het.plan import Plan
 from megatron_het.plan.validate import check_tp_comm_overlap
-from megatron_het.checkpoint.tp_layout import is_glu
 from megatron_het.runtime.boundary import BoundaryLink, Neighbour
 from megatron_het.runtime.comm_routing import rank_placement
 from megatron_het.runtime.gpt_model import StageModelSpec, build_gpt_stage, padded_vocab_size, transformer_config
@@ -98,19 +105,19 @@ class TrainerHooks:
     of an iteration and return True to redo that iteration (gradients are zeroed again).
     """
 
-    def on_step_start(self, trainer: "HeteroTrainer", iteration: int) -> None:
+    def on_step_start(self, trainer: HeteroTrainer, iteration: int) -> None:
         return None
 
-    def run_actions(self, trainer: "HeteroTrainer", iteration: int, times: "StageTimes") -> torch.Tensor | None:
+    def run_actions(self, trainer: HeteroTrainer, iteration: int, times: StageTimes) -> torch.Tensor | None:
         return None
 
-    def on_action(self, trainer: "HeteroTrainer", iteration: int, index: int, action) -> None:
+    def on_action(self, trainer: HeteroTrainer, iteration: int, index: int, action) -> None:
         return None
 
-    def on_step_end(self, trainer: "HeteroTrainer", log: "HeteroIterationLog") -> None:
+    def on_step_end(self, trainer: HeteroTrainer, log: HeteroIterationLog) -> None:
         return None
 
-    def on_failure(self, trainer: "HeteroTrainer", iteration: int, error: BaseException) -> bool:
+    def on_failure(self, trainer: HeteroTrainer, iteration: int, error: BaseException) -> bool:
         return False
 
 
@@ -122,26 +129,26 @@ class ChainedHooks(TrainerHooks):
     def __init__(self, *hooks: TrainerHooks) -> None:
         self.hooks = tuple(hooks)  # called in this order
 
-    def on_step_start(self, trainer: "HeteroTrainer", iteration: int) -> None:
+    def on_step_start(self, trainer: HeteroTrainer, iteration: int) -> None:
         for h in self.hooks:
             h.on_step_start(trainer, iteration)
 
-    def run_actions(self, trainer: "HeteroTrainer", iteration: int, times: "StageTimes") -> torch.Tensor | None:
+    def run_actions(self, trainer: HeteroTrainer, iteration: int, times: StageTimes) -> torch.Tensor | None:
         for h in self.hooks:
             loss = h.run_actions(trainer, iteration, times)
             if loss is not None:
                 return loss
         return None
 
-    def on_action(self, trainer: "HeteroTrainer", iteration: int, index: int, action) -> None:
+    def on_action(self, trainer: HeteroTrainer, iteration: int, index: int, action) -> None:
         for h in self.hooks:
             h.on_action(trainer, iteration, index, action)
 
-    def on_step_end(self, trainer: "HeteroTrainer", log: "HeteroIterationLog") -> None:
+    def on_step_end(self, trainer: HeteroTrainer, log: HeteroIterationLog) -> None:
         for h in self.hooks:
             h.on_step_end(trainer, log)
 
-    def on_failure(self, trainer: "HeteroTrainer", iteration: int, error: BaseException) -> bool:
+    def on_failure(self, trainer: HeteroTrainer, iteration: int, error: BaseException) -> bool:
         return any(h.on_failure(trainer, iteration, error) for h in self.hooks)
 
 

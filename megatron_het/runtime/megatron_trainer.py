@@ -9,16 +9,16 @@ reference single-process run (TP=PP=DP=1).
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Callable, Mapping
 
 import torch
 import torch.distributed as dist
 
 from megatron_het.checkpoint.full_state import Shard, load_full_state, local_shards
 from megatron_het.cluster import ModelSpec
-from megatron_het.runtime.groups import BlockShape, block_process_groups
 from megatron_het.runtime.gpt_model import StageModelSpec, build_gpt_stage, padded_vocab_size, transformer_config
+from megatron_het.runtime.groups import BlockShape, block_process_groups
 from megatron_het.runtime.train_config import TrainConfig
 
 # batch_fn(iteration, sample_indices) -> LongTensor [len(indices), seq_length + 1]
@@ -76,8 +76,7 @@ def train_megatron_block(*, model: ModelSpec, train: TrainConfig, shape: BlockSh
     ``padded_vocab`` overrides Megatron's padding (a multiple of 128 * TP): plans compared with
     each other must use the same padded vocabulary, since padded logits enter the softmax.
     """
-    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
-    from megatron.core.distributed import finalize_model_grads
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.pipeline_parallel import get_forward_backward_func
     from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator

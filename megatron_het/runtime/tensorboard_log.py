@@ -18,8 +18,9 @@ from __future__ import annotations
 
 import resource
 import sys
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING
 
 import torch.distributed as dist
 

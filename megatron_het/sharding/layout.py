@@ -60,7 +60,7 @@ class ShardLayout:
             raise ValueError("sizes: needs at least one rank (got []). Fix: pass one size per rank")
 
     @classmethod
-    def from_fractions(cls, numel: int, fractions: Sequence[float]) -> "ShardLayout":
+    def from_fractions(cls, numel: int, fractions: Sequence[float]) -> ShardLayout:
         return cls(sizes=shard_sizes(numel, fractions))
 
     @property

@@ -122,7 +122,7 @@ class ShardedPlan:
         return json.dumps(self.to_dict(), indent=2, sort_keys=True)
 
     @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> "ShardedPlan":
+    def from_dict(cls, data: Mapping[str, Any]) -> ShardedPlan:
         if data.get("format") != SHARDED_PLAN_FORMAT:
             raise ValueError(f"format: expected {SHARDED_PLAN_FORMAT!r} (got {data.get('format')!r}). "
                              "Fix: pass a file written by ShardedPlan.to_json")
@@ -136,7 +136,7 @@ class ShardedPlan:
         return cls(ranks=ranks, global_batch_size=data["global_batch_size"], predicted=data.get("predicted"))
 
     @classmethod
-    def from_json(cls, text: str) -> "ShardedPlan":
+    def from_json(cls, text: str) -> ShardedPlan:
         return cls.from_dict(json.loads(text))
 
     def save(self, path: str | os.PathLike[str]) -> None:
@@ -146,7 +146,7 @@ class ShardedPlan:
         write_text_atomic(path, self.to_json() + "\n")
 
     @classmethod
-    def load(cls, path: str | os.PathLike[str]) -> "ShardedPlan":
+    def load(cls, path: str | os.PathLike[str]) -> ShardedPlan:
         plan = load_any_plan(path)
         if not isinstance(plan, ShardedPlan):
             raise PlanError(file=str(path), field="format", value=plan.to_dict()["format"],
@@ -155,7 +155,7 @@ class ShardedPlan:
         return plan
 
 
-def load_any_plan(path: str | os.PathLike[str]) -> "Plan | ShardedPlan":
+def load_any_plan(path: str | os.PathLike[str]) -> Plan | ShardedPlan:
     """A pipeline Plan or a ShardedPlan, chosen by the file's ``"format"`` key."""
     from megatron_het.plan.types import PLAN_FORMAT, Plan
 
@@ -183,7 +183,7 @@ def load_any_plan(path: str | os.PathLike[str]) -> "Plan | ShardedPlan":
                     fix="pass a file written by tools/plan.py (Plan.save or ShardedPlan.save)")
 
 
-def validate_sharded_plan(plan: ShardedPlan, cluster: "ClusterSpec") -> None:
+def validate_sharded_plan(plan: ShardedPlan, cluster: ClusterSpec) -> None:
     """Raise PlanError unless every rank names an island of ``cluster`` with its device type, and no
     island gets more ranks than it has GPUs."""
     used: dict[str, int] = {}

@@ -14,7 +14,8 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from typing import Callable, TextIO
+from collections.abc import Callable
+from typing import TextIO
 
 ProgressCallback = Callable[[int, int], None]  # (done, total); total may grow while the work is discovered
 

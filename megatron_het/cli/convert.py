@@ -1,0 +1,46 @@
+"""Convert checkpoints between megatron-het, Megatron-LM (torch_dist) and Hugging Face safetensors.
+
+    python tools/checkpoint/convert.py --input runs/ckpt --input-format het \
+        --output hf-model --output-format hf
+    python tools/checkpoint/convert.py --input hf-model --input-format hf \
+        --output megatron-ckpt --output-format megatron --tp 4 --pp 2
+
+Weights only (optimizer state is not carried over). The output directory is written atomically.
+Errors go to stderr with exit code 1. Guide: docs/checkpoint-conversion.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from megatron_het.checkpoint.convert import FORMATS, ConvertError, ConvertRequest, convert
+from megatron_het.checkpoint.dist_ckpt import CheckpointError
+from megatron_het.cluster import ConfigError, load_model
+from megatron_het.utils.progress import Progress, add_progress_argument
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="convert.py", description=__doc__.split("\n")[0])
+    parser.add_argument("--input", required=True, help="input directory")
+    parser.add_argument("--input-format", required=True, choices=FORMATS)
+    parser.add_argument("--output", required=True, help="output directory (must not exist or be empty)")
+    parser.add_argument("--output-format", required=True, choices=FORMATS)
+    parser.add_argument("--model", default=None, help="model YAML; needed when the input does not describe the model")
+    parser.add_argument("--tp", type=int, default=1, help="target TP size (vocabulary padding of het/megatron output)")
+    parser.add_argument("--pp", type=int, default=1, help="target PP size (recorded in het/megatron output)")
+    add_progress_argument(parser)
+    args = parser.parse_args(argv)
+    try:
+        model = load_model(args.model) if args.model else None
+        request = ConvertRequest(input=args.input, input_format=args.input_format, output=args.output,
+                                 output_format=args.output_format, model=model, tp=args.tp, pp=args.pp)
+        with Progress(f"convert {args.input_format} -> {args.output_format}", unit="tensors",
+                      quiet=args.no_progress) as bar:
+            state = convert(request, progress=bar.update)
+    except (ConvertError, ConfigError, CheckpointError) as e:
+        print(f"convert.py: {e}", file=sys.stderr)
+        return 1
+    print(f"converted {len(state.tensors)} tensors ({state.model.num_layers} layers, iteration {state.iteration}) "
+          f"from {args.input_format} to {args.output_format}: {args.output}", file=sys.stderr)
+    return 0

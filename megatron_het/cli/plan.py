@@ -1,0 +1,84 @@
+"""Plan a training run on a heterogeneous cluster.
+
+    python tools/plan.py --cluster examples/clusters/a100-h100.yaml --model examples/models/llama2-7b.yaml \
+        --global-batch-size 256 --output plan.json
+
+Prints the top plans and writes the best one (with "predicted") for pretrain_gpt.py --hetero-plan.
+Errors (infeasible, bad files) go to stderr with exit code 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from megatron_het.cluster import ConfigError, load_cluster, load_model
+from megatron_het.perf import load_profile
+from megatron_het.plan import PlanError
+from megatron_het.planner import MODES, InfeasibleError, plan_best
+from megatron_het.sharding import describe_sharded_plan
+from megatron_het.utils.progress import Progress, add_progress_argument
+
+
+def _table(candidates) -> str:
+    rows = ["rank  iter_s      tokens/s    TFLOP/s/GPU  mem_GiB  mbs  replicas: stages (island device TP layers) x micro-batches"]
+    for n, (plan, pred) in enumerate(candidates, 1):
+        groups: dict[tuple, list[int]] = {}
+        for r in plan.replicas:
+            key = tuple((s.island, s.device_type, s.tp, s.layers) for s in r.stages)
+            groups.setdefault(key, []).append(r.num_micro_batches)
+        desc = "; ".join(
+            f"{len(ms)} x [" + " | ".join(f"{i} {d} TP={t} L{a}-{b}" for i, d, t, (a, b) in key)
+            + f"] m={'/'.join(str(m) for m in sorted(set(ms), reverse=True))}"
+            for key, ms in groups.items())
+        rows.append(f"{n:<5} {pred.iteration_time_s:<11.4g} {pred.tokens_per_s:<11.4g} {pred.tflops_per_gpu:<12.4g} "
+                    f"{pred.memory_gib_per_rank_max:<8.1f} {plan.micro_batch_size:<4} {desc}")
+    return "\n".join(rows)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="plan.py", description=__doc__.split("\n")[0])
+    parser.add_argument("--cluster", required=True, help="cluster YAML")
+    parser.add_argument("--model", required=True, help="model YAML")
+    parser.add_argument("--global-batch-size", type=int, required=True, help="sequences per iteration")
+    parser.add_argument("--seq-length", type=int, default=None, help="override the model's seq_length")
+    parser.add_argument("--profile", action="append", default=[], help="profile JSON (repeatable, one per device)")
+    parser.add_argument("--top", type=int, default=5, help="plans to show")
+    parser.add_argument("--exhaustive", action="store_true", help="search the full space (small clusters)")
+    parser.add_argument("--json", action="store_true", help="print the top plans as a JSON list")
+    parser.add_argument("--output", default=None, help="write the best plan here")
+    parser.add_argument("--mode", choices=("auto", *MODES), default="auto",
+                        help="plan family: the pipeline search, uneven sharded data parallelism (Cephalo), or "
+                             "the faster of the two (auto, default)")
+    add_progress_argument(parser)
+    args = parser.parse_args(argv)
+    try:
+        model, cluster = load_model(args.model), load_cluster(args.cluster)
+        profiles = [load_profile(p) for p in args.profile] or None
+        with Progress("plan: search", unit="candidates", quiet=args.no_progress) as bar:
+            choice = plan_best(model, cluster, global_batch_size=args.global_batch_size, seq_length=args.seq_length,
+                               profile=profiles, modes=MODES if args.mode == "auto" else (args.mode,),
+                               pipeline_options={"top_k": args.top, "exhaustive": args.exhaustive,
+                                                 "progress": bar.update})
+    except (ConfigError, PlanError, InfeasibleError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 1
+    result = choice.pipeline_result
+    if args.json:  # the chosen mode's plans, best first
+        plans = ([plan.to_dict() for plan, _ in result.candidates] if choice.mode == "pipeline"
+                 else [choice.plan.to_dict()])
+        print(json.dumps(plans, indent=2))
+    else:
+        if result is not None:
+            print(_table(result.candidates))
+            print()
+            print(result.explanation)
+        if choice.sharded is not None:
+            print("\n".join(describe_sharded_plan(choice.sharded)))
+        print(f"mode: {choice.explanation}")
+    if args.output:
+        choice.plan.save(args.output)
+        if not args.json:
+            print(f"wrote {args.output}")
+    return 0

@@ -1,0 +1,107 @@
+"""Predict iteration time, throughput and memory of a plan (or a homogeneous Megatron configuration).
+
+    python tools/predict.py --cluster C.yaml --model M.yaml --plan plan.json [--json]
+    python tools/predict.py --cluster C.yaml --model M.yaml --tp 2 --pp 2 --dp 2 \
+        --micro-batch-size 1 --global-batch-size 32 [--virtual-pipeline-size 2] [--recompute-activations]
+
+The second form needs a one-island cluster. Errors go to stderr with exit code 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import replace
+
+from megatron_het.cluster import ConfigError, load_cluster, load_model
+from megatron_het.perf import load_profile, predict
+from megatron_het.plan import Plan, PlanError, homogeneous_plan, layer_split, validate_plan
+from megatron_het.planner.sharded import predict_sharded
+from megatron_het.schedule import ScheduleError
+from megatron_het.sharding.plan import ShardedPlan, load_any_plan, validate_sharded_plan
+
+
+def _homogeneous(args, model, cluster) -> Plan:
+    if len(cluster.islands) != 1:
+        raise PlanError(field="--cluster", value=list(cluster.island_names),
+                        problem=f"the --tp/--pp/--dp form needs a one-island cluster, this one has "
+                                f"{len(cluster.islands)} islands",
+                        fix="pass --plan PLAN.json for a heterogeneous cluster, or a one-island cluster file")
+    island = cluster.islands[0]
+    counts = None
+    if model.num_layers % args.pp:
+        counts = [b - a for a, b in layer_split(model.num_layers, [1.0] * args.pp)]
+    plan = homogeneous_plan(tp=args.tp, pp=args.pp, dp=args.dp, num_layers=model.num_layers,
+                            micro_batch_size=args.micro_batch_size, global_batch_size=args.global_batch_size,
+                            island=island.name, device_type=island.device.name, layers_per_stage=counts)
+    v = args.virtual_pipeline_size
+    replicas = tuple(replace(r, stages=tuple(replace(s, recompute=args.recompute_activations) for s in r.stages))
+                     for r in plan.replicas)
+    return replace(plan, replicas=replicas, schedule="interleaved" if v > 1 else "1f1b", virtual_pipeline_size=v,
+                   sequence_parallel=args.sequence_parallel, use_distributed_optimizer=args.use_distributed_optimizer)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="predict.py", description=__doc__.split("\n")[0])
+    parser.add_argument("--cluster", required=True)
+    parser.add_argument("--model", required=True)
+    parser.add_argument("--plan", help="plan JSON (from tools/plan.py or hand-written)")
+    parser.add_argument("--tp", type=int)
+    parser.add_argument("--pp", type=int)
+    parser.add_argument("--dp", type=int)
+    parser.add_argument("--micro-batch-size", type=int)
+    parser.add_argument("--global-batch-size", type=int)
+    parser.add_argument("--virtual-pipeline-size", type=int, default=1)
+    parser.add_argument("--recompute-activations", action="store_true", help="full recomputation")
+    parser.add_argument("--sequence-parallel", action="store_true")
+    parser.add_argument("--use-distributed-optimizer", action="store_true")
+    parser.add_argument("--profile", action="append", default=[], help="profile JSON (repeatable)")
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    args = parser.parse_args(argv)
+    homog = ("tp", "pp", "dp", "micro_batch_size", "global_batch_size")
+    if args.plan is None and any(getattr(args, k) is None for k in homog):
+        parser.error("pass --plan, or all of --tp --pp --dp --micro-batch-size --global-batch-size")
+    try:
+        model, cluster = load_model(args.model), load_cluster(args.cluster)
+        plan = load_any_plan(args.plan) if args.plan else _homogeneous(args, model, cluster)
+        profiles = [load_profile(p) for p in args.profile] or None
+        if isinstance(plan, ShardedPlan):
+            validate_sharded_plan(plan, cluster)
+            return _print_sharded(predict_sharded(plan, model, cluster, profile=profiles), args.json)
+        validate_plan(plan, model, cluster)
+        pred = predict(plan, model, cluster, profile=profiles)
+    except (ConfigError, PlanError, ScheduleError, ValueError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 1
+    if args.json:
+        print(json.dumps(pred.to_json_dict(), indent=2))
+        return 0
+    print(f"iteration time  {pred.iteration_time_s:.4g} s (pipeline {pred.pipeline_time_s:.4g}, gradient reduction "
+          f"{pred.gradient_reduction_s:.4g}, optimizer {pred.optimizer_s:.4g})")
+    print(f"throughput      {pred.tokens_per_s:.4g} tokens/s, {pred.tflops_per_gpu:.4g} TFLOP/s per GPU "
+          f"({pred.num_gpus} GPUs)")
+    print(f"memory          max {pred.memory_gib_per_rank_max:.2f} GiB per rank, fits: {pred.fits}")
+    print("replica stage island        device      TP  layers   fwd_ms    bwd_ms    idle_s    mem_GiB / cap")
+    seen = set()
+    for ri, r in enumerate(pred.replicas):
+        if id(r) in seen:
+            continue
+        seen.add(id(r))
+        for si, s in enumerate(r.stages):
+            print(f"{ri:<7} {si:<5} {s.island:<13} {s.device_type:<11} {s.tp:<3} {s.layers[0]}-{s.layers[1]:<6} "
+                  f"{1e3 * s.forward_s:<9.4g} {1e3 * s.backward_s:<9.4g} {s.idle_s:<9.4g} "
+                  f"{s.memory_gib:.2f} / {s.capacity_gib:g}{'' if s.fits else '  DOES NOT FIT'}")
+    return 0
+
+
+def _print_sharded(pred, as_json: bool) -> int:
+    if as_json:
+        print(json.dumps(pred.to_json_dict(), indent=2))
+        return 0
+    print(f"iteration time  {pred.iteration_time_s:.4g} s (compute {pred.compute_s:.4g}, all-gather "
+          f"{pred.all_gather_s:.4g}, reduce-scatter {pred.reduce_scatter_s:.4g}, optimizer {pred.optimizer_s:.4g})")
+    print(f"throughput      {pred.tokens_per_s:.4g} tokens/s; fits: {pred.fits}")
+    for i, r in enumerate(pred.ranks):
+        print(f"rank {i}: {json.dumps(r.to_json_dict())}")
+    return 0

@@ -1,0 +1,48 @@
+"""Tokenize a JSONL corpus into megatron-core indexed datasets (.bin/.idx), Megatron-LM style.
+
+    python tools/preprocess_data.py --input examples/data/corpus.jsonl --json-keys text \\
+        --output-prefix data/corpus --tokenizer-type SentencePieceTokenizer \\
+        --tokenizer-model data/sp512.model --append-eod --workers 1
+
+Writes {output-prefix}_{key}_document.bin/.idx per json key; pass that prefix as --data-path.
+Errors (missing input, missing json key with its line number, missing tokenizer model) go to
+stderr with exit code 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from megatron_het.data.preprocess import PreprocessConfig, preprocess
+from megatron_het.data.tokenizer import SENTENCEPIECE_TYPES
+from megatron_het.utils.progress import Progress, add_progress_argument
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="preprocess_data.py", description=__doc__.split("\n")[0])
+    parser.add_argument("--input", required=True, help="JSONL file, one JSON object per line")
+    parser.add_argument("--json-keys", nargs="+", default=["text"], help="keys to extract from each line")
+    parser.add_argument("--output-prefix", required=True, help="prefix of the output .bin/.idx files")
+    parser.add_argument("--tokenizer-type", default="SentencePieceTokenizer", help=f"one of {SENTENCEPIECE_TYPES}")
+    parser.add_argument("--tokenizer-model", required=True, help="SentencePiece .model file")
+    parser.add_argument("--append-eod", action="store_true", help="end each document with the eod token")
+    parser.add_argument("--workers", type=int, default=1, help="tokenizing processes")
+    add_progress_argument(parser)
+    args = parser.parse_args(argv)
+    try:
+        config = PreprocessConfig(input=Path(args.input), json_keys=tuple(args.json_keys),
+                                  output_prefix=args.output_prefix, tokenizer_type=args.tokenizer_type,
+                                  tokenizer_model=Path(args.tokenizer_model), append_eod=args.append_eod,
+                                  workers=args.workers)
+        with Progress("preprocess", unit="documents", quiet=args.no_progress) as bar:
+            report = preprocess(config, progress=bar.update)
+    except ValueError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 1
+    for key, prefix in report.prefixes.items():
+        print(f"{key}: {report.documents} documents, {report.tokens[key]} tokens -> {prefix}.bin/.idx")
+    if report.skipped_empty:
+        print(f"skipped {report.skipped_empty} empty documents")
+    return 0

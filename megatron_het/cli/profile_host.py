@@ -1,0 +1,112 @@
+"""Measure per-layer forward/backward time and memory on this machine; write a profile JSON.
+
+    python tools/profile_host.py --num-layers 2 --hidden-size 256 --num-attention-heads 4 \\
+        --seq-length 128 --micro-batch-sizes 1,2,4 [--tp-sizes 1,2] [--vocab-size 32000] \\
+        [--optimizer] [--comm-ranks 2] [--threads 1] --output PROFILE.json
+
+How each part is measured: ``megatron_het/profiling/`` (layers: megatron-core ``TransformerLayer``s
+of the local spec, world size 1, or ``tp`` processes for ``--tp-sizes`` > 1; parts; optimizer;
+links), format: ``megatron_het/perf/profile.py``, how the model uses it: docs/performance-model.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import replace
+
+import torch
+
+from megatron_het.cluster import ModelSpec
+from megatron_het.perf.flops import padded_vocab_size
+from megatron_het.perf.profile import save_profile
+from megatron_het.profiling.layers import profile_concurrent, profile_layers, profile_tp_layers
+
+
+def _sizes(text: str) -> list[int]:
+    try:
+        sizes = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--micro-batch-sizes: expected integers like 1,2,4 (got {text!r})") from None
+    if not sizes or min(sizes) < 1:
+        raise argparse.ArgumentTypeError(f"--micro-batch-sizes: expected positive integers like 1,2,4 (got {text!r})")
+    return sizes
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--num-layers", type=int, default=1, help="layers to stack (times are per layer)")
+    ap.add_argument("--hidden-size", type=int, required=True)
+    ap.add_argument("--num-attention-heads", type=int, required=True)
+    ap.add_argument("--num-query-groups", type=int, default=None)
+    ap.add_argument("--ffn-hidden-size", type=int, default=None)
+    ap.add_argument("--seq-length", type=int, required=True)
+    ap.add_argument("--swiglu", action="store_true")
+    ap.add_argument("--micro-batch-sizes", type=_sizes, default=[1, 2, 4])
+    ap.add_argument("--tp-sizes", type=_sizes, default=[1],
+                    help="tensor-parallel sizes to measure; > 1 runs the layers on that many local gloo processes "
+                         "and the times include their TP collectives")
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    ap.add_argument("--device", default="CPU", help="catalog device type name recorded in the profile")
+    ap.add_argument("--implementation", choices=("auto", "megatron", "torch"), default="auto",
+                    help="auto: megatron-core, falling back to the torch reference layer")
+    ap.add_argument("--concurrent", type=int, default=1,
+                    help="measure tp=1 parts on this many local processes at once (one thread each), as that many "
+                         "ranks sharing this host see them when all compute; 1: this process alone")
+    ap.add_argument("--vocab-size", type=int, default=None,
+                    help="also measure the embedding and the output layer + loss for this vocabulary (padded "
+                         "like Megatron to a multiple of 128)")
+    ap.add_argument("--optimizer", action="store_true", help="also measure the AdamW step per parameter")
+    ap.add_argument("--comm-ranks", type=int, default=0,
+                    help="also measure all-reduce and send/recv among this many local gloo processes and fit "
+                         "the latency/bandwidth the model uses for links of this host (0: skip)")
+    ap.add_argument("--threads", type=int, default=None,
+                    help="torch intra-op threads (default: torch's); match what each training rank uses, e.g. 1 "
+                         "when one process per core stands in for a GPU (megatron_het.platform.local_launch)")
+    ap.add_argument("--output", required=True)
+    args = ap.parse_args(argv)
+    if args.threads is not None:
+        if args.threads < 1:
+            ap.error(f"--threads must be >= 1, got {args.threads}")
+        torch.set_num_threads(args.threads)
+    model = ModelSpec(num_layers=args.num_layers, hidden_size=args.hidden_size,
+                      num_attention_heads=args.num_attention_heads, num_query_groups=args.num_query_groups,
+                      ffn_hidden_size=args.ffn_hidden_size, seq_length=args.seq_length, vocab_size=1,
+                      swiglu=args.swiglu)
+    if args.vocab_size is not None and args.vocab_size < 1:
+        ap.error(f"--vocab-size must be >= 1, got {args.vocab_size}")
+    if args.comm_ranks == 1 or args.comm_ranks < 0:
+        ap.error(f"--comm-ranks must be 0 (skip) or >= 2, got {args.comm_ranks}")
+    vocab = None if args.vocab_size is None else padded_vocab_size(args.vocab_size)
+    if args.concurrent < 1:
+        ap.error(f"--concurrent must be >= 1, got {args.concurrent}")
+    options = dict(num_layers=args.num_layers, micro_batch_sizes=args.micro_batch_sizes, device=args.device,
+                   warmup=args.warmup, repeats=args.repeats, dtype=getattr(torch, args.dtype),
+                   implementation=args.implementation, vocab_size=vocab, optimizer=args.optimizer)
+    profile = (profile_layers(model, **options) if args.concurrent == 1 else
+               profile_concurrent(model, processes=args.concurrent, **options))
+    tp_entries = tuple(e for tp in args.tp_sizes if tp > 1 for e in profile_tp_layers(
+        model, tp=tp, num_layers=args.num_layers, micro_batch_sizes=args.micro_batch_sizes, device=args.device,
+        warmup=args.warmup, repeats=args.repeats, dtype=getattr(torch, args.dtype)))
+    if 1 not in args.tp_sizes:
+        profile = replace(profile, entries=())
+    profile = replace(profile, entries=profile.entries + tp_entries)
+    if args.comm_ranks:
+        from megatron_het.profiling.links import measure_link
+
+        profile = replace(profile, link=measure_link(args.comm_ranks))
+    save_profile(profile, args.output)
+    print(f"wrote {args.output}: {profile.method}")
+    for e in profile.entries:
+        print(f"  tp={e.tp} micro_batch_size={e.micro_batch_size}: forward {e.forward_s * 1e3:.3f} ms, "
+              f"backward {e.backward_s * 1e3:.3f} ms, peak {e.peak_memory_bytes / 2**20:.1f} MiB per layer")
+    for p in profile.parts:
+        print(f"  {p.part} (vocab {p.vocab_size}), micro_batch_size={p.micro_batch_size}: forward "
+              f"{p.forward_s * 1e3:.3f} ms, backward {p.backward_s * 1e3:.3f} ms")
+    if profile.optimizer_s_per_parameter is not None:
+        print(f"  AdamW step: {profile.optimizer_s_per_parameter * 1e9:.2f} ns per parameter")
+    if profile.link is not None:
+        print(f"  links of this host ({profile.link.ranks} processes): latency {profile.link.latency_us:.1f} us, "
+              f"bandwidth {profile.link.bandwidth_gbps:.2f} Gbit/s")
+    return 0

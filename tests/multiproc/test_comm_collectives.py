@@ -1,0 +1,93 @@
+"""Hierarchical collectives vs flat gloo, for the C++ `het` backend and the Python twin.
+
+Islands are emulated as rank blocks on gloo. One 6-rank spawn runs every case for both
+implementations (a spawn costs ~20 s of imports on 2 cores); the tests below read its parts.
+The C++ extension is compiled once per session (cached under build/het_ext, reused by the ranks).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from megatron_het.comm import het_backend_info
+from megatron_het.platform.local_launch import run_local
+
+import workers.comm_workers as comm_workers  # rank functions; no tests inside
+from support.paths import REPO, TESTS
+
+ENV = {"PYTHONPATH": os.pathsep.join([str(TESTS), str(REPO)])}
+SKIP_TIMEOUT_S = 2.0  # the timeout comm_workers._skip gives its group
+
+
+@pytest.fixture(scope="module")
+def implementations() -> list[str]:
+    info = het_backend_info()  # compiles csrc/ once when no cached build exists
+    return ["cpp", "python"] if info.implementation == "cpp" else ["python"]
+
+
+@pytest.fixture(scope="module")
+def results(implementations) -> list[dict]:
+    return run_local(6, comm_workers.all_cases, (implementations,), env=ENV, timeout_s=400)
+
+
+def _check(per_rank: list[dict], implementations: list[str], members: int) -> None:
+    for rank, per_impl in enumerate(per_rank):
+        assert sorted(per_impl) == sorted(implementations)
+        for impl, res in per_impl.items():
+            assert res["member"] is (rank < members)
+            if res["member"]:
+                assert res["implementation"] == impl
+                assert res["bad"] == [], f"rank {rank} {impl}: {res['bad']}"
+
+
+@pytest.mark.multiproc
+def test_two_islands_of_two_match_flat(results, implementations):
+    two = [r["two"] for r in results]
+    _check(two, implementations, members=4)
+    for impl in implementations:
+        sent = [r[impl]["bridge_bytes"] for r in two[:4]]
+        assert sent[1] == sent[3] == 20  # non-leaders: only their 5-element fp32 cross-island send
+        assert sent[0] == sent[2] > 10_000  # leaders carry every collective over the bridge
+    if "cpp" in implementations:  # both implementations account the same bytes
+        assert [r["cpp"]["bridge_bytes"] for r in two[:4]] == [r["python"]["bridge_bytes"] for r in two[:4]]
+
+
+@pytest.mark.multiproc
+def test_three_uneven_islands_match_flat(results, implementations):
+    three = [r["three"] for r in results]
+    _check(three, implementations, members=6)
+    assert [three[r][implementations[0]]["is_leader"] for r in range(6)] == [True, True, False, True, False, False]
+
+
+@pytest.mark.multiproc
+def test_missing_rank_is_named_within_the_timeout(results, implementations):
+    for impl in implementations:
+        for rank in (0, 1, 2):
+            res = results[rank]["skip"][impl]
+            assert res["error"] is not None, f"rank {rank} {impl} did not fail"
+            assert res["elapsed"] < SKIP_TIMEOUT_S + 1.5, (rank, impl, res["elapsed"])
+            assert "het group '" in res["error"]
+            assert f"rank {rank} all_reduce #2 failed" in res["error"]
+            assert "never entered it: rank 3" in res["error"], res["error"]
+
+
+def test_python_fallback_is_reported_without_compiler_or_jit():
+    code = ("from megatron_het.comm import het_backend_info as f; i = f(); "
+            "print(i.implementation, '|', i.reason)")
+    env = dict(os.environ, MEGATRON_HET_NO_JIT="1")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                         check=True, cwd=REPO).stdout.strip()
+    import importlib.util
+
+    from megatron_het.comm.extension import PREBUILT_MODULE
+
+    if importlib.util.find_spec(PREBUILT_MODULE) is not None:
+        # `pip install -e .` built the extension (a fresh clone's bootstrap does): it wins, and says so
+        assert out.startswith("cpp |") and "prebuilt" in out, out
+    else:
+        assert out.startswith("python |"), out
+        assert "MEGATRON_HET_NO_JIT=1" in out

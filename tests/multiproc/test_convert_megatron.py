@@ -1,0 +1,189 @@
+"""Conversion against real megatron-core models: logits of the converted HF model, het and Megatron-LM
+checkpoints written by megatron-core itself, exact round trips through every format.
+
+One spawned gloo process (world size 1) builds a GPT (tied, learned positions) and a Llama-style
+model (RMSNorm, rotary, SwiGLU, GQA, untied) with megatron_het.runtime.gpt_model.build_gpt_stage,
+saves each as megatron-core's GPTModel.sharded_state_dict (as Megatron-LM does) and as a megatron-het
+checkpoint (dist_ckpt.save_checkpoint, as the trainer does), and runs the conversions.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from megatron_het.cluster import ModelSpec
+
+from support.paths import REPO
+
+ROOT = REPO
+GPT = ModelSpec(num_layers=2, hidden_size=64, num_attention_heads=4, seq_length=16, vocab_size=100)
+LLAMA = ModelSpec(num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=2, ffn_hidden_size=96,
+                  seq_length=16, vocab_size=100, swiglu=True, untie_embeddings_and_output_weights=True)
+TOLERANCE = 1e-4  # abs, fp32 logits of HF vs megatron-core (measured ~3e-7)
+
+
+def _worker(rank: int, world_size: int, out: str) -> dict:
+    """Both models in one process: megatron-core's import (~15 s) is paid once."""
+    return {"gpt": _convert_model(GPT, os.path.join(out, "gpt")), "llama": _convert_model(LLAMA, os.path.join(out, "llama"))}
+
+
+def _convert_model(model: ModelSpec, out: str) -> dict:
+    import megatron.core.models.common.embeddings.rotary_pos_embedding as rope
+    from megatron.core import dist_checkpointing
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+    import megatron_het.platform  # noqa: F401  (triton import guard before any megatron import)
+    from megatron_het.checkpoint.convert import ConvertRequest, convert, megatron_args, read_het
+    from megatron_het.checkpoint.convert.state import VOCAB_ROWS, unpad_vocab
+    from megatron_het.checkpoint.dist_ckpt import TensorSlot, model_common_state, save_checkpoint
+    from megatron_het.checkpoint.full_state import assemble_full_state, local_shards
+    from megatron_het.platform import enable_cpu_backend
+    from megatron_het.platform.cpu_backend import _CpuTorchProxy
+    from megatron_het.runtime.gpt_model import StageModelSpec, build_gpt_stage, transformer_config
+    from megatron_het.runtime.groups import BlockShape, block_process_groups
+
+    enable_cpu_backend()
+    # megatron-core 0.19.2 rotary_pos_embedding.py:162 moves inv_freq to torch.cuda.current_device();
+    # the platform's CPU backend does not redirect that module yet.
+    rope.torch = _CpuTorchProxy()
+    model_parallel_cuda_manual_seed(1234, tp_rank=0, ep_rank=0, etp_rank=0)
+    _, pgc = block_process_groups(BlockShape(tp=1, pp=1, dp=1))
+    padded = 128
+    spec = StageModelSpec(model=model, num_layers=model.num_layers, layer_offset=0, tp=1, pre_process=True,
+                          post_process=True, vocab_size=padded)
+    gpt = build_gpt_stage(spec, transformer_config(spec), pgc)
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for p in gpt.parameters():  # norms and biases start at 1/0: make every tensor informative
+            p.add_(torch.randn_like(p) * 0.05)
+    gpt.eval()
+    tokens = torch.randint(0, model.vocab_size, (2, model.seq_length), generator=torch.Generator().manual_seed(1))
+    position_ids = torch.arange(model.seq_length).unsqueeze(0).expand_as(tokens)
+    with torch.no_grad():
+        logits = gpt(tokens, position_ids, None)[..., :model.vocab_size].clone()
+    tied = not model.untie_embeddings_and_output_weights
+    shards = local_shards(gpt, layer_offset=0, tp_rank=0, tp_size=1, tied=tied)
+    full = {n: unpad_vocab(t, model.vocab_size, name=n) if n in VOCAB_ROWS else t
+            for n, t in assemble_full_state([shards]).items()}
+
+    # A Megatron-LM checkpoint as its save_checkpoint writes it (model part): megatron-core's own keys.
+    meg = os.path.join(out, "megatron-lm")
+    os.makedirs(os.path.join(meg, "iter_0000007"))
+    dist_checkpointing.save({"model": gpt.sharded_state_dict(metadata={"dp_cp_group": pgc.dp_cp}),
+                             "args": megatron_args(model, tp=1, pp=1, padded_vocab=padded, iteration=7),
+                             "checkpoint_version": 3.0, "iteration": 7}, os.path.join(meg, "iter_0000007"))
+    with open(os.path.join(meg, "latest_checkpointed_iteration.txt"), "w") as f:
+        f.write("7")
+    # A megatron-het checkpoint as the trainer writes it.
+    het = os.path.join(out, "het")
+    slots = {n: TensorSlot(tensor=s.tensor, partition_dim=s.partition_dim, tp_rank=0, tp_size=1, main=True)
+             for n, s in shards.items()}
+    moments = {n: {"exp_avg": torch.zeros_like(s.tensor), "exp_avg_sq": torch.zeros_like(s.tensor)}
+               for n, s in shards.items()}
+    save_checkpoint(het, 5, params=slots, optimizer_state=moments,
+                    common={"model": model_common_state(model), "padded_vocab": padded, "plan": None})
+
+    def run(src, src_fmt, dst, dst_fmt, **kw):
+        convert(ConvertRequest(input=os.path.join(out, src), input_format=src_fmt, output=os.path.join(out, dst),
+                               output_format=dst_fmt, **kw))
+
+    run("megatron-lm", "megatron", "hf-from-megatron", "hf")
+    run("het", "het", "hf-from-het", "hf")
+    run("hf-from-het", "hf", "het-from-hf", "het", tp=2)
+    run("het", "het", "megatron-from-het", "megatron", tp=2, pp=2)
+    run("megatron-from-het", "megatron", "het-from-megatron", "het")
+    reread = {name: read_het(os.path.join(out, name)) for name in ("het-from-hf", "het-from-megatron")}
+    return {"logits": logits, "tokens": tokens, "full": full,
+            "reread": {k: (dict(v.tensors), v.iteration) for k, v in reread.items()}}
+
+
+@pytest.fixture(scope="module")
+def converted_both(tmp_path_factory):
+    from megatron_het.platform.local_launch import run_local
+
+    out = tmp_path_factory.mktemp("convert")
+    return out, run_local(1, _worker, (str(out),), timeout_s=600)[0]
+
+
+@pytest.fixture(params=["gpt", "llama"])
+def converted(request, converted_both):
+    out, results = converted_both
+    return {"gpt": GPT, "llama": LLAMA}[request.param], out / request.param, results[request.param]
+
+
+def _hf_logits(path: Path, tokens: torch.Tensor) -> torch.Tensor:
+    transformers = pytest.importorskip("transformers")
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
+    model.eval()
+    with torch.no_grad():
+        return model(tokens).logits
+
+
+@pytest.mark.parametrize("source", ["hf-from-megatron", "hf-from-het"])
+def test_hf_logits_match_megatron_core(converted, source):
+    model, out, result = converted
+    hf = _hf_logits(out / source, result["tokens"])
+    assert hf.shape == (2, model.seq_length, model.vocab_size)  # unpadded vocabulary
+    diff = (hf - result["logits"]).abs().max().item()
+    assert diff < TOLERANCE, f"max |logit difference| {diff}"
+    assert result["logits"].abs().max().item() > 0.1  # not trivially zero
+
+
+def test_round_trips_are_exact(converted):
+    model, _, result = converted
+    full = result["full"]
+    for name, (tensors, _) in result["reread"].items():
+        assert set(tensors) == set(full), name
+        for key, value in full.items():
+            assert torch.equal(tensors[key], value), f"{name}: {key}"
+
+
+def test_iteration_and_padding_are_carried(converted):
+    model, out, result = converted
+    assert result["reread"]["het-from-megatron"][1] == 5  # het (5) -> megatron -> het
+    assert (out / "megatron-from-het" / "latest_checkpointed_iteration.txt").read_text() == "5"
+    assert (out / "het-from-hf" / "iter_0000000").is_dir()  # HF carries no iteration
+
+
+def test_megatron_checkpoint_keys_are_megatron_cores(converted):
+    from megatron.core import dist_checkpointing
+
+    model, out, _ = converted
+    meta = dist_checkpointing.load_tensors_metadata(str(out / "megatron-from-het" / "iter_0000005"))
+    assert tuple(meta["decoder.layers.self_attention.linear_qkv.weight"].global_shape)[0] == model.num_layers
+    assert "decoder.layers.self_attention.linear_qkv.layer_norm_weight" in meta
+    # --tp 2 pads the vocabulary to a multiple of 256.
+    assert tuple(meta["embedding.word_embeddings.weight"].global_shape) == (256, model.hidden_size)
+    common = dist_checkpointing.load_common_state_dict(str(out / "megatron-from-het" / "iter_0000005"))
+    assert common["args"].tensor_model_parallel_size == 2 and common["args"].pipeline_model_parallel_size == 2
+
+
+@pytest.mark.slow  # a fresh interpreter importing megatron-core: ~25 s for a thin CLI
+def test_cli_converts(converted_both, tmp_path):
+    out, _ = converted_both
+    tool = [sys.executable, str(ROOT / "tools" / "checkpoint" / "convert.py")]
+    done = subprocess.run(tool + ["--input", str(out / "gpt" / "hf-from-het"), "--input-format", "hf",
+                                  "--output", str(tmp_path / "het"), "--output-format", "het"],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "converted 28 tensors (2 layers, iteration 0) from hf to het" in done.stderr
+    assert "write het: 28/28" in done.stderr
+    assert (tmp_path / "het" / "latest_checkpointed_iteration.txt").read_text() == "0"
+
+
+def test_wrong_model_is_refused_naming_the_tensor(converted_both, tmp_path):
+    from megatron_het.checkpoint.convert import ConvertError, ConvertRequest, convert
+    from megatron_het.cluster import load_model
+
+    out, _ = converted_both
+    wrong = load_model(ROOT / "examples" / "models" / "tiny-cpu.yaml")  # 4 layers, vocab 512: not this checkpoint
+    with pytest.raises(ConvertError, match=r"missing tensor 'transformer.h.2.ln_1.weight'"):
+        convert(ConvertRequest(input=str(out / "gpt" / "hf-from-het"), input_format="hf", model=wrong,
+                               output=str(tmp_path / "bad"), output_format="het"))
+    assert not (tmp_path / "bad").exists()

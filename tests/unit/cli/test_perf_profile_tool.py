@@ -1,0 +1,145 @@
+"""tools/profile_host.py: the measured layers match the analytic shapes and the output loads."""
+
+import subprocess
+import sys
+
+import pytest
+
+from megatron_het.cluster import ModelSpec
+from megatron_het.perf.flops import layer_parameters
+from megatron_het.perf.profile import load_profile
+
+from support.paths import REPO
+
+TOOL = REPO / "tools" / "profile_host.py"
+
+
+def _tool():
+    from megatron_het.profiling import layers
+
+    return layers
+
+
+@pytest.mark.parametrize("model", [
+    ModelSpec(num_layers=1, hidden_size=64, num_attention_heads=4, seq_length=16, vocab_size=1),
+    ModelSpec(num_layers=1, hidden_size=64, num_attention_heads=8, num_query_groups=2, ffn_hidden_size=96,
+              seq_length=16, vocab_size=1, swiglu=True),
+], ids=["gpt", "llama-gqa"])
+def test_reference_layer_has_the_analytic_parameter_count(model):
+    layer = _tool().TorchReferenceLayer(model)
+    assert sum(p.numel() for p in layer.parameters()) == layer_parameters(model)
+
+
+def test_reference_profile_in_process():
+    tool = _tool()
+    import torch
+    model = ModelSpec(num_layers=1, hidden_size=64, num_attention_heads=4, seq_length=16, vocab_size=1)
+    profile = tool.profile_layers(model, num_layers=1, micro_batch_sizes=[1, 2], device="CPU", warmup=1, repeats=2,
+                                  dtype=torch.float32, implementation="torch")
+    assert [e.micro_batch_size for e in profile.entries] == [1, 2]
+    assert profile.method.startswith("plain torch reference layer")
+    params_bytes = 4 * layer_parameters(model)  # fp32
+    small, large = profile.entries
+    assert params_bytes < small.peak_memory_bytes < large.peak_memory_bytes
+    assert all(e.forward_s > 0 and e.backward_s > 0 for e in profile.entries)
+
+
+def test_cli_with_megatron_core(tmp_path):
+    out = tmp_path / "profile.json"
+    run = subprocess.run([sys.executable, str(TOOL), "--num-layers", "1", "--hidden-size", "64",
+                          "--num-attention-heads", "4", "--seq-length", "16", "--micro-batch-sizes", "1,2",
+                          "--warmup", "1", "--repeats", "2", "--output", str(out)],
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    profile = load_profile(out)
+    assert profile.method.startswith("megatron-core TransformerLayer (local spec)"), profile.method
+    assert [e.micro_batch_size for e in profile.entries] == [1, 2]
+    model = ModelSpec(num_layers=1, hidden_size=64, num_attention_heads=4, seq_length=16, vocab_size=1)
+    assert profile.entries[0].peak_memory_bytes > 4 * layer_parameters(model)
+
+
+def test_cli_rejects_bad_sizes(tmp_path):
+    run = subprocess.run([sys.executable, str(TOOL), "--hidden-size", "64", "--num-attention-heads", "4",
+                          "--seq-length", "16", "--micro-batch-sizes", "1,x", "--output", str(tmp_path / "p.json")],
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode == 2
+    assert "--micro-batch-sizes: expected integers like 1,2,4 (got '1,x')" in run.stderr
+
+
+_COUNT_SCRIPT = """
+import torch
+from megatron_het.profiling import layers as tool
+from megatron_het.cluster import ModelSpec
+for swiglu in (False, True):
+    model = ModelSpec(num_layers=1, hidden_size=64, num_attention_heads=8, num_query_groups=2 if swiglu else None,
+                      ffn_hidden_size=96 if swiglu else None, seq_length=16, vocab_size=1, swiglu=swiglu)
+    layers, cleanup = tool._build_megatron(model, 1, torch.float32)
+    print(sum(p.numel() for p in layers[0].parameters()))
+    cleanup()
+"""
+
+
+def test_megatron_core_layer_has_the_analytic_parameter_count():
+    # Separate process: megatron-core needs a process group and patches modules process-wide.
+    run = subprocess.run([sys.executable, "-c", _COUNT_SCRIPT], capture_output=True, text=True,
+                         timeout=300, cwd=TOOL.parents[1])
+    assert run.returncode == 0, run.stderr[-2000:]
+    gpt = ModelSpec(num_layers=1, hidden_size=64, num_attention_heads=8, seq_length=16, vocab_size=1)
+    llama = ModelSpec(num_layers=1, hidden_size=64, num_attention_heads=8, num_query_groups=2, ffn_hidden_size=96,
+                      seq_length=16, vocab_size=1, swiglu=True)
+    # GPT: 12h^2 + 13h = 49152 + 832; Llama-style: h*(8+4)*8 + 64*64 + 64*192 + 96*64 + 2*64
+    assert run.stdout.split() == [str(layer_parameters(gpt)), str(layer_parameters(llama))] == ["49984", "28800"]
+
+
+def test_cli_measures_parts_optimizer_and_links(tmp_path):
+    out = tmp_path / "profile.json"
+    run = subprocess.run([sys.executable, str(TOOL), "--num-layers", "1", "--hidden-size", "64",
+                          "--num-attention-heads", "4", "--seq-length", "16", "--micro-batch-sizes", "1,2",
+                          "--warmup", "1", "--repeats", "2", "--vocab-size", "300", "--optimizer",
+                          "--comm-ranks", "2", "--threads", "1", "--output", str(out)],
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    profile = load_profile(out)
+    assert profile.machine["threads"] == 1
+    # vocabulary padded like Megatron (multiple of 128); one embedding and one output entry per size
+    assert sorted((p.part, p.micro_batch_size, p.vocab_size) for p in profile.parts) == [
+        ("embedding", 1, 384), ("embedding", 2, 384), ("output", 1, 384), ("output", 2, 384)]
+    assert all(p.forward_s > 0 and p.backward_s > 0 for p in profile.parts)
+    assert 0 < profile.optimizer_s_per_parameter < 1e-5
+    link = profile.link
+    assert link.ranks == 2 and link.bandwidth_gbps > 0 and link.latency_us >= 0
+    assert {op for op, _, _ in link.samples} == {"all_reduce", "send_recv"} and len(link.samples) == 8
+    assert "links of this host" in run.stdout
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--comm-ranks", "1"], "--comm-ranks must be 0 (skip) or >= 2, got 1"),
+    (["--threads", "0"], "--threads must be >= 1, got 0"),
+    (["--vocab-size", "0"], "--vocab-size must be >= 1, got 0"),
+])
+def test_cli_rejects_bad_values(tmp_path, args, message):
+    run = subprocess.run([sys.executable, str(TOOL), "--hidden-size", "64", "--num-attention-heads", "4",
+                          "--seq-length", "16", "--output", str(tmp_path / "p.json"), *args],
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode == 2 and message in run.stderr
+
+
+def test_tp2_layers_include_their_collectives(tmp_path):
+    out = tmp_path / "profile.json"
+    run = subprocess.run([sys.executable, str(TOOL), "--num-layers", "1", "--hidden-size", "64",
+                          "--num-attention-heads", "4", "--seq-length", "16", "--micro-batch-sizes", "2",
+                          "--tp-sizes", "1,2", "--warmup", "1", "--repeats", "2", "--output", str(out)],
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    profile = load_profile(out)
+    by_tp = {e.tp: e for e in profile.entries}
+    assert sorted(by_tp) == [1, 2]
+    assert by_tp[2].includes_tp_comm and not by_tp[1].includes_tp_comm
+    model = ModelSpec(num_layers=1, hidden_size=64, num_attention_heads=4, seq_length=16, vocab_size=1)
+    # each TP rank holds half of the layer's weight matrices (norms and the row-parallel biases stay whole)
+    assert by_tp[2].peak_memory_bytes < by_tp[1].peak_memory_bytes
+    assert by_tp[2].forward_s > 0 and "tp=2 micro_batch_size=2" in run.stdout
+    from megatron_het.cluster import CATALOG
+    from megatron_het.perf.compute import layer_times
+    lt = layer_times(model, CATALOG["CPU"], micro_batch_size=2, tp=2, profile=profile)
+    assert lt.includes_tp_comm and lt.forward_s == by_tp[2].forward_s

@@ -1,0 +1,76 @@
+"""tools/plan.py and tools/predict.py through subprocess: exit codes, JSON keys, files written."""
+
+import json
+import subprocess
+import sys
+
+from support.paths import REPO
+
+ROOT = REPO
+CPU_DEMO = ["--cluster", "examples/clusters/cpu-demo.yaml", "--model", "examples/models/tiny-cpu.yaml"]
+
+
+def _run(tool: str, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, f"tools/{tool}", *args], cwd=ROOT, capture_output=True, text=True,
+                          timeout=120)
+
+
+def test_plan_writes_best_and_predict_reads_it(tmp_path):
+    out = tmp_path / "plan.json"
+    res = _run("plan.py", *CPU_DEMO, "--global-batch-size", "16", "--top", "3", "--output", str(out))
+    assert res.returncode == 0, res.stderr
+    assert "TFLOP/s/GPU" in res.stdout and "wrote" in res.stdout
+    plan = json.loads(out.read_text())
+    assert plan["format"] == "megatron-het-plan" and plan["predicted"]["fits"] is True
+    res = _run("predict.py", *CPU_DEMO, "--plan", str(out), "--json")
+    assert res.returncode == 0, res.stderr
+    pred = json.loads(res.stdout)
+    for key in ("iteration_time_s", "tokens_per_s", "tflops_per_gpu", "memory_gib_per_rank_max", "fits"):
+        assert key in pred
+    assert abs(pred["iteration_time_s"] - plan["predicted"]["iteration_time_s"]) < 1e-12
+
+
+def test_plan_json_lists_top_plans():
+    res = _run("plan.py", *CPU_DEMO, "--global-batch-size", "8", "--top", "2", "--json")
+    assert res.returncode == 0, res.stderr
+    plans = json.loads(res.stdout)
+    assert len(plans) == 2 and all("predicted" in p for p in plans)
+    assert plans[0]["predicted"]["iteration_time_s"] <= plans[1]["predicted"]["iteration_time_s"]
+
+
+def test_plan_infeasible_exits_1_without_traceback():
+    res = _run("plan.py", "--cluster", "examples/clusters/cpu-demo.yaml", "--model", "examples/models/llama2-70b.yaml",
+               "--global-batch-size", "16")
+    assert res.returncode == 1
+    assert "Traceback" not in res.stderr and "no plan fits llama2-70b" in res.stderr
+
+
+def test_bad_file_exits_1():
+    res = _run("plan.py", "--cluster", "nope.yaml", "--model", "examples/models/tiny-cpu.yaml",
+               "--global-batch-size", "16")
+    assert res.returncode == 1 and "Traceback" not in res.stderr and "error:" in res.stderr
+
+
+def test_predict_homogeneous_form():
+    res = _run("predict.py", "--cluster", "examples/clusters/cpu-4.yaml", "--model", "examples/models/tiny-cpu.yaml",
+               "--tp", "2", "--pp", "2", "--dp", "1", "--micro-batch-size", "2", "--global-batch-size", "16",
+               "--virtual-pipeline-size", "2", "--recompute-activations", "--json")
+    assert res.returncode == 0, res.stderr
+    pred = json.loads(res.stdout)
+    assert pred["num_gpus"] == 4 and pred["fits"] is True and pred["tokens_per_s"] > 0
+    res = _run("predict.py", "--cluster", "examples/clusters/cpu-demo.yaml", "--model", "examples/models/tiny-cpu.yaml",
+               "--tp", "1", "--pp", "1", "--dp", "1", "--micro-batch-size", "1", "--global-batch-size", "4")
+    assert res.returncode == 1 and "one-island cluster" in res.stderr and "Traceback" not in res.stderr
+
+
+def test_predict_reads_a_sharded_plan_written_by_plan(tmp_path):
+    out = tmp_path / "sharded.json"
+    res = _run("plan.py", *CPU_DEMO, "--global-batch-size", "16", "--mode", "sharded", "--no-progress",
+               "--output", str(out))
+    assert res.returncode == 0, res.stderr
+    res = _run("predict.py", *CPU_DEMO, "--plan", str(out), "--json")
+    assert res.returncode == 0, res.stderr
+    got = json.loads(res.stdout)
+    assert got["mode"] == "sharded" and got["iteration_time_s"] > 0 and len(got["ranks"]) == 4
+    text = _run("predict.py", *CPU_DEMO, "--plan", str(out))
+    assert text.returncode == 0 and "all-gather" in text.stdout and text.stdout.count("rank ") == 4

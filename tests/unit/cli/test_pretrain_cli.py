@@ -1,0 +1,77 @@
+"""pretrain_gpt.py's argument boundary: bad input fails with the flag and the fix, no traceback."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from megatron_het.runtime.arguments import parse_args
+
+from support.paths import REPO
+
+ROOT = str(REPO)
+CLUSTER = os.path.join(ROOT, "examples/clusters/cpu-demo.yaml")
+MODEL = os.path.join(ROOT, "examples/models/tiny-cpu.yaml")
+BASE = ["--hetero-cluster", CLUSTER, "--hetero-plan", "auto", "--hetero-model", MODEL,
+        "--micro-batch-size", "2", "--global-batch-size", "16", "--train-iters", "3"]
+
+
+def test_model_file_and_flags_combine():
+    args = parse_args(BASE + ["--mock-data", "--num-layers", "6", "--lr", "3e-4"])
+    assert args.model.num_layers == 6 and args.model.hidden_size == 64
+    assert args.train.lr == 3e-4 and args.train.global_batch_size == 16
+    assert args.cluster.num_gpus == 4 and args.plan_source == "auto"
+
+
+@pytest.mark.parametrize("extra,message", [
+    ([], "give --data-path PREFIX"),
+    (["--data-path", "x"], "--data-path needs --tokenizer-model"),
+    (["--mock-data", "--global-batch-size", "15"], "global_batch_size 15 is not a multiple of micro_batch_size 2"),
+    (["--mock-data", "--num-attention-heads", "5"], "num_attention_heads"),
+])
+def test_bad_arguments_name_the_problem(extra, message, capsys):
+    with pytest.raises(SystemExit) as exc:
+        parse_args(BASE + extra)
+    assert exc.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_cluster_typo_exits_cleanly(tmp_path):
+    bad = tmp_path / "c.yaml"
+    bad.write_text("islands:\n  - name: a\n    device: A100-80G\n    nodes: 1\n    gpus_per_node: 2\n")
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "pretrain_scripts/pretrain_gpt.py"),
+                           *BASE[:1], str(bad), *BASE[2:], "--mock-data"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert "A100-80GB" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_overlap_flags_reach_the_plan_and_the_training_config(tmp_path):
+    from megatron_het.plan import Plan, ReplicaPlan, StagePlan, validate_plan
+    from megatron_het.plan.serialize import save_plan
+    from megatron_het.runtime.pretrain import resolve_plan
+
+    stages = (StagePlan(island="fast", device_type="CPU", ranks=(0, 1), layers=(0, 2)),
+              StagePlan(island="slow", device_type="CPU", ranks=(2,), layers=(2, 4)))
+    plan = Plan(replicas=(ReplicaPlan(stages=stages, num_micro_batches=8),), micro_batch_size=2,
+                global_batch_size=16)
+    path = tmp_path / "plan.json"
+    save_plan(plan, path)
+    base = [a if a != "auto" else str(path) for a in BASE] + ["--mock-data", "--num-layers", "4"]
+    args = parse_args(base + ["--sequence-parallel", "--tp-comm-overlap", "--overlap-grad-reduce",
+                              "--ddp-bucket-size", "5000", "--hetero-tp-comm-overlap-chunks", "2"])
+    assert (args.train.overlap_grad_reduce, args.train.ddp_bucket_size, args.train.tp_comm_overlap_chunks) == (
+        True, 5000, 2)
+    got = resolve_plan(args)
+    assert got.sequence_parallel
+    assert [s.tp_comm_overlap for s in got.replicas[0].stages] == [True, False]  # only the TP > 1 stage
+    # without --sequence-parallel the overlap is refused, naming the stage and the fix
+    with pytest.raises(Exception) as err:
+        resolve_plan(parse_args(base + ["--tp-comm-overlap"]))
+    assert "replicas[0].stages[0].tp_comm_overlap" in str(err.value) and "sequence_parallel" in str(err.value)
+    plain = resolve_plan(parse_args(base))
+    assert plain == plan and not plain.sequence_parallel
+    validate_plan(plain, args.model, args.cluster)

@@ -1,0 +1,98 @@
+"""Rank functions for the multi-process tests (module-level so spawn can import them)."""
+
+from __future__ import annotations
+
+import dataclasses
+from functools import partial
+
+from megatron_het.cluster import ModelSpec
+from megatron_het.data.synthetic import synthetic_batch
+from megatron_het.runtime.groups import BlockShape
+from megatron_het.runtime.train_config import TrainConfig
+
+
+def batch_fn(model: ModelSpec, seed: int):
+    return partial(_batch, model.seq_length, model.vocab_size, seed)
+
+
+def _batch(seq_length, vocab_size, seed, iteration, indices):
+    return synthetic_batch(seed=seed, iteration=iteration, indices=indices, seq_length=seq_length,
+                           vocab_size=vocab_size)
+
+
+def megatron_block_worker(rank, world_size, model: ModelSpec, train: TrainConfig, shape: BlockShape,
+                          init_full_state=None, padded_vocab=None):
+    from megatron_het.platform import enable_cpu_backend
+    from megatron_het.runtime.megatron_trainer import train_megatron_block
+
+    enable_cpu_backend()
+    return train_megatron_block(model=model, train=train, shape=shape, batch_fn=batch_fn(model, train.seed),
+                                init_full_state=init_full_state, return_shards=True,
+                                padded_vocab=padded_vocab)
+
+
+def hetero_worker(rank, world_size, model: ModelSpec, plan, train: TrainConfig, init_full_state=None,
+                  padded_vocab=None, cluster=None):
+    from megatron_het.platform import enable_cpu_backend
+    from megatron_het.runtime.hetero_trainer import HeteroTrainer
+
+    enable_cpu_backend()
+    trainer = HeteroTrainer(model=model, plan=plan, train=train, batch_fn=batch_fn(model, train.seed),
+                            cluster=cluster, init_full_state=init_full_state, padded_vocab=padded_vocab)
+    return trainer.run(return_shards=True)
+
+
+def hetero_cases_worker(rank, world_size, model: ModelSpec, cases, train: TrainConfig, init_full_state=None,
+                        padded_vocab=None):
+    """Run several plans one after another in one spawn (each spawn pays megatron's import)."""
+    import time
+
+    import torch.distributed as dist
+
+    from megatron_het.cluster import cluster_from_dict
+    from megatron_het.platform import enable_cpu_backend
+    from megatron_het.runtime.hetero_trainer import HeteroTrainer
+    from megatron_het.runtime.megatron_trainer import train_megatron_block
+
+    enable_cpu_backend()
+    out = {}
+    for name, plan, *rest in cases:  # (name, plan) or (name, plan, cluster as a dict)
+        cluster = cluster_from_dict(rest[0]) if rest else None
+        start = time.perf_counter()
+        dist.barrier()
+        if isinstance(plan, BlockShape):
+            res = train_megatron_block(model=model, train=train, shape=plan, batch_fn=batch_fn(model, train.seed),
+                                       init_full_state=init_full_state, return_shards=True,
+                                       padded_vocab=padded_vocab)
+        else:
+            trainer = HeteroTrainer(model=model, plan=plan, train=train, batch_fn=batch_fn(model, train.seed),
+                                    init_full_state=init_full_state, padded_vocab=padded_vocab, cluster=cluster)
+            res = trainer.run(return_shards=True)
+            res = dataclasses.replace(res, routes=tuple(trainer.sync.routes))
+        out[name] = (res, time.perf_counter() - start)
+    return out
+
+
+def checkpoint_worker(rank, world_size, model: ModelSpec, steps, train: TrainConfig, init_full_state,
+                      padded_vocab, save_dir):
+    """steps: [(plan, iterations, load_iteration | None, save: bool)] run one after another."""
+
+    from megatron_het.checkpoint.dist_ckpt import iteration_dir
+    from megatron_het.platform import enable_cpu_backend
+    from megatron_het.runtime.hetero_trainer import HeteroTrainer
+
+    enable_cpu_backend()
+    out = []
+    for plan, iterations, load_iteration, save in steps:
+        if rank >= plan.world_size:
+            raise ValueError("checkpoint_worker needs plans over the whole world")
+        trainer = HeteroTrainer(model=model, plan=plan, train=train, batch_fn=batch_fn(model, train.seed),
+                                init_full_state=init_full_state if load_iteration is None else None,
+                                padded_vocab=padded_vocab)
+        if load_iteration is not None:
+            trainer.load_checkpoint(iteration_dir(save_dir, load_iteration))
+        res = trainer.run(iterations, return_shards=True)
+        if save:
+            trainer.save_checkpoint(save_dir)
+        out.append(res)
+    return out
