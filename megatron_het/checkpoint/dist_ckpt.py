@@ -10,7 +10,8 @@ the last stage's tied copy of the word embedding) exactly one is the main replic
 Layout follows Megatron-LM: ``SAVE/iter_0000010/`` plus ``SAVE/latest_checkpointed_iteration.txt``.
 A checkpoint is written to ``iter_XXXXXXX.tmp`` and renamed when every rank has finished; the
 tracker file is replaced atomically after that, so a crash never leaves a half checkpoint behind the
-tracker. Common state (model shape, iteration, consumed samples, padded vocabulary, the plan) is
+tracker; a re-saved iteration keeps its old copy until the new one is tracked (``publish_iteration``).
+Every read goes through ``safe_read`` (no code runs from a checkpoint). Common state (model shape, iteration, consumed samples, padded vocabulary, the plan) is
 checked on load: a checkpoint of another model is refused naming the field.
 """
 
@@ -26,17 +27,15 @@ import torch
 import torch.distributed as dist
 
 import megatron_het.platform  # noqa: F401  (triton import guard)
+from megatron_het.checkpoint.errors import CheckpointError
+from megatron_het.checkpoint.safe_read import load_common_state, load_sharded
 from megatron_het.checkpoint.tp_layout import local_pieces
 from megatron_het.cluster import ModelSpec
-from megatron_het.errors import UserError
 
 TRACKER = "latest_checkpointed_iteration.txt"
+OLD_SUFFIX = ".old"  # previous copy of a re-saved iteration, kept until the new one is tracked
 FORMAT = "megatron-het-checkpoint"
 FORMAT_VERSION = 1
-
-
-class CheckpointError(UserError):
-    """A checkpoint that cannot be used here; the message names the field and the fix."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -60,7 +59,9 @@ def latest_iteration(load: str) -> int | None:
     path = os.path.join(load, TRACKER)
     if not os.path.exists(path):
         return None
-    text = open(path, encoding="utf-8").read().strip()
+    with open(path, "rb") as f:
+        raw = f.read(64)
+    text = raw.decode("ascii", errors="replace").strip()
     if not text.isdigit():
         raise CheckpointError(f"{path}: expected an iteration number, found {text!r}. "
                               f"Fix: write the number of a complete iter_XXXXXXX directory into it")
@@ -104,9 +105,8 @@ def check_model_matches(common: Mapping, model: ModelSpec, path: str) -> None:
 
 
 def read_common(path: str) -> dict:
-    from megatron.core import dist_checkpointing
-
-    common = dist_checkpointing.load_common_state_dict(path)
+    path = resolve_iteration_dir(path)
+    common = load_common_state(path)  # verified first: no code runs from the checkpoint
     if common.get("format") != FORMAT:
         raise CheckpointError(f"{path}: not a megatron-het checkpoint (format {common.get('format')!r}). "
                               f"Fix: convert it with tools/checkpoint/convert.py or point --load elsewhere")
@@ -141,23 +141,55 @@ def save_checkpoint(save: str, iteration: int, *, params: Mapping[str, TensorSlo
     dist_checkpointing.save(state, tmp)
     dist.barrier()
     if rank == 0:
-        shutil.rmtree(final, ignore_errors=True)
-        os.replace(tmp, final)
-        tracker_tmp = os.path.join(save, TRACKER + ".tmp")
-        with open(tracker_tmp, "w", encoding="utf-8") as f:
-            f.write(str(iteration))
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tracker_tmp, os.path.join(save, TRACKER))
+        publish_iteration(save, tmp, iteration)
     dist.barrier()
     return final
+
+
+def _fsync_dir(path: str) -> None:
+    """Make renames inside ``path`` durable (a rename is an update of the directory)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def publish_iteration(save: str, tmp: str, iteration: int) -> None:
+    """Rename the finished ``tmp`` to ``iter_XXXXXXX`` and point the tracker at it.
+
+    A re-saved iteration keeps its previous copy until the new one is in place and tracked: the
+    old directory is moved aside to ``iter_XXXXXXX.old`` (which the loader falls back to if a crash
+    comes between the two renames) and deleted last. Directories are fsynced after the renames.
+    """
+    final = iteration_dir(save, iteration)
+    old = final + OLD_SUFFIX
+    if os.path.exists(final):
+        shutil.rmtree(old, ignore_errors=True)  # a leftover of an earlier interrupted re-save
+        os.replace(final, old)
+    os.replace(tmp, final)
+    _fsync_dir(save)
+    tracker_tmp = os.path.join(save, TRACKER + ".tmp")
+    with open(tracker_tmp, "w", encoding="utf-8") as f:
+        f.write(str(iteration))
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tracker_tmp, os.path.join(save, TRACKER))
+    _fsync_dir(save)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def resolve_iteration_dir(path: str) -> str:
+    """``path``, or its moved-aside previous copy when a re-save was interrupted between renames."""
+    if not os.path.isdir(path) and os.path.isdir(path + OLD_SUFFIX):
+        return path + OLD_SUFFIX
+    return path
 
 
 def load_checkpoint(path: str, *, params: Mapping[str, TensorSlot], model: ModelSpec,
                     with_optimizer: bool = True) -> tuple[dict, dict[str, torch.Tensor], dict[str, dict[str, torch.Tensor]]]:
     """Collective. Returns (common state, parameter values, optimizer moments) for this rank's slots."""
-    from megatron.core import dist_checkpointing
-
+    path = resolve_iteration_dir(path)
     if not os.path.isdir(path):
         raise CheckpointError(f"{path}: no such checkpoint directory. Fix: check --load and the tracker file")
     common = read_common(path)
@@ -167,13 +199,8 @@ def load_checkpoint(path: str, *, params: Mapping[str, TensorSlot], model: Model
     if with_optimizer:
         for key in ("exp_avg", "exp_avg_sq"):
             request.update(_sharded(params, f"optimizer.{key}.", lambda _n, s: torch.empty_like(s.tensor)))
-    try:
-        # Each rank reads the slices of its own layout; ranks of different TP sizes read the same
-        # key with different grids, which the (save-side) access-integrity check does not allow.
-        loaded = dist_checkpointing.load(request, path, validate_access_integrity=False)
-    except Exception as e:  # surface shape mismatches with the file named
-        raise CheckpointError(f"{path}: could not load this plan's shards: {e}. Fix: check that the checkpoint "
-                              f"belongs to this model (and vocabulary padding)") from e
+    # Each rank reads the slices of its own layout (load_sharded names the directory on a mismatch).
+    loaded = load_sharded(request, path)
     values = {name: _local(loaded, f"model.{name}", slot) for name, slot in params.items()}
     moments = ({name: {k: _local(loaded, f"optimizer.{k}.{name}", slot) for k in ("exp_avg", "exp_avg_sq")}
                 for name, slot in params.items()} if with_optimizer else {})

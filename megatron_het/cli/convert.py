@@ -6,7 +6,8 @@
         --output megatron-ckpt --output-format megatron --tp 4 --pp 2
 
 Weights only (optimizer state is not carried over). The output directory is written atomically.
-Errors go to stderr with exit code 1. Guide: docs/checkpoint-conversion.md.
+A bad input (damaged, foreign or unsafe checkpoint, bad flags) is one line on stderr and exit
+code 2, with nothing written. Guide: docs/checkpoint-conversion.md.
 """
 
 from __future__ import annotations
@@ -14,10 +15,29 @@ from __future__ import annotations
 import argparse
 import sys
 
-from megatron_het.checkpoint.convert import FORMATS, ConvertError, ConvertRequest, convert
-from megatron_het.checkpoint.dist_ckpt import CheckpointError
-from megatron_het.cluster import ConfigError, load_model
-from megatron_het.utils.progress import Progress, add_progress_argument
+from megatron_het.checkpoint.convert import FORMATS, ConvertRequest, convert
+from megatron_het.cluster import load_model
+from megatron_het.errors import UserError
+from megatron_het.utils.progress import Progress, ProgressCallback, add_progress_argument
+
+
+class _PhaseBars:
+    """One progress line per conversion phase ("read hf", then "write het"), each to its own total."""
+
+    def __init__(self, *, quiet: bool) -> None:
+        self.quiet = quiet  # --no-progress
+        self.bar: Progress | None = None  # the open phase's display
+
+    def __call__(self, label: str) -> ProgressCallback:
+        self.close()
+        self.bar = Progress(label, unit="tensors", quiet=self.quiet)
+        return self.bar.update
+
+    def close(self, *, failed: bool = False) -> None:
+        if self.bar is not None:
+            self.bar.quiet = self.bar.quiet or failed  # a failure is reported in one line, not two
+            self.bar.close(interrupted=failed)
+            self.bar = None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -31,16 +51,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--pp", type=int, default=1, help="target PP size (recorded in het/megatron output)")
     add_progress_argument(parser)
     args = parser.parse_args(argv)
+    bars = _PhaseBars(quiet=args.no_progress)
     try:
         model = load_model(args.model) if args.model else None
         request = ConvertRequest(input=args.input, input_format=args.input_format, output=args.output,
                                  output_format=args.output_format, model=model, tp=args.tp, pp=args.pp)
-        with Progress(f"convert {args.input_format} -> {args.output_format}", unit="tensors",
-                      quiet=args.no_progress) as bar:
-            state = convert(request, progress=bar.update)
-    except (ConvertError, ConfigError, CheckpointError) as e:
+        state = convert(request, progress=bars)
+    except UserError as e:  # bugs are not caught: they surface as tracebacks
+        bars.close(failed=True)
         print(f"convert.py: {e}", file=sys.stderr)
-        return 1
+        return 2
+    bars.close()
     print(f"converted {len(state.tensors)} tensors ({state.model.num_layers} layers, iteration {state.iteration}) "
           f"from {args.input_format} to {args.output_format}: {args.output}", file=sys.stderr)
     return 0

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from megatron_het.checkpoint.convert.errors import ConvertError
@@ -54,25 +55,19 @@ def write_state(state: ModelState, out_dir: str, fmt: str, *, tp: int = 1, pp: i
         write_megatron(state, out_dir, tp=tp, pp=pp, progress=progress)
 
 
-def convert(request: ConvertRequest, *, progress: ProgressCallback | None = None) -> ModelState:
+PhaseProgress = Callable[[str], ProgressCallback]  # phase label ("read hf", "write het") -> its callback
+
+
+def convert(request: ConvertRequest, *, progress: PhaseProgress | None = None) -> ModelState:
     """Run the conversion; returns the state that was written.
 
-    ``progress(done, total)`` counts tensors read, then tensors written; while reading, the write
-    phase is assumed to have as many tensors as the read one (formats may group them differently).
+    Two phases, each with its own count: ``progress("read <fmt>")`` returns the callback for the
+    tensors read, then ``progress("write <fmt>")`` the one for the tensors written; each phase's
+    last call is ``(total, total)``, made once that phase's files are written or read.
     """
-    read_total = 0
-
-    def on_read(done: int, total: int) -> None:
-        nonlocal read_total
-        read_total = total
-        progress(done, 2 * total)
-
-    def on_write(done: int, total: int) -> None:
-        progress(read_total + done, read_total + total)
-
-    state = read_state(request.input, request.input_format, model=request.model,
-                       progress=on_read if progress is not None else None)
+    on_read = progress(f"read {request.input_format}") if progress is not None else None
+    state = read_state(request.input, request.input_format, model=request.model, progress=on_read)
     with atomic_output_dir(request.output) as tmp:
-        write_state(state, tmp, request.output_format, tp=request.tp, pp=request.pp,
-                    progress=on_write if progress is not None else None)
+        on_write = progress(f"write {request.output_format}") if progress is not None else None
+        write_state(state, tmp, request.output_format, tp=request.tp, pp=request.pp, progress=on_write)
     return state

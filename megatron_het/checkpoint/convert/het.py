@@ -23,10 +23,10 @@ PREFIX = "model."
 
 def checkpoint_dir(path: str) -> str:
     """``SAVE/`` (with a tracker file) -> its latest ``iter_XXXXXXX``; an iteration dir -> itself."""
-    from megatron_het.checkpoint.dist_ckpt import TRACKER, iteration_dir, latest_iteration
+    from megatron_het.checkpoint.dist_ckpt import TRACKER, iteration_dir, latest_iteration, resolve_iteration_dir
 
     if os.path.exists(os.path.join(path, TRACKER)):
-        return iteration_dir(path, latest_iteration(path))
+        return resolve_iteration_dir(iteration_dir(path, latest_iteration(path)))
     if os.path.exists(os.path.join(path, "metadata.json")):
         return path
     raise ConvertError(f"{path}: neither a checkpoint directory ({TRACKER}) nor an iter_XXXXXXX directory. "
@@ -35,23 +35,24 @@ def checkpoint_dir(path: str) -> str:
 
 def read_het(path: str, *, model: ModelSpec | None = None, progress: ProgressCallback | None = None) -> ModelState:
     """Weights of the latest (or the given) iteration; optimizer moments are not converted."""
-    from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing import ShardedTensor
 
     from megatron_het.checkpoint.dist_ckpt import check_model_matches, read_common
+    from megatron_het.checkpoint.safe_read import load_sharded, load_tensor_metadata, verify_checkpoint
 
     src = checkpoint_dir(path)
+    verify_checkpoint(src)  # before the process group: no code from the checkpoint runs, damage is named
     with single_process_group():
         common = read_common(src)
-        saved = ModelSpec(**common["model"])
+        saved = _saved_model(common, src)
         if model is not None:
             check_model_matches(common, model, src)
         model = model or saved
-        meta = dist_checkpointing.load_tensors_metadata(src)
+        meta = load_tensor_metadata(src)
         keys = [k for k in meta if k.startswith(PREFIX)]
         request = {k: ShardedTensor.from_rank_offsets(k, torch.empty(meta[k].global_shape, dtype=meta[k].dtype))
                    for k in keys}
-        loaded = dist_checkpointing.load(request, src, validate_access_integrity=False)
+        loaded = load_sharded(request, src)
     tensors: dict[str, torch.Tensor] = {}
     for key in counted(keys, len(keys), progress):
         name = key[len(PREFIX):]
@@ -60,6 +61,15 @@ def read_het(path: str, *, model: ModelSpec | None = None, progress: ProgressCal
     state = ModelState(model=model, tensors=tensors, iteration=int(common.get("iteration", 0)))
     check_state(state, source=src)
     return state
+
+
+def _saved_model(common: dict, src: str) -> ModelSpec:
+    """The model a het checkpoint records (its common state is untrusted input)."""
+    try:
+        return ModelSpec(**common["model"])
+    except (KeyError, TypeError, ValueError) as e:
+        raise ConvertError(f"{src}: the checkpoint's model description is unusable ({e}). Fix: pass --model M.yaml "
+                           f"describing the checkpoint, or re-save it") from None
 
 
 def write_het(state: ModelState, save_dir: str, *, tp: int = 1, pp: int = 1,
@@ -78,11 +88,16 @@ def write_het(state: ModelState, save_dir: str, *, tp: int = 1, pp: int = 1,
     padded = padded_vocab_size(m.vocab_size, tp)
     plan = homogeneous_plan(tp=tp, pp=pp, dp=1, num_layers=m.num_layers, micro_batch_size=1, global_batch_size=1)
     slots, moments = {}, {}
-    for name, tensor in counted(state.tensors.items(), len(state.tensors), progress):
+    if progress is not None:
+        progress(0, len(state.tensors))
+    for name, tensor in state.tensors.items():
         full = pad_vocab(tensor, padded, name=name) if name in VOCAB_ROWS else tensor
         slots[name] = TensorSlot(tensor=full.contiguous(), partition_dim=None, tp_rank=0, tp_size=1, main=True)
         moments[name] = {"exp_avg": torch.zeros_like(full), "exp_avg_sq": torch.zeros_like(full)}
     common = {"model": model_common_state(m), "padded_vocab": padded, "consumed_samples": 0,
               "plan": plan.to_dict(), "converted": True}
     with single_process_group():
-        return save_checkpoint(save_dir, state.iteration, params=slots, optimizer_state=moments, common=common)
+        final = save_checkpoint(save_dir, state.iteration, params=slots, optimizer_state=moments, common=common)
+    if progress is not None:  # one save writes every tensor: counted once it is on disk
+        progress(len(state.tensors), len(state.tensors))
+    return final

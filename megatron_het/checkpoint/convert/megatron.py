@@ -91,14 +91,11 @@ def model_from_megatron_args(args: object, *, source: str) -> ModelSpec:
 
 
 def _iteration_dir(path: str) -> tuple[str, int | None]:
-    from megatron_het.checkpoint.dist_ckpt import TRACKER, iteration_dir
+    from megatron_het.checkpoint.dist_ckpt import TRACKER, iteration_dir, latest_iteration, resolve_iteration_dir
 
-    tracker = os.path.join(path, TRACKER)
-    if os.path.exists(tracker):
-        text = open(tracker, encoding="utf-8").read().strip()
-        if not text.isdigit():
-            raise ConvertError(f"{tracker}: holds {text!r}, not an iteration. Fix: write the iteration number")
-        return iteration_dir(path, int(text)), int(text)
+    tracked = latest_iteration(path) if os.path.isdir(path) else None  # refuses a tracker that holds no number
+    if tracked is not None:
+        return resolve_iteration_dir(iteration_dir(path, tracked)), tracked
     if os.path.exists(os.path.join(path, "metadata.json")):
         return path, None
     raise ConvertError(f"{path}: neither a Megatron-LM save directory ({TRACKER}) nor an iter_XXXXXXX directory "
@@ -108,14 +105,21 @@ def _iteration_dir(path: str) -> tuple[str, int | None]:
 def read_megatron(path: str, *, model: ModelSpec | None = None,
                   progress: ProgressCallback | None = None) -> ModelState:
     """Model weights of a Megatron-LM torch_dist checkpoint (TP/PP as saved; any)."""
-    from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing import ShardedTensor
 
+    from megatron_het.checkpoint.safe_read import (
+        load_common_state,
+        load_sharded,
+        load_tensor_metadata,
+        verify_checkpoint,
+    )
+
     src, tracked = _iteration_dir(path)
+    verify_checkpoint(src)  # before the process group: no code from the checkpoint runs, damage is named
     with single_process_group():
-        common = dist_checkpointing.load_common_state_dict(src)
+        common = load_common_state(src)
         model = model or model_from_megatron_args(common.get("args"), source=src)
-        meta = dist_checkpointing.load_tensors_metadata(src)
+        meta = load_tensor_metadata(src)
         wanted = _wanted_keys(model)
         request = {}
         for key, shape in wanted.items():
@@ -129,7 +133,7 @@ def read_megatron(path: str, *, model: ModelSpec | None = None,
                                    f"{' (rows: padded vocabulary)' if vocab else ''}. Fix: use the model "
                                    f"description the checkpoint was trained with")
             request[key] = ShardedTensor.from_rank_offsets(key, torch.empty(got, dtype=meta[key].dtype))
-        loaded = dist_checkpointing.load(request, src, validate_access_integrity=False)
+        loaded = load_sharded(request, src)
     tensors: dict[str, torch.Tensor] = {}
     suffixes = {megatron_key(s): s for s in layer_shapes(model)}
     keys = [k for k in loaded if k in wanted]  # load() also returns the common state (args, iteration)
@@ -182,8 +186,9 @@ def write_megatron(state: ModelState, save_dir: str, *, tp: int = 1, pp: int = 1
     check_state(state, source="input")
     m = state.model
     padded = padded_vocab_size(m.vocab_size, tp)
-    full = {n: pad_vocab(t, padded, name=n) if n in VOCAB_ROWS else t
-            for n, t in counted(state.tensors.items(), len(state.tensors), progress)}
+    if progress is not None:
+        progress(0, len(state.tensors))
+    full = {n: pad_vocab(t, padded, name=n) if n in VOCAB_ROWS else t for n, t in state.tensors.items()}
     final = iteration_dir(save_dir, state.iteration)
     with single_process_group():
         gpt, pgc = build_full_model(m, padded, full)
@@ -195,6 +200,8 @@ def write_megatron(state: ModelState, save_dir: str, *, tp: int = 1, pp: int = 1
                                                        iteration=state.iteration)}, final)
     with open(os.path.join(save_dir, TRACKER), "w", encoding="utf-8") as f:
         f.write(str(state.iteration))
+    if progress is not None:  # one save writes every tensor: counted once it is on disk
+        progress(len(state.tensors), len(state.tensors))
     return final
 
 

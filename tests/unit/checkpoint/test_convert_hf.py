@@ -167,7 +167,7 @@ def test_counted_reports_each_item_without_printing(capsys):
     assert capsys.readouterr().err == ""
 
 
-def test_convert_reports_tensors_read_then_written(tmp_path, capsys):
+def test_convert_reports_each_phase_to_its_total(tmp_path, capsys):
     from megatron_het.checkpoint.convert import ConvertRequest, convert
 
     state = random_state(LLAMA, seed=6)
@@ -175,10 +175,17 @@ def test_convert_reports_tensors_read_then_written(tmp_path, capsys):
     with atomic_output_dir(str(src)) as tmp:
         write_hf(state, tmp, max_shard_bytes=4096)
     n_hf = len(to_hf(state))
-    calls = []
+    calls: dict[str, list] = {}
+
+    def phase(label):
+        calls[label] = []
+        return lambda done, total: calls[label].append((done, total))
+
     convert(ConvertRequest(input=str(src), input_format="hf", output=str(tmp_path / "dst"), output_format="hf"),
-            progress=lambda done, total: calls.append((done, total)))
-    dones = [d for d, _ in calls]
-    assert dones == sorted(dones) and all(d <= t for d, t in calls)
-    assert calls[-1] == (2 * n_hf, 2 * n_hf)  # every HF tensor read, then every one written
+            progress=phase)
+    assert list(calls) == ["read hf", "write hf"]  # one count per phase, in order
+    for label, seen in calls.items():
+        dones = [d for d, _ in seen]
+        assert dones == sorted(dones) and all(d <= t for d, t in seen), label
+        assert seen[-1] == (n_hf, n_hf), label  # each phase reaches its own total
     assert capsys.readouterr().err == ""  # the library does not print
