@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 from megatron_het.data.corpus import CorpusConfig, default_stdlib_dir, stdlib_documents, write_jsonl
+from megatron_het.errors import UserError
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -25,11 +26,11 @@ def main(argv: list[str] | None = None) -> int:
     try:
         config = CorpusConfig(stdlib_dir=Path(args.stdlib_dir) if args.stdlib_dir else default_stdlib_dir(),
                               max_bytes=args.max_bytes)
-    except ValueError as err:
+        texts = stdlib_documents(config)
+        size = write_jsonl(texts, Path(args.output), key=args.json_key)
+    except UserError as err:  # bugs are not caught: they surface as tracebacks
         print(f"error: {err}", file=sys.stderr)
-        return 1
-    texts = stdlib_documents(config)
-    size = write_jsonl(texts, Path(args.output), key=args.json_key)
+        return 2
     print(f"wrote {len(texts)} documents, {size} bytes to {args.output} "
           f"(Python {sys.version.split()[0]} standard library docstrings)")
     return 0

@@ -5,8 +5,9 @@
         --tokenizer-model data/sp512.model --append-eod --workers 1
 
 Writes {output-prefix}_{key}_document.bin/.idx per json key; pass that prefix as --data-path.
-Errors (missing input, missing json key with its line number, missing tokenizer model) go to
-stderr with exit code 1.
+Errors (missing input, missing json key with its line number, missing or bad tokenizer model,
+non-UTF-8 input) are one line on stderr and exit code 2; an existing dataset is never touched
+by a failed run (files are written under temporary names and renamed on success).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from pathlib import Path
 
 from megatron_het.data.preprocess import PreprocessConfig, preprocess
 from megatron_het.data.tokenizer import SENTENCEPIECE_TYPES
+from megatron_het.errors import UserError
 from megatron_het.utils.progress import Progress, add_progress_argument
 
 
@@ -36,11 +38,16 @@ def main(argv: list[str] | None = None) -> int:
                                   output_prefix=args.output_prefix, tokenizer_type=args.tokenizer_type,
                                   tokenizer_model=Path(args.tokenizer_model), append_eod=args.append_eod,
                                   workers=args.workers)
-        with Progress("preprocess", unit="documents", quiet=args.no_progress) as bar:
+        bar = Progress("preprocess", unit="documents", quiet=args.no_progress)
+        try:
             report = preprocess(config, progress=bar.update)
-    except ValueError as err:
+        except UserError:
+            bar.quiet = True  # the error line is the whole report
+            raise
+        bar.close()
+    except UserError as err:  # bugs are not caught: they surface as tracebacks
         print(f"error: {err}", file=sys.stderr)
-        return 1
+        return 2
     for key, prefix in report.prefixes.items():
         print(f"{key}: {report.documents} documents, {report.tokens[key]} tokens -> {prefix}.bin/.idx")
     if report.skipped_empty:

@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 from megatron_het.data.tokenizer import MODEL_TYPES, TokenizerTrainConfig, train_tokenizer
+from megatron_het.errors import UserError
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -28,9 +29,9 @@ def main(argv: list[str] | None = None) -> int:
                                                       vocab_size=args.vocab_size,
                                                       output_prefix=Path(args.output_prefix),
                                                       model_type=args.model_type))
-    except ValueError as err:
+    except UserError as err:  # bugs are not caught: they surface as tracebacks
         print(f"error: {err}", file=sys.stderr)
-        return 1
+        return 2
     print(f"trained {args.model_type} tokenizer: {report.vocab_size} pieces from {report.num_documents} documents "
           f"-> {report.model_path}")
     return 0

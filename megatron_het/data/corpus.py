@@ -15,6 +15,8 @@ import sysconfig
 from dataclasses import dataclass
 from pathlib import Path
 
+from megatron_het.data.jsonl import DataInputError
+
 # Folders of the stdlib that hold tests, vendored data or platform-specific tooling, not prose.
 SKIPPED_PARTS = frozenset({"test", "tests", "idle_test", "site-packages", "dist-packages", "__pycache__",
                            "encodings", "lib2to3", "ensurepip", "turtledemo", "pydoc_data"})
@@ -30,12 +32,12 @@ class CorpusConfig:
 
     def __post_init__(self) -> None:
         if self.max_bytes < 1_000:
-            raise ValueError(f"max_bytes: got {self.max_bytes}, the minimum is 1000. "
+            raise DataInputError(f"max_bytes: got {self.max_bytes}, the minimum is 1000. "
                              "Fix: ask for at least 1000 bytes of corpus.")
         if self.min_chars < 0:
-            raise ValueError(f"min_chars: got {self.min_chars}, the minimum is 0. Fix: pass 0 or more.")
+            raise DataInputError(f"min_chars: got {self.min_chars}, the minimum is 0. Fix: pass 0 or more.")
         if not self.stdlib_dir.is_dir():
-            raise ValueError(f"stdlib_dir: {str(self.stdlib_dir)!r} is not a directory. "
+            raise DataInputError(f"stdlib_dir: {str(self.stdlib_dir)!r} is not a directory. "
                              "Fix: pass the Python standard library folder (e.g. .../lib/python3.11).")
 
 
@@ -96,7 +98,24 @@ def stdlib_documents(config: CorpusConfig) -> list[str]:
 
 def write_jsonl(texts: list[str], path: Path, *, key: str = "text") -> int:
     """Write one ``{key: text}`` object per line; returns the number of bytes written."""
+    if path.is_dir():
+        raise DataInputError(f"output: {str(path)!r} is a directory. Fix: pass --output FILE.jsonl")
+    for up in path.parents:  # the nearest existing ancestor must be a directory
+        if up.exists():
+            if not up.is_dir():
+                raise DataInputError(f"output: {str(path)!r}: {str(up)!r} is a file, not a directory. "
+                                     "Fix: pass --output inside a directory")
+            break
     path.parent.mkdir(parents=True, exist_ok=True)
-    payload = "".join(json.dumps({key: t}) + "\n" for t in texts)
-    path.write_text(payload, encoding="utf-8")
-    return len(payload.encode("utf-8"))
+    payload = "".join(json.dumps({key: t}) + "\n" for t in texts).encode("utf-8")
+    tmp = path.with_name(f".{path.name}.tmp")  # readers see the old file or the new one, never a partial one
+    try:
+        with tmp.open("wb") as f:
+            f.write(payload)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    return len(payload)

@@ -44,17 +44,17 @@ class GptDataConfig:
         for name in ("seq_length", "global_batch_size", "train_iters", "eval_interval"):
             value = getattr(self, name)
             if value < 1:
-                raise ValueError(f"{name}: got {value}, the minimum is 1. Fix: pass --{name.replace('_', '-')} >= 1.")
+                raise DataInputError(f"{name}: got {value}, the minimum is 1. Fix: pass --{name.replace('_', '-')} >= 1.")
         if self.eval_iters < 0:
-            raise ValueError(f"eval_iters: got {self.eval_iters}, the minimum is 0. Fix: pass --eval-iters >= 0.")
+            raise DataInputError(f"eval_iters: got {self.eval_iters}, the minimum is 0. Fix: pass --eval-iters >= 0.")
         if isinstance(self.data_path, str):
-            raise ValueError(f"data_path: got the string {self.data_path!r}, expected a tuple of strings. "
+            raise DataInputError(f"data_path: got the string {self.data_path!r}, expected a tuple of strings. "
                              f"Fix: pass data_path=({self.data_path!r},).")
         if not self.data_path:
-            raise ValueError("data_path: got nothing. Fix: pass --data-path PREFIX (from tools/preprocess_data.py).")
+            raise DataInputError("data_path: got nothing. Fix: pass --data-path PREFIX (from tools/preprocess_data.py).")
         weights = _split_weights(self.split)
         if weights is None or len(weights) > 3 or sum(weights) <= 0:
-            raise ValueError(f"split: got {self.split!r}; expected up to 3 non-negative weights with a positive sum. "
+            raise DataInputError(f"split: got {self.split!r}; expected up to 3 non-negative weights with a positive sum. "
                              "Fix: pass --split like 949,50,1.")
 
     @property

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-from megatron_het.errors import UserError
 import json
 from collections.abc import Iterator
 from pathlib import Path
+
+from megatron_het.errors import UserError
 
 
 class DataInputError(UserError):
@@ -27,8 +28,14 @@ def read_jsonl_texts(path: Path, keys: tuple[str, ...]) -> Iterator[tuple[int, d
     a trailing newline) are skipped.
     """
     require_file(path, field="input", fix="pass an existing JSONL file (one {\"text\": ...} object per line).")
-    with path.open(encoding="utf-8") as lines:
-        for number, line in enumerate(lines, start=1):
+    with path.open("rb") as lines:  # decoded per line, so an encoding error names its line
+        for number, raw in enumerate(lines, start=1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as err:
+                raise DataInputError(f"{path}:{number}: not UTF-8 text (byte {raw[err.start]:#04x} at column "
+                                     f"{err.start + 1}). Fix: convert the file to UTF-8 (e.g. iconv -t UTF-8)."
+                                     ) from None
             if not line.strip():
                 continue
             try:
@@ -36,6 +43,9 @@ def read_jsonl_texts(path: Path, keys: tuple[str, ...]) -> Iterator[tuple[int, d
             except json.JSONDecodeError as err:
                 raise DataInputError(f"{path}:{number}: not valid JSON ({err.msg} at column {err.colno}). "
                                      "Fix: write one JSON object per line.") from None
+            except RecursionError:
+                raise DataInputError(f"{path}:{number}: JSON nested too deeply to read. "
+                                     "Fix: write one flat JSON object per line, e.g. {\"text\": \"...\"}.") from None
             if not isinstance(record, dict):
                 raise DataInputError(f"{path}:{number}: expected a JSON object, got {type(record).__name__}. "
                                      "Fix: write one JSON object per line, e.g. {\"text\": \"...\"}.")

@@ -4,12 +4,15 @@ One document per JSONL line and per json key, one sequence per document (no sent
 with ``append_eod`` the tokenizer's eod id ends every document so GPTDataset samples that span two
 documents keep the boundary. Output prefix per key: ``{output_prefix}_{key}_document``.
 Writing goes through megatron-core's ``IndexedDatasetBuilder``, so the files are exactly what
-``GPTDataset`` reads.
+``GPTDataset`` reads. Both files are written under temporary names (``.bin.tmp``/``.idx.tmp``) next
+to their final ones, fsynced, and renamed only when every key succeeded (``.bin`` then ``.idx``, two
+adjacent renames): a failed or killed run leaves an existing dataset untouched.
 """
 
 from __future__ import annotations
 
 import itertools
+import os
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from multiprocessing import get_context
@@ -21,6 +24,7 @@ from megatron_het.utils.progress import ProgressCallback
 
 # Documents per worker task: large enough to amortise loading the tokenizer in each task.
 CHUNK_DOCUMENTS = 64
+TMP_SUFFIX = ".tmp"  # files being written; renamed over the final names only on success
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -37,13 +41,13 @@ class PreprocessConfig:
 
     def __post_init__(self) -> None:
         if not self.json_keys:
-            raise ValueError("json_keys: got an empty list. Fix: pass --json-keys text (or your key).")
+            raise DataInputError("json_keys: got an empty list. Fix: pass --json-keys text (or your key).")
         if len(set(self.json_keys)) != len(self.json_keys):
-            raise ValueError(f"json_keys: got {list(self.json_keys)} with repeats. Fix: list each key once.")
+            raise DataInputError(f"json_keys: got {list(self.json_keys)} with repeats. Fix: list each key once.")
         if self.workers < 1:
-            raise ValueError(f"workers: got {self.workers}, the minimum is 1. Fix: pass --workers 1 or more.")
+            raise DataInputError(f"workers: got {self.workers}, the minimum is 1. Fix: pass --workers 1 or more.")
         if not self.output_prefix:
-            raise ValueError("output_prefix: got ''. Fix: pass --output-prefix PATH/NAME.")
+            raise DataInputError("output_prefix: got ''. Fix: pass --output-prefix PATH/NAME.")
         check_tokenizer_type(self.tokenizer_type)
 
 
@@ -90,12 +94,38 @@ def count_documents(path: Path) -> int:
         return sum(1 for line in lines if line.strip())
 
 
+def check_output_prefix(output_prefix: str, keys: tuple[str, ...]) -> None:
+    """Refuse an output prefix whose files cannot be written (before any work is done)."""
+    parent = Path(output_prefix).parent
+    for up in (parent, *parent.parents):  # the nearest existing ancestor must be a directory
+        if up.exists():
+            if not up.is_dir():
+                raise DataInputError(f"output_prefix: {output_prefix!r}: {str(up)!r} is a file, not a directory. "
+                                     f"Fix: pass --output-prefix inside a directory")
+            break
+    for key in keys:
+        for ext in (".bin", ".idx"):
+            target = Path(dataset_prefix(output_prefix, key) + ext)
+            if target.is_dir():
+                raise DataInputError(f"output_prefix: {str(target)!r} is a directory. "
+                                     f"Fix: pass another --output-prefix or remove that directory")
+
+
+def _fsync(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def preprocess(config: PreprocessConfig, *, progress: ProgressCallback | None = None) -> PreprocessReport:
-    """Tokenize ``config.input`` and write one .bin/.idx pair per json key.
+    """Tokenize ``config.input`` and write one .bin/.idx pair per json key (atomically, see module doc).
 
     ``progress(done, total)`` is called after each chunk of documents (empty ones included).
     """
     require_file(config.input, field="input", fix="pass --input with an existing JSONL file.")
+    check_output_prefix(config.output_prefix, config.json_keys)
     total = count_documents(config.input) if progress is not None else 0
     tokenizer = load_tokenizer(config.tokenizer_model, tokenizer_type=config.tokenizer_type)
     import numpy
@@ -103,12 +133,15 @@ def preprocess(config: PreprocessConfig, *, progress: ProgressCallback | None = 
 
     dtype = DType.optimal_dtype(tokenizer.vocab_size)  # uint16 below 65500 pieces, as Megatron-LM
     prefixes = {key: dataset_prefix(config.output_prefix, key) for key in config.json_keys}
+    temps = {key: (prefix + ".bin" + TMP_SUFFIX, prefix + ".idx" + TMP_SUFFIX) for key, prefix in prefixes.items()}
     Path(config.output_prefix).parent.mkdir(parents=True, exist_ok=True)
-    builders = {key: IndexedDatasetBuilder(prefix + ".bin", dtype=dtype) for key, prefix in prefixes.items()}
+    builders = {}
     tokens = dict.fromkeys(config.json_keys, 0)
     documents = skipped = 0
     pool = get_context("fork").Pool(config.workers) if config.workers > 1 else None
     try:
+        for key, (tmp_bin, _) in temps.items():
+            builders[key] = IndexedDatasetBuilder(tmp_bin, dtype=dtype)
         encoded = pool.imap(encode_chunk, _chunks(config)) if pool else map(encode_chunk, _chunks(config))
         for chunk in encoded:
             for ids in chunk:
@@ -124,15 +157,23 @@ def preprocess(config: PreprocessConfig, *, progress: ProgressCallback | None = 
         if documents == 0:
             raise DataInputError(f"input: {str(config.input)!r} produced no non-empty documents ({skipped} empty). "
                                  f"Fix: pass a JSONL file with text under {list(config.json_keys)}.")
+        for key, builder in builders.items():
+            builder.finalize(temps[key][1])
+            for path in temps[key]:
+                _fsync(path)
     except BaseException:
-        for key, builder in builders.items():  # leave no half-written .bin behind
+        for builder in builders.values():  # remove only our temporary files; the old dataset stays
             builder.data_file.close()
-            Path(prefixes[key] + ".bin").unlink(missing_ok=True)
+        for pair in temps.values():
+            for path in pair:
+                Path(path).unlink(missing_ok=True)
         raise
     finally:
         if pool:
             pool.close()
             pool.join()
-    for key, builder in builders.items():
-        builder.finalize(prefixes[key] + ".idx")
+    for key, (tmp_bin, tmp_idx) in temps.items():  # .idx last: it is what makes the pair readable
+        os.replace(tmp_bin, prefixes[key] + ".bin")
+        os.replace(tmp_idx, prefixes[key] + ".idx")
+    _fsync(str(Path(config.output_prefix).parent))
     return PreprocessReport(prefixes=prefixes, documents=documents, tokens=tokens, skipped_empty=skipped)

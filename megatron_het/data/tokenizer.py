@@ -14,6 +14,7 @@ Choices (why):
 from __future__ import annotations
 
 import io
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -46,14 +47,14 @@ class TokenizerTrainConfig:
 
     def __post_init__(self) -> None:
         if not MIN_VOCAB_SIZE <= self.vocab_size <= MAX_VOCAB_SIZE:
-            raise ValueError(f"vocab_size: got {self.vocab_size}, allowed {MIN_VOCAB_SIZE}..{MAX_VOCAB_SIZE} "
+            raise DataInputError(f"vocab_size: got {self.vocab_size}, allowed {MIN_VOCAB_SIZE}..{MAX_VOCAB_SIZE} "
                              f"(256 byte pieces + 4 special pieces need at least {MIN_VOCAB_SIZE}). "
                              "Fix: pass --vocab-size in that range, e.g. 512.")
         if self.model_type not in MODEL_TYPES:
-            raise ValueError(f"model_type: got {self.model_type!r}, expected one of {MODEL_TYPES}. "
+            raise DataInputError(f"model_type: got {self.model_type!r}, expected one of {MODEL_TYPES}. "
                              "Fix: pass --model-type bpe or --model-type unigram.")
         if not 0.9 <= self.character_coverage <= 1.0:
-            raise ValueError(f"character_coverage: got {self.character_coverage}, allowed 0.9..1.0. "
+            raise DataInputError(f"character_coverage: got {self.character_coverage}, allowed 0.9..1.0. "
                              "Fix: pass a value such as 0.9995 (rare characters fall back to bytes).")
 
 
@@ -71,6 +72,7 @@ def train_tokenizer(config: TokenizerTrainConfig) -> TokenizerTrainReport:
     """Train a SentencePiece model on the documents of ``config.input``; deterministic for BPE."""
     import sentencepiece as spm
 
+    _check_output_prefix(Path(config.output_prefix))
     texts = [t[config.json_key] for _, t in read_jsonl_texts(config.input, (config.json_key,))]
     if not texts:
         raise DataInputError(f"input: {str(config.input)!r} holds no documents. "
@@ -87,20 +89,50 @@ def train_tokenizer(config: TokenizerTrainConfig) -> TokenizerTrainReport:
             max_sentence_length=max(longest, 4192),  # default 4192 would silently drop long documents
             num_threads=1, minloglevel=2)
     except RuntimeError as err:  # e.g. "Vocabulary size too high" on a small corpus
-        raise ValueError(f"vocab_size: SentencePiece could not train {config.vocab_size} pieces on "
+        raise DataInputError(f"vocab_size: SentencePiece could not train {config.vocab_size} pieces on "
                          f"{len(texts)} documents ({err}). Fix: change --vocab-size as that message says "
                          "(it needs room for 260 fixed pieces plus the corpus's characters, and cannot "
                          "learn more pieces than the corpus holds).") from None
     prefix = Path(config.output_prefix)
-    prefix.parent.mkdir(parents=True, exist_ok=True)
     model_path = prefix.with_name(prefix.name + ".model")
     vocab_path = prefix.with_name(prefix.name + ".vocab")
-    model_path.write_bytes(model.getvalue())
     processor = spm.SentencePieceProcessor(model_proto=model.getvalue())
-    vocab_path.write_text("".join(f"{_escape(processor.id_to_piece(i))}\t{processor.get_score(i):g}\n"
-                                  for i in range(processor.get_piece_size())), encoding="utf-8")
+    listing = "".join(f"{_escape(processor.id_to_piece(i))}\t{processor.get_score(i):g}\n"
+                      for i in range(processor.get_piece_size()))
+    prefix.parent.mkdir(parents=True, exist_ok=True)
+    _write_atomic(model_path, model.getvalue())
+    _write_atomic(vocab_path, listing.encode("utf-8"))
     return TokenizerTrainReport(model_path=model_path, vocab_path=vocab_path,
                                 vocab_size=processor.get_piece_size(), num_documents=len(texts))
+
+
+def _check_output_prefix(prefix: Path) -> None:
+    """Refuse, before training, an output prefix whose files cannot be written."""
+    for up in prefix.parents:  # the nearest existing ancestor must be a directory
+        if up.exists():
+            if not up.is_dir():
+                raise DataInputError(f"output_prefix: {str(prefix)!r}: {str(up)!r} is a file, not a directory. "
+                                     "Fix: pass --output-prefix inside a directory.")
+            break
+    for suffix in (".model", ".vocab"):
+        target = prefix.with_name(prefix.name + suffix)
+        if target.is_dir():
+            raise DataInputError(f"output_prefix: {str(target)!r} is a directory. "
+                                 "Fix: pass another --output-prefix or remove that directory.")
+
+
+def _write_atomic(path: Path, data: bytes) -> None:
+    """Readers see the old file or the new one, never a partial one."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    try:
+        with tmp.open("wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 def _escape(piece: str) -> str:
@@ -117,6 +149,26 @@ def check_tokenizer_type(tokenizer_type: str) -> str:
     return tokenizer_type
 
 
+def check_sentencepiece_model(path: Path) -> int:
+    """Refuse an empty or unreadable SentencePiece model file naming it; returns its piece count."""
+    import sentencepiece as spm
+
+    data = path.read_bytes()
+    fix = "pass --tokenizer-model with the .model file written by tools/train_tokenizer.py (not the .vocab)"
+    if not data:
+        raise DataInputError(f"tokenizer_model: {str(path)!r} is empty. Fix: {fix}.")
+    try:
+        pieces = spm.SentencePieceProcessor(model_proto=data).get_piece_size()
+    except (RuntimeError, OSError, ValueError) as err:
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise DataInputError(f"tokenizer_model: {str(path)!r} is not a SentencePiece model ({first}). "
+                             f"Fix: {fix}.") from None
+    if pieces < 4:
+        raise DataInputError(f"tokenizer_model: {str(path)!r} has {pieces} pieces, too few for unk/bos/eos/pad. "
+                             f"Fix: {fix}.")
+    return pieces
+
+
 def load_tokenizer(model_path: Path | str, *, tokenizer_type: str = "SentencePieceTokenizer") -> MegatronTokenizerBase:
     """megatron-core's GPT tokenizer over a SentencePiece model: ``tokenize``, ``detokenize``,
     ``eod``, ``pad``, ``vocab_size`` and ``unique_identifiers``, as ``GPTDatasetConfig`` needs."""
@@ -124,6 +176,7 @@ def load_tokenizer(model_path: Path | str, *, tokenizer_type: str = "SentencePie
     path = require_file(Path(model_path), field="tokenizer_model",
                         fix="pass --tokenizer-model with an existing SentencePiece .model file "
                             "(train one with tools/train_tokenizer.py).")
+    check_sentencepiece_model(path)
     import megatron_het.platform  # noqa: F401  (triton import guard before megatron.core)
     from megatron.core.tokenizers import MegatronTokenizer
 

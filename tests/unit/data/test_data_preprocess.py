@@ -161,5 +161,5 @@ def test_cli_flags_match_megatron_lm(workdir: Path, model: Path, capsys: pytest.
     assert capsys.readouterr().err == ""
     assert (workdir / "cli_text_document.idx").is_file()
     argv[argv.index("--tokenizer-model") + 1] = str(workdir / "gone.model")
-    assert tool.main(argv) == 1
+    assert tool.main(argv) == 2
     assert "tokenizer_model: " in capsys.readouterr().err

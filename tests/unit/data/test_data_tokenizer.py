@@ -135,5 +135,5 @@ def test_cli_trains_and_reports_errors(small_corpus: Path, tmp_path: Path, capsy
                       "--output-prefix", str(tmp_path / "cli")]) == 0
     assert "400 pieces from 60 documents" in capsys.readouterr().out
     assert (tmp_path / "cli.model").is_file()
-    assert tool.main(["--input", str(small_corpus), "--vocab-size", "7", "--output-prefix", str(tmp_path / "c")]) == 1
+    assert tool.main(["--input", str(small_corpus), "--vocab-size", "7", "--output-prefix", str(tmp_path / "c")]) == 2
     assert "vocab_size: got 7" in capsys.readouterr().err
