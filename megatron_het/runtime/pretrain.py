@@ -7,12 +7,12 @@ With --tensorboard-dir, rank 0 also writes TensorBoard scalars (runtime/tensorbo
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import logging
 import os
 import sys
 import time
-import dataclasses
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -26,7 +26,7 @@ from megatron_het.runtime.arguments import PretrainArgs, parse_args
 from megatron_het.sharding.plan import ShardedPlan, load_any_plan, validate_sharded_plan
 
 if TYPE_CHECKING:  # megatron-core loads only after the arguments are checked (fast usage errors)
-    from megatron_het.runtime.hetero_trainer import HeteroIterationLog, HeteroTrainer
+    from megatron_het.runtime.hetero_trainer import HeteroIterationLog
     from megatron_het.runtime.tensorboard_log import TensorBoardHooks
 
 log = logging.getLogger("megatron_het")
@@ -101,7 +101,6 @@ def _batch_fns(args: PretrainArgs):
     if ns.mock_data:
         from functools import partial
 
-        from megatron_het.data.synthetic import synthetic_batch
 
         fn = partial(_mock_batch, model.seq_length, model.vocab_size, args.train.seed)
         return fn, partial(_mock_batch, model.seq_length, model.vocab_size, args.train.seed + 1)
@@ -195,7 +194,6 @@ def main(argv: list[str] | None = None) -> int:
 
 def run(args: PretrainArgs, acc) -> PretrainResult:
     """Build and train the run ``args`` describes on the initialised default group (collective)."""
-    from megatron_het.checkpoint.dist_ckpt import iteration_dir, latest_iteration, read_common
     from megatron_het.runtime.hetero_trainer import HeteroTrainer
     from megatron_het.runtime.tensorboard_log import TensorBoardHooks
 
@@ -210,21 +208,14 @@ def run(args: PretrainArgs, acc) -> PretrainResult:
         from megatron_het.sharding.pretrain_sharded import run_sharded_pretrain
 
         return run_sharded_pretrain(args, cluster=args.cluster, plan=plan, model=args.model)
-    world = dist.get_world_size()
-    if world != plan.world_size:
-        raise ValueError(f"world size: the plan uses {plan.world_size} ranks, torchrun started {world}. "
-                         f"Fix: launch with --nproc-per-node/--nnodes giving {plan.world_size} processes")
+    check_world_size(plan.world_size)
     for line in describe_plan_lines(plan):
         print_rank0(line)
     if plan.use_distributed_optimizer:
         print_rank0("note: plan.use_distributed_optimizer is used by the memory prediction; this runtime keeps "
                     "full optimizer state on every holder of a parameter")
     cluster = args.cluster
-    emulate = cluster.emulated and not args.raw.no_emulation
-    if emulate:
-        factors = ", ".join(f"{i.name} x{cluster.slowdown(i.name):.2f}" for i in cluster.islands)
-        print_rank0(f"EMULATION (CPU): slower device types are emulated by waiting (slowdown-1) x the measured "
-                    f"compute time after each forward/backward: {factors}")
+    emulate = announce_emulation(cluster, no_emulation=args.raw.no_emulation)
 
     libraries = sorted({cluster.island(s.island).device.collective_library
                         for r in plan.replicas for s in r.stages})
@@ -237,15 +228,7 @@ def run(args: PretrainArgs, acc) -> PretrainResult:
     else:
         print_rank0(f"communication: one collective library ({libraries[0]}): native groups only")
     batch_fn, valid_fn = _batch_fns(args)
-    padded_vocab = None
-    load_path = None
-    if args.raw.load:
-        it = latest_iteration(args.raw.load)
-        if it is None:
-            print_rank0(f"no checkpoint in {args.raw.load}: starting from scratch")
-        else:
-            load_path = iteration_dir(args.raw.load, it)
-            padded_vocab = read_common(load_path).get("padded_vocab")
+    load_path, padded_vocab = checkpoint_to_load(args)
     tensorboard = None
     if args.tensorboard is not None:
         tensorboard = TensorBoardHooks(args.tensorboard, group=None, global_batch_size=args.train.global_batch_size,
@@ -258,14 +241,47 @@ def run(args: PretrainArgs, acc) -> PretrainResult:
         if load_path:
             start = trainer.load_checkpoint(load_path)
             print_rank0(f"loaded checkpoint {load_path} (iteration {start}, written under another plan is fine)")
-        return _train_loop(args, trainer, valid_fn, tensorboard)
+        return train_loop(args, trainer, valid_fn, tensorboard=tensorboard)
     finally:  # the event file is complete even when training fails
         if tensorboard is not None:
             tensorboard.close()
 
 
-def _train_loop(args: PretrainArgs, trainer: HeteroTrainer, valid_fn, tensorboard: TensorBoardHooks | None
-                ) -> PretrainResult:
+def check_world_size(ranks: int) -> None:
+    world = dist.get_world_size()
+    if world != ranks:
+        raise ValueError(f"world size: the plan uses {ranks} ranks, torchrun started {world}. "
+                         f"Fix: launch with --nproc-per-node/--nnodes giving {ranks} processes")
+
+
+def announce_emulation(cluster, *, no_emulation: bool) -> bool:
+    """Whether slower islands are emulated in this run (said in the log when they are)."""
+    emulate = cluster.emulated and not no_emulation
+    if emulate:
+        factors = ", ".join(f"{i.name} x{cluster.slowdown(i.name):.2f}" for i in cluster.islands)
+        print_rank0(f"EMULATION (CPU): slower device types are emulated by waiting (slowdown-1) x the measured "
+                    f"compute time after each forward/backward: {factors}")
+    return emulate
+
+
+def checkpoint_to_load(args: PretrainArgs) -> tuple[str | None, int | None]:
+    """(--load's latest iteration directory, its padded vocabulary), or (None, None) to start fresh."""
+    from megatron_het.checkpoint.dist_ckpt import iteration_dir, latest_iteration, read_common
+
+    if not args.raw.load:
+        return None, None
+    it = latest_iteration(args.raw.load)
+    if it is None:
+        print_rank0(f"no checkpoint in {args.raw.load}: starting from scratch")
+        return None, None
+    load_path = iteration_dir(args.raw.load, it)
+    return load_path, read_common(load_path).get("padded_vocab")
+
+
+def train_loop(args: PretrainArgs, trainer, valid_fn, *, tensorboard: TensorBoardHooks | None = None,
+               summary=_stage_summary) -> PretrainResult:
+    """Megatron's loop for either trainer (HeteroTrainer, ShardedTrainer): log lines, evaluation,
+    checkpoints; ``summary(trainer, logs)`` prints where the time went at the end."""
     ns, train = args.raw, args.train
     logs = []
     validation = []
@@ -294,5 +310,5 @@ def _train_loop(args: PretrainArgs, trainer: HeteroTrainer, valid_fn, tensorboar
     if ns.save:
         print_rank0(f"saved checkpoint {trainer.save_checkpoint(ns.save)}")
     if logs:
-        _stage_summary(trainer, logs)
+        summary(trainer, logs)
     return PretrainResult(logs=tuple(logs), validation=tuple(validation))
