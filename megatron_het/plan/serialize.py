@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import tempfile
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -17,6 +16,7 @@ from megatron_het.plan.types import (
     ReplicaPlan,
     StagePlan,
 )
+from megatron_het.utils.atomic import write_text_atomic
 
 _PLAN_KEYS = (
     "format",
@@ -212,23 +212,8 @@ def plan_from_dict(d: Mapping[str, object], *, source: str | None = None) -> Pla
     )
 
 
-def write_text_atomic(path: str | os.PathLike[str], text: str) -> None:
-    """Atomic write: a reader sees the old file or the new one, never a partial file."""
-    target = Path(path)
-    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent or ".")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, target)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
 def save_plan(plan: Plan, path: str | os.PathLike[str]) -> None:
-    """Atomic write (see write_text_atomic)."""
+    """Atomic write (utils.atomic)."""
     write_text_atomic(path, plan_to_json(plan))
 
 

@@ -141,7 +141,7 @@ class ShardedPlan:
 
     def save(self, path: str | os.PathLike[str]) -> None:
         """Write JSON atomically (temp file in the same directory, fsync, os.replace), as Plan.save does."""
-        from megatron_het.plan.serialize import write_text_atomic
+        from megatron_het.utils.atomic import write_text_atomic
 
         write_text_atomic(path, self.to_json() + "\n")
 
