@@ -17,3 +17,9 @@ class PlanError(UserError):
     ) -> None:
         # field: dotted/indexed path, e.g. "replicas[1].stages[0].ranks"; file: the plan file, when known
         super().__init__(problem, field=field, value=value, fix=fix, file=file)
+
+    def with_file(self, file: str | None) -> PlanError:
+        """The same error naming ``file`` (types check themselves without knowing where they were read)."""
+        if file is None or self.file is not None:
+            return self
+        return PlanError(field=self.field, value=self.value, problem=self.problem, fix=self.fix, file=file)

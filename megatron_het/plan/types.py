@@ -1,54 +1,35 @@
-"""Plan data types: who runs which layers with which batch share (pure data, no validation here).
+"""The pipeline plan: replicas of stages, the batch split and schedule choices (plain data).
 
-Semantic checks live in :mod:`megatron_het.plan.validate`; JSON in :mod:`megatron_het.plan.serialize`.
+A ``Plan`` is built freely (the planner makes candidates) and checked by ``validate``
+(plan/checks.py). It implements the plan interface (plan/interface.py); its stages and replicas are
+in plan/stage.py, JSON text and files in plan/jsonio.py, either-kind loading in plan/serialize.py.
 """
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from megatron_het.plan.checks import check_pipeline
+from megatron_het.plan.errors import PlanError
+from megatron_het.plan.fields import as_bool, as_int, as_list, as_str, check_keys, required
+from megatron_het.plan.jsonio import json_text, read_json, write_json
+from megatron_het.plan.stage import ReplicaPlan, StagePlan
+
+if TYPE_CHECKING:
+    from megatron_het.cluster import ClusterSpec, ModelSpec
+    from megatron_het.plan.interface import MemoryCheck
+
+__all__ = ["PLAN_FORMAT", "PLAN_FORMAT_VERSION", "Plan", "ReplicaPlan", "StagePlan"]
 
 PLAN_FORMAT = "megatron-het-plan"  # value of the "format" key in plan JSON
 PLAN_FORMAT_VERSION = 1  # value of the "version" key this code reads and writes
 
-
-@dataclass(frozen=True, kw_only=True)
-class StagePlan:
-    """One pipeline stage: a tensor-parallel group on one island running a contiguous layer range."""
-
-    island: str  # island name in the cluster file
-    device_type: str  # catalog name of the island's device (checked against the cluster)
-    ranks: tuple[int, ...]  # global ranks of this stage's tensor-parallel group, in TP-rank order
-    # [first, stop) global 0-based transformer layer indices; the first stage of a replica also holds
-    # the embedding, the last the output layer + loss. With virtual_pipeline_size > 1 this is the
-    # stage's share in stage order; see layout.chunk_layers for the layers each model chunk holds.
-    layers: tuple[int, int]
-    recompute: bool = False  # full activation recomputation on this stage
-    tp_comm_overlap: bool = False  # chunked collective/GEMM overlap in this stage's TP layers
-
-    @property
-    def tp(self) -> int:
-        """Tensor-parallel size of this stage."""
-        return len(self.ranks)
-
-    @property
-    def num_layers(self) -> int:
-        """Number of transformer layers on this stage."""
-        return self.layers[1] - self.layers[0]
-
-
-@dataclass(frozen=True, kw_only=True)
-class ReplicaPlan:
-    """One full pipeline; data parallelism is across replicas."""
-
-    stages: tuple[StagePlan, ...]  # pipeline order
-    num_micro_batches: int  # this replica's share of the global batch, in micro-batches
-
-    @property
-    def ranks(self) -> tuple[int, ...]:
-        """All ranks of the replica, stage by stage, TP order inside a stage."""
-        return tuple(r for stage in self.stages for r in stage.ranks)
+_PLAN_KEYS = ("format", "version", "micro_batch_size", "global_batch_size", "schedule", "virtual_pipeline_size",
+              "sequence_parallel", "use_distributed_optimizer", "replicas", "predicted")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -70,34 +51,96 @@ class Plan:
         """Number of distinct ranks; a valid plan uses exactly 0..world_size-1."""
         return len({r for replica in self.replicas for r in replica.ranks})
 
+    def island_ranks(self) -> dict[str, tuple[int, ...]]:
+        """Island name -> its ranks (ascending), islands in the order the plan first uses them."""
+        by_island: dict[str, list[int]] = {}
+        for replica in self.replicas:
+            for stage in replica.stages:
+                by_island.setdefault(stage.island, []).extend(stage.ranks)
+        return {name: tuple(sorted(ranks)) for name, ranks in by_island.items()}
+
+    def validate(self, model: ModelSpec, cluster: ClusterSpec | None = None, *,
+                 memory_check: MemoryCheck | None = None) -> None:
+        """Raise PlanError for the first problem found; the memory check, when given, runs last."""
+        check_pipeline(replicas=self.replicas, micro_batch_size=self.micro_batch_size,
+                       global_batch_size=self.global_batch_size, schedule=self.schedule,
+                       virtual_pipeline_size=self.virtual_pipeline_size, sequence_parallel=self.sequence_parallel,
+                       model=model, cluster=cluster)
+        if memory_check is not None:
+            memory_check(self, model, cluster)
+
+    def describe(self) -> list[str]:
+        """A header, one line per replica (its stages), the prediction when there is one."""
+        lines = [f"plan: {len(self.replicas)} replica(s), {self.world_size} ranks, micro-batch "
+                 f"{self.micro_batch_size}, global batch {self.global_batch_size}, schedule {self.schedule}"]
+        for r, replica in enumerate(self.replicas):
+            stages = " | ".join(f"{s.island}({s.device_type}) TP={s.tp} ranks {s.ranks[0]}-{s.ranks[-1]} "
+                                f"layers {s.layers[0]}-{s.layers[1] - 1}" for s in replica.stages)
+            lines.append(f"  replica {r}: {replica.num_micro_batches} micro-batches: {stages}")
+        if self.predicted:
+            p = self.predicted
+            lines.append(f"  predicted: {p.get('iteration_time_s', float('nan')) * 1000:.1f} ms/iteration, "
+                         f"{p.get('tokens_per_s', float('nan')):.0f} tokens/s")
+        return lines
+
     def to_dict(self) -> dict:
-        """JSON-ready dict (includes the format and version keys)."""
-        from megatron_het.plan.serialize import plan_to_dict
-
-        return plan_to_dict(self)
-
-    @classmethod
-    def from_dict(cls, d: Mapping[str, object], *, source: str | None = None) -> Plan:
-        """Parse a dict produced by :meth:`to_dict` (or hand-written JSON); raises PlanError."""
-        from megatron_het.plan.serialize import plan_from_dict
-
-        return plan_from_dict(d, source=source)
+        """JSON-ready dict, the format and version keys first."""
+        predicted = None
+        if self.predicted is not None:
+            # Deep copy through JSON: proves it is serializable and detaches it from the plan.
+            predicted = json.loads(json.dumps(dict(self.predicted)))
+        return {
+            "format": PLAN_FORMAT, "version": self.version, "micro_batch_size": self.micro_batch_size,
+            "global_batch_size": self.global_batch_size, "schedule": self.schedule,
+            "virtual_pipeline_size": self.virtual_pipeline_size, "sequence_parallel": self.sequence_parallel,
+            "use_distributed_optimizer": self.use_distributed_optimizer,
+            "replicas": [r.to_dict() for r in self.replicas], "predicted": predicted,
+        }
 
     def to_json(self) -> str:
-        """Pretty JSON text, stable key order, trailing newline."""
-        from megatron_het.plan.serialize import plan_to_json
-
-        return plan_to_json(self)
+        """Pretty JSON text, stable key order, integer lists on one line, trailing newline."""
+        return json_text(self.to_dict())
 
     def save(self, path: str | os.PathLike[str]) -> None:
-        """Write JSON atomically (temp file in the same directory, fsync, os.replace)."""
-        from megatron_het.plan.serialize import save_plan
+        """Write JSON atomically (utils/atomic.py)."""
+        write_json(path, self.to_dict())
 
-        save_plan(self, path)
+    @classmethod
+    def from_dict(cls, d: object, *, source: str | None = None) -> Plan:
+        """Parse a dict produced by :meth:`to_dict` (or hand-written JSON); PlanError names the key path."""
+        d = check_keys(d, "", _PLAN_KEYS, source)
+        fmt = required(d, "format", "", source)
+        if fmt != PLAN_FORMAT:
+            raise PlanError(file=source, field="format", value=fmt, problem="not a megatron-het plan",
+                            fix=f'set "format": "{PLAN_FORMAT}"')
+        version = as_int(required(d, "version", "", source), "version", source)
+        if version != PLAN_FORMAT_VERSION:
+            raise PlanError(
+                file=source, field="version", value=version,
+                problem=f"unsupported plan format version {version} (this megatron-het reads version "
+                f"{PLAN_FORMAT_VERSION})",
+                fix="regenerate the plan with this megatron-het version, or set "
+                f'"version": {PLAN_FORMAT_VERSION} if it follows docs/plan-format.md',
+            )
+        replicas = as_list(required(d, "replicas", "", source), "replicas", source, what="replicas")
+        predicted = d.get("predicted")
+        if predicted is not None and not isinstance(predicted, Mapping):
+            raise PlanError(file=source, field="predicted", value=predicted,
+                            problem="expected a JSON object or null", fix="write {...} or null")
+        return cls(
+            replicas=tuple(ReplicaPlan.from_dict(r, f"replicas[{i}]", source) for i, r in enumerate(replicas)),
+            micro_batch_size=as_int(required(d, "micro_batch_size", "", source), "micro_batch_size", source),
+            global_batch_size=as_int(required(d, "global_batch_size", "", source), "global_batch_size", source),
+            schedule=as_str(d.get("schedule", "1f1b"), "schedule", source),
+            virtual_pipeline_size=as_int(d.get("virtual_pipeline_size", 1), "virtual_pipeline_size", source),
+            sequence_parallel=as_bool(d.get("sequence_parallel", False), "sequence_parallel", source),
+            use_distributed_optimizer=as_bool(d.get("use_distributed_optimizer", False),
+                                              "use_distributed_optimizer", source),
+            predicted=dict(predicted) if predicted is not None else None,
+            version=version,
+        )
 
     @classmethod
     def load(cls, path: str | os.PathLike[str]) -> Plan:
-        """Read a plan JSON file; errors name the file and the field."""
-        from megatron_het.plan.serialize import load_plan
-
-        return load_plan(path)
+        """Read a pipeline plan JSON file; errors name the file and the field (either kind: load_any_plan)."""
+        return cls.from_dict(read_json(path), source=str(path))

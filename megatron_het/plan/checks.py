@@ -1,0 +1,228 @@
+"""Semantic checks of a pipeline plan's parts against a model and a cluster.
+
+The checks take the plan's fields rather than the Plan itself, so ``Plan.validate`` (types.py) can
+call them without this module importing the type back.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+from megatron_het.plan.errors import PlanError
+from megatron_het.plan.stage import ReplicaPlan
+from megatron_het.schedule.generators import SCHEDULE_NAMES
+
+if TYPE_CHECKING:
+    from megatron_het.cluster import ClusterSpec, ModelSpec
+
+__all__ = ["check_cluster", "check_pipeline", "check_tp_comm_overlap"]
+
+Replicas = Sequence[ReplicaPlan]
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _check_batch(replicas: Replicas, micro_batch_size: int, global_batch_size: int) -> None:
+    if micro_batch_size < 1:
+        raise PlanError(field="micro_batch_size", value=micro_batch_size,
+                        problem="must be >= 1", fix="set micro_batch_size to 1 or more")
+    for ri, r in enumerate(replicas):
+        if r.num_micro_batches < 1:
+            raise PlanError(
+                field=f"replicas[{ri}].num_micro_batches", value=r.num_micro_batches,
+                problem="every replica needs at least 1 micro-batch (minimum 1)",
+                fix="give the replica at least 1 micro-batch, or remove the replica",
+            )
+    total = sum(r.num_micro_batches for r in replicas)
+    if global_batch_size != micro_batch_size * total:
+        raise PlanError(
+            field="global_batch_size", value=global_batch_size,
+            problem=f"must equal micro_batch_size * sum(num_micro_batches) = {micro_batch_size} * "
+            f"{total} = {micro_batch_size * total}, but is {global_batch_size}",
+            fix=f"set global_batch_size to {micro_batch_size * total} or change the replicas' "
+            "num_micro_batches",
+        )
+
+
+def _check_schedule(replicas: Replicas, schedule: str, vp: int) -> None:
+    if schedule not in SCHEDULE_NAMES:
+        raise PlanError(field="schedule", value=schedule, problem="unknown schedule name",
+                        fix="use one of " + ", ".join(SCHEDULE_NAMES))
+    if schedule == "interleaved":
+        if vp < 2:
+            raise PlanError(field="virtual_pipeline_size", value=vp,
+                            problem="the interleaved schedule needs at least 2 model chunks per stage",
+                            fix='set virtual_pipeline_size >= 2, or use schedule "1f1b"')
+        for ri, r in enumerate(replicas):
+            p = len(r.stages)
+            if r.num_micro_batches % p:
+                raise PlanError(
+                    field=f"replicas[{ri}].num_micro_batches", value=r.num_micro_batches,
+                    problem=f"the interleaved schedule needs a multiple of the replica's {p} stages",
+                    fix=f"use a multiple of {p} micro-batches for this replica",
+                )
+            for si, s in enumerate(r.stages):
+                if s.num_layers % vp:
+                    raise PlanError(
+                        field=f"replicas[{ri}].stages[{si}].layers", value=list(s.layers),
+                        problem=f"{s.num_layers} layers do not split into virtual_pipeline_size={vp} "
+                        "equal chunks",
+                        fix=f"give this stage a multiple of {vp} layers",
+                    )
+    elif vp != 1:
+        raise PlanError(
+            field="virtual_pipeline_size", value=vp,
+            problem=f"schedule {schedule!r} runs 1 model chunk per stage, not {vp}",
+            fix='set virtual_pipeline_size to 1, or use schedule "interleaved"',
+        )
+
+
+def _check_ranks(replicas: Replicas) -> None:
+    where: dict[int, str] = {}
+    for ri, r in enumerate(replicas):
+        if not r.stages:
+            raise PlanError(field=f"replicas[{ri}].stages", value=[], problem="a replica needs >= 1 stage",
+                            fix="add a stage or remove the replica")
+        for si, s in enumerate(r.stages):
+            path = f"replicas[{ri}].stages[{si}].ranks"
+            if not s.ranks:
+                raise PlanError(field=path, value=list(s.ranks), problem="a stage needs >= 1 rank",
+                                fix="list the stage's tensor-parallel ranks")
+            for rank in s.ranks:
+                if rank in where:
+                    raise PlanError(
+                        field=path, value=list(s.ranks),
+                        problem=f"rank {rank} is used twice (also in {where[rank]})",
+                        fix="give every rank exactly one place in the plan",
+                    )
+                where[rank] = path
+    n = len(where)
+    wrong = sorted(r for r in where if not 0 <= r < n)
+    if wrong:
+        missing = sorted(set(range(n)) - where.keys())
+        raise PlanError(
+            field=where[wrong[0]], value=wrong[0],
+            problem=f"ranks must be exactly 0..{n - 1} for the {n} ranks placed; rank {wrong[0]} is out "
+            f"of range and {missing} are unused",
+            fix="renumber the ranks so they run 0..world_size-1 without gaps",
+        )
+
+
+def _check_layers(replicas: Replicas, num_layers: int) -> None:
+    for ri, r in enumerate(replicas):
+        expect = 0
+        for si, s in enumerate(r.stages):
+            path = f"replicas[{ri}].stages[{si}].layers"
+            first, stop = s.layers
+            if first != expect:
+                problem = (f"starts at layer {first} but the previous stage stopped at {expect}"
+                           if si else f"the first stage must start at layer 0, not {first}")
+                raise PlanError(
+                    field=path, value=list(s.layers),
+                    problem=problem + (" (layers missing)" if first > expect else " (layers overlap)"),
+                    fix=f"make the stages cover [0, {num_layers}) contiguously: start this one at {expect}",
+                )
+            if stop <= first:
+                raise PlanError(
+                    field=path, value=list(s.layers),
+                    problem=f"a stage needs at least 1 layer ([first, stop) with stop > first; got "
+                    f"{stop - first} layers)",
+                    fix="give the stage at least one layer or remove it",
+                )
+            expect = stop
+        if expect != num_layers:
+            raise PlanError(
+                field=f"replicas[{ri}].stages[{len(r.stages) - 1}].layers",
+                value=list(r.stages[-1].layers),
+                problem=f"the last stage stops at layer {expect} but the model has num_layers={num_layers}",
+                fix=f"end the last stage's range at {num_layers}",
+            )
+
+
+def _check_tp(replicas: Replicas, model: ModelSpec, sequence_parallel: bool) -> None:
+    sizes = (
+        ("num_attention_heads", model.num_attention_heads),
+        ("num_query_groups", model.num_query_groups),
+        ("ffn_hidden_size", model.ffn_hidden_size),
+    )
+    for ri, r in enumerate(replicas):
+        for si, s in enumerate(r.stages):
+            for name, size in sizes:
+                if size % s.tp:
+                    raise PlanError(
+                        field=f"replicas[{ri}].stages[{si}].ranks", value=list(s.ranks),
+                        problem=f"tensor-parallel size {s.tp} (number of ranks) does not divide "
+                        f"{name}={size}",
+                        fix=f"use a TP size that divides {size}: one of {_divisors(size)[:12]}",
+                    )
+            if sequence_parallel and model.seq_length % s.tp:
+                raise PlanError(
+                    field=f"replicas[{ri}].stages[{si}].ranks", value=list(s.ranks),
+                    problem=f"sequence_parallel needs TP size {s.tp} to divide seq_length={model.seq_length}",
+                    fix="use a TP size that divides seq_length, or turn sequence_parallel off",
+                )
+
+
+def check_tp_comm_overlap(replicas: Replicas, sequence_parallel: bool) -> None:
+    """``tp_comm_overlap`` chunks the all-gather/reduce-scatter of sequence parallelism: it needs it."""
+    if sequence_parallel:
+        return
+    for ri, r in enumerate(replicas):
+        for si, s in enumerate(r.stages):
+            if s.tp_comm_overlap:
+                raise PlanError(
+                    field=f"replicas[{ri}].stages[{si}].tp_comm_overlap", value=True,
+                    problem="the chunked TP overlap splits sequence parallelism's all-gather/reduce-scatter, "
+                    "but the plan has sequence_parallel false",
+                    fix='set "sequence_parallel": true in the plan, or "tp_comm_overlap": false on this stage',
+                )
+
+
+def check_cluster(replicas: Replicas, cluster: ClusterSpec) -> None:
+    islands = {i.name: i for i in cluster.islands}
+    used: dict[str, int] = {}
+    for ri, r in enumerate(replicas):
+        for si, s in enumerate(r.stages):
+            path = f"replicas[{ri}].stages[{si}]"
+            island = islands.get(s.island)
+            if island is None:
+                raise PlanError(
+                    field=f"{path}.island", value=s.island,
+                    problem="no island of that name in the cluster"
+                    + (f" {cluster.source}" if cluster.source else ""),
+                    fix="use one of " + ", ".join(sorted(islands)),
+                )
+            if s.device_type != island.device.name:
+                raise PlanError(
+                    field=f"{path}.device_type", value=s.device_type,
+                    problem=f"island {s.island!r} has device type {island.device.name!r}",
+                    fix=f'set "device_type": "{island.device.name}"',
+                )
+            used[s.island] = used.get(s.island, 0) + s.tp
+    for name, count in used.items():
+        if count > islands[name].num_gpus:
+            raise PlanError(
+                field="replicas", value={name: count},
+                problem=f"the plan places {count} ranks on island {name!r}, which has only "
+                f"{islands[name].num_gpus} GPUs",
+                fix=f"place at most {islands[name].num_gpus} ranks on {name!r}",
+            )
+
+
+def check_pipeline(*, replicas: Replicas, micro_batch_size: int, global_batch_size: int, schedule: str,
+                   virtual_pipeline_size: int, sequence_parallel: bool, model: ModelSpec,
+                   cluster: ClusterSpec | None) -> None:
+    """Raise PlanError for the first problem found (the cluster checks only when one is given)."""
+    if not replicas:
+        raise PlanError(field="replicas", value=[], problem="a plan needs >= 1 replica", fix="add a replica")
+    _check_ranks(replicas)
+    _check_layers(replicas, model.num_layers)
+    _check_batch(replicas, micro_batch_size, global_batch_size)
+    _check_schedule(replicas, schedule, virtual_pipeline_size)
+    _check_tp(replicas, model, sequence_parallel)
+    check_tp_comm_overlap(replicas, sequence_parallel)
+    if cluster is not None:
+        check_cluster(replicas, cluster)

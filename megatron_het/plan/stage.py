@@ -1,0 +1,89 @@
+"""The parts of a pipeline plan: stages and replicas (pure data and their JSON shape)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from megatron_het.plan.errors import PlanError
+from megatron_het.plan.fields import as_bool, as_int, as_int_list, as_list, as_str, check_keys, required
+
+__all__ = ["ReplicaPlan", "StagePlan"]
+
+_REPLICA_KEYS = ("num_micro_batches", "stages")
+_STAGE_KEYS = ("island", "device_type", "ranks", "layers", "recompute", "tp_comm_overlap")
+
+
+@dataclass(frozen=True, kw_only=True)
+class StagePlan:
+    """One pipeline stage: a tensor-parallel group on one island running a contiguous layer range."""
+
+    island: str  # island name in the cluster file
+    device_type: str  # catalog name of the island's device (checked against the cluster)
+    ranks: tuple[int, ...]  # global ranks of this stage's tensor-parallel group, in TP-rank order
+    # [first, stop) global 0-based transformer layer indices; the first stage of a replica also holds
+    # the embedding, the last the output layer + loss. With virtual_pipeline_size > 1 this is the
+    # stage's share in stage order; see layout.chunk_layers for the layers each model chunk holds.
+    layers: tuple[int, int]
+    recompute: bool = False  # full activation recomputation on this stage
+    tp_comm_overlap: bool = False  # chunked collective/GEMM overlap in this stage's TP layers
+
+    @property
+    def tp(self) -> int:
+        """Tensor-parallel size of this stage."""
+        return len(self.ranks)
+
+    @property
+    def num_layers(self) -> int:
+        """Number of transformer layers on this stage."""
+        return self.layers[1] - self.layers[0]
+
+    def to_dict(self) -> dict:
+        """JSON-ready dict (every field, defaults included)."""
+        return {"island": self.island, "device_type": self.device_type, "ranks": list(self.ranks),
+                "layers": list(self.layers), "recompute": self.recompute, "tp_comm_overlap": self.tp_comm_overlap}
+
+    @classmethod
+    def from_dict(cls, d: object, path: str, source: str | None) -> StagePlan:
+        """Parse the stage at key path ``path`` of file ``source``; raises PlanError."""
+        d = check_keys(d, path, _STAGE_KEYS, source)
+        layers = as_int_list(required(d, "layers", path, source), f"{path}.layers", source)
+        if len(layers) != 2:
+            raise PlanError(
+                file=source, field=f"{path}.layers", value=list(layers),
+                problem=f"expected 2 numbers [first, stop), found {len(layers)}",
+                fix="write the layer range as [first, stop), e.g. [0, 4]",
+            )
+        return cls(
+            island=as_str(required(d, "island", path, source), f"{path}.island", source),
+            device_type=as_str(required(d, "device_type", path, source), f"{path}.device_type", source),
+            ranks=as_int_list(required(d, "ranks", path, source), f"{path}.ranks", source),
+            layers=(layers[0], layers[1]),
+            recompute=as_bool(d.get("recompute", False), f"{path}.recompute", source),
+            tp_comm_overlap=as_bool(d.get("tp_comm_overlap", False), f"{path}.tp_comm_overlap", source),
+        )
+
+
+@dataclass(frozen=True, kw_only=True)
+class ReplicaPlan:
+    """One full pipeline; data parallelism is across replicas."""
+
+    stages: tuple[StagePlan, ...]  # pipeline order
+    num_micro_batches: int  # this replica's share of the global batch, in micro-batches
+
+    @property
+    def ranks(self) -> tuple[int, ...]:
+        """All ranks of the replica, stage by stage, TP order inside a stage."""
+        return tuple(r for stage in self.stages for r in stage.ranks)
+
+    def to_dict(self) -> dict:
+        return {"num_micro_batches": self.num_micro_batches, "stages": [s.to_dict() for s in self.stages]}
+
+    @classmethod
+    def from_dict(cls, d: object, path: str, source: str | None) -> ReplicaPlan:
+        d = check_keys(d, path, _REPLICA_KEYS, source)
+        stages = as_list(required(d, "stages", path, source), f"{path}.stages", source, what="stages")
+        return cls(
+            stages=tuple(StagePlan.from_dict(s, f"{path}.stages[{i}]", source) for i, s in enumerate(stages)),
+            num_micro_batches=as_int(required(d, "num_micro_batches", path, source),
+                                     f"{path}.num_micro_batches", source),
+        )
