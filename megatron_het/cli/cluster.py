@@ -4,7 +4,7 @@
     python tools/cluster.py model examples/models/llama2-7b.yaml
     python tools/cluster.py catalog [--no-sources]
 
-Errors in a file are printed on stderr (file, field, value, fix) with exit code 1.
+Errors in a file are printed on stderr in one line (file, field, value, fix) with exit code 2.
 """
 
 from __future__ import annotations
@@ -14,13 +14,13 @@ import sys
 
 from megatron_het.cluster import (
     CATALOG,
-    ConfigError,
     format_catalog,
     format_cluster,
     format_model,
     load_cluster,
     load_model,
 )
+from megatron_het.errors import UserError
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -40,7 +40,7 @@ def main(argv: list[str] | None = None) -> int:
             print(format_model(load_model(args.file)))
         else:
             print(format_catalog(CATALOG, sources=not args.no_sources))
-    except ConfigError as err:
+    except UserError as err:
         print(f"error: {err}", file=sys.stderr)
-        return 1
+        return 2
     return 0

@@ -19,7 +19,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from megatron_het.cluster.errors import ConfigError
-from megatron_het.cluster.fields import as_float, as_str
+from megatron_het.cluster.fields import as_float, as_name, as_str
 
 __all__ = ["DeviceType", "CATALOG", "VENDORS", "COLLECTIVE_LIBRARIES", "DEFAULT_COLLECTIVE_LIBRARY"]
 
@@ -43,7 +43,7 @@ class DeviceType:
     source: str  # datasheet reference for the figures
 
     def __post_init__(self) -> None:
-        as_str(self.name, "name", example="'A100-80GB'")
+        as_name(self.name, "name", example="'A100-80GB'")
         if self.vendor not in VENDORS:
             raise ConfigError("unknown vendor", field="vendor", value=self.vendor,
                               fix=f"use one of: {', '.join(VENDORS)}")

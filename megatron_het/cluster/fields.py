@@ -6,6 +6,8 @@ value as the right Python type or raises :class:`ConfigError`. Files are filled 
 
 from __future__ import annotations
 
+import math
+import re
 from collections.abc import Collection, Mapping
 from typing import Any
 
@@ -15,6 +17,7 @@ __all__ = [
     "as_mapping",
     "as_list",
     "as_str",
+    "as_name",
     "as_int",
     "as_float",
     "as_bool",
@@ -67,8 +70,29 @@ def as_str(value: object, path: str, *, example: str = "'a100-pod'") -> str:
     return value
 
 
-def as_int(value: object, path: str, *, minimum: int = 1) -> int:
-    """An int >= ``minimum``; rejects bools, floats and numeric strings (say where the quote is)."""
+# Names that end up in job scripts, environment variables and Slurm directives (island, device type,
+# network interface): a newline, "$(...)" or a comma there would alter the generated sbatch script.
+_NAME = re.compile(r"[A-Za-z0-9_.-]+")
+MAX_NAME_LENGTH = 64  # longer names are a mistake, not a cluster
+
+
+def as_name(value: object, path: str, *, example: str = "'a100-pod'", max_length: int = MAX_NAME_LENGTH,
+            fix: str | None = None) -> str:
+    """A non-empty name of letters, digits and ``_ . -`` only, at most ``max_length`` characters."""
+    name = as_str(value, path, example=example)
+    if not _NAME.fullmatch(name) or len(name) > max_length:
+        suggestion = re.sub(r"[^A-Za-z0-9_.-]+", "-", name).strip("-")[:max_length]
+        raise ConfigError(
+            f"must be 1-{max_length} letters, digits, '_', '.' or '-' (it is written into job scripts)",
+            field=path,
+            value=value,
+            fix=fix or f"rename it, e.g. {repr(suggestion) if suggestion else example}",
+        )
+    return name
+
+
+def as_int(value: object, path: str, *, minimum: int = 1, maximum: int | None = None) -> int:
+    """An int in [``minimum``, ``maximum``]; rejects bools, floats and numeric strings (say where the quote is)."""
     if isinstance(value, bool) or not isinstance(value, int):
         hint = ""
         if isinstance(value, str) and value.strip().lstrip("-").isdigit():
@@ -88,6 +112,13 @@ def as_int(value: object, path: str, *, minimum: int = 1) -> int:
             value=value,
             fix=f"use an integer of at least {minimum}",
         )
+    if maximum is not None and value > maximum:
+        raise ConfigError(
+            f"must be <= {maximum:,} (larger values are a typo, not a cluster or model)",
+            field=path,
+            value=value,
+            fix=f"use an integer of at most {maximum:,}",
+        )
     return value
 
 
@@ -101,6 +132,9 @@ def as_float(value: object, path: str, *, minimum: float = 0.0, inclusive: bool 
             fix="write a plain number without quotes or units, e.g. 200",
         )
     number = float(value)
+    if math.isinf(number):
+        raise ConfigError("must be a finite number", field=path, value=value,
+                          fix="write the figure itself, e.g. 200")
     too_small = number < minimum if inclusive else number <= minimum
     if too_small or number != number:  # NaN fails every comparison
         op = ">=" if inclusive else ">"

@@ -18,7 +18,7 @@ import yaml
 
 from megatron_het.cluster.catalog import CATALOG, DEFAULT_COLLECTIVE_LIBRARY, DeviceType
 from megatron_het.cluster.errors import ConfigError, suggest
-from megatron_het.cluster.fields import as_list, as_mapping, as_str, check_keys, join
+from megatron_het.cluster.fields import as_list, as_mapping, as_name, check_keys, join
 from megatron_het.cluster.model_spec import ModelSpec
 from megatron_het.cluster.spec import ClusterSpec, IslandEmulation, IslandSpec, LinkSpec
 
@@ -28,7 +28,7 @@ TOP = "(top level)"  # field path of the document itself
 
 _CLUSTER_KEYS = ("device_types", "islands", "links", "default_link", "emulation")
 _ISLAND_KEYS = ("name", "device", "nodes", "gpus_per_node", "inter_node_bandwidth_gbps", "intra_node_bandwidth_gbps",
-                "intra_node_latency_us", "inter_node_latency_us")
+                "intra_node_latency_us", "inter_node_latency_us", "network_interface")
 _LINK_KEYS = ("between", "bandwidth_gbps", "latency_us")
 _DEVICE_KEYS = tuple(f.name for f in dataclasses.fields(DeviceType))
 _MODEL_KEYS = tuple(f.name for f in dataclasses.fields(ModelSpec))
@@ -65,17 +65,23 @@ def read_yaml(path: str | os.PathLike[str]) -> Any:
                           file=file, fix="pass a readable UTF-8 YAML file") from None
     try:
         data = yaml.load(text, Loader=_StrictLoader)  # noqa: S506 - a SafeLoader subclass
+    except RecursionError:
+        raise ConfigError("nested too deeply to read", field=TOP, value=file, file=file,
+                          fix="pass a cluster or model file as described in docs/cluster-format.md") from None
     except yaml.MarkedYAMLError as err:
         mark = err.problem_mark or err.context_mark
         lines = text.splitlines()
         line = mark.line + 1 if mark is not None else 0
         snippet = lines[line - 1] if 0 < line <= len(lines) else ""
+        fix = (f"correct line {line}: check indentation, the ':' after each key, "
+               "and that quotes and brackets are closed")
+        if "could not determine a constructor" in str(err.problem):  # !!python/... and other tags
+            fix = f"remove the tag on line {line}: cluster and model files are plain data"
         raise ConfigError(f"YAML syntax error: {err.problem or err.context}", file=file,
                           field=f"line {line}, column {mark.column + 1 if mark else 0}", value=snippet,
-                          fix=f"correct line {line}: check indentation, the ':' after each key, "
-                              "and that quotes and brackets are closed") from None
+                          fix=fix) from None
     except yaml.YAMLError as err:
-        raise ConfigError(f"YAML error: {err}", field=TOP, value=file, file=file,
+        raise ConfigError(f"YAML error: {' '.join(str(err).split())}", field=TOP, value=file, file=file,
                           fix="make the file valid YAML") from None
     if data is None:
         raise ConfigError("file is empty (or only comments)", field=TOP, value=text[:40], file=file,
@@ -95,7 +101,7 @@ def resolve_device_types(entries: object, base: Mapping[str, DeviceType] = CATAL
         path = join("device_types", i)
         item = as_mapping(raw, path, example="{name: MY-GPU, extends: A100-80GB, memory_gib: 40}")
         check_keys(item, path, allowed=(*_DEVICE_KEYS, "extends"), required=("name",))
-        name = as_str(item["name"], join(path, "name"), example="'MY-GPU'")
+        name = as_name(item["name"], join(path, "name"), example="'MY-GPU'")
         if name in defined:
             raise ConfigError(f"device type defined twice (also device_types[{defined[name]}])",
                               field=join(path, "name"), value=name, fix="merge the two entries into one")

@@ -7,7 +7,13 @@ from dataclasses import dataclass
 from megatron_het.cluster.errors import ConfigError
 from megatron_het.cluster.fields import as_bool, as_int, as_str
 
-__all__ = ["ModelSpec", "default_ffn_hidden_size"]
+__all__ = ["MAX_SIZES", "ModelSpec", "default_ffn_hidden_size"]
+
+# Sane bounds, far above any model trained so far: beyond them a value is a typo, and the planner and
+# performance model would spend minutes or memory on it.
+MAX_SIZES = {"num_layers": 10_000, "hidden_size": 1_048_576, "num_attention_heads": 65_536,
+             "num_query_groups": 65_536, "ffn_hidden_size": 4_194_304, "seq_length": 16_777_216,
+             "max_position_embeddings": 16_777_216, "vocab_size": 16_777_216}
 
 
 def default_ffn_hidden_size(hidden_size: int, *, swiglu: bool) -> int:
@@ -41,7 +47,7 @@ class ModelSpec:
 
     def __post_init__(self) -> None:
         for f in ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "vocab_size"):
-            as_int(getattr(self, f), f)
+            as_int(getattr(self, f), f, maximum=MAX_SIZES[f])
         as_bool(self.swiglu, "swiglu")
         as_bool(self.untie_embeddings_and_output_weights, "untie_embeddings_and_output_weights")
         if self.name is not None:
@@ -53,7 +59,7 @@ class ModelSpec:
         }
         for f, default in defaults.items():
             value = getattr(self, f)
-            object.__setattr__(self, f, default if value is None else as_int(value, f))
+            object.__setattr__(self, f, default if value is None else as_int(value, f, maximum=MAX_SIZES[f]))
 
         h, heads, groups = self.hidden_size, self.num_attention_heads, self.num_query_groups
         if h % heads:

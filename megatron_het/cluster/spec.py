@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 from megatron_het.cluster.catalog import DeviceType
 from megatron_het.cluster.errors import ConfigError, suggest
-from megatron_het.cluster.fields import as_float, as_int, as_str, join
+from megatron_het.cluster.fields import as_float, as_int, as_name, as_str, join
 
 __all__ = [
     "IslandSpec",
@@ -24,6 +24,9 @@ __all__ = [
     "DEFAULT_INTER_NODE_BANDWIDTH_GBPS",
     "DEFAULT_LINK_LATENCY_US",
     "DEFAULT_INTRA_NODE_LATENCY_US",
+    "MAX_NODES_PER_ISLAND",
+    "MAX_GPUS_PER_NODE",
+    "MAX_CLUSTER_GPUS",
 ]
 
 # A 100 Gbit/s NIC per GPU: a common InfiniBand HDR100 / 100GbE provisioning, and a safe
@@ -31,6 +34,11 @@ __all__ = [
 DEFAULT_INTER_NODE_BANDWIDTH_GBPS = 100.0
 DEFAULT_LINK_LATENCY_US = 5.0  # one switch hop on InfiniBand/RoCE, order of magnitude
 DEFAULT_INTRA_NODE_LATENCY_US = 2.0  # per message over NVLink/xGMI/PCIe inside a node, order of magnitude
+# Sane bounds: the largest machines today have ~10^5 GPUs and 8-16 per node. A count beyond these is a
+# typo, and the planner would build per-rank lists for it for minutes or forever.
+MAX_NODES_PER_ISLAND = 65_536
+MAX_GPUS_PER_NODE = 256
+MAX_CLUSTER_GPUS = 1_048_576
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -47,14 +55,20 @@ class IslandSpec:
     intra_node_bandwidth_gbps: float | None = None
     intra_node_latency_us: float = DEFAULT_INTRA_NODE_LATENCY_US  # per message / ring step inside a node
     inter_node_latency_us: float = DEFAULT_LINK_LATENCY_US  # per message / ring step between its nodes
+    # Network interface the island's nodes talk through (e.g. "ib0", "eth1"); None: the libraries pick.
+    # The generated sbatch script exports it as GLOO_SOCKET_IFNAME and NCCL_SOCKET_IFNAME.
+    network_interface: str | None = None
 
     def __post_init__(self) -> None:
-        as_str(self.name, "name")
+        as_name(self.name, "name")
         if not isinstance(self.device, DeviceType):
             raise ConfigError("must be a DeviceType", field="device", value=self.device,
                               fix="pass an entry of CATALOG or a DeviceType you built")
-        as_int(self.nodes, "nodes")
-        as_int(self.gpus_per_node, "gpus_per_node")
+        as_int(self.nodes, "nodes", maximum=MAX_NODES_PER_ISLAND)
+        as_int(self.gpus_per_node, "gpus_per_node", maximum=MAX_GPUS_PER_NODE)
+        if self.network_interface is not None:
+            as_name(self.network_interface, "network_interface", example="'ib0'", max_length=15,
+                    fix="write one interface name as 'ip link' lists it, e.g. ib0 or eth1")
         inter = as_float(self.inter_node_bandwidth_gbps, "inter_node_bandwidth_gbps")
         object.__setattr__(self, "inter_node_bandwidth_gbps", inter)
         intra = self.intra_node_bandwidth_gbps
@@ -135,6 +149,11 @@ class ClusterSpec:
                                   field=f"islands[{i}].name", value=island.name,
                                   fix="give every island a unique name")
             seen[island.name] = i
+        total = sum(island.num_gpus for island in islands)
+        if total > MAX_CLUSTER_GPUS:
+            raise ConfigError(f"the islands hold {total:,} GPUs in all, more than the limit of {MAX_CLUSTER_GPUS:,}",
+                              field="islands", value=total,
+                              fix="check the nodes and gpus_per_node counts (a typo adds digits)")
         object.__setattr__(self, "islands", islands)
         object.__setattr__(self, "links", self._checked_links(tuple(self.links), seen))
         object.__setattr__(self, "emulation", self._checked_emulation(dict(self.emulation), seen))

@@ -37,11 +37,11 @@ def test_show_mixed_vendor_cluster():
     assert "total: 48 GPUs, 13,048 TFLOP/s" in out  # 32 x 312 + 16 x 191.5
 
 
-def test_bad_file_prints_error_on_stderr_exit_1_no_traceback(tmp_path):
+def test_bad_file_prints_error_on_stderr_exit_2_no_traceback(tmp_path):
     bad = tmp_path / "bad.yaml"
     bad.write_text("islands:\n  - {name: a, device: A100, nodes: 1, gpus_per_nod: 8}\n")
     result = run("show", str(bad))
-    assert result.returncode == 1
+    assert result.returncode == 2
     assert result.stdout == ""
     assert result.stderr.startswith(f"error: {bad}: islands[0].gpus_per_nod: unknown key")
     assert "did you mean 'gpus_per_node'" in result.stderr
@@ -49,12 +49,12 @@ def test_bad_file_prints_error_on_stderr_exit_1_no_traceback(tmp_path):
 
 
 @pytest.mark.parametrize(("content", "needle"), [(None, "file not found"), ("a: [1\n", "YAML syntax error"), ("", "file is empty")])
-def test_unreadable_files_exit_1(tmp_path, content, needle):
+def test_unreadable_files_exit_2(tmp_path, content, needle):
     path = tmp_path / "c.yaml"
     if content is not None:
         path.write_text(content)
     result = run("show", str(path))
-    assert result.returncode == 1 and needle in result.stderr and "Traceback" not in result.stderr
+    assert result.returncode == 2 and needle in result.stderr and "Traceback" not in result.stderr
 
 
 def test_catalog_lists_every_type_as_a_table_from_any_directory(tmp_path):
@@ -71,3 +71,18 @@ def test_model_subcommand():
     result = run("model", "examples/models/llama2-70b.yaml")
     assert result.returncode == 0
     assert "num_query_groups: 8" in result.stdout and "kv_channels: 128" in result.stdout
+
+
+@pytest.mark.parametrize(("island", "needle"), [
+    ("{name: a, device: A100-80GB, nodes: 1000000000, gpus_per_node: 8}", "islands[0].nodes: must be <= 65,536"),
+    ("{name: a, device: A100-80GB, nodes: 60000, gpus_per_node: 200}", "islands: the islands hold 12,000,000 GPUs"),
+    ('{name: "a\\n$(touch x),LD_PRELOAD=/tmp/x.so", device: A100-80GB, nodes: 1, gpus_per_node: 8}',
+     "islands[0].name: must be 1-64 letters, digits"),
+])
+def test_show_refuses_absurd_counts_and_unsafe_names_in_one_line(tmp_path, island, needle):
+    path = tmp_path / "c.yaml"
+    path.write_text(f"islands:\n  - {island}\n")
+    result = run("show", str(path), cwd=tmp_path)
+    assert result.returncode == 2 and result.stdout == ""
+    assert len(result.stderr.strip().splitlines()) == 1 and needle in result.stderr, result.stderr
+    assert "Traceback" not in result.stderr and not (tmp_path / "x").exists()
