@@ -31,8 +31,10 @@ from megatron_het.checkpoint.errors import CheckpointError
 from megatron_het.checkpoint.safe_read import load_common_state, load_sharded
 from megatron_het.checkpoint.tp_layout import local_pieces
 from megatron_het.cluster import ModelSpec
+from megatron_het.utils.atomic import write_bytes_atomic
 
 TRACKER = "latest_checkpointed_iteration.txt"
+TOKENIZER_FILE = "tokenizer.model"  # the run's SentencePiece model, kept with the weights
 OLD_SUFFIX = ".old"  # previous copy of a re-saved iteration, kept until the new one is tracked
 FORMAT = "megatron-het-checkpoint"
 FORMAT_VERSION = 1
@@ -117,11 +119,16 @@ def read_common(path: str) -> dict:
 
 
 def save_checkpoint(save: str, iteration: int, *, params: Mapping[str, TensorSlot],
-                    optimizer_state: Mapping[str, Mapping[str, torch.Tensor]], common: Mapping) -> str:
+                    optimizer_state: Mapping[str, Mapping[str, torch.Tensor]], common: Mapping,
+                    tokenizer_model: str | None = None) -> str:
     """Collective: every rank calls it. ``optimizer_state[name]`` holds exp_avg/exp_avg_sq (shaped
-    like the parameter); ``common`` must be identical on all ranks (iteration, model, ...)."""
+    like the parameter); ``common`` must be identical on all ranks (iteration, model, ...).
+    ``tokenizer_model`` (the run's SentencePiece file) is copied into the iteration directory as
+    ``tokenizer.model``, so a conversion to Hugging Face exports the tokenizer with the weights; every
+    rank reads it first, so a missing file fails on all ranks before any collective."""
     from megatron.core import dist_checkpointing
 
+    tokenizer = _read_tokenizer(tokenizer_model) if tokenizer_model is not None else None
     final = iteration_dir(save, iteration)
     tmp = final + ".tmp"
     rank = dist.get_rank()
@@ -141,9 +148,20 @@ def save_checkpoint(save: str, iteration: int, *, params: Mapping[str, TensorSlo
     dist_checkpointing.save(state, tmp)
     dist.barrier()
     if rank == 0:
+        if tokenizer is not None:
+            write_bytes_atomic(os.path.join(tmp, TOKENIZER_FILE), tokenizer)
         publish_iteration(save, tmp, iteration)
     dist.barrier()
     return final
+
+
+def _read_tokenizer(path: str) -> bytes:
+    try:
+        with open(path, "rb") as f:
+            return f.read()
+    except OSError as e:
+        raise CheckpointError(f"{path}: cannot read the tokenizer model to keep with the checkpoint ({e.strerror}). "
+                              f"Fix: pass --tokenizer-model with the SentencePiece .model file of the run") from None
 
 
 def _fsync_dir(path: str) -> None:

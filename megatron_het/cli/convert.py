@@ -5,7 +5,9 @@
     python tools/checkpoint/convert.py --input hf-model --input-format hf \
         --output megatron-ckpt --output-format megatron --tp 4 --pp 2
 
-Weights only (optimizer state is not carried over). The output directory is written atomically.
+Weights only (optimizer state is not carried over), plus the run's tokenizer: a Hugging Face export
+holds tokenizer.json & co. (AutoTokenizer loads them) from the SentencePiece model the checkpoint keeps
+or from --tokenizer-model. The output directory is written atomically.
 A bad input (damaged, foreign or unsafe checkpoint, bad flags) is one line on stderr and exit
 code 2, with nothing written. Guide: docs/checkpoint-conversion.md.
 """
@@ -49,13 +51,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model", default=None, help="model YAML; needed when the input does not describe the model")
     parser.add_argument("--tp", type=int, default=1, help="target TP size (vocabulary padding of het/megatron output)")
     parser.add_argument("--pp", type=int, default=1, help="target PP size (recorded in het/megatron output)")
+    tokenizer = parser.add_mutually_exclusive_group()
+    tokenizer.add_argument("--tokenizer-model", default=None, metavar="PATH",
+                           help="SentencePiece .model the run trained with, written with the weights (wins over "
+                                "the tokenizer.model the input keeps)")
+    tokenizer.add_argument("--no-tokenizer", action="store_true",
+                           help="write the weights alone, even when the input keeps a tokenizer")
     add_progress_argument(parser)
     args = parser.parse_args(argv)
     bars = _PhaseBars(quiet=args.no_progress)
     try:
         model = load_model(args.model) if args.model else None
         request = ConvertRequest(input=args.input, input_format=args.input_format, output=args.output,
-                                 output_format=args.output_format, model=model, tp=args.tp, pp=args.pp)
+                                 output_format=args.output_format, model=model, tp=args.tp, pp=args.pp,
+                                 tokenizer_model=args.tokenizer_model, no_tokenizer=args.no_tokenizer)
         state = convert(request, progress=bars)
     except UserError as e:  # bugs are not caught: they surface as tracebacks
         bars.close(failed=True)
@@ -64,4 +73,9 @@ def main(argv: list[str] | None = None) -> int:
     bars.close()
     print(f"converted {len(state.tensors)} tensors ({state.model.num_layers} layers, iteration {state.iteration}) "
           f"from {args.input_format} to {args.output_format}: {args.output}", file=sys.stderr)
+    if state.tokenizer_model is not None:
+        print(f"tokenizer: {state.tokenizer_model} written with the weights", file=sys.stderr)
+    elif not args.no_tokenizer:
+        print(f"convert.py: no tokenizer written ({args.input} keeps no tokenizer.model); to add one, rerun with "
+              f"--tokenizer-model PATH (the SentencePiece .model the run trained with)", file=sys.stderr)
     return 0

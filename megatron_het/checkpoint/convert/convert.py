@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 
 from megatron_het.checkpoint.convert.errors import ConvertError
 from megatron_het.checkpoint.convert.het import read_het, write_het
 from megatron_het.checkpoint.convert.hf import read_hf, write_hf
+from megatron_het.checkpoint.convert.hf_tokenizer import check_tokenizer_model
 from megatron_het.checkpoint.convert.io import atomic_output_dir
 from megatron_het.checkpoint.convert.megatron import read_megatron, write_megatron
 from megatron_het.checkpoint.convert.state import ModelState
@@ -28,8 +30,13 @@ class ConvertRequest:
     model: ModelSpec | None = None  # overrides the model the input describes (needed when it records none)
     tp: int = 1  # target tensor-parallel size: vocabulary padding (and recorded args) of het/megatron output
     pp: int = 1  # target pipeline-parallel size: recorded in the output's args/plan only
+    tokenizer_model: str | None = None  # SentencePiece .model to write with the weights; wins over the input's
+    no_tokenizer: bool = False  # write the weights alone, even when the input carries a tokenizer
 
     def __post_init__(self) -> None:
+        if self.no_tokenizer and self.tokenizer_model is not None:
+            raise ConvertError(f"--no-tokenizer: conflicts with --tokenizer-model {self.tokenizer_model}. "
+                               f"Fix: pass one of the two")
         for name in ("input_format", "output_format"):
             if getattr(self, name) not in FORMATS:
                 raise ConvertError(f"--{name.replace('_', '-')}: unknown format {getattr(self, name)!r}. "
@@ -59,14 +66,22 @@ PhaseProgress = Callable[[str], ProgressCallback]  # phase label ("read hf", "wr
 
 
 def convert(request: ConvertRequest, *, progress: PhaseProgress | None = None) -> ModelState:
-    """Run the conversion; returns the state that was written.
+    """Run the conversion; returns the state that was written (``tokenizer_model``: the tokenizer
+    written with it, None when none was).
 
     Two phases, each with its own count: ``progress("read <fmt>")`` returns the callback for the
     tensors read, then ``progress("write <fmt>")`` the one for the tensors written; each phase's
     last call is ``(total, total)``, made once that phase's files are written or read.
     """
+    export = request.output_format == "hf"  # het and megatron outputs only keep the file
+    if request.tokenizer_model is not None:  # a wrong file fails before the (long) read
+        check_tokenizer_model(request.tokenizer_model, export=export)
     on_read = progress(f"read {request.input_format}") if progress is not None else None
     state = read_state(request.input, request.input_format, model=request.model, progress=on_read)
+    if request.no_tokenizer or request.tokenizer_model is not None:
+        state = dataclasses.replace(state, tokenizer_model=request.tokenizer_model)
+    if state.tokenizer_model is not None:
+        check_tokenizer_model(state.tokenizer_model, vocab_size=state.model.vocab_size, export=export)
     with atomic_output_dir(request.output) as tmp:
         on_write = progress(f"write {request.output_format}") if progress is not None else None
         write_state(state, tmp, request.output_format, tp=request.tp, pp=request.pp, progress=on_write)

@@ -34,10 +34,11 @@ def checkpoint_dir(path: str) -> str:
 
 
 def read_het(path: str, *, model: ModelSpec | None = None, progress: ProgressCallback | None = None) -> ModelState:
-    """Weights of the latest (or the given) iteration; optimizer moments are not converted."""
+    """Weights of the latest (or the given) iteration, and its ``tokenizer.model`` when it keeps one;
+    optimizer moments are not converted."""
     from megatron.core.dist_checkpointing import ShardedTensor
 
-    from megatron_het.checkpoint.dist_ckpt import check_model_matches, read_common
+    from megatron_het.checkpoint.dist_ckpt import TOKENIZER_FILE, check_model_matches, read_common
     from megatron_het.checkpoint.safe_read import load_sharded, load_tensor_metadata, verify_checkpoint
 
     src = checkpoint_dir(path)
@@ -58,7 +59,9 @@ def read_het(path: str, *, model: ModelSpec | None = None, progress: ProgressCal
         name = key[len(PREFIX):]
         tensor = loaded[key]
         tensors[name] = unpad_vocab(tensor, model.vocab_size, name=name) if name in VOCAB_ROWS else tensor
-    state = ModelState(model=model, tensors=tensors, iteration=int(common.get("iteration", 0)))
+    tokenizer = os.path.join(src, TOKENIZER_FILE)  # kept by save_checkpoint(tokenizer_model=...)
+    state = ModelState(model=model, tensors=tensors, iteration=int(common.get("iteration", 0)),
+                       tokenizer_model=tokenizer if os.path.isfile(tokenizer) else None)
     check_state(state, source=src)
     return state
 
@@ -77,15 +80,16 @@ def write_het(state: ModelState, save_dir: str, *, tp: int = 1, pp: int = 1,
     """A megatron-het checkpoint (``save_dir/iter_XXXXXXX`` + tracker); returns the iteration dir.
 
     ``tp``/``pp`` only shape the recorded plan and the vocabulary padding (a multiple of 128 * tp);
-    the checkpoint loads under any plan whose padding matches (pretrain_gpt.py adopts it).
+    the checkpoint loads under any plan whose padding matches (pretrain_gpt.py adopts it). The
+    state's tokenizer model is kept in the iteration directory as ``tokenizer.model``.
     """
     from megatron_het.checkpoint.dist_ckpt import TensorSlot, model_common_state, save_checkpoint
+    from megatron_het.perf.flops import padded_vocab_size
     from megatron_het.plan import homogeneous_plan
-    from megatron_het.runtime.gpt_model import padded_vocab_size
 
     check_state(state, source="input")
     m = state.model
-    padded = padded_vocab_size(m.vocab_size, tp)
+    padded = padded_vocab_size(m.vocab_size, tp=tp)
     plan = homogeneous_plan(tp=tp, pp=pp, dp=1, num_layers=m.num_layers, micro_batch_size=1, global_batch_size=1)
     slots, moments = {}, {}
     if progress is not None:
@@ -97,7 +101,8 @@ def write_het(state: ModelState, save_dir: str, *, tp: int = 1, pp: int = 1,
     common = {"model": model_common_state(m), "padded_vocab": padded, "consumed_samples": 0,
               "plan": plan.to_dict(), "converted": True}
     with single_process_group():
-        final = save_checkpoint(save_dir, state.iteration, params=slots, optimizer_state=moments, common=common)
+        final = save_checkpoint(save_dir, state.iteration, params=slots, optimizer_state=moments, common=common,
+                                tokenizer_model=state.tokenizer_model)
     if progress is not None:  # one save writes every tensor: counted once it is on disk
         progress(len(state.tensors), len(state.tensors))
     return final

@@ -8,6 +8,7 @@ default (rotary_interleaved=False) rotates halves, as HF Llama does. HF gets the
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import sys
@@ -16,9 +17,11 @@ from collections.abc import Mapping
 import torch
 
 from megatron_het.checkpoint.convert.errors import ConvertError
+from megatron_het.checkpoint.convert.hf_tokenizer import TOKENIZER_MODEL, write_hf_tokenizer
 from megatron_het.checkpoint.convert.qkv import fuse_qkv, split_qkv
 from megatron_het.checkpoint.convert.state import OUTPUT_LAYER, POSITION_EMBEDDING, WORD_EMBEDDING, ModelState
 from megatron_het.cluster import ModelSpec
+from megatron_het.utils.atomic import write_text_atomic
 from megatron_het.utils.progress import ProgressCallback
 
 CONFIG = "config.json"
@@ -208,8 +211,17 @@ def from_hf(tensors: Mapping[str, torch.Tensor], model: ModelSpec, *, source: st
 
 def write_hf(state: ModelState, out_dir: str, *, max_shard_bytes: int = MAX_SHARD_BYTES,
              progress: ProgressCallback | None = None) -> None:
-    """config.json plus safetensors (one file, or shards with an index past ``max_shard_bytes``)."""
+    """config.json plus safetensors (one file, or shards with an index past ``max_shard_bytes``),
+    and the tokenizer files when the state has a tokenizer model (hf_tokenizer.py)."""
     from safetensors.torch import save_file
+
+    config = hf_config(state.model)
+    if state.tokenizer_model is not None:  # first: a tokenizer that does not fit fails before the weights
+        ids = write_hf_tokenizer(state.tokenizer_model, out_dir, vocab_size=state.model.vocab_size,
+                                 max_length=state.model.max_position_embeddings)
+        # generate() stops at eos and pads with pad; GPT-2's defaults (50256) are not this vocabulary
+        config.update({k: v for k, v in (("bos_token_id", ids.bos_token_id), ("eos_token_id", ids.eos_token_id),
+                                         ("pad_token_id", ids.pad_token_id)) if v >= 0})
 
     tensors = to_hf(state)
     shards: list[dict[str, torch.Tensor]] = [{}]
@@ -232,15 +244,13 @@ def write_hf(state: ModelState, out_dir: str, *, max_shard_bytes: int = MAX_SHAR
     if len(shards) > 1:
         index = {"metadata": {"total_size": sum(t.numel() * t.element_size() for t in tensors.values())},
                  "weight_map": {n: f for f, s in zip(names, shards) for n in s}}
-        with open(os.path.join(out_dir, INDEX), "w", encoding="utf-8") as f:
-            json.dump(index, f, indent=2)
-    with open(os.path.join(out_dir, CONFIG), "w", encoding="utf-8") as f:
-        json.dump(hf_config(state.model), f, indent=2)
-        f.write("\n")
+        write_text_atomic(os.path.join(out_dir, INDEX), json.dumps(index, indent=2))
+    write_text_atomic(os.path.join(out_dir, CONFIG), json.dumps(config, indent=2) + "\n")
 
 
 def read_hf(in_dir: str, *, model: ModelSpec | None = None, progress: ProgressCallback | None = None) -> ModelState:
-    """A HF model directory (config.json + *.safetensors); ``model`` overrides what config.json says."""
+    """A HF model directory (config.json + *.safetensors, and the ``tokenizer.model`` an export from
+    this project carries); ``model`` overrides what config.json says."""
     from safetensors import safe_open
     from safetensors.torch import load_file
 
@@ -263,4 +273,6 @@ def read_hf(in_dir: str, *, model: ModelSpec | None = None, progress: ProgressCa
         tensors.update(load_file(os.path.join(in_dir, fname)))
         if progress is not None:
             progress(len(tensors), total)
-    return from_hf(tensors, model, source=in_dir)
+    state = from_hf(tensors, model, source=in_dir)
+    tokenizer = os.path.join(in_dir, TOKENIZER_MODEL)
+    return dataclasses.replace(state, tokenizer_model=tokenizer) if os.path.isfile(tokenizer) else state

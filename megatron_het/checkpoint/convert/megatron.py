@@ -19,6 +19,7 @@ from collections.abc import Mapping
 import torch
 
 from megatron_het.checkpoint.convert.errors import ConvertError
+from megatron_het.checkpoint.convert.hf_tokenizer import TOKENIZER_MODEL
 from megatron_het.checkpoint.convert.io import counted, single_process_group
 from megatron_het.checkpoint.convert.state import (
     VOCAB_ROWS,
@@ -30,6 +31,7 @@ from megatron_het.checkpoint.convert.state import (
     unpad_vocab,
 )
 from megatron_het.cluster import ModelSpec
+from megatron_het.utils.atomic import write_bytes_atomic, write_text_atomic
 from megatron_het.utils.progress import ProgressCallback
 
 CHECKPOINT_VERSION = 3.0  # Megatron-LM's value for dist checkpoints
@@ -145,7 +147,9 @@ def read_megatron(path: str, *, model: ModelSpec | None = None,
         else:
             tensors[key] = unpad_vocab(value, model.vocab_size, name=key) if key in VOCAB_ROWS else value
     iteration = common.get("iteration", tracked or 0)
-    state = ModelState(model=model, tensors=tensors, iteration=int(iteration))
+    tokenizer = os.path.join(src, TOKENIZER_MODEL)  # ours (write_megatron); Megatron-LM keeps none
+    state = ModelState(model=model, tensors=tensors, iteration=int(iteration),
+                       tokenizer_model=tokenizer if os.path.isfile(tokenizer) else None)
     check_state(state, source=src)
     return state
 
@@ -181,11 +185,11 @@ def write_megatron(state: ModelState, save_dir: str, *, tp: int = 1, pp: int = 1
     from megatron.core import dist_checkpointing
 
     from megatron_het.checkpoint.dist_ckpt import TRACKER, iteration_dir
-    from megatron_het.runtime.gpt_model import padded_vocab_size
+    from megatron_het.perf.flops import padded_vocab_size
 
     check_state(state, source="input")
     m = state.model
-    padded = padded_vocab_size(m.vocab_size, tp)
+    padded = padded_vocab_size(m.vocab_size, tp=tp)
     if progress is not None:
         progress(0, len(state.tensors))
     full = {n: pad_vocab(t, padded, name=n) if n in VOCAB_ROWS else t for n, t in state.tensors.items()}
@@ -198,8 +202,10 @@ def write_megatron(state: ModelState, save_dir: str, *, tp: int = 1, pp: int = 1
                                  "iteration": state.iteration,
                                  "args": megatron_args(m, tp=tp, pp=pp, padded_vocab=padded,
                                                        iteration=state.iteration)}, final)
-    with open(os.path.join(save_dir, TRACKER), "w", encoding="utf-8") as f:
-        f.write(str(state.iteration))
+    if state.tokenizer_model is not None:  # an extra file Megatron-LM ignores; read back by read_megatron
+        with open(state.tokenizer_model, "rb") as f:
+            write_bytes_atomic(os.path.join(final, TOKENIZER_MODEL), f.read())
+    write_text_atomic(os.path.join(save_dir, TRACKER), str(state.iteration))
     if progress is not None:  # one save writes every tensor: counted once it is on disk
         progress(len(state.tensors), len(state.tensors))
     return final

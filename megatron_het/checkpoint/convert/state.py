@@ -31,6 +31,7 @@ class ModelState:
     model: ModelSpec  # the model's shape
     tensors: Mapping[str, torch.Tensor] = field(repr=False)  # global name -> full tensor, unpadded vocab rows
     iteration: int = 0  # training iteration the weights come from (0 when unknown, e.g. from HF)
+    tokenizer_model: str | None = None  # the run's SentencePiece model file, when the input names one
 
 
 def layer_shapes(model: ModelSpec) -> dict[str, tuple[int, ...]]:
