@@ -126,9 +126,9 @@ def save_checkpoint(save: str, iteration: int, *, params: Mapping[str, TensorSlo
     ``tokenizer_model`` (the run's SentencePiece file) is copied into the iteration directory as
     ``tokenizer.model``, so a conversion to Hugging Face exports the tokenizer with the weights; every
     rank reads it first, so a missing file fails on all ranks before any collective."""
+    tokenizer = _read_tokenizer(tokenizer_model) if tokenizer_model is not None else None
     from megatron.core import dist_checkpointing
 
-    tokenizer = _read_tokenizer(tokenizer_model) if tokenizer_model is not None else None
     final = iteration_dir(save, iteration)
     tmp = final + ".tmp"
     rank = dist.get_rank()

@@ -23,6 +23,7 @@ from megatron_het.cluster import ModelSpec
 
 from support.paths import REPO
 
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # read when huggingface_hub is imported: everything is local
 ROOT = REPO
 # vocab 384 (padded to 384 at TP 1, 512 at TP 2) and a 384-piece tokenizer trained as `make demo` does.
 GPT = ModelSpec(num_layers=2, hidden_size=64, num_attention_heads=4, seq_length=32, vocab_size=384)
@@ -141,13 +142,8 @@ def converted(request, converted_both):
     return {"gpt": GPT, "llama": LLAMA}[request.param], out / request.param, results[request.param]
 
 
-def _transformers(monkeypatch):
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # everything is local
-    return pytest.importorskip("transformers")
-
-
 def _hf_logits(path: Path, tokens: torch.Tensor) -> torch.Tensor:
-    transformers = pytest.importorskip("transformers")
+    import transformers  # a test dependency (scripts/bootstrap_env.sh installs it): no skip
     model = transformers.AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
     model.eval()
     with torch.no_grad():
@@ -164,12 +160,12 @@ def test_hf_logits_match_megatron_core(converted, source):
     assert result["logits"].abs().max().item() > 0.1  # not trivially zero
 
 
-def test_hf_export_runs_on_text_as_is(converted, sp_model, monkeypatch):
+def test_hf_export_runs_on_text_as_is(converted, sp_model):
     """A user's three lines: AutoTokenizer and AutoModelForCausalLM from the export, then the model on
     text; the tokenizer gives SentencePiece's ids and the logits are megatron-core's on them."""
     import sentencepiece as spm
+    import transformers
 
-    transformers = _transformers(monkeypatch)
     model, out, result = converted
     export = out / "hf-from-het"
     tokenizer = transformers.AutoTokenizer.from_pretrained(str(export))

@@ -22,6 +22,8 @@ from megatron_het.cluster import ModelSpec
 
 from support.paths import EXAMPLES, REPO
 
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # read when huggingface_hub is imported: everything is local
+
 CORPUS = EXAMPLES / "data" / "corpus.jsonl"
 LLAMA = ModelSpec(num_layers=1, hidden_size=16, num_attention_heads=4, num_query_groups=2, ffn_hidden_size=24,
                   seq_length=8, vocab_size=512, swiglu=True, untie_embeddings_and_output_weights=True)
@@ -49,10 +51,9 @@ def processor(sp_model):
 
 
 def auto_tokenizer(path):
-    transformers = pytest.importorskip("transformers")
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("HF_HUB_OFFLINE", "1")
-        return transformers.AutoTokenizer.from_pretrained(str(path))
+    import transformers  # a test dependency (scripts/bootstrap_env.sh installs it): no skip
+
+    return transformers.AutoTokenizer.from_pretrained(str(path))
 
 
 @pytest.fixture(scope="module")
@@ -149,6 +150,28 @@ def test_cli_writes_the_tokenizer_it_is_given(tmp_path, sp_model, processor, cap
     assert (tmp_path / "again" / "tokenizer.json").read_text() == (out / "tokenizer.json").read_text()
     assert convert(str(out), tmp_path / "bare", "--no-tokenizer") == 0
     assert not any((tmp_path / "bare" / f).exists() for f in FILES)
+
+
+def test_cli_tokenizer_model_wins_over_the_inputs(tmp_path, sp_model):
+    from megatron_het.data.tokenizer import TokenizerTrainConfig, train_tokenizer
+
+    other = str(train_tokenizer(TokenizerTrainConfig(input=CORPUS, output_prefix=tmp_path / "other",
+                                                     vocab_size=400)).model_path)
+    src = hf_input(tmp_path, tokenizer=sp_model)  # keeps the 512-piece tokenizer
+    assert convert(src, tmp_path / "out", "--tokenizer-model", other) == 0
+    assert (tmp_path / "out" / "tokenizer.model").read_bytes() == open(other, "rb").read()
+    assert len(auto_tokenizer(tmp_path / "out")) == 400
+
+
+def test_save_checkpoint_refuses_a_missing_tokenizer_before_any_collective(tmp_path):
+    from megatron_het.checkpoint.dist_ckpt import save_checkpoint
+    from megatron_het.checkpoint.errors import CheckpointError
+
+    # No process group is up: the file is read before the first collective, on every rank alike.
+    with pytest.raises(CheckpointError, match=r"nope.model: cannot read the tokenizer model .*No such file"):
+        save_checkpoint(str(tmp_path / "save"), 1, params={}, optimizer_state={}, common={},
+                        tokenizer_model=str(tmp_path / "nope.model"))
+    assert not (tmp_path / "save").exists()
 
 
 def test_cli_without_a_tokenizer_says_so_in_one_line(tmp_path):
