@@ -1,11 +1,14 @@
 """Write an sbatch script (Slurm heterogeneous job) that runs a plan on a cluster.
 
     python tools/slurm.py --cluster examples/clusters/cpu-demo.yaml --plan examples/plans/cpu-demo-hetero.json \
-        --partition fast=p0 --partition slow=p1 --output job.sbatch -- --num-layers 4 ...
+        --partition fast=p0 --partition slow=p1 --output job.sbatch -- --hetero-model examples/models/tiny-cpu.yaml ...
 
-One het-job component per island the plan uses; one torchrun per node. Everything after ``--``
-goes to pretrain_gpt.py after --hetero-cluster/--hetero-plan. Errors go to stderr with exit code 1.
-Guide: docs/launch.md.
+The plan (either kind: pipeline or sharded, as tools/plan.py writes them) is checked against the
+cluster and the model first, as pretrain_gpt.py will check it; the model is --model, or the
+--hetero-model and Megatron model flags after ``--``. One het-job component per island the plan
+uses; one torchrun per node. Everything after ``--`` goes to pretrain_gpt.py after
+--hetero-cluster/--hetero-plan. An existing --output is kept unless --force is given. Errors go to
+stderr in one line with exit code 2. Guide: docs/launch.md.
 """
 
 from __future__ import annotations
@@ -13,28 +16,43 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import tempfile
 
-from megatron_het.cluster import ConfigError, load_cluster
+from megatron_het.cluster import load_cluster
+from megatron_het.errors import UserError
 from megatron_het.launch import (
     DEFAULT_SCRIPT,
     JobOptions,
     LaunchError,
     het_components,
+    model_for_job,
     parse_assignments,
     placements_from_options,
     render_sbatch,
 )
-from megatron_het.plan import Plan, PlanError
+from megatron_het.plan import PlanError, load_any_plan
+from megatron_het.utils.atomic import write_text_atomic
 
 
-def _write_atomically(path: str, text: str) -> None:
-    directory = os.path.dirname(os.path.abspath(path))
-    fd, tmp = tempfile.mkstemp(dir=directory, prefix=".sbatch-")
-    with os.fdopen(fd, "w", encoding="utf-8") as f:
-        f.write(text)
-    os.chmod(tmp, 0o755)
-    os.replace(tmp, path)
+def _check_output(path: str, *, force: bool) -> None:
+    """Refuse before any work: a directory, a missing parent, or (without --force) an existing file."""
+    if os.path.isdir(path):
+        raise LaunchError(field="--output", value=path, problem="is a directory",
+                          fix="give a file name, e.g. --output job.sbatch")
+    parent = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(parent):
+        raise LaunchError(field="--output", value=path, problem=f"the directory {parent} does not exist",
+                          fix="create it first or write the script elsewhere")
+    if os.path.lexists(path) and not force:
+        raise LaunchError(field="--output", value=path, problem="the file exists (it is kept)",
+                          fix="pass --force to replace it, or choose another --output")
+
+
+def _write(path: str, text: str) -> None:
+    try:
+        write_text_atomic(path, text, mode=0o755)  # executable, as sbatch scripts usually are
+    except OSError as e:
+        raise LaunchError(field="--output", value=path, problem=f"cannot write: {e.strerror}",
+                          fix="choose a writable path") from None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -45,7 +63,9 @@ def main(argv: list[str] | None = None) -> int:
         argv, training_args = argv[:cut], argv[cut + 1:]
     parser = argparse.ArgumentParser(prog="slurm.py", description=__doc__.split("\n")[0])
     parser.add_argument("--cluster", required=True, help="cluster YAML (also passed as --hetero-cluster)")
-    parser.add_argument("--plan", required=True, help="plan JSON (also passed as --hetero-plan)")
+    parser.add_argument("--plan", required=True, help="plan JSON of either kind (also passed as --hetero-plan)")
+    parser.add_argument("--model", default=None,
+                        help="model YAML the plan is checked against (default: --hetero-model after --)")
     parser.add_argument("--partition", action="append", default=[], metavar="ISLAND=PARTITION",
                         help="Slurm partition of an island (repeatable)")
     parser.add_argument("--nodelist", action="append", default=[], metavar="ISLAND=NODES",
@@ -57,21 +77,33 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--master-port", type=int, default=None, help="rendezvous port (default: from the job id)")
     parser.add_argument("--script", default=DEFAULT_SCRIPT, help="training entry point torchrun starts")
     parser.add_argument("--output", default=None, help="write the sbatch script here (default: stdout)")
+    parser.add_argument("--force", action="store_true", help="replace an existing --output")
     args = parser.parse_args(argv)
     try:
+        if args.output:
+            _check_output(args.output, force=args.force)
         cluster = load_cluster(args.cluster)
-        plan = Plan.load(args.plan)
+        plan = load_any_plan(args.plan)
+        model = model_for_job(training_args, model_file=args.model)
+        if model is None:
+            raise LaunchError(field="--model", value=None, problem="the plan must be checked against the model",
+                              fix="pass --model MODEL.yaml, or --hetero-model MODEL.yaml after --")
+        try:
+            plan.validate(model, cluster)
+        except PlanError as e:
+            raise e.with_file(args.plan) from None
         placements = placements_from_options(cluster, parse_assignments(args.partition, option="--partition"),
                                              parse_assignments(args.nodelist, option="--nodelist"))
         options = JobOptions(cluster_file=args.cluster, plan_file=args.plan, training_args=tuple(training_args),
                              script=args.script, job_name=args.job_name, log=args.log, time=args.time,
                              account=args.account, master_port=args.master_port)
         text = render_sbatch(het_components(cluster, plan, placements), options)
-    except (ConfigError, PlanError, LaunchError) as e:
+        if args.output:
+            _write(args.output, text)
+    except UserError as e:
         print(f"slurm.py: {e}", file=sys.stderr)
-        return 1
+        return 2
     if args.output:
-        _write_atomically(args.output, text)
         print(f"wrote {args.output}", file=sys.stderr)
     else:
         sys.stdout.write(text)

@@ -1,4 +1,4 @@
-"""Launching on Slurm: plan + cluster -> heterogeneous-job sbatch script (pure functions).
+"""Launching on Slurm: plan (either kind) + cluster -> heterogeneous-job sbatch script (pure functions).
 
 ``het_components`` decides the job's shape (one component per island the plan uses, nodes and
 processes per node from the plan's ranks); ``render_sbatch`` writes the script. tools/slurm.py is
@@ -16,6 +16,7 @@ from megatron_het.launch.layout import (
     placements_from_options,
     total_nodes,
 )
+from megatron_het.launch.model_args import model_for_job
 from megatron_het.launch.sbatch import DEFAULT_SCRIPT, JobOptions, render_sbatch
 
 __all__ = [
@@ -27,6 +28,7 @@ __all__ = [
     "LaunchError",
     "het_components",
     "island_environment",
+    "model_for_job",
     "nodelist_size_hint",
     "parse_assignments",
     "placements_from_options",

@@ -25,9 +25,14 @@ VENDOR_ENVIRONMENT: Mapping[str, tuple[tuple[str, str], ...]] = types.MappingPro
     {"nvidia": _NVIDIA, "amd": _AMD, "cpu": ()})
 
 
-def island_environment(vendor: str) -> tuple[tuple[str, str], ...]:
-    """(name, value) pairs exported to every rank of an island of this vendor; () for CPU."""
+def island_environment(vendor: str, *, network_interface: str | None = None) -> tuple[tuple[str, str], ...]:
+    """(name, value) pairs exported to every rank of an island of this vendor (() for CPU), plus the
+    socket interface of gloo and NCCL/RCCL when the cluster file names one for the island."""
     if vendor not in VENDOR_ENVIRONMENT:
         raise LaunchError(field="vendor", value=vendor, problem="no launch environment for this vendor",
                           fix=f"use one of: {', '.join(VENDOR_ENVIRONMENT)}")
-    return VENDOR_ENVIRONMENT[vendor]
+    if network_interface is None:
+        return VENDOR_ENVIRONMENT[vendor]
+    # gloo (CPU ranks, the het bridge) and NCCL/RCCL bootstrap bind their sockets to this interface
+    return (*VENDOR_ENVIRONMENT[vendor], ("GLOO_SOCKET_IFNAME", network_interface),
+            ("NCCL_SOCKET_IFNAME", network_interface))

@@ -1,4 +1,4 @@
-"""Plan + cluster + placements -> heterogeneous-job components (pure).
+"""Plan (either kind) + cluster + placements -> heterogeneous-job components (pure).
 
 Global ranks are assigned island by island in cluster-file order (the training entry point's
 convention), so the ranks a plan puts on one island must be one consecutive block, and the blocks
@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from megatron_het.cluster import ClusterSpec
 from megatron_het.launch.environment import island_environment
 from megatron_het.launch.errors import LaunchError
-from megatron_het.plan import Plan
+from megatron_het.plan import AnyPlan
 
 # Slurm partition names and node-list expressions: no spaces, quotes or shell metacharacters.
 _SLURM_WORD = re.compile(r"^[A-Za-z0-9_.,\-\[\]]+$")
@@ -53,7 +53,7 @@ class HetComponent:
     procs_per_node: int  # torchrun --nproc-per-node on each of them
     first_node_rank: int  # torchrun --node-rank of the component's first node
     first_rank: int  # global rank of its first process
-    environment: tuple[tuple[str, str], ...]  # exported to every rank of the component
+    environment: tuple[tuple[str, str], ...]  # exported to every rank of the component (vendor, interface)
 
     @property
     def num_ranks(self) -> int:
@@ -92,27 +92,27 @@ def placements_from_options(cluster: ClusterSpec, partitions: Mapping[str, str],
             for name in cluster.island_names}
 
 
-def _ranks_by_island(plan: Plan, cluster: ClusterSpec) -> dict[str, list[int]]:
-    by_island: dict[str, list[int]] = {}
-    for ri, replica in enumerate(plan.replicas):
-        for si, stage in enumerate(replica.stages):
-            if stage.island not in cluster.island_names:
-                raise LaunchError(field=f"plan.replicas[{ri}].stages[{si}].island", value=stage.island,
-                                  problem="the cluster has no such island",
-                                  fix=f"use the cluster file the plan was made for (islands: "
-                                      f"{', '.join(cluster.island_names)})")
-            by_island.setdefault(stage.island, []).extend(stage.ranks)
+def _ranks_by_island(plan: AnyPlan, cluster: ClusterSpec) -> dict[str, tuple[int, ...]]:
+    by_island = plan.island_ranks()
+    for island in by_island:
+        if island not in cluster.island_names:
+            raise LaunchError(field="plan", value=island, problem="places ranks on an island the cluster does not have",
+                              fix=f"use the cluster file the plan was made for (islands: "
+                                  f"{', '.join(cluster.island_names)})")
     return by_island
 
 
-def het_components(cluster: ClusterSpec, plan: Plan,
+def het_components(cluster: ClusterSpec, plan: AnyPlan,
                    placements: Mapping[str, IslandPlacement]) -> tuple[HetComponent, ...]:
-    """One component per island the plan uses, in cluster-file order, with node and rank offsets."""
+    """One component per island the plan uses, in cluster-file order, with node and rank offsets.
+
+    Either plan kind: a pipeline plan's ranks per island come from its stages, a sharded plan's from
+    its rank shares."""
     by_island = _ranks_by_island(plan, cluster)
     components: list[HetComponent] = []
     next_rank = next_node = 0
     for island in cluster.islands:
-        ranks = sorted(by_island.get(island.name, ()))
+        ranks = list(by_island.get(island.name, ()))
         if not ranks:
             continue  # unused islands get no component
         expected = list(range(next_rank, next_rank + len(ranks)))
@@ -149,7 +149,7 @@ def het_components(cluster: ClusterSpec, plan: Plan,
             index=len(components), island=island.name, device_type=island.device.name,
             vendor=island.device.vendor, partition=placement.partition, nodelist=placement.nodelist,
             nodes=nodes, procs_per_node=per_node, first_node_rank=next_node, first_rank=next_rank,
-            environment=island_environment(island.device.vendor),
+            environment=island_environment(island.device.vendor, network_interface=island.network_interface),
         ))
         next_rank += n
         next_node += nodes
