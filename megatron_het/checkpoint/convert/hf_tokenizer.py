@@ -53,7 +53,7 @@ def _load(path: str):
         if not data:
             raise RuntimeError("empty file")
         sp = spm.SentencePieceProcessor(model_proto=data)
-    except RuntimeError as e:
+    except (RuntimeError, OSError, ValueError) as e:
         first = (str(e).strip().splitlines() or [type(e).__name__])[0]
         raise ConvertError(f"tokenizer model {path}: not a SentencePiece model ({first}). Fix: {_FIX_MODEL}") from None
     try:
