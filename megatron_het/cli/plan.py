@@ -4,7 +4,7 @@
         --global-batch-size 256 --output plan.json
 
 Prints the top plans and writes the best one (with "predicted") for pretrain_gpt.py --hetero-plan.
-Errors (infeasible, bad files) go to stderr with exit code 1.
+Errors (infeasible, bad files, absurd sizes) are one line on stderr with exit code 2; nothing is written.
 """
 
 from __future__ import annotations
@@ -13,10 +13,12 @@ import argparse
 import json
 import sys
 
-from megatron_het.cluster import ConfigError, load_cluster, load_model
+from megatron_het.cli.output import check_output_file
+from megatron_het.cluster import load_cluster, load_model
+from megatron_het.errors import UserError
 from megatron_het.perf import load_profile
-from megatron_het.plan import PlanError
-from megatron_het.planner import MODES, InfeasibleError, plan_best
+from megatron_het.perf.bounds import check_global_batch_size
+from megatron_het.planner import MODES, plan_best
 from megatron_het.sharding import describe_sharded_plan
 from megatron_het.utils.progress import Progress, add_progress_argument
 
@@ -53,17 +55,28 @@ def main(argv: list[str] | None = None) -> int:
                              "the faster of the two (auto, default)")
     add_progress_argument(parser)
     args = parser.parse_args(argv)
+    if args.top < 1:
+        parser.error(f"--top must be >= 1 (plans to show), got {args.top}")
     try:
+        check_global_batch_size(args.global_batch_size, field="--global-batch-size")
+        if args.output:
+            check_output_file(args.output, flag="--output")
         model, cluster = load_model(args.model), load_cluster(args.cluster)
         profiles = [load_profile(p) for p in args.profile] or None
-        with Progress("plan: search", unit="candidates", quiet=args.no_progress) as bar:
+        bar = Progress("plan: search", unit="candidates", quiet=args.no_progress)
+        try:
             choice = plan_best(model, cluster, global_batch_size=args.global_batch_size, seq_length=args.seq_length,
                                profile=profiles, modes=MODES if args.mode == "auto" else (args.mode,),
                                pipeline_options={"top_k": args.top, "exhaustive": args.exhaustive,
                                                  "progress": bar.update})
-    except (ConfigError, PlanError, InfeasibleError) as err:
+        except UserError:
+            bar.quiet = True  # the error line is the whole report
+            raise
+        finally:
+            bar.close()
+    except UserError as err:  # bugs are not caught: they surface as tracebacks
         print(f"error: {err}", file=sys.stderr)
-        return 1
+        return 2
     result = choice.pipeline_result
     if args.json:  # the chosen mode's plans, best first
         plans = ([plan.to_dict() for plan, _ in result.candidates] if choice.mode == "pipeline"

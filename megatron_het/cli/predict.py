@@ -4,7 +4,8 @@
     python tools/predict.py --cluster C.yaml --model M.yaml --tp 2 --pp 2 --dp 2 \
         --micro-batch-size 1 --global-batch-size 32 [--virtual-pipeline-size 2] [--recompute-activations]
 
-The second form needs a one-island cluster. Errors go to stderr with exit code 1.
+The second form needs a one-island cluster; the two forms do not mix. Errors are one line on stderr
+with exit code 2.
 """
 
 from __future__ import annotations
@@ -14,11 +15,12 @@ import json
 import sys
 from dataclasses import replace
 
-from megatron_het.cluster import ConfigError, load_cluster, load_model
+from megatron_het.cluster import load_cluster, load_model
+from megatron_het.errors import UserError
 from megatron_het.perf import load_profile, predict
+from megatron_het.perf.bounds import check_global_batch_size
 from megatron_het.plan import Plan, PlanError, homogeneous_plan, layer_split, validate_plan
 from megatron_het.planner.sharded import predict_sharded
-from megatron_het.schedule import ScheduleError
 from megatron_het.sharding.plan import ShardedPlan, load_any_plan, validate_sharded_plan
 
 
@@ -35,7 +37,7 @@ def _homogeneous(args, model, cluster) -> Plan:
     plan = homogeneous_plan(tp=args.tp, pp=args.pp, dp=args.dp, num_layers=model.num_layers,
                             micro_batch_size=args.micro_batch_size, global_batch_size=args.global_batch_size,
                             island=island.name, device_type=island.device.name, layers_per_stage=counts)
-    v = args.virtual_pipeline_size
+    v = args.virtual_pipeline_size or 1
     replicas = tuple(replace(r, stages=tuple(replace(s, recompute=args.recompute_activations) for s in r.stages))
                      for r in plan.replicas)
     return replace(plan, replicas=replicas, schedule="interleaved" if v > 1 else "1f1b", virtual_pipeline_size=v,
@@ -52,7 +54,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dp", type=int)
     parser.add_argument("--micro-batch-size", type=int)
     parser.add_argument("--global-batch-size", type=int)
-    parser.add_argument("--virtual-pipeline-size", type=int, default=1)
+    parser.add_argument("--virtual-pipeline-size", type=int, default=None, help="homogeneous form only (default 1)")
     parser.add_argument("--recompute-activations", action="store_true", help="full recomputation")
     parser.add_argument("--sequence-parallel", action="store_true")
     parser.add_argument("--use-distributed-optimizer", action="store_true")
@@ -62,18 +64,30 @@ def main(argv: list[str] | None = None) -> int:
     homog = ("tp", "pp", "dp", "micro_batch_size", "global_batch_size")
     if args.plan is None and any(getattr(args, k) is None for k in homog):
         parser.error("pass --plan, or all of --tp --pp --dp --micro-batch-size --global-batch-size")
+    if args.plan is not None:  # the plan fixes every one of these; a flag beside it would be ignored
+        given = [f"--{k.replace('_', '-')}" for k in (*homog, "virtual_pipeline_size", "recompute_activations",
+                                                    "sequence_parallel", "use_distributed_optimizer")
+                 if getattr(args, k) not in (None, False)]
+        if given:
+            parser.error(f"{' '.join(given)} cannot be combined with --plan (the plan sets them); "
+                         f"drop {'it' if len(given) == 1 else 'them'} or drop --plan")
     try:
+        if args.plan is None:
+            check_global_batch_size(args.global_batch_size, field="--global-batch-size")
         model, cluster = load_model(args.model), load_cluster(args.cluster)
         plan = load_any_plan(args.plan) if args.plan else _homogeneous(args, model, cluster)
         profiles = [load_profile(p) for p in args.profile] or None
-        if isinstance(plan, ShardedPlan):
-            validate_sharded_plan(plan, cluster)
-            return _print_sharded(predict_sharded(plan, model, cluster, profile=profiles), args.json)
-        validate_plan(plan, model, cluster)
-        pred = predict(plan, model, cluster, profile=profiles)
-    except (ConfigError, PlanError, ScheduleError, ValueError) as err:
+        try:
+            if isinstance(plan, ShardedPlan):
+                validate_sharded_plan(plan, cluster)
+                return _print_sharded(predict_sharded(plan, model, cluster, profile=profiles), args.json)
+            validate_plan(plan, model, cluster)
+            pred = predict(plan, model, cluster, profile=profiles)
+        except PlanError as err:  # the plan is wrong for this model or cluster: name its file
+            raise err.with_file(args.plan) from None
+    except UserError as err:  # bugs are not caught: they surface as tracebacks
         print(f"error: {err}", file=sys.stderr)
-        return 1
+        return 2
     if args.json:
         print(json.dumps(pred.to_json_dict(), indent=2))
         return 0

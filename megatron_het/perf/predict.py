@@ -8,7 +8,8 @@ Assumptions (docs/planner.md, "Prediction"):
   hides behind the layer's compute and only the excess is exposed. Everything is multiplied by
   the island's emulation slowdown (1.0 on a real cluster).
 - Each replica's pipeline is simulated with its own micro-batch count by
-  :func:`megatron_het.schedule.simulate`; zero-bubble B and W each take half of the backward.
+  :func:`megatron_het.schedule.steady.pipeline_times` (the simulator, extended past its steady state
+  for large counts); zero-bubble B and W each take half of the backward.
 - Gradients (fp32, 4 bytes per parameter) are reduced by every rank right after its own schedule
   ends (megatron-het's runtime and Megatron's finalize_model_grads both do), so a stage's reduction
   starts when the last of its peers ends its last backward in the simulation; later stages reduce
@@ -34,6 +35,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from megatron_het.cluster import ClusterSpec, DeviceType, IslandSpec, ModelSpec
+from megatron_het.perf.bounds import check_global_batch_size
 from megatron_het.perf.calibrate import with_measured_links
 from megatron_het.perf.comm import activation_message_bytes, dp_gradient_reduction, p2p_time, tp_layer_comm_times
 from megatron_het.perf.compute import embedding_times, layer_times, logits_times
@@ -47,8 +49,9 @@ from megatron_het.perf.memory import (
 )
 from megatron_het.perf.profile import Profile
 from megatron_het.plan.types import Plan, ReplicaPlan, StagePlan
-from megatron_het.schedule import Action, build_schedule, simulate
-from megatron_het.schedule.simulate import SimResult
+from megatron_het.schedule import Action
+from megatron_het.schedule.generators import SPLIT_BACKWARD_SCHEDULES
+from megatron_het.schedule.steady import PipelineTimes, pipeline_times
 
 __all__ = [
     "OPTIMIZER_STEP_BYTES",
@@ -294,6 +297,7 @@ def predict(plan: Plan, model: ModelSpec, cluster: ClusterSpec, *, profile: Prof
     megatron-het's runtime with ``TrainConfig.overlap_grad_reduce``. Both default to False (the
     reduction runs after the schedule).
     """
+    check_global_batch_size(plan.global_batch_size)  # bounds every replica's micro-batch count
     cluster = with_measured_links(cluster, profile)
     dist_opt = plan.use_distributed_optimizer if distributed_optimizer is None else distributed_optimizer
     s_len = model.seq_length if seq_length is None else seq_length
@@ -311,7 +315,7 @@ def predict(plan: Plan, model: ModelSpec, cluster: ClusterSpec, *, profile: Prof
         return costs[key]
 
     # Simulate each distinct replica once; record when every stage's last backward ends.
-    sims: dict[tuple[object, ...], tuple[list[float], list[float], SimResult]] = {}
+    sims: dict[tuple[object, ...], tuple[list[float], list[float], PipelineTimes]] = {}
     keys = []
     for r in plan.replicas:
         key = (tuple(_stage_key(st) for st in r.stages), r.num_micro_batches)
@@ -321,9 +325,7 @@ def predict(plan: Plan, model: ModelSpec, cluster: ClusterSpec, *, profile: Prof
     # Reduction peers of a stage: in every replica, the stage holding its first layer.
     holders: dict[int, list[tuple[str, float]]] = {}
     for r, key in zip(plan.replicas, keys):
-        timings = sims[key][2].timings
-        for st, row in zip(r.stages, timings):
-            end = max((t.end for t in row), default=0.0)
+        for st, end in zip(r.stages, sims[key][2].stage_end):
             for layer in range(st.layers[0], st.layers[1]):
                 holders.setdefault(layer, []).append((st.island, end))
     reductions: dict[tuple[object, ...], tuple[float, float, float]] = {}
@@ -379,7 +381,7 @@ def predict(plan: Plan, model: ModelSpec, cluster: ClusterSpec, *, profile: Prof
 
 
 def _simulate(plan: Plan, r: ReplicaPlan, model: ModelSpec, cluster: ClusterSpec, cost, *,
-              seq_length: int) -> tuple[list[float], list[float], SimResult]:
+              seq_length: int) -> tuple[list[float], list[float], PipelineTimes]:
     """Per-stage forward and backward seconds per micro-batch and the simulated schedule."""
     p, m, v, mbs = len(r.stages), r.num_micro_batches, plan.virtual_pipeline_size, plan.micro_batch_size
     fwd, bwd = [], []
@@ -387,8 +389,7 @@ def _simulate(plan: Plan, r: ReplicaPlan, model: ModelSpec, cluster: ClusterSpec
         c = cost(st)
         fwd.append(c.forward_s(st.num_layers, is_first=i == 0, is_last=i == p - 1))
         bwd.append(c.backward_s(st.num_layers, is_first=i == 0, is_last=i == p - 1))
-    schedule = build_schedule(plan.schedule, p, m, v)
-    split = schedule.split_backward
+    split = plan.schedule in SPLIT_BACKWARD_SCHEDULES
 
     def duration(stage: int, action: Action) -> float:
         if action.kind == "F":
@@ -409,11 +410,12 @@ def _simulate(plan: Plan, r: ReplicaPlan, model: ModelSpec, cluster: ClusterSpec
     def p2p(src: int, dst: int, action: Action) -> float:
         return hop.get((src, dst), 0.0)
 
-    return fwd, bwd, simulate(schedule, duration, p2p)
+    # duration and p2p depend on the stage and the action kind only: any micro-batch count costs the same
+    return fwd, bwd, pipeline_times(plan.schedule, p, m, v, duration, p2p)
 
 
 def _replica(plan: Plan, r: ReplicaPlan, model: ModelSpec, cluster: ClusterSpec,
-             simulated: tuple[list[float], list[float], SimResult], reduce_and_step, *, dp: int, dist_opt: bool,
+             simulated: tuple[list[float], list[float], PipelineTimes], reduce_and_step, *, dp: int, dist_opt: bool,
              seq_length: int) -> ReplicaPrediction:
     p, m, v, mbs = len(r.stages), r.num_micro_batches, plan.virtual_pipeline_size, plan.micro_batch_size
     fwd, bwd, sim = simulated

@@ -41,6 +41,7 @@ from typing import Any
 
 from megatron_het.cluster import ConfigError
 from megatron_het.cluster.fields import as_bool, as_float, as_int, as_list, as_mapping, as_str, check_keys, join
+from megatron_het.utils.atomic import write_text_atomic
 
 __all__ = [
     "PROFILE_FORMAT",
@@ -200,7 +201,7 @@ def _link_from_dict(data: object, path: str) -> MeasuredLink:
 def profile_from_dict(data: object, *, source: str | None = None) -> Profile:
     """Validate a parsed profile; errors are :class:`ConfigError` naming the file and field."""
     try:
-        data = as_mapping(data, "", example='{"format": "megatron-het-profile", ...}')
+        data = as_mapping(data, "(top level)", example='{"format": "megatron-het-profile", ...}')
         check_keys(data, "", allowed=("format", "version", "device", "method", "machine", "entries", "parts",
                                       "optimizer", "communication"),
                    required=("format", "version", "device", "entries"))
@@ -271,20 +272,33 @@ def profile_to_dict(profile: Profile) -> dict[str, Any]:
 
 
 def load_profile(path: str | Path) -> Profile:
+    """Read and validate a profile file; every unreadable or malformed file is one ConfigError naming it."""
     path = Path(path)
+    fix = "pass the JSON written by tools/profile_host.py"
     try:
-        data = json.loads(path.read_text())
+        data = json.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
-        raise ConfigError("file not found", field="profile", value=str(path),
-                          fix="pass the JSON written by tools/profile_host.py") from None
+        raise ConfigError("file not found", field="profile", value=str(path), fix=fix, file=str(path)) from None
+    except IsADirectoryError:
+        raise ConfigError("is a directory", field="profile", value=str(path), fix=fix, file=str(path)) from None
+    except UnicodeDecodeError as err:
+        raise ConfigError(f"not UTF-8 text (byte {err.start})", field="profile", value=str(path), fix=fix,
+                          file=str(path)) from None
+    except OSError as err:
+        raise ConfigError(f"cannot read the file ({err.strerror})", field="profile", value=str(path), fix=fix,
+                          file=str(path)) from None
     except json.JSONDecodeError as err:
         raise ConfigError(f"not valid JSON ({err.msg} at line {err.lineno})", field="profile", value=str(path),
-                          fix="regenerate the profile with tools/profile_host.py") from None
+                          fix="regenerate the profile with tools/profile_host.py", file=str(path)) from None
+    except RecursionError:
+        raise ConfigError("JSON nested too deeply to be a profile", field="profile", value=str(path), fix=fix,
+                          file=str(path)) from None
     return profile_from_dict(data, source=str(path))
 
 
 def save_profile(profile: Profile, path: str | Path) -> None:
-    Path(path).write_text(json.dumps(profile_to_dict(profile), indent=2) + "\n")
+    """Atomic write (utils/atomic.py): an existing profile is replaced whole or not at all."""
+    write_text_atomic(path, json.dumps(profile_to_dict(profile), indent=2) + "\n")
 
 
 def lookup(profile: Profile, *, hidden_size: int, num_attention_heads: int, ffn_hidden_size: int, seq_length: int,

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from megatron_het.cluster import ClusterSpec, IslandSpec, ModelSpec
+from megatron_het.perf.bounds import check_global_batch_size
 from megatron_het.perf.comm import bytes_per_s, p2p_channel
 from megatron_het.perf.flops import total_parameters
 from megatron_het.perf.memory import DEFAULT_OVERHEAD_BYTES, StageMemory, stage_memory
@@ -168,6 +169,7 @@ def predict_sharded_ranks(model: ModelSpec, cluster: ClusterSpec, *, islands: Se
                           capacity_bytes: Sequence[int] | None = None,
                           overhead_bytes: int = DEFAULT_OVERHEAD_BYTES) -> ShardedPrediction:
     """Predict an iteration from per-rank lists (``planner.sharded`` wraps this for a ShardedPlan)."""
+    check_global_batch_size(global_batch_size)
     n = len(islands)
     for name, seq in (("micro_batch_sizes", micro_batch_sizes), ("num_micro_batches", num_micro_batches),
                       ("shard_fractions", shard_fractions), ("recompute", recompute)):

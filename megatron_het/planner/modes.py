@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from megatron_het.cluster import ClusterSpec, ModelSpec
+from megatron_het.perf.bounds import check_global_batch_size
 from megatron_het.perf.profile import Profile
 from megatron_het.plan.types import Plan
 from megatron_het.planner.errors import InfeasibleError
@@ -90,6 +91,7 @@ def plan_best(model: ModelSpec, cluster: ClusterSpec, *, global_batch_size: int,
     ``capacity_bytes``, ``overhead_bytes``), ``pipeline_options`` to ``plan_cluster`` (``top_k``,
     ``exhaustive``, ``max_tp``, ...). Raises InfeasibleError with every mode's reason when none fits.
     """
+    check_global_batch_size(global_batch_size)
     wanted = tuple(dict.fromkeys(modes))
     bad = [m for m in wanted if m not in MODES]
     if not wanted or bad:

@@ -24,6 +24,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
 from megatron_het.cluster import ClusterSpec, ModelSpec
+from megatron_het.perf.bounds import check_global_batch_size
 from megatron_het.perf.predict import Prediction, predict
 from megatron_het.perf.profile import Profile
 from megatron_het.plan.errors import PlanError
@@ -180,6 +181,7 @@ def plan_cluster(model: ModelSpec, cluster: ClusterSpec, *, global_batch_size: i
     if global_batch_size < 1:
         raise InfeasibleError(f"global_batch_size: must be >= 1 (got {global_batch_size}). Fix: pass a positive "
                               "global batch size in sequences")
+    check_global_batch_size(global_batch_size)
     if top_k < 1:
         raise InfeasibleError(f"top_k: must be >= 1 (got {top_k}). Fix: ask for at least one plan")
     model = with_seq_length(model, seq_length)

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from megatron_het.cluster import ClusterSpec, ModelSpec
+from megatron_het.perf.bounds import check_global_batch_size
 from megatron_het.perf.flops import total_parameters
 from megatron_het.perf.memory import DEFAULT_OVERHEAD_BYTES
 from megatron_het.perf.profile import Profile
@@ -76,10 +77,17 @@ def _ranks(cluster: ClusterSpec, islands: Sequence[str] | None, capacity_bytes: 
 
 def _min_max_split(total: int, seconds_per_sample: Sequence[float]) -> list[int]:
     """Integer samples per rank minimising max(samples x seconds): greedy earliest finish."""
+    # Every sample finishing by the water level (total / sum of rates) is in the greedy's first picks: take
+    # those by count, then run the greedy for the few left (fewer than one per rank), never one per sample.
     counts = [0] * len(seconds_per_sample)
-    heap = [(t, i) for i, t in enumerate(seconds_per_sample)]
+    if seconds_per_sample and min(seconds_per_sample) > 0:
+        level = total / sum(1.0 / t for t in seconds_per_sample) * (1.0 - 1e-12)  # a hair below: rounding safe
+        counts = [min(int(level / t), total) for t in seconds_per_sample]
+    if sum(counts) > total:  # cannot happen in exact arithmetic; keep the greedy's answer if floats disagree
+        counts = [0] * len(seconds_per_sample)
+    heap = [((c + 1) * t, i) for i, (c, t) in enumerate(zip(counts, seconds_per_sample))]
     heapq.heapify(heap)
-    for _ in range(total):
+    for _ in range(total - sum(counts)):
         _, i = heapq.heappop(heap)
         counts[i] += 1
         heapq.heappush(heap, ((counts[i] + 1) * seconds_per_sample[i], i))
@@ -215,6 +223,7 @@ def plan_sharded(model: ModelSpec, cluster: ClusterSpec, *, global_batch_size: i
     if isinstance(global_batch_size, bool) or not isinstance(global_batch_size, int) or global_batch_size < 1:
         raise InfeasibleError(f"global_batch_size: must be an integer >= 1 (got {global_batch_size!r}). "
                               "Fix: pass a positive global batch size in sequences")
+    check_global_batch_size(global_batch_size)
     sizes = sorted({int(b) for b in micro_batch_sizes if int(b) >= 1})
     if not sizes or not recompute_options:
         raise InfeasibleError(f"micro_batch_sizes/recompute_options: need at least one positive size and one "

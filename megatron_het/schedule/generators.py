@@ -6,6 +6,7 @@ from megatron_het.schedule.errors import ScheduleError
 from megatron_het.schedule.types import Action, Schedule
 
 SCHEDULE_NAMES = ("1f1b", "gpipe", "interleaved", "zb-h1")  # names accepted by build_schedule
+SPLIT_BACKWARD_SCHEDULES = ("zb-h1",)  # schedules whose backward is two actions (B: input grads, W: weight grads)
 
 
 def _check_counts(num_stages: int, num_micro_batches: int, num_chunks: int = 1) -> None:

@@ -38,17 +38,17 @@ def test_plan_json_lists_top_plans():
     assert plans[0]["predicted"]["iteration_time_s"] <= plans[1]["predicted"]["iteration_time_s"]
 
 
-def test_plan_infeasible_exits_1_without_traceback():
+def test_plan_infeasible_exits_2_without_traceback():
     res = _run("plan.py", "--cluster", "examples/clusters/cpu-demo.yaml", "--model", "examples/models/llama2-70b.yaml",
                "--global-batch-size", "16")
-    assert res.returncode == 1
+    assert res.returncode == 2
     assert "Traceback" not in res.stderr and "no plan fits llama2-70b" in res.stderr
 
 
-def test_bad_file_exits_1():
+def test_bad_file_exits_2():
     res = _run("plan.py", "--cluster", "nope.yaml", "--model", "examples/models/tiny-cpu.yaml",
                "--global-batch-size", "16")
-    assert res.returncode == 1 and "Traceback" not in res.stderr and "error:" in res.stderr
+    assert res.returncode == 2 and "Traceback" not in res.stderr and "error:" in res.stderr
 
 
 def test_predict_homogeneous_form():
@@ -60,7 +60,7 @@ def test_predict_homogeneous_form():
     assert pred["num_gpus"] == 4 and pred["fits"] is True and pred["tokens_per_s"] > 0
     res = _run("predict.py", "--cluster", "examples/clusters/cpu-demo.yaml", "--model", "examples/models/tiny-cpu.yaml",
                "--tp", "1", "--pp", "1", "--dp", "1", "--micro-batch-size", "1", "--global-batch-size", "4")
-    assert res.returncode == 1 and "one-island cluster" in res.stderr and "Traceback" not in res.stderr
+    assert res.returncode == 2 and "one-island cluster" in res.stderr and "Traceback" not in res.stderr
 
 
 def test_predict_reads_a_sharded_plan_written_by_plan(tmp_path):

@@ -1,0 +1,36 @@
+"""Refuse an output file the tool could not write, before any work is done (#21).
+
+A tool that searches or measures for minutes and then fails on ``--output`` wastes the run; these
+checks run first and raise a one-line ``UserError`` naming the flag and the path.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from megatron_het.errors import UserError
+
+__all__ = ["check_output_file"]
+
+
+def check_output_file(path: str | os.PathLike[str], *, flag: str) -> None:
+    """``path`` must not be a directory and its parent must be an existing, writable directory."""
+    target = Path(path)
+    if target.is_dir():
+        raise UserError("is a directory", field=flag, value=str(path),
+                        fix=f"pass a file name for {flag}, e.g. {target / 'out.json'}")
+    parent = target.parent if str(target.parent) else Path(".")
+    if not parent.exists():
+        for up in parent.parents:  # a file where a directory is expected reads better than "missing"
+            if up.exists() and not up.is_dir():
+                break
+        else:
+            raise UserError(f"the directory {str(parent)!r} does not exist", field=flag, value=str(path),
+                            fix=f"create it first (mkdir -p {parent}) or pass another {flag}")
+    if not parent.is_dir():
+        raise UserError("its parent is not a directory", field=flag, value=str(path),
+                        fix=f"pass a path inside a directory for {flag}")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise UserError(f"the directory {str(parent)!r} is not writable", field=flag, value=str(path),
+                        fix=f"pass a {flag} in a directory you can write")
