@@ -14,9 +14,6 @@ from megatron_het.plan.layout import (
 from megatron_het.plan.serialize import (
     any_plan_from_dict,
     load_any_plan,
-    load_plan,
-    plan_from_dict,
-    plan_to_dict,
     plan_to_json,
     save_plan,
 )
@@ -43,9 +40,6 @@ __all__ = [
     "homogeneous_plan",
     "layer_split",
     "load_any_plan",
-    "load_plan",
-    "plan_from_dict",
-    "plan_to_dict",
     "plan_to_json",
     "rank_roles",
     "role_of",

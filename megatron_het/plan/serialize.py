@@ -13,11 +13,9 @@ from megatron_het.plan.errors import PlanError
 from megatron_het.plan.interface import AnyPlan
 from megatron_het.plan.jsonio import read_json
 from megatron_het.plan.sharded import SHARDED_PLAN_FORMAT, ShardedPlan
-from megatron_het.plan.stage import StagePlan
 from megatron_het.plan.types import PLAN_FORMAT, Plan
 
-__all__ = ["any_plan_from_dict", "load_any_plan", "load_plan", "plan_from_dict", "plan_to_dict", "plan_to_json", "save_plan",
-           "stage_to_dict"]
+__all__ = ["any_plan_from_dict", "load_any_plan", "plan_to_json", "save_plan"]
 
 _KINDS = {PLAN_FORMAT: Plan, SHARDED_PLAN_FORMAT: ShardedPlan}
 
@@ -38,11 +36,6 @@ def load_any_plan(path: str | os.PathLike[str]) -> Plan | ShardedPlan:
     return any_plan_from_dict(read_json(path), source=str(path))
 
 
-def load_plan(path: str | os.PathLike[str]) -> Plan:
-    """A pipeline plan file (a sharded one is refused, naming the format)."""
-    return Plan.load(path)
-
-
 def save_plan(plan: AnyPlan, path: str | os.PathLike[str]) -> None:
     """Atomic write of a plan of either kind (utils/atomic.py)."""
     plan.save(path)
@@ -51,18 +44,3 @@ def save_plan(plan: AnyPlan, path: str | os.PathLike[str]) -> None:
 def plan_to_json(plan: AnyPlan) -> str:
     """Indented JSON text with a trailing newline; integer lists (ranks, layers) on one line."""
     return plan.to_json()
-
-
-def plan_to_dict(plan: AnyPlan) -> dict:
-    """JSON-ready dict of a plan of either kind, with the format and version keys first."""
-    return plan.to_dict()
-
-
-def plan_from_dict(d: Mapping[str, object], *, source: str | None = None) -> Plan:
-    """Parse a pipeline plan dict; raises PlanError naming the key path for any shape or type problem."""
-    return Plan.from_dict(d, source=source)
-
-
-def stage_to_dict(stage: StagePlan) -> dict:
-    """JSON-ready dict of one stage (every field, defaults included)."""
-    return stage.to_dict()

@@ -19,12 +19,15 @@ from pathlib import Path
 
 import pytest
 
+from megatron_het.plan import RankShare, ShardedPlan
+
 from support.paths import REPO
 
 ROOT = REPO
 SCRIPT = ROOT / "scripts" / "slurm_localhost.sh"
 CLUSTER = ROOT / "examples" / "clusters" / "cpu-demo.yaml"
 PLAN = ROOT / "examples" / "plans" / "cpu-demo-hetero.json"
+MODEL = ROOT / "examples" / "models" / "tiny-cpu.yaml"  # slurm.py checks the plan against it
 PRETRAIN = ROOT / "pretrain_scripts" / "pretrain_gpt.py"
 DEMO_ARGS = ("--num-layers 4 --hidden-size 64 --num-attention-heads 4 --seq-length 64 --max-position-embeddings 64 "
              "--micro-batch-size 2 --global-batch-size 16 --train-iters 3 --lr 1e-3 --mock-data --vocab-size 512").split()
@@ -83,12 +86,13 @@ def slurm(tmp_path_factory):
         subprocess.run(["bash", str(SCRIPT), "stop"], env=env, capture_output=True, timeout=60)
 
 
-def _submit(env: dict, workdir: Path, script: Path, training_args: list[str], timeout: float) -> str:
+def _submit(env: dict, workdir: Path, script: Path, training_args: list[str], timeout: float,
+            plan: Path = PLAN) -> str:
     """Generate, submit with --wait, return the job's output (asserting it ran to the end)."""
     job = workdir / "job.sbatch"
     gen = subprocess.run(
-        [sys.executable, str(ROOT / "tools" / "slurm.py"), "--cluster", str(CLUSTER), "--plan", str(PLAN),
-         "--partition", "fast=p0", "--partition", "slow=p1", "--script", str(script), "--log", str(workdir / "job-%j.out"),
+        [sys.executable, str(ROOT / "tools" / "slurm.py"), "--cluster", str(CLUSTER), "--plan", str(plan),
+         "--model", str(MODEL), "--partition", "fast=p0", "--partition", "slow=p1", "--script", str(script), "--log", str(workdir / "job-%j.out"),
          "--output", str(job), "--", *training_args], capture_output=True, text=True, check=True)
     assert "wrote" in gen.stderr
     run_env = dict(env, TORCHRUN=f"{sys.executable} -m torch.distributed.run")
@@ -109,13 +113,23 @@ def _submit(env: dict, workdir: Path, script: Path, training_args: list[str], ti
     return text
 
 
-def test_het_job_places_every_rank(slurm, tmp_path):
+def _sharded_plan(path: Path) -> Path:
+    """The demo cluster as one uneven sharded data-parallel group (ranks 0-1 fast, 2-3 slow)."""
+    shares = tuple(RankShare(rank=r, island="fast" if r < 2 else "slow", device_type="CPU", micro_batch_size=2,
+                             num_micro_batches=3 if r < 2 else 1, shard_fraction=0.25) for r in range(4))
+    ShardedPlan(ranks=shares, global_batch_size=16).save(path)
+    return path
+
+
+@pytest.mark.parametrize("kind", ["pipeline", "sharded"])
+def test_het_job_places_every_rank(slurm, tmp_path, kind):
     env, _ = slurm
     stand_in = tmp_path / "stand_in.py"
     stand_in.write_text(STAND_IN)
     rank_dir = tmp_path / "ranks"
     rank_dir.mkdir()
-    text = _submit(env, tmp_path, stand_in, ["--rank-dir", str(rank_dir)], timeout=180)
+    plan = PLAN if kind == "pipeline" else _sharded_plan(tmp_path / "sharded.json")
+    text = _submit(env, tmp_path, stand_in, ["--rank-dir", str(rank_dir)], timeout=180, plan=plan)
     assert "2 components, 2 nodes, rendezvous 127.0.0.1:" in text
     assert text.count("RANKINFO ") == 4
     ranks = {}
@@ -123,7 +137,7 @@ def test_het_job_places_every_rank(slurm, tmp_path):
         line = path.read_text()
         info = dict(kv.split("=", 1) for kv in line.split(" ARGS ")[0].split()[1:])
         ranks[int(info["RANK"])] = info
-        assert f"--hetero-cluster {CLUSTER} --hetero-plan {PLAN} --rank-dir {rank_dir}" in line
+        assert f"--hetero-cluster {CLUSTER} --hetero-plan {plan} --rank-dir {rank_dir}" in line
     assert sorted(ranks) == [0, 1, 2, 3]
     # fast = component 0 on n0 (node rank 0), slow = component 1 on n1 (node rank 1).
     got = {r: (i["MEGATRON_HET_ISLAND"], i["SLURMD_NODENAME"], i["GROUP_RANK"], i["LOCAL_RANK"], i["WORLD_SIZE"])
