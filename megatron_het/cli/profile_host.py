@@ -12,23 +12,31 @@ links), format: ``megatron_het/perf/profile.py``, how the model uses it: docs/pe
 from __future__ import annotations
 
 import argparse
+import sys
 from dataclasses import replace
 
 import torch
 
+from megatron_het.cli.output import check_output_file
 from megatron_het.cluster import ModelSpec
+from megatron_het.errors import UserError
 from megatron_het.perf.flops import padded_vocab_size
 from megatron_het.perf.profile import save_profile
 from megatron_het.profiling.layers import profile_concurrent, profile_layers, profile_tp_layers
+
+MAX_MEASURED_SIZE = 4096  # micro-batch or TP size: beyond it one measurement would not fit any host
 
 
 def _sizes(text: str) -> list[int]:
     try:
         sizes = [int(v) for v in text.split(",") if v.strip()]
     except ValueError:
-        raise argparse.ArgumentTypeError(f"--micro-batch-sizes: expected integers like 1,2,4 (got {text!r})") from None
+        raise argparse.ArgumentTypeError(f"expected integers like 1,2,4 (got {text!r})") from None
     if not sizes or min(sizes) < 1:
-        raise argparse.ArgumentTypeError(f"--micro-batch-sizes: expected positive integers like 1,2,4 (got {text!r})")
+        raise argparse.ArgumentTypeError(f"expected positive integers like 1,2,4 (got {text!r})")
+    if max(sizes) > MAX_MEASURED_SIZE:
+        raise argparse.ArgumentTypeError(f"{max(sizes)} exceeds the bound {MAX_MEASURED_SIZE} (one measurement of "
+                                         f"that size would not fit in memory); pass sizes like 1,2,4")
     return sizes
 
 
@@ -66,21 +74,25 @@ def main(argv: list[str] | None = None) -> int:
                          "when one process per core stands in for a GPU (megatron_het.platform.local_launch)")
     ap.add_argument("--output", required=True)
     args = ap.parse_args(argv)
-    if args.threads is not None:
-        if args.threads < 1:
-            ap.error(f"--threads must be >= 1, got {args.threads}")
-        torch.set_num_threads(args.threads)
-    model = ModelSpec(num_layers=args.num_layers, hidden_size=args.hidden_size,
-                      num_attention_heads=args.num_attention_heads, num_query_groups=args.num_query_groups,
-                      ffn_hidden_size=args.ffn_hidden_size, seq_length=args.seq_length, vocab_size=1,
-                      swiglu=args.swiglu)
-    if args.vocab_size is not None and args.vocab_size < 1:
-        ap.error(f"--vocab-size must be >= 1, got {args.vocab_size}")
+    for flag, value, least in (("--threads", args.threads, 1), ("--warmup", args.warmup, 0),
+                               ("--repeats", args.repeats, 1), ("--concurrent", args.concurrent, 1),
+                               ("--vocab-size", args.vocab_size, 1)):
+        if value is not None and value < least:
+            ap.error(f"{flag} must be >= {least}, got {value}")
     if args.comm_ranks == 1 or args.comm_ranks < 0:
         ap.error(f"--comm-ranks must be 0 (skip) or >= 2, got {args.comm_ranks}")
-    vocab = None if args.vocab_size is None else padded_vocab_size(args.vocab_size)
-    if args.concurrent < 1:
-        ap.error(f"--concurrent must be >= 1, got {args.concurrent}")
+    try:  # everything checkable is checked before minutes of measuring
+        check_output_file(args.output, flag="--output")
+        model = ModelSpec(num_layers=args.num_layers, hidden_size=args.hidden_size,
+                          num_attention_heads=args.num_attention_heads, num_query_groups=args.num_query_groups,
+                          ffn_hidden_size=args.ffn_hidden_size, seq_length=args.seq_length, vocab_size=1,
+                          swiglu=args.swiglu)
+        vocab = None if args.vocab_size is None else padded_vocab_size(args.vocab_size)
+    except UserError as err:  # bugs are not caught: they surface as tracebacks
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
     options = dict(num_layers=args.num_layers, micro_batch_sizes=args.micro_batch_sizes, device=args.device,
                    warmup=args.warmup, repeats=args.repeats, dtype=getattr(torch, args.dtype),
                    implementation=args.implementation, vocab_size=vocab, optimizer=args.optimizer)

@@ -87,6 +87,12 @@ def error_line(stderr: str) -> str:
     return lines[0]
 
 
+def _substitute(arg: str, subs: dict[str, str]) -> str:
+    for key, value in subs.items():
+        arg = arg.replace("{" + key + "}", value)
+    return arg
+
+
 class _Hung(BaseException):
     pass
 
@@ -95,8 +101,13 @@ def _stop(signum, frame):
     raise _Hung()
 
 
-def check_row(main: Callable[[list[str]], int], row: Row, root: Path, capsys, monkeypatch) -> None:
-    """Run ``main(row.argv)`` in ``root`` and assert the contract of the module docstring."""
+def check_row(main: Callable[[list[str]], int], row: Row, root: Path, capsys, monkeypatch, *,
+              subs: dict[str, str] | None = None) -> None:
+    """Run ``main(row.argv)`` in ``root`` and assert the contract of the module docstring.
+
+    ``subs`` replaces placeholders in the arguments (e.g. ``{sp}`` by a tokenizer made once per module).
+    """
+    argv = [_substitute(a, subs or {}) for a in row.argv]
     monkeypatch.chdir(root)
     prepare(row, root)
     before = snapshot(root)
@@ -106,7 +117,7 @@ def check_row(main: Callable[[list[str]], int], row: Row, root: Path, capsys, mo
     start = time.monotonic()
     try:
         try:
-            code = main(list(row.argv))
+            code = main(argv)
         except SystemExit as exit_:
             code = exit_.code
     except _Hung:
