@@ -5,6 +5,10 @@ killed on purpose is an expected outcome, and the TCP store (heartbeats, agreeme
 generation's process-group rendezvous) is hosted by this parent process so that it survives any
 rank. ``fn(rank, world_size, store_address, *args)`` must be a module-level function.
 
+The store listens on one interface only, ``host`` (loopback by default: every rank of a local run is
+on this machine); torch's TCPStore would listen on all of them, unauthenticated, so the launcher
+binds the listening socket itself and hands it over (``serve_store``).
+
 Each rank leads its own process group, and the launcher kills every group at the end: a rank that
 was SIGKILLed cannot stop the helpers it started (megatron's checkpoint writer starts a
 multiprocessing manager on the first save), which would otherwise outlive the run as orphans.
@@ -17,6 +21,7 @@ import os
 import pickle
 import queue as queue_mod
 import signal
+import socket
 import time
 import traceback
 from collections.abc import Callable, Sequence
@@ -26,8 +31,10 @@ from typing import Any
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from megatron_het.platform.local_launch import LocalLaunchError, free_port
+from megatron_het.platform.local_launch import LocalLaunchError
 from megatron_het.resilience.agreement import StoreAddress
+
+LOOPBACK = "127.0.0.1"  # where a single-machine run's store listens
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -59,18 +66,40 @@ def _child(fn, rank, world_size, address, args, queue, pg_timeout_s):
             dist.destroy_process_group()
 
 
+def serve_store(host: str = LOOPBACK, port: int = 0, *, timeout_s: float = 60.0) -> tuple[dist.TCPStore, StoreAddress]:
+    """A TCPStore server listening on ``host`` only (port 0: any free port), and its address.
+
+    torch's TCPStore binds its server to every interface whatever host name it is given; it does
+    accept an already listening socket (``master_listen_fd``), so the socket is bound here to the
+    one address asked for and passed in (the store owns it from then on).
+    """
+    family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+        sock.listen(socket.SOMAXCONN)
+        port = sock.getsockname()[1]
+        store = dist.TCPStore(host, port, is_master=True, wait_for_workers=False, master_listen_fd=sock.fileno(),
+                              timeout=datetime.timedelta(seconds=timeout_s))
+    except BaseException:
+        sock.close()
+        raise
+    sock.detach()  # the store's server closes the descriptor when it stops
+    return store, StoreAddress(host=host, port=port)
+
+
 def run_resilient_local(world_size: int, fn: Callable[..., Any], args: Sequence[Any] = (), *,
-                        timeout_s: float = 900.0, pg_timeout_s: float = 15.0) -> list[RankOutcome]:
+                        timeout_s: float = 900.0, pg_timeout_s: float = 15.0,
+                        host: str = LOOPBACK) -> list[RankOutcome]:
     """Spawn ``world_size`` gloo ranks around a store hosted here; return every rank's outcome.
 
+    The store listens on ``host`` only (loopback unless ranks on other machines must reach it).
     Raises LocalLaunchError when a rank raises, or when ranks are still running at ``timeout_s``.
     """
     if world_size < 1:
         raise ValueError(f"world_size: must be >= 1 (got {world_size}). Fix: launch at least one rank")
-    port = free_port()
-    store = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False,
-                          timeout=datetime.timedelta(seconds=60))
-    address = StoreAddress(host="127.0.0.1", port=port)
+    store, address = serve_store(host)
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     procs = [ctx.Process(target=_child, args=(fn, r, world_size, address, tuple(args), q, pg_timeout_s))
