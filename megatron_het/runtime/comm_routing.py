@@ -11,6 +11,7 @@ MI250X still routes their shared groups through the bridge, so the same path is 
 
 from __future__ import annotations
 
+import datetime
 import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -20,6 +21,7 @@ import torch.distributed as dist
 
 from megatron_het.cluster import ClusterSpec
 from megatron_het.plan import Plan, rank_roles
+from megatron_het.runtime.groups import group_options
 
 log = logging.getLogger(__name__)
 
@@ -67,8 +69,11 @@ class BridgedGroup:
         self.het.all_reduce(tensor)
 
 
-def new_reduction_group(ranks: Sequence[int], placement: RankPlacement, *, torch_backend: str = "gloo"):
-    """Collective over the world (every rank calls it, same order); None on non-members."""
+def new_reduction_group(ranks: Sequence[int], placement: RankPlacement, *, torch_backend: str = "gloo",
+                        timeout: datetime.timedelta | None = None):
+    """Collective over the world (every rank calls it, same order); None on non-members.
+
+    ``timeout``: the run's one timeout for every group created (None: torch's 30-minute default)."""
     ranks = sorted(ranks)
     if placement.spans_libraries(ranks):
         from megatron_het.comm import IslandMembership, new_hierarchical_group
@@ -76,7 +81,8 @@ def new_reduction_group(ranks: Sequence[int], placement: RankPlacement, *, torch
         islands = sorted({placement.island[r] for r in ranks})
         membership = IslandMembership(rank_to_island={r: placement.island[r] for r in ranks},
                                       island_backend={i: torch_backend for i in islands})
-        het = new_hierarchical_group(ranks, membership)
+        het = new_hierarchical_group(ranks, membership,
+                                     **({} if timeout is None else {"timeout_s": timeout.total_seconds()}))
         return BridgedGroup(het) if het is not None else None
-    group = dist.new_group(ranks)
+    group = dist.new_group(ranks, **group_options(timeout))
     return NativeGroup(group) if dist.get_rank() in ranks else None

@@ -7,10 +7,15 @@ global ``parallel_state`` except the attention memory buffer, which megatron-cor
 
 ``torch.distributed.new_group`` is collective over the whole world: every rank must build every
 block's groups in the same order, including blocks it is not part of.
+
+Timeouts: a new group does not inherit the world group's timeout (torch gives it its own 30-minute
+default), so every builder here takes the run's one ``timeout`` (Megatron's
+``--distributed-timeout-minutes``) and passes it to every group it creates.
 """
 
 from __future__ import annotations
 
+import datetime
 from dataclasses import dataclass
 
 import torch.distributed as dist
@@ -54,24 +59,37 @@ def ensure_global_memory_buffer() -> None:
         parallel_state._set_global_memory_buffer()
 
 
-def block_process_groups(shape: BlockShape):
+def group_options(timeout: datetime.timedelta | None) -> dict:
+    """Keyword arguments for ``new_group`` / ``HyperCommGrid.create_pg``: the run's timeout, when given
+    (None keeps torch's default of 30 minutes, whatever the world group's timeout is)."""
+    if timeout is None:
+        return {}
+    if not isinstance(timeout, datetime.timedelta) or timeout.total_seconds() <= 0:
+        raise ValueError(f"timeout: must be a positive datetime.timedelta (got {timeout!r}). "
+                         "Fix: pass datetime.timedelta(minutes=args.distributed_timeout_minutes)")
+    return {"timeout": timeout}
+
+
+def block_process_groups(shape: BlockShape, *, timeout: datetime.timedelta | None = None):
     """Create the groups of one block; returns ``(grid, pg_collection)`` (collection is None on
-    ranks outside the block). Must be called by every rank of the world, in the same order."""
+    ranks outside the block). Must be called by every rank of the world, in the same order.
+    ``timeout`` applies to every group created (see the module docstring)."""
     from megatron.core.hyper_comm_grid import HyperCommGrid
     from megatron.core.process_groups_config import ProcessGroupCollection
 
+    options = group_options(timeout)
     grid = HyperCommGrid([shape.tp, 1, 1, shape.dp, shape.pp], list(GRID_DIMS),
                          rank_offset=shape.rank_offset)
     pgs = {
-        "tp": grid.create_pg("tp"),
-        "pp": grid.create_pg("pp"),
-        "dp": grid.create_pg("dp"),
-        "cp": grid.create_pg("cp"),
-        "ep": grid.create_pg("ep"),
-        "mp": grid.create_pg(["tp", "pp"]),
-        "tp_cp": grid.create_pg(["tp", "cp"]),
-        "dp_cp": grid.create_pg(["cp", "dp"]),
-        "tp_dp_cp": grid.create_pg(["tp", "cp", "dp"]),
+        "tp": grid.create_pg("tp", **options),
+        "pp": grid.create_pg("pp", **options),
+        "dp": grid.create_pg("dp", **options),
+        "cp": grid.create_pg("cp", **options),
+        "ep": grid.create_pg("ep", **options),
+        "mp": grid.create_pg(["tp", "pp"], **options),
+        "tp_cp": grid.create_pg(["tp", "cp"], **options),
+        "dp_cp": grid.create_pg(["cp", "dp"], **options),
+        "tp_dp_cp": grid.create_pg(["tp", "cp", "dp"], **options),
     }
     # Word embeddings live on the first and last stage of each pipeline, position embeddings on
     # the first (megatron-core parallel_state.default_embedding_ranks / default_position_embedding_ranks).
@@ -79,10 +97,10 @@ def block_process_groups(shape: BlockShape):
     embd = pos_embd = None
     for pp_ranks in grid.get_rank_enum("pp"):
         embd_ranks = sorted({pp_ranks[0], pp_ranks[-1]})
-        g = dist.new_group(embd_ranks)
+        g = dist.new_group(embd_ranks, **options)
         if rank in embd_ranks:
             embd = g
-        g = dist.new_group([pp_ranks[0]])
+        g = dist.new_group([pp_ranks[0]], **options)
         if rank == pp_ranks[0]:
             pos_embd = g
     if rank not in shape.ranks():

@@ -9,10 +9,12 @@ gradients itself (``grad_sync.py``), because neither fits megatron's uniform gri
 
 from __future__ import annotations
 
+import datetime
+
 import torch.distributed as dist
 
 from megatron_het.plan import Plan, rank_roles
-from megatron_het.runtime.groups import GRID_DIMS, ensure_global_memory_buffer
+from megatron_het.runtime.groups import GRID_DIMS, ensure_global_memory_buffer, group_options
 
 
 def check_contiguous_stages(plan: Plan) -> None:
@@ -27,18 +29,21 @@ def check_contiguous_stages(plan: Plan) -> None:
                     f"tools/plan.py writes plans this way")
 
 
-def build_stage_groups(plan: Plan):
-    """Create every stage's groups (collective over the world); return this rank's collection."""
+def build_stage_groups(plan: Plan, *, timeout: datetime.timedelta | None = None):
+    """Create every stage's groups (collective over the world); return this rank's collection.
+
+    ``timeout``: the run's one timeout, given to every group (None: torch's 30-minute default)."""
     from megatron.core.hyper_comm_grid import HyperCommGrid
     from megatron.core.process_groups_config import ProcessGroupCollection
 
     check_contiguous_stages(plan)
+    options = group_options(timeout)
     rank = dist.get_rank()
     mine = None
     for replica in plan.replicas:
         for stage in replica.stages:
             grid = HyperCommGrid([stage.tp, 1, 1, 1, 1], list(GRID_DIMS), rank_offset=stage.ranks[0])
-            pgs = {name: grid.create_pg(dims) for name, dims in (
+            pgs = {name: grid.create_pg(dims, **options) for name, dims in (
                 ("tp", "tp"), ("pp", "pp"), ("dp", "dp"), ("cp", "cp"), ("ep", "ep"),
                 ("mp", ["tp", "pp"]), ("tp_cp", ["tp", "cp"]), ("dp_cp", ["cp", "dp"]),
                 ("tp_dp_cp", ["tp", "cp", "dp"]))}
