@@ -7,7 +7,7 @@
    - "pipeline wins": 1.3B / 6.7B on 4 L40S + 4 A100-80GB at 100 Gbit/s;
    and a 6.7B GPT on 4 L40S + 4 A100-80GB: equal shards do not fit an L40S, proportional ones do.
 2. CPU-emulated cluster, 4 gloo ranks: island ``fast`` (2 ranks) and ``slow`` (2 ranks, compute
-   slowed 3x by sleeping, as ``HeteroTrainer._timed``). Memory is emulated by per-rank budgets:
+   slowed 3x by sleeping, as the trainer's EmulationTimer does). Memory is emulated by per-rank budgets:
    the fast ranks have room for 12% of the training state, the slow ones 45%. ``plan_best`` on
    this cluster picks the mode; then, measured (median iteration time, cases alternate A B A B):
    - sharded (chosen) vs the pipeline planner's best plan (HeteroTrainer): predicted vs measured gain;
@@ -36,8 +36,8 @@ from megatron_het.planner.errors import InfeasibleError  # noqa: E402
 from megatron_het.planner.modes import plan_best  # noqa: E402
 from megatron_het.planner.sharded import plan_sharded  # noqa: E402
 from megatron_het.platform.local_launch import run_local  # noqa: E402
-from megatron_het.runtime.train_config import TrainConfig  # noqa: E402
 from megatron_het.sharding import ShardedPlan  # noqa: E402
+from megatron_het.train.config import TrainConfig  # noqa: E402
 
 OUT = os.path.join(ROOT, "bench", "results", "cephalo.json")
 GPT_6_7B = ModelSpec(num_layers=32, hidden_size=4096, num_attention_heads=32, seq_length=2048, vocab_size=50257,
@@ -123,7 +123,7 @@ def _rank(rank, world_size, cases, train, iters, rounds):
                 continue
             logs = trainer.run(WARMUP + iters).iterations
             out[name]["elapsed"] += [log.elapsed_s for log in logs[WARMUP:]]
-            if isinstance(trainer, ShardedTrainer):
+            if plan_dict["format"] != "megatron-het-plan":  # sharded: comm and optimizer measured apart
                 out[name]["compute"] += [log.compute_s - log.emulated_s for log in logs[WARMUP:]]  # real compute
                 out[name]["fixed"] += [log.comm_s + log.optimizer_s for log in logs[WARMUP:]]
             out[name]["loss"] = logs[-1].lm_loss

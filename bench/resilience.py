@@ -4,8 +4,9 @@ CPU-emulated cluster ``examples/clusters/cpu-resilience.yaml``: 6 ranks, every i
 slower than the CPU. Most of each action is sleep, so 6 ranks keep well under the machine's 2
 cores busy and the step time follows the schedule; micro-batches are long (4 x 128 tokens) so that
 forward/backward dominate the per-step work the schedule does not model (gradient reduction,
-Python). The slowdown is applied to each forward/backward's *thread CPU time* (``cpu_clock``:
-sleep until slowdown x CPU time has passed), not to its wall time as HeteroTrainer does: with the
+Python). The slowdown is applied to each forward/backward's *thread CPU time* (the trainer's
+EmulationTimer with ``clock=time.thread_time``: sleep until slowdown x CPU time has passed), not to
+its wall time as the default timer does: with the
 wall clock, load from other jobs on this shared machine is multiplied by the slowdown (three runs
 measured the same failure-free step at 1.75, 1.84 and 3.39 s); with the CPU clock it is absorbed
 by the sleep as long as it stays below 8x. Plan: 3 replicas x 2 stages (TP=1), 4
@@ -57,7 +58,7 @@ from megatron_het.resilience.recovery import FaultSpec  # noqa: E402
 from megatron_het.resilience.routed_schedule import routed_schedule  # noqa: E402
 from megatron_het.resilience.routing import reroute  # noqa: E402
 from megatron_het.resilience.worker import homogeneous_replan, resilient_worker  # noqa: E402
-from megatron_het.runtime.train_config import TrainConfig  # noqa: E402
+from megatron_het.train.config import TrainConfig  # noqa: E402
 
 CLUSTER = os.path.join(ROOT, "examples", "clusters", "cpu-resilience.yaml")
 MODEL = ModelSpec(num_layers=4, hidden_size=64, num_attention_heads=4, seq_length=128, vocab_size=200)
@@ -84,32 +85,14 @@ def steady(elapsed: list[dict[int, float]], first: int) -> float:
     return statistics.median(per_it)
 
 
-def cpu_clock() -> None:
-    """In this process, HeteroTrainer stretches each forward/backward to slowdown x its thread CPU time."""
-    from megatron_het.runtime.hetero_trainer import HeteroTrainer
-
-    def timed(self, times, fn):
-        c0, w0 = time.thread_time(), time.perf_counter()
-        out = fn()
-        target, wall = (time.thread_time() - c0) * self.slowdown, time.perf_counter() - w0
-        if target > wall:
-            time.sleep(target - wall)
-            times.emulated_s += target - wall
-        times.compute_s += max(target, wall)
-        return out
-
-    HeteroTrainer._timed = timed
-
-
 def cpu_clock_resilient_worker(rank, world_size, address, *args):
-    cpu_clock()
-    return resilient_worker(rank, world_size, address, *args)
+    """resilient_worker whose timer stretches each forward/backward to slowdown x its thread CPU time."""
+    return resilient_worker(rank, world_size, address, *args, clock=time.thread_time)
 
 
 def plain_worker(rank, world_size, plan, train, iterations, slowdown, save_dir, load_dir):
     """Failure-free run of ``plan`` (drop-replica baseline), or the restart measurement when load_dir."""
     t_start = time.time()
-    cpu_clock()
     from megatron_het.checkpoint.dist_ckpt import iteration_dir, latest_iteration
     from megatron_het.data.synthetic import synthetic_batch
     from megatron_het.platform import enable_cpu_backend
@@ -121,7 +104,8 @@ def plain_worker(rank, world_size, plan, train, iterations, slowdown, save_dir, 
         return synthetic_batch(seed=train.seed, iteration=iteration, indices=indices,
                                seq_length=MODEL.seq_length, vocab_size=MODEL.vocab_size)
 
-    trainer = HeteroTrainer(model=MODEL, plan=plan, train=train, batch_fn=batch_fn, slowdown=slowdown)
+    trainer = HeteroTrainer(model=MODEL, plan=plan, train=train, batch_fn=batch_fn, slowdown=slowdown,
+                            clock=time.thread_time)
     loaded_at = None
     if load_dir:
         trainer.load_checkpoint(iteration_dir(load_dir, latest_iteration(load_dir)))
@@ -223,7 +207,7 @@ def main() -> None:
                   "plan": f"3 replicas x 2 stages, TP=1, {MICRO} micro-batches each (global {total} x mbs {MBS})",
                   "iterations": n, "model": dataclasses.asdict(MODEL),
                   "emulation": f"each forward/backward stretched to {slowdown:g}x its thread CPU time by "
-                               "sleeping (bench-only cpu_clock; HeteroTrainer's own emulation uses wall time, "
+                               "sleeping (EmulationTimer(clock=time.thread_time); the default timer uses wall time, "
                                "which multiplies other jobs' load by the slowdown: failure-free step measured "
                                "1.75, 1.84 and 3.39 s in three runs with it); most of every action is sleep"},
         "bench_wall_s": time.time() - t0,

@@ -3,10 +3,12 @@
 On an exception inside an iteration: agree with the other survivors on who failed
 (``agreement.py``), decide re-route vs re-plan (``policy.py``), drop the broken process groups,
 re-initialise the world among the survivors (ranks renumbered, generation-prefixed store keys),
-rebuild this rank's stage on the new groups with its parameters and optimizer state moved over
-from memory, and run the routed schedule (``routed_schedule.py``) from then on. The iteration that
-failed is discarded on every survivor (no optimizer step happened anywhere: the trainer reports the
-loss before stepping) and redone, so the sequence of updates equals the failure-free run.
+rebind this rank's stage to the new groups (``PipelineStrategy.rebind``: parameters and optimizer
+state move over from memory) and run the routed schedule (``routed_schedule.py``) from then on. When
+re-routing does not pay, the survivors checkpoint, re-plan (a callback) and continue on a strategy
+rebuilt for the new plan, in the same trainer. The iteration that failed is discarded on every
+survivor (no optimizer step happened anywhere: the strategy reports the loss before stepping) and
+redone, so the sequence of updates equals the failure-free run.
 """
 
 from __future__ import annotations
@@ -18,17 +20,19 @@ import logging
 import os
 import signal
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch.distributed as dist
 
 from megatron_het.plan import Plan, ReplicaPlan
 from megatron_het.resilience.agreement import Heartbeat, StoreAddress, agree_on_failures
-from megatron_het.resilience.executor import RoutedExecutor
-from megatron_het.resilience.policy import Decision, PolicyConfig, decide
+from megatron_het.resilience.policy import PolicyConfig, decide
 from megatron_het.resilience.routed_schedule import routed_schedule
-from megatron_het.resilience.routing import Routing, describe, reroute
-from megatron_het.runtime.hetero_trainer import TrainerHooks
+from megatron_het.resilience.routing import InstanceKey, Routing, describe, reroute
+from megatron_het.runtime.boundary import BoundaryLink, Neighbour
+from megatron_het.runtime.hetero_trainer import PipelineStrategy
+from megatron_het.train.trainer import Trainer, TrainerHooks
 
 logger = logging.getLogger(__name__)
 
@@ -87,14 +91,6 @@ class RecoveryError(RuntimeError):
     """The job cannot continue in-process (no surviving holder of some layers and no checkpoint_dir)."""
 
 
-class ReplanRequired(Exception):
-    """Re-routing does not pay: the caller re-plans over the survivors (see worker.resilient_train)."""
-
-    def __init__(self, decision: Decision, routing: Routing | None) -> None:
-        super().__init__(decision.reason)
-        self.decision, self.routing = decision, routing
-
-
 def instances_plan(routing: Routing, template: Plan) -> Plan:
     """A plan with one single-stage replica per surviving instance, ranks renumbered.
 
@@ -110,34 +106,39 @@ def instances_plan(routing: Routing, template: Plan) -> Plan:
                 global_batch_size=template.micro_batch_size * len(replicas))
 
 
-def rebind_trainer(trainer, routing: Routing, old_rank: int) -> None:
-    """Move this rank's stage onto the current (rebuilt) world: new groups, new stage objects,
-    same parameter values and optimizer state (taken from memory)."""
-    from megatron_het.runtime.boundary import BoundaryLink
-    from megatron_het.runtime.gpt_model import build_gpt_stage
-    from megatron_het.runtime.grad_sync import GradientSynchronizer
+def routed_links(routing: Routing, key: InstanceKey, *, tp_rank: int, sequence_parallel: bool
+                 ) -> dict[int, BoundaryLink]:
+    """Per global micro-batch of instance ``key``: the link to its neighbours on that micro-batch's pipeline."""
+    links: dict[int, BoundaryLink] = {}
+    mine = routing.instance(key)
+
+    def neighbour(hop: InstanceKey) -> Neighbour:
+        return Neighbour(ranks=tuple(routing.new_rank(r) for r in routing.instance(hop).ranks))
+
+    for pipe in routing.pipelines:
+        if key not in pipe.hops:
+            continue
+        s = pipe.hops.index(key)
+        link = BoundaryLink(tp_rank=tp_rank, tp=len(mine.ranks),
+                            prev=neighbour(pipe.hops[s - 1]) if s > 0 else None,
+                            next=neighbour(pipe.hops[s + 1]) if s + 1 < len(pipe.hops) else None,
+                            sequence_parallel=sequence_parallel)
+        links.update(dict.fromkeys(pipe.micro_batches, link))
+    return links
+
+
+def rebind(strategy: PipelineStrategy, routing: Routing, rank: int, *, split_backward: bool) -> None:
+    """Move ``strategy`` (this rank = ``rank`` of ``strategy.plan``) onto the current, rebuilt world and
+    the routed schedule of ``routing`` (collective over the survivors)."""
     from megatron_het.runtime.stage_groups import build_stage_groups
 
-    pgc, _ = build_stage_groups(instances_plan(routing, trainer.plan))
-    gpt = build_gpt_stage(trainer.stage, trainer.config, pgc)
-    if trainer.stage_plan.tp_comm_overlap:  # the new stage model takes the overlapped path like the old one
-        from megatron_het.comm.overlap_megatron import apply_tp_comm_overlap
-
-        trainer.overlap_report = apply_tp_comm_overlap(gpt, chunks=trainer.train.tp_comm_overlap_chunks)
-    gpt.load_state_dict(trainer.gpt.state_dict())
-    opt_state = trainer.optimizer.state_dict()
-    trainer.gpt, trainer.pgc = gpt, pgc
-    trainer.role = dataclasses.replace(trainer.role, rank=routing.new_rank(old_rank))
-    trainer.params = trainer._named_global_params()
-    decay = [p for n, p in trainer.params.items() if not (p.dim() == 1 or n.endswith(".bias"))]
-    no_decay = [p for n, p in trainer.params.items() if p.dim() == 1 or n.endswith(".bias")]
-    trainer.optimizer = type(trainer.optimizer)(
-        [{"params": decay, "weight_decay": trainer.train.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-        lr=trainer.train.lr, betas=(trainer.train.adam_beta1, trainer.train.adam_beta2), eps=trainer.train.adam_eps)
-    trainer.optimizer.load_state_dict(opt_state)  # same parameter order: state moves by position
-    trainer.sync = GradientSynchronizer(trainer._holdings(), trainer.params)  # plain groups among survivors
-    trainer.link = BoundaryLink(tp_rank=trainer.role.tp_rank, tp=trainer.role.tp_size, prev=None, next=None,
-                                sequence_parallel=trainer.plan.sequence_parallel)
+    pgc, _ = build_stage_groups(instances_plan(routing, strategy.plan))
+    key = routing.instance_of(rank).key
+    schedule = routed_schedule(routing, split_backward=split_backward)
+    links = routed_links(routing, key, tp_rank=strategy.role.tp_rank,
+                         sequence_parallel=strategy.plan.sequence_parallel)
+    strategy.rebind(pgc=pgc, ranks={r: routing.new_rank(r) for r in routing.survivors}, actions=schedule.actions[key],
+                    links=links, split_backward=split_backward)
 
 
 def _groups() -> list:
@@ -184,67 +185,70 @@ def abort_all_groups() -> None:
         dist.destroy_process_group()
 
 
+# (plan over the survivors) -> this rank's strategy under it (collective over the current world)
+Rebuild = Callable[[Plan], PipelineStrategy]
+# (old plan, number of survivors) -> the plan to continue with
+Replan = Callable[[Plan, int], Plan]
+
+
 class ResilienceHooks(TrainerHooks):
-    """Detect, agree, re-route, continue. One object per rank; pass it as ``HeteroTrainer(hooks=...)``."""
+    """Detect, agree, re-route or re-plan, continue. One object per rank, on the trainer of a pipeline plan."""
 
     def __init__(self, *, config: ResilienceConfig, rank: int, plan: Plan, fault: FaultSpec | None = None,
-                 epoch: int = 0) -> None:
-        """``rank``: this rank in ``plan``; ``epoch``: 0, then +1 per re-plan (separates store keys)."""
-        self.config, self.rank, self.plan, self.fault, self.epoch = config, rank, plan, fault, epoch
-        self.store = dist.PrefixStore(f"e{epoch}/", config.store.connect())
-        self.heartbeat = Heartbeat(config.store, rank, interval_s=config.heartbeat_interval_s, prefix=f"e{epoch}/")
-        self.failed: frozenset[int] = frozenset()
-        self.members: tuple[int, ...] = tuple(range(plan.world_size))  # original ranks in the current world
-        self.generation = 0
-        self.routing: Routing | None = None
-        self.executor: RoutedExecutor | None = None
+                 rebuild: Rebuild | None = None, replan: Replan | None = None) -> None:
+        """``rank``: this rank in ``plan``; ``rebuild`` and ``replan`` make a re-plan possible (with
+        ``config.checkpoint_dir``): without them a re-plan decision ends the run."""
+        self.config, self.fault = config, fault
+        self.rebuild, self.replan = rebuild, replan
+        self.original_rank = rank  # in the first plan (the report's rank)
         self.events: list[FailureEvent] = []
+        self.replans: list[str] = []  # one line per automatic re-plan
         # Accounting, per completed iteration (0-based): samples this rank embedded / scored as TP
         # rank 0 of a first / last stage. Kept apart because a re-plan may give a rank another stage.
         self.embedded: dict[int, list[int]] = {}
         self.scored: dict[int, list[int]] = {}
-        self._step_samples: list[int] = []
+        self.heartbeat: Heartbeat | None = None
+        self._start_epoch(plan, rank, epoch=0)
+
+    def _start_epoch(self, plan: Plan, rank: int, *, epoch: int) -> None:
+        """State of one plan: 0, then +1 per re-plan (separates the store keys of the epochs)."""
+        if self.heartbeat is not None:
+            self.heartbeat.stop()
+        self.plan, self.rank, self.epoch = plan, rank, epoch
+        self.store = dist.PrefixStore(f"e{epoch}/", self.config.store.connect())
+        self.heartbeat = Heartbeat(self.config.store, rank, interval_s=self.config.heartbeat_interval_s,
+                                   prefix=f"e{epoch}/")
+        self.failed: frozenset[int] = frozenset()
+        self.members: tuple[int, ...] = tuple(range(plan.world_size))  # ranks of ``plan`` in the current world
+        self.generation = 0
         self._bounded = False  # set_timeout applied to the current groups
 
     # ---- hook points --------------------------------------------------------------------------
-    def on_step_start(self, trainer, iteration: int) -> None:
-        self._step_samples = []
+    def on_step_start(self, trainer: Trainer, iteration: int) -> None:
         if not self._bounded:  # groups made by the trainer use torch's default (30 min) timeout
             bound_group_timeouts(self.config.pg_timeout_s)
             self._bounded = True
 
-    def on_action(self, trainer, iteration: int, index: int, action) -> None:
+    def on_action(self, trainer: Trainer, iteration: int, index: int, action) -> None:
         f = self.fault
         if f is not None and f.rank == self.rank and f.iteration == iteration and index >= f.after_actions:
             self.store.set(f"killed/{self.rank}", repr(time.time()))
             os.kill(os.getpid(), signal.SIGKILL)
-        if self.executor is None and action.kind == "F" and (trainer.is_first or trainer.is_last):
-            mbs = trainer.train.micro_batch_size
-            from megatron_het.runtime.hetero_trainer import replica_first_micro_batch
 
-            first = (replica_first_micro_batch(trainer.plan, trainer.role.replica) + action.micro_batch) * mbs
-            self._step_samples += list(range(first, first + mbs))
+    def on_step_end(self, trainer: Trainer, log) -> None:
+        strategy = trainer.strategy
+        if strategy.role.tp_rank == 0:
+            samples = list(strategy.executor.samples)
+            if strategy.is_first:
+                self.embedded[log.iteration - 1] = samples
+            if strategy.is_last:
+                self.scored[log.iteration - 1] = samples
 
-    def run_actions(self, trainer, iteration: int, times):
-        if self.executor is None:
-            return None
-        loss = self.executor.run(trainer, iteration, times)
-        self._step_samples = list(self.executor.samples)
-        return loss
-
-    def on_step_end(self, trainer, log) -> None:
-        if trainer.role.tp_rank == 0:
-            if trainer.is_first:
-                self.embedded[log.iteration - 1] = self._step_samples
-            if trainer.is_last:
-                self.scored[log.iteration - 1] = self._step_samples
-
-    def on_failure(self, trainer, iteration: int, error: BaseException) -> bool:
+    def on_failure(self, trainer: Trainer, iteration: int, error: BaseException) -> bool:
         detected = time.time()
         first_line = (str(error).strip().splitlines() or [type(error).__name__])[0][:200]
         logger.warning("rank %d: iteration %d failed (%s); agreeing on failed ranks", self.rank, iteration,
                        first_line)
-        trainer.link._pending.clear()
         # Close our connections at once: a peer blocked on us (not on the dead rank) then fails too
         # instead of waiting for its timeout, so every survivor joins the agreement quickly.
         abort_all_groups()
@@ -256,8 +260,9 @@ class ResilienceHooks(TrainerHooks):
         if self.rank in agreement.failed:
             raise RankRetired(f"rank {self.rank} was declared failed in generation {self.generation}") from error
         self.failed = self.failed | frozenset(agreement.failed)
+        can_replan = self.config.checkpoint_dir is not None and self.rebuild is not None and self.replan is not None
         decision = decide(self.plan, self.failed, config=self.config.policy)
-        if decision.action == "replan" and self.config.checkpoint_dir is None:
+        if decision.action == "replan" and not can_replan:
             if decision.reroute_fraction == 0.0:
                 raise RecoveryError(f"ranks {sorted(self.failed)} failed: {decision.reason}; in-process recovery "
                                     f"is impossible and checkpoint_dir is not set. Fix: restart from the last "
@@ -272,7 +277,7 @@ class ResilienceHooks(TrainerHooks):
             raise RankRetired(f"rank {self.rank} retires: its TP group lost ranks {sorted(self.failed)}") from error
         if routing is not None:
             with bounded_new_groups(self.config.pg_timeout_s):
-                rebind_trainer(trainer, routing, self.rank)
+                rebind(trainer.strategy, routing, self.rank, split_backward=self.config.split_backward)
         if decision.action == "replan":
             saved = None
             if routing is not None:  # every layer still has a holder: write the current state
@@ -283,13 +288,8 @@ class ResilienceHooks(TrainerHooks):
                            decision.reason, len(survivors),
                            f"the survivors' state (iteration {saved})" if saved is not None else
                            "the last checkpoint")
-            raise ReplanRequired(decision, routing) from error
-        sched = routed_schedule(routing, split_backward=self.config.split_backward)
-        key = routing.instance_of(self.rank).key
-        self.routing = routing
-        self.executor = RoutedExecutor(routing=routing, schedule=sched, key=key, tp_rank=trainer.role.tp_rank,
-                                       on_action=lambda it, i, a: self.on_action(trainer, it, i, a),
-                                       sequence_parallel=trainer.plan.sequence_parallel)
+            self._replan(trainer, decision.reason)
+            return True
         event = FailureEvent(generation=self.generation, iteration=iteration, failed=agreement.failed,
                              error=first_line, detected_at=detected, agreed_at=agreed, resumed_at=time.time(),
                              decision=f"{decision.action}: {decision.reason}", takeovers=tuple(describe(routing)),
@@ -301,6 +301,27 @@ class ResilienceHooks(TrainerHooks):
                        agreement.decided_by, event.resumed_at - agreed, len(survivors), event.decision,
                        "; ".join(event.takeovers) or "no takeovers")
         return True
+
+    def _replan(self, trainer: Trainer, reason: str) -> None:
+        """A new plan over the current world, its strategy, the latest checkpoint loaded (collective)."""
+        from megatron_het.checkpoint.dist_ckpt import iteration_dir, latest_iteration
+
+        survivors = dist.get_world_size()
+        new_plan = self.replan(self.plan, survivors)
+        new_rank = dist.get_rank()
+        load = latest_iteration(self.config.checkpoint_dir)
+        self.replans.append(f"re-plan after ranks {sorted(self.failed)} failed: {reason}; "
+                            f"{len(new_plan.replicas)} replicas on {new_plan.world_size} of {survivors} survivors, "
+                            f"resuming from iteration {load}")
+        logger.warning("rank %d: %s", self.original_rank, self.replans[-1])
+        if new_rank >= new_plan.world_size:
+            raise RankRetired(f"rank {self.original_rank} is not in the new plan of {new_plan.world_size} ranks")
+        self.fault = None
+        self._start_epoch(new_plan, new_rank, epoch=self.epoch + 1)
+        with bounded_new_groups(self.config.pg_timeout_s):
+            trainer.use_strategy(self.rebuild(new_plan), iteration=0)  # 0: no checkpoint, start over
+        if load is not None:
+            trainer.load_checkpoint(iteration_dir(self.config.checkpoint_dir, load))
 
     def _new_world(self, survivors) -> None:
         """Destroy the broken groups; survivors join a fresh world under a generation prefix."""
@@ -314,4 +335,5 @@ class ResilienceHooks(TrainerHooks):
                                 timeout=datetime.timedelta(seconds=self.config.pg_timeout_s))
 
     def close(self) -> None:
-        self.heartbeat.stop()
+        if self.heartbeat is not None:
+            self.heartbeat.stop()

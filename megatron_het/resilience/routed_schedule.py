@@ -28,7 +28,9 @@ _PRIORITY = {"B": 0, "F": 1, "W": 2}
 
 @dataclass(frozen=True, kw_only=True)
 class RoutedSchedule:
-    """Action lists per instance (micro_batch = global index) and their simulated timing."""
+    """Action lists per instance and their simulated timing. ``micro_batch`` is a global index here, as
+    ``runtime/executor.py`` runs every action list (a plan Schedule's per-replica indices are offset
+    to global ones by the pipeline strategy)."""
 
     actions: dict[InstanceKey, tuple[Action, ...]]  # per instance, execution order
     split_backward: bool  # True: B is input-gradient only, W follows separately

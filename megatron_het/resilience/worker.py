@@ -1,4 +1,5 @@
-"""Per-rank driver of a resilient run: train, survive failures, re-plan when re-routing stops paying.
+"""Per-rank driver of a resilient run: the one trainer with resilience hooks (survive failures, re-plan
+when re-routing stops paying).
 
 ``resilient_train`` is what a rank calls (tests and the benchmark spawn it through
 ``launch.run_resilient_local``; under torchrun the store address comes from the launcher).
@@ -21,12 +22,11 @@ from megatron_het.resilience.recovery import (
     FailureEvent,
     FaultSpec,
     RankRetired,
-    ReplanRequired,
     ResilienceConfig,
     ResilienceHooks,
     bounded_new_groups,
 )
-from megatron_het.runtime.train_config import TrainConfig
+from megatron_het.train.config import TrainConfig
 
 logger = logging.getLogger(__name__)
 
@@ -77,71 +77,51 @@ def homogeneous_replan(plan: Plan, num_ranks: int) -> Plan:
 
 def resilient_train(*, rank: int, model: ModelSpec, plan: Plan, train: TrainConfig, batch_fn, iterations: int,
                     config: ResilienceConfig, faults: Sequence[FaultSpec] = (), padded_vocab: int | None = None,
-                    init_full_state=None, slowdown: float | None = None,
+                    init_full_state=None, slowdown: float | None = None, clock: Callable[[], float] | None = None,
                     replan: Callable[[Plan, int], Plan] = homogeneous_replan) -> RankReport:
-    """Train ``iterations`` steps of ``plan`` on this rank, surviving failures (the default group must exist)."""
-    from megatron_het.checkpoint.dist_ckpt import iteration_dir, latest_iteration
-    from megatron_het.runtime.hetero_trainer import HeteroTrainer
+    """Train ``iterations`` steps of ``plan`` on this rank, surviving failures (the default group must exist).
 
-    epoch, my_rank, replans = 0, rank, []
-    losses, elapsed, embedded, scored, events = {}, {}, {}, {}, []
+    One trainer with ResilienceHooks; a re-plan continues in it on a strategy rebuilt for the new plan."""
+    from megatron_het.runtime.hetero_trainer import HeteroTrainer, PipelineStrategy
 
-    def report(status: str) -> RankReport:
-        return RankReport(rank=rank, status=status, losses=losses, elapsed_s=elapsed,
-                          embedded={k: tuple(v) for k, v in embedded.items()},
-                          scored={k: tuple(v) for k, v in scored.items()}, events=tuple(events),
-                          replans=tuple(replans))
+    def rebuild(new_plan: Plan) -> PipelineStrategy:
+        return PipelineStrategy(model=model, plan=new_plan, train=train, batch_fn=batch_fn, padded_vocab=padded_vocab)
 
-    load = None
-    while True:
-        fault = next((f for f in faults if f.rank == rank), None) if epoch == 0 else None
-        hooks = ResilienceHooks(config=config, rank=my_rank, plan=plan, fault=fault, epoch=epoch)
+    losses, elapsed = {}, {}
+
+    def record(log) -> None:
+        losses[log.iteration], elapsed[log.iteration] = log.lm_loss, log.elapsed_s
+
+    hooks = ResilienceHooks(config=config, rank=rank, plan=plan, fault=next((f for f in faults if f.rank == rank), None),
+                            rebuild=rebuild, replan=replan)
+    try:
         with bounded_new_groups(config.pg_timeout_s):
             trainer = HeteroTrainer(model=model, plan=plan, train=train, batch_fn=batch_fn, hooks=hooks,
-                                    padded_vocab=padded_vocab, slowdown=slowdown,
-                                    init_full_state=init_full_state if load is None else None)
-        if load is not None:
-            trainer.load_checkpoint(iteration_dir(config.checkpoint_dir, load))
-        try:
-            while trainer.iteration < iterations:
-                log = trainer.train_step()
-                losses[log.iteration], elapsed[log.iteration] = log.lm_loss, log.elapsed_s
-            status = "finished"
-        except RankRetired:
-            status = "retired"
-        except ReplanRequired as req:
-            survivors = dist.get_world_size() if dist.is_initialized() else 0
-            events += hooks.events
-            embedded.update(hooks.embedded)
-            scored.update(hooks.scored)
-            hooks.close()
-            new_plan = replan(plan, survivors)
-            new_rank = dist.get_rank()
-            load = latest_iteration(config.checkpoint_dir)
-            replans.append(f"re-plan after ranks {sorted(hooks.failed)} failed: {req.decision.reason}; "
-                           f"{len(new_plan.replicas)} replicas on {new_plan.world_size} of {survivors} survivors, "
-                           f"resuming from iteration {load}")
-            logger.warning("rank %d: %s", rank, replans[-1])
-            if new_rank >= new_plan.world_size:
-                return report("retired")
-            plan, my_rank, epoch = new_plan, new_rank, epoch + 1
-            continue
-        events += hooks.events
-        embedded.update(hooks.embedded)
-        scored.update(hooks.scored)
+                                    padded_vocab=padded_vocab, slowdown=slowdown, clock=clock,
+                                    init_full_state=init_full_state)
+        trainer.run(iterations, on_iteration=record)
+        status = "finished"
+    except RankRetired:
+        status = "retired"
+    finally:
         hooks.close()
-        return report(status)
+    return RankReport(rank=rank, status=status, losses=losses, elapsed_s=elapsed,
+                      embedded={k: tuple(v) for k, v in hooks.embedded.items()},
+                      scored={k: tuple(v) for k, v in hooks.scored.items()}, events=tuple(hooks.events),
+                      replans=tuple(hooks.replans))
 
 
 def resilient_worker(rank: int, world_size: int, address: StoreAddress, model: ModelSpec, plan: Plan,
                      train: TrainConfig, iterations: int, faults: Sequence[FaultSpec] = (),
                      config_overrides: dict | None = None, reference: bool = False, padded_vocab: int | None = None,
-                     slowdown: float | None = None, init_full_state=None) -> dict:
+                     slowdown: float | None = None, init_full_state=None,
+                     clock: Callable[[], float] | None = None) -> dict:
     """Module-level rank function for ``run_resilient_local``.
 
     ``init_full_state``: full initial tensors (same on every rank), for runs that must resume
     exactly from a checkpoint: a HeteroTrainer built without it initialises the last stage's copy of
     a tied word embedding independently of the first stage's, and a checkpoint keeps only one.
+    ``clock``: the emulation timer's clock (None: wall time; the bench passes thread CPU time).
 
     Returns {"reference": losses of a failure-free run of the same plan (when ``reference``),
     "reference_elapsed" / "reference_compute": its step times / forward+backward times, "report": RankReport of the resilient run, "wall_s": its wall
@@ -163,7 +143,7 @@ def resilient_worker(rank: int, world_size: int, address: StoreAddress, model: M
     out = {}
     if reference:
         ref = HeteroTrainer(model=model, plan=plan, train=train, batch_fn=batch_fn, padded_vocab=padded_vocab,
-                            slowdown=slowdown, init_full_state=init_full_state)
+                            slowdown=slowdown, clock=clock, init_full_state=init_full_state)
         logs = ref.run(iterations).iterations
         out["reference"] = {log.iteration: log.lm_loss for log in logs}
         out["reference_elapsed"] = {log.iteration: log.elapsed_s for log in logs}
@@ -174,7 +154,8 @@ def resilient_worker(rank: int, world_size: int, address: StoreAddress, model: M
     start = time.time()
     out["report"] = resilient_train(rank=rank, model=model, plan=plan, train=train, batch_fn=batch_fn,
                                     iterations=iterations, config=config, faults=faults,
-                                    padded_vocab=padded_vocab, slowdown=slowdown, init_full_state=init_full_state)
+                                    padded_vocab=padded_vocab, slowdown=slowdown, clock=clock,
+                                    init_full_state=init_full_state)
     out["wall_s"] = time.time() - start
     out["log"] = list(log_lines.lines)
     return out

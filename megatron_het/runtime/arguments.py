@@ -1,98 +1,98 @@
 """Command-line arguments of pretrain_gpt.py: Megatron-LM's flag names plus --hetero-*.
 
-Parsing builds typed objects (ModelSpec, TrainConfig, ...) at the boundary; bad values become
-``SystemExit`` with argparse's message naming the flag.
+Each flag is declared once in ``FLAGS`` (name, type, help, and the config field it fills); its
+default is that field's default in ``train/config.py``. ``parse_args`` builds the typed objects from it; no argparse Namespace leaves this
+module. Bad values exit with argparse's message naming the flag (code 2); a tokenizer file that
+does not load is a one-line ConfigError naming --tokenizer-model and the file.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import re
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from pathlib import Path
 
 from megatron_het.cluster import ClusterSpec, ConfigError, ModelSpec, load_cluster, load_model
-from megatron_het.runtime.train_config import TrainConfig
+from megatron_het.errors import UserError
+from megatron_het.train.config import DataConfig, LoopConfig, TensorBoardConfig, TrainConfig
 
-if TYPE_CHECKING:  # the module imports torch: only --tensorboard-dir pays for it at parse time
-    from megatron_het.runtime.tensorboard_log import TensorBoardConfig
+
+@dataclass(frozen=True)
+class Flag:
+    """One command-line flag: its name, the ``section.field`` it fills, its type (bool: a switch), help."""
+
+    name: str
+    to: str  # section: model (overrides of --hetero-model), train, data, loop, tensorboard, run (PretrainArgs)
+    type: type = str
+    help: str = ""
+    required: bool = False
+
+
+# (defaults are the config fields' own; model flags default to None: the model file decides)
+FLAGS = (
+    Flag("--hetero-model", "run.model_file", help="model file (MODEL.yaml); the model flags override its fields"),
+    *(Flag(f"--{f.replace('_', '-')}", f"model.{f}", int) for f in (
+        "num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "ffn_hidden_size", "seq_length",
+        "max_position_embeddings")),
+    Flag("--vocab-size", "model.vocab_size", int, "unpadded vocabulary (default: the tokenizer's)"),
+    Flag("--swiglu", "model.swiglu", bool),
+    Flag("--untie-embeddings-and-output-weights", "model.untie_embeddings_and_output_weights", bool),
+    Flag("--micro-batch-size", "train.micro_batch_size", int, required=True),
+    Flag("--global-batch-size", "train.global_batch_size", int, required=True),
+    Flag("--train-iters", "train.train_iters", int, required=True),
+    *(Flag(f"--{f.replace('_', '-')}", f"train.{f}", float) for f in (
+        "lr", "min_lr", "weight_decay", "adam_beta1", "adam_beta2", "adam_eps", "clip_grad")),
+    Flag("--lr-decay-style", "train.lr_decay_style", help="constant, linear or cosine"),
+    *(Flag(f"--{f.replace('_', '-')}", f"train.{f}", int) for f in ("lr_warmup_iters", "seed", "log_interval")),
+    Flag("--distributed-timeout-minutes", "train.distributed_timeout_minutes", int,
+         "timeout of the process groups: a hung peer fails a collective after this long"),
+    Flag("--data-path", "data.data_path", tuple, "indexed dataset prefix (or weight prefix ... pairs)"),
+    *(Flag(f"--{f.replace('_', '-')}", f"data.{f}") for f in ("split", "data_cache_path", "tokenizer_type",
+                                                                "tokenizer_model")),
+    Flag("--mock-data", "data.mock_data", bool, "synthetic tokens instead of --data-path"),
+    Flag("--save", "loop.save"),
+    Flag("--load", "loop.load"),
+    *(Flag(f"--{f.replace('_', '-')}", f"loop.{f}", int) for f in ("save_interval", "eval_interval", "eval_iters")),
+    Flag("--tensorboard-dir", "tensorboard.log_dir", help="write TensorBoard event files here (rank 0 writes)"),
+    Flag("--tensorboard-log-interval", "tensorboard.log_interval", int, "iterations between TensorBoard points"),
+    Flag("--tensorboard-queue-size", "tensorboard.queue_size", int, "events buffered before a write to disk"),
+    Flag("--log-timers-to-tensorboard", "tensorboard.log_timers", bool, "iteration time, per-stage compute/idle"),
+    Flag("--log-memory-to-tensorboard", "tensorboard.log_memory", bool, "peak and current memory (CPU: RSS)"),
+    Flag("--log-throughput", "tensorboard.log_throughput", bool, "tokens/s and samples/s to TensorBoard"),
+    Flag("--sequence-parallel", "run.sequence_parallel", bool, "turn on the plan's sequence_parallel"),
+    Flag("--tp-comm-overlap", "run.tp_comm_overlap", bool, "chunked TP collective/GEMM overlap on every stage with "
+         "TP > 1 (plans can also choose per stage); needs sequence parallelism"),
+    Flag("--hetero-tp-comm-overlap-chunks", "train.tp_comm_overlap_chunks", int, "pieces per overlapped GEMM"),
+    Flag("--overlap-grad-reduce", "train.overlap_grad_reduce", bool, "reduce gradient buckets during the backward"),
+    Flag("--ddp-bucket-size", "train.ddp_bucket_size", int, "parameters per gradient bucket (default: "
+         "megatron-core's max(40M, 1M x replicas))"),
+    Flag("--hetero-cluster", "run.cluster_file", help="CLUSTER.yaml", required=True),
+    Flag("--hetero-plan", "run.plan_source", help="a plan file (tools/plan.py writes one) or 'auto' to run the "
+         "planner at start-up", required=True),
+    Flag("--hetero-profile", "run.profile", help="measured profile (PROFILE.json) for --hetero-plan auto"),
+    Flag("--no-emulation", "run.no_emulation", bool, "ignore the cluster file's emulation block"),
+)
+CONFIGS = {"train": TrainConfig, "data": DataConfig, "loop": LoopConfig, "tensorboard": TensorBoardConfig}
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="pretrain_gpt.py",
         description="Train a GPT with megatron-core on a heterogeneous cluster (launch with torchrun).")
-    m = p.add_argument_group("model (Megatron-LM names)")
-    m.add_argument("--hetero-model", metavar="MODEL.yaml", help="model file; flags below override its fields")
-    m.add_argument("--num-layers", type=int)
-    m.add_argument("--hidden-size", type=int)
-    m.add_argument("--num-attention-heads", type=int)
-    m.add_argument("--num-query-groups", type=int)
-    m.add_argument("--ffn-hidden-size", type=int)
-    m.add_argument("--seq-length", type=int)
-    m.add_argument("--max-position-embeddings", type=int)
-    m.add_argument("--vocab-size", type=int, help="unpadded vocabulary (default: the tokenizer's)")
-    m.add_argument("--swiglu", action="store_true", default=None)
-    m.add_argument("--untie-embeddings-and-output-weights", action="store_true", default=None)
-
-    t = p.add_argument_group("training")
-    t.add_argument("--micro-batch-size", type=int, required=True)
-    t.add_argument("--global-batch-size", type=int, required=True)
-    t.add_argument("--train-iters", type=int, required=True)
-    t.add_argument("--lr", type=float, default=1e-3)
-    t.add_argument("--min-lr", type=float, default=0.0)
-    t.add_argument("--lr-decay-style", choices=("constant", "linear", "cosine"), default="constant")
-    t.add_argument("--lr-warmup-iters", type=int, default=0)
-    t.add_argument("--weight-decay", type=float, default=0.01)
-    t.add_argument("--adam-beta1", type=float, default=0.9)
-    t.add_argument("--adam-beta2", type=float, default=0.999)
-    t.add_argument("--adam-eps", type=float, default=1e-8)
-    t.add_argument("--clip-grad", type=float, default=1.0)
-    t.add_argument("--seed", type=int, default=1234)
-
-    d = p.add_argument_group("data")
-    d.add_argument("--data-path", nargs="+", help="indexed dataset prefix (or weight prefix ... pairs)")
-    d.add_argument("--split", default="949,50,1")
-    d.add_argument("--data-cache-path")
-    d.add_argument("--tokenizer-type", default="SentencePieceTokenizer")
-    d.add_argument("--tokenizer-model")
-    d.add_argument("--mock-data", action="store_true", help="synthetic tokens instead of --data-path")
-
-    c = p.add_argument_group("checkpoints and logging")
-    c.add_argument("--save")
-    c.add_argument("--load")
-    c.add_argument("--save-interval", type=int, default=0)
-    c.add_argument("--log-interval", type=int, default=1)
-    c.add_argument("--eval-interval", type=int, default=0)
-    c.add_argument("--eval-iters", type=int, default=0)
-    c.add_argument("--tensorboard-dir", metavar="DIR", help="write TensorBoard event files here (rank 0 writes)")
-    c.add_argument("--tensorboard-log-interval", type=int, default=1, help="iterations between TensorBoard points")
-    c.add_argument("--tensorboard-queue-size", type=int, default=1000,
-                   help="TensorBoard events buffered before they are written to disk")
-    c.add_argument("--log-timers-to-tensorboard", action="store_true",
-                   help="iteration time and every stage's compute/idle time")
-    c.add_argument("--log-memory-to-tensorboard", action="store_true",
-                   help="peak and current memory, per stage (CPU ranks: process RSS)")
-    c.add_argument("--log-throughput", action="store_true", help="tokens/s and samples/s to TensorBoard")
-
-    o = p.add_argument_group("overlap (Megatron-LM names)")
-    o.add_argument("--sequence-parallel", action="store_true", help="turn on the plan's sequence_parallel")
-    o.add_argument("--tp-comm-overlap", action="store_true",
-                   help="chunked TP collective/GEMM overlap on every stage with TP > 1 (plans can also choose per "
-                        "stage with tp_comm_overlap); needs sequence parallelism")
-    o.add_argument("--hetero-tp-comm-overlap-chunks", type=int, default=4,
-                   help="pieces each overlapped GEMM is split into")
-    o.add_argument("--overlap-grad-reduce", action="store_true",
-                   help="launch each gradient bucket's reduction during the last backward")
-    o.add_argument("--ddp-bucket-size", type=int, default=None,
-                   help="parameters per gradient bucket (default: megatron-core's max(40M, 1M x replicas))")
-
-    h = p.add_argument_group("heterogeneous cluster")
-    h.add_argument("--hetero-cluster", metavar="CLUSTER.yaml", required=True)
-    h.add_argument("--hetero-plan", metavar="PLAN.json|auto", required=True,
-                   help="a plan file (tools/plan.py writes one) or 'auto' to run the planner at start-up")
-    h.add_argument("--hetero-profile", metavar="PROFILE.json", help="measured profile for --hetero-plan auto")
-    h.add_argument("--no-emulation", action="store_true",
-                   help="ignore the cluster file's emulation block (CPU runs at full speed everywhere)")
+    groups: dict[str, argparse._ArgumentGroup] = {}
+    for flag in FLAGS:
+        section, field = flag.to.split(".")
+        fields = {f.name: f.default for f in dataclasses.fields(CONFIGS[section])} if section in CONFIGS else {}
+        default = None if fields.get(field, dataclasses.MISSING) is dataclasses.MISSING else fields[field]
+        kw: dict = {"dest": flag.to, "help": flag.help or None, "required": flag.required}
+        if flag.type is bool:  # a switch; model switches stay None unless given (the file decides)
+            kw.update(action="store_true", default=default)
+        else:
+            kw.update(default=default, type=str if flag.type is tuple else flag.type, metavar=field.upper(),
+                      nargs="+" if flag.type is tuple else None)
+        groups.setdefault(section, p.add_argument_group(section)).add_argument(flag.name, **kw)
     return p
 
 
@@ -102,69 +102,93 @@ class PretrainArgs:
 
     model: ModelSpec
     train: TrainConfig
+    data: DataConfig
+    loop: LoopConfig
     cluster: ClusterSpec
     plan_source: str  # a path or "auto"
+    profile: str | None  # measured profile for plan_source "auto"
+    no_emulation: bool  # run every island at host speed despite the cluster's emulation block
+    sequence_parallel: bool  # turn on the plan's sequence parallelism
+    tp_comm_overlap: bool  # overlap TP communication on every stage with TP > 1
     tensorboard: TensorBoardConfig | None  # None: no --tensorboard-dir
-    raw: argparse.Namespace  # every parsed flag, for the ones not lifted into typed fields
 
 
-_MODEL_FLAGS = ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "ffn_hidden_size",
-                "seq_length", "max_position_embeddings", "vocab_size", "swiglu",
-                "untie_embeddings_and_output_weights")
+def _sections(ns: argparse.Namespace) -> dict[str, dict[str, object]]:
+    """The parsed values grouped by section (the one mapping of every flag)."""
+    out: dict[str, dict[str, object]] = {}
+    for flag in FLAGS:
+        section, field = flag.to.split(".")
+        value = getattr(ns, flag.to)
+        out.setdefault(section, {})[field] = tuple(value or ()) if flag.type is tuple else value
+    return out
 
 
-def model_from_args(ns: argparse.Namespace, *, tokenizer_vocab: int | None) -> ModelSpec:
+def model_from_args(overrides: dict[str, object], model_file: str | None, *, tokenizer_vocab: int | None) -> ModelSpec:
     from megatron_het.cluster import model_from_dict
 
     base: dict = {}
-    if ns.hetero_model:
-        import dataclasses
-
-        base = {k: v for k, v in dataclasses.asdict(load_model(ns.hetero_model)).items() if v is not None}
-    for name in _MODEL_FLAGS:
-        value = getattr(ns, name)
-        if value is not None:
-            base[name] = value
+    if model_file:
+        base = {k: v for k, v in dataclasses.asdict(load_model(model_file)).items() if v is not None}
+    base.update({k: v for k, v in overrides.items() if v is not None})
     if "vocab_size" not in base and tokenizer_vocab is not None:
         base["vocab_size"] = tokenizer_vocab
     if tokenizer_vocab is not None and base.get("vocab_size", 0) < tokenizer_vocab:
         raise ConfigError(f"the tokenizer has {tokenizer_vocab} pieces", field="--vocab-size",
                           value=base.get("vocab_size"), fix=f"use --vocab-size >= {tokenizer_vocab} or omit it")
-    return model_from_dict(base, source=ns.hetero_model or "command line")
+    return model_from_dict(base, source=model_file or "command line")
 
 
-def parse_args(argv: list[str] | None = None, *, tokenizer_vocab: int | None = None) -> PretrainArgs:
+def tokenizer_vocab(data: DataConfig) -> int | None:
+    """The tokenizer's size, needed before the model is known (Megatron pads from it); None with
+    --mock-data. A file that does not load is a ConfigError naming --tokenizer-model and the file."""
+    if data.mock_data or not data.tokenizer_model:
+        return None
+    from megatron_het.data import load_tokenizer
+
+    path = data.tokenizer_model
+    fix = "pass the SentencePiece .model file written by tools/train_tokenizer.py"
+    if not Path(path).is_file():
+        raise ConfigError("is a directory, not a file" if Path(path).is_dir() else "file not found",
+                          field="--tokenizer-model", value=path, fix=fix)
+    try:
+        return int(load_tokenizer(path, tokenizer_type=data.tokenizer_type).vocab_size)
+    except UserError as e:  # the data layer names its own field; the user typed the flag
+        found = re.search(r"'[^']*' (.*?)\. Fix:", str(e))
+        raise ConfigError(found.group(1) if found else str(e), field="--tokenizer-model", value=path,
+                          fix=fix) from None
+
+
+def parse_args(argv: list[str] | None = None) -> PretrainArgs:
     parser = build_parser()
     ns = parser.parse_args(argv)
-    if not ns.mock_data and not ns.data_path:
+    values = _sections(ns)
+    data, run = values["data"], values["run"]
+    if not data["mock_data"] and not data["data_path"]:
         parser.error("give --data-path PREFIX (with --tokenizer-model) or --mock-data")
-    if ns.data_path and not ns.tokenizer_model:
+    if data["data_path"] and not data["tokenizer_model"]:
         parser.error("--data-path needs --tokenizer-model (the SentencePiece model used by preprocess_data.py)")
+    data_config = DataConfig(**data)
+    vocab = tokenizer_vocab(data_config)  # a bad file is one line naming the flag, not a usage message
     try:
-        model = model_from_args(ns, tokenizer_vocab=tokenizer_vocab)
-        cluster = load_cluster(ns.hetero_cluster)
-        train = TrainConfig(micro_batch_size=ns.micro_batch_size, global_batch_size=ns.global_batch_size,
-                            train_iters=ns.train_iters, lr=ns.lr, min_lr=ns.min_lr, lr_decay_style=ns.lr_decay_style,
-                            lr_warmup_iters=ns.lr_warmup_iters, weight_decay=ns.weight_decay,
-                            adam_beta1=ns.adam_beta1, adam_beta2=ns.adam_beta2, adam_eps=ns.adam_eps,
-                            clip_grad=ns.clip_grad, seed=ns.seed, log_interval=ns.log_interval,
-                            tp_comm_overlap_chunks=ns.hetero_tp_comm_overlap_chunks,
-                            overlap_grad_reduce=ns.overlap_grad_reduce, ddp_bucket_size=ns.ddp_bucket_size)
-        tensorboard = tensorboard_from_args(ns)
-    except (ConfigError, ValueError) as e:
+        model = model_from_args(values["model"], run["model_file"], tokenizer_vocab=vocab)
+        cluster = load_cluster(run["cluster_file"])
+        train = TrainConfig(**values["train"])
+        loop = LoopConfig(**values["loop"])
+        tensorboard = tensorboard_from_args(values["tensorboard"])
+    except ValueError as e:  # UserError included: the flag's value is wrong
         parser.error(str(e))
-    return PretrainArgs(model=model, train=train, cluster=cluster, plan_source=ns.hetero_plan,
-                        tensorboard=tensorboard, raw=ns)
+    return PretrainArgs(model=model, train=train, data=data_config, loop=loop, cluster=cluster,
+                        plan_source=run["plan_source"], profile=run["profile"], no_emulation=bool(run["no_emulation"]),
+                        sequence_parallel=bool(run["sequence_parallel"]), tp_comm_overlap=bool(run["tp_comm_overlap"]),
+                        tensorboard=tensorboard)
 
 
-def tensorboard_from_args(ns: argparse.Namespace) -> TensorBoardConfig | None:
+def tensorboard_from_args(values: dict[str, object]) -> TensorBoardConfig | None:
     """The TensorBoard settings, or None without --tensorboard-dir (the --log-* flags then do nothing)."""
-    if ns.tensorboard_dir is None:
+    if values["log_dir"] is None:
         return None
-    from megatron_het.runtime.tensorboard_log import TensorBoardConfig, require_tensorboard
+    from megatron_het.runtime.tensorboard_log import require_tensorboard
 
-    config = TensorBoardConfig(log_dir=ns.tensorboard_dir, log_interval=ns.tensorboard_log_interval,
-                               queue_size=ns.tensorboard_queue_size, log_timers=ns.log_timers_to_tensorboard,
-                               log_memory=ns.log_memory_to_tensorboard, log_throughput=ns.log_throughput)
+    config = TensorBoardConfig(**values)
     require_tensorboard()  # every rank parses: all fail together, before any process group exists
     return config

@@ -80,10 +80,30 @@ class Neighbour:
     """The adjacent stage of one rank: its ranks in TP order."""
 
     ranks: tuple[int, ...]
+    island: str | None = None  # island of that stage, named when a transfer with it fails
+    stage: int | None = None  # its stage index in the replica, named when a transfer with it fails
+
+    def describe(self, rank: int) -> str:
+        """``rank N (island X, stage S)`` for error messages (what is known of the peer)."""
+        where = [f"island {self.island}" if self.island is not None else "",
+                 f"stage {self.stage}" if self.stage is not None else ""]
+        where = [w for w in where if w]
+        return f"rank {rank}" + (f" ({', '.join(where)})" if where else "")
 
     @property
     def tp(self) -> int:
         return len(self.ranks)
+
+
+class BoundaryError(RuntimeError):
+    """A pipeline transfer with a neighbouring stage failed or timed out; names the peer."""
+
+
+def _failed(what: str, peer: Neighbour, rank: int, micro_batch: int, err: BaseException) -> BoundaryError:
+    first = str(err).strip().splitlines()[0] if str(err).strip() else err.__class__.__name__
+    return BoundaryError(f"pipeline {what} of micro-batch {micro_batch} with {peer.describe(rank)} failed: {first}. "
+                         "Fix: look at that rank's log: it died, or is stuck (waits are bounded by "
+                         "--distributed-timeout-minutes)")
 
 
 class BoundaryLink:
@@ -99,7 +119,7 @@ class BoundaryLink:
         self.prev, self.next = prev, next
         # the plan's flag: a stage of TP > 1 holds a sequence shard; TP = 1 holds the whole sequence
         self.sequence_parallel = sequence_parallel
-        self._pending: list[dist.Work] = []
+        self._pending: list[tuple[dist.Work, Neighbour, int, int]] = []  # (send, peer stage, its rank, tag)
 
     def send_forward(self, tensor: torch.Tensor, micro_batch: int) -> None:
         self._send(tensor, self.next, tag(micro_batch, FORWARD))
@@ -116,31 +136,47 @@ class BoundaryLink:
     def _send(self, tensor: torch.Tensor, peer: Neighbour, t: int) -> None:
         if not self.sequence_parallel:
             for j in receivers_of(self.tp_rank, self.tp, peer.tp):
-                self._pending.append(dist.isend(tensor.contiguous(), peer.ranks[j], tag=t))
+                self._pending.append((dist.isend(tensor.contiguous(), peer.ranks[j], tag=t), peer, peer.ranks[j], t))
             return
         seq = tensor.shape[0] * self.tp
         start = shard_rows(seq, self.tp, self.tp_rank)[0]
         for tr in sequence_transfers(seq, self.tp, peer.tp):
             if tr.sender == self.tp_rank:
                 piece = tensor[tr.rows[0] - start:tr.rows[1] - start].contiguous()
-                self._pending.append(dist.isend(piece, peer.ranks[tr.receiver], tag=t))
+                self._pending.append((dist.isend(piece, peer.ranks[tr.receiver], tag=t), peer, peer.ranks[tr.receiver],
+                                      t))
 
     def _recv(self, shape, dtype, peer: Neighbour, t: int) -> torch.Tensor:
         if not self.sequence_parallel:
             buf = torch.empty(shape, dtype=dtype)
-            dist.recv(buf, peer.ranks[sender_for(self.tp_rank, peer.tp)], tag=t)
+            src = peer.ranks[sender_for(self.tp_rank, peer.tp)]
+            try:
+                dist.recv(buf, src, tag=t)
+            except RuntimeError as err:  # gloo names no peer: say which rank, island and stage
+                raise _failed("receive", peer, src, t // 2, err) from err
             return buf
         seq = shape[0]
         start, stop = shard_rows(seq, self.tp, self.tp_rank)
         buf = torch.empty((stop - start, *shape[1:]), dtype=dtype)
-        works = [dist.irecv(buf[tr.rows[0] - start:tr.rows[1] - start], peer.ranks[tr.sender], tag=t)
+        works = [(dist.irecv(buf[tr.rows[0] - start:tr.rows[1] - start], peer.ranks[tr.sender], tag=t),
+                  peer.ranks[tr.sender])
                  for tr in sequence_transfers(seq, peer.tp, self.tp) if tr.receiver == self.tp_rank]
-        for w in works:  # dim-0 slices of a contiguous buffer are contiguous: received in place
-            w.wait()
+        for w, src in works:  # dim-0 slices of a contiguous buffer are contiguous: received in place
+            try:
+                w.wait()
+            except RuntimeError as err:
+                raise _failed("receive", peer, src, t // 2, err) from err
         return buf
 
     def drain(self) -> None:
         """Wait for every posted send (end of an iteration)."""
-        for work in self._pending:
-            work.wait()
+        for work, peer, dst, t in self._pending:
+            try:
+                work.wait()
+            except RuntimeError as err:
+                raise _failed("send", peer, dst, t // 2, err) from err
+        self._pending.clear()
+
+    def abandon(self) -> None:
+        """Forget every posted send without waiting (a failed iteration's group is being torn down)."""
         self._pending.clear()

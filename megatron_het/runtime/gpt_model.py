@@ -20,12 +20,6 @@ from megatron_het.cluster import ModelSpec
 from megatron_het.platform import detect_optional_accelerators
 
 
-def padded_vocab_size(vocab_size: int, tp: int, *, divisible_by: int = 128) -> int:
-    """Megatron-LM's ``--make-vocab-size-divisible-by`` padding: a multiple of divisible_by * tp."""
-    multiple = divisible_by * tp
-    return ((vocab_size + multiple - 1) // multiple) * multiple
-
-
 @dataclass(frozen=True, kw_only=True)
 class StageModelSpec:
     """What one stage builds: a slice of a model under a tensor-parallel size."""

@@ -1,10 +1,10 @@
-"""Train one GPT under a heterogeneous Plan: uneven TP/PP per device type, uneven micro-batches.
+"""Pipeline strategy: one GPT under a heterogeneous Plan (uneven TP/PP per device type, uneven micro-batches).
 
 One rank = one place in the plan (replica, stage, TP rank). The stage's model is a megatron-core
 GPTModel holding the stage's layers, built with the stage's own process groups. Each iteration the
-rank runs its stage's action list from the plan's schedule (``megatron_het.schedule``, the same
-data the performance model simulates), moving activations/gradients to neighbour stages of any TP
-size (``boundary.py``), then gradients are summed over every holder of each full parameter
+rank runs its stage's action list of the plan's schedule (``executor.py``; the same data the
+performance model simulates), moving activations/gradients to neighbour stages of any TP size
+(``boundary.py``), then gradients are summed over every holder of each full parameter
 (``grad_sync.py``), clipped by the global norm and applied by AdamW with Megatron's weight-decay
 groups. Each micro-batch's loss is divided by the *global* micro-batch count, so the sum over
 replicas of different sizes is the mean gradient over the whole global batch.
@@ -18,11 +18,10 @@ gradient buckets from gradient hooks during each stage's last backward (``comm/o
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
-import time
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
@@ -37,20 +36,23 @@ from megatron_het.checkpoint.full_state import (
 )
 from megatron_het.checkpoint.tp_layout import is_glu
 from megatron_het.cluster import ClusterSpec, ModelSpec
+from megatron_het.perf.flops import padded_vocab_size
 from megatron_het.plan import Plan
 from megatron_het.plan.validate import check_tp_comm_overlap
 from megatron_het.runtime.boundary import BoundaryLink, Neighbour
-from megatron_het.runtime.comm_routing import rank_placement
-from megatron_het.runtime.gpt_model import StageModelSpec, build_gpt_stage, padded_vocab_size, transformer_config
+from megatron_het.runtime.comm_routing import RankPlacement, rank_placement
+from megatron_het.runtime.executor import ActionExecutor, globalise
+from megatron_het.runtime.gpt_model import StageModelSpec, build_gpt_stage, transformer_config
 from megatron_het.runtime.grad_sync import GradientSynchronizer, Holding
-from megatron_het.runtime.megatron_trainer import IterationLog, RunResult, split_tokens
+from megatron_het.runtime.megatron_trainer import split_tokens
 from megatron_het.runtime.stage_groups import build_stage_groups
-from megatron_het.runtime.train_config import TrainConfig
-from megatron_het.schedule import build_schedule
+from megatron_het.schedule import Action, build_schedule
+from megatron_het.train.config import TrainConfig
+from megatron_het.train.strategy import ActionHook, BatchFn, IterationLog, StepResult
+from megatron_het.train.timer import EmulationTimer, emulation_timer
+from megatron_het.train.trainer import Trainer, TrainerHooks
 
 logger = logging.getLogger(__name__)
-
-BatchFn = Callable[[int, range], torch.Tensor]
 
 
 def plan_padded_vocab(model: ModelSpec, plan: Plan) -> int:
@@ -59,7 +61,7 @@ def plan_padded_vocab(model: ModelSpec, plan: Plan) -> int:
     for replica in plan.replicas:
         for stage in replica.stages:
             lcm = math.lcm(lcm, stage.tp)
-    return padded_vocab_size(model.vocab_size, lcm)
+    return padded_vocab_size(model.vocab_size, tp=lcm)
 
 
 def replica_first_micro_batch(plan: Plan, replica: int) -> int:
@@ -67,98 +69,14 @@ def replica_first_micro_batch(plan: Plan, replica: int) -> int:
     return sum(r.num_micro_batches for r in plan.replicas[:replica])
 
 
-def grad_reduce_trigger(actions) -> int | None:
-    """Index of the action before which an overlapped gradient synchronizer is armed: the stage's
-    last backward. ``_run_actions`` computes weight gradients inside B (its W actions are no-ops),
-    so with zero-bubble schedules (B and W split) this is the last B, not the last W."""
-    backward = [i for i, a in enumerate(actions) if a.kind in ("B", "BW")]
-    return backward[-1] if backward else None
+class PipelineStrategy:
+    """This rank's stage of a plan: model, groups, gradient synchronizer, optimizer, schedule executor."""
 
-
-@dataclass
-class StageTimes:
-    """Where one rank's time went in one iteration."""
-
-    compute_s: float = 0.0  # forward + backward compute (including emulated slowdown)
-    emulated_s: float = 0.0  # added waiting to emulate a slower device (in compute_s, plus the optimizer step's)
-    total_s: float = 0.0  # the whole iteration
-
-    @property
-    def idle_s(self) -> float:
-        return max(0.0, self.total_s - self.compute_s)
-
-
-@dataclass(frozen=True, kw_only=True)
-class HeteroIterationLog(IterationLog):
-    """IterationLog plus this rank's compute/idle split."""
-
-    compute_s: float = 0.0
-    idle_s: float = 0.0
-    tokens_per_s: float = 0.0
-
-
-class TrainerHooks:
-    """Optional hook points of HeteroTrainer (fault tolerance plugs in here; defaults do nothing).
-
-    ``run_actions`` may replace the schedule executor for one iteration (return the loss sum) or
-    return None to use the plan's schedule; ``on_failure`` may repair the trainer after an exception
-    of an iteration and return True to redo that iteration (gradients are zeroed again).
-    """
-
-    def on_step_start(self, trainer: HeteroTrainer, iteration: int) -> None:
-        return None
-
-    def run_actions(self, trainer: HeteroTrainer, iteration: int, times: StageTimes) -> torch.Tensor | None:
-        return None
-
-    def on_action(self, trainer: HeteroTrainer, iteration: int, index: int, action) -> None:
-        return None
-
-    def on_step_end(self, trainer: HeteroTrainer, log: HeteroIterationLog) -> None:
-        return None
-
-    def on_failure(self, trainer: HeteroTrainer, iteration: int, error: BaseException) -> bool:
-        return False
-
-
-class ChainedHooks(TrainerHooks):
-    """Several hooks as one (e.g. TensorBoard logging and fault tolerance): every hook sees every
-    event in order; the first executor that does not return None runs the iteration; a failure is
-    repaired as soon as one hook repairs it."""
-
-    def __init__(self, *hooks: TrainerHooks) -> None:
-        self.hooks = tuple(hooks)  # called in this order
-
-    def on_step_start(self, trainer: HeteroTrainer, iteration: int) -> None:
-        for h in self.hooks:
-            h.on_step_start(trainer, iteration)
-
-    def run_actions(self, trainer: HeteroTrainer, iteration: int, times: StageTimes) -> torch.Tensor | None:
-        for h in self.hooks:
-            loss = h.run_actions(trainer, iteration, times)
-            if loss is not None:
-                return loss
-        return None
-
-    def on_action(self, trainer: HeteroTrainer, iteration: int, index: int, action) -> None:
-        for h in self.hooks:
-            h.on_action(trainer, iteration, index, action)
-
-    def on_step_end(self, trainer: HeteroTrainer, log: HeteroIterationLog) -> None:
-        for h in self.hooks:
-            h.on_step_end(trainer, log)
-
-    def on_failure(self, trainer: HeteroTrainer, iteration: int, error: BaseException) -> bool:
-        return any(h.on_failure(trainer, iteration, error) for h in self.hooks)
-
-
-class HeteroTrainer:
-    """Builds this rank's stage from a plan and trains it. Call the constructor on every rank."""
+    reports_shards = True  # every rank returns its own shards (pieces of different stages and TP ranks)
 
     def __init__(self, *, model: ModelSpec, plan: Plan, train: TrainConfig, batch_fn: BatchFn,
                  cluster: ClusterSpec | None = None, init_full_state: Mapping[str, torch.Tensor] | None = None,
-                 padded_vocab: int | None = None, slowdown: float | None = None,
-                 hooks: TrainerHooks | None = None) -> None:
+                 padded_vocab: int | None = None) -> None:
         from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
         check_tp_comm_overlap(plan)
@@ -168,14 +86,11 @@ class HeteroTrainer:
                 f"training arguments micro {train.micro_batch_size} / global {train.global_batch_size}. "
                 f"Fix: pass the plan's sizes (or re-plan for yours)")
         self.model_spec, self.plan, self.train, self.batch_fn = model, plan, train, batch_fn
-        self.hooks = hooks  # None: plain training, an exception ends the run
         self.pgc, self.role = build_stage_groups(plan)
         role = self.role
         self.replica = plan.replicas[role.replica]
         self.stage_plan = self.replica.stages[role.stage]
         self.is_first, self.is_last = role.is_first_stage, role.is_last_stage
-        self.slowdown = slowdown if slowdown is not None else (
-            cluster.slowdown(role.island) if cluster is not None and cluster.emulated else 1.0)
 
         torch.manual_seed(train.seed + role.layers[0])
         model_parallel_cuda_manual_seed(train.seed + role.layers[0], tp_rank=role.tp_rank, ep_rank=0, etp_rank=0,
@@ -185,32 +100,20 @@ class HeteroTrainer:
                                     post_process=self.is_last, vocab_size=padded_vocab or plan_padded_vocab(model, plan),
                                     recompute=self.stage_plan.recompute, sequence_parallel=plan.sequence_parallel)
         self.config = transformer_config(self.stage)
-        self.gpt = build_gpt_stage(self.stage, self.config, self.pgc)
         self.tied = not model.untie_embeddings_and_output_weights
+        self.overlap_report = None  # comm.overlap_megatron.OverlapReport when the stage overlaps
+        self.gpt = self._build_model()
         if init_full_state is not None:
             load_full_state(self.gpt, init_full_state, layer_offset=role.layers[0], tp_rank=role.tp_rank,
                             tp_size=role.tp_size, tied=self.tied, gated=model.swiglu)
-        self.overlap_report = None  # comm.overlap_megatron.OverlapReport when the stage overlaps
-        if self.stage_plan.tp_comm_overlap:
-            from megatron_het.comm.overlap_megatron import apply_tp_comm_overlap
-
-            self.overlap_report = apply_tp_comm_overlap(self.gpt, chunks=train.tp_comm_overlap_chunks)
-            if role.tp_rank == 0:
-                logger.info("rank %d (replica %d stage %d): %s", role.rank, role.replica, role.stage,
-                            self.overlap_report.describe())
-
-        stages = self.replica.stages
-        prev = Neighbour(ranks=tuple(stages[role.stage - 1].ranks)) if role.stage > 0 else None
-        nxt = Neighbour(ranks=tuple(stages[role.stage + 1].ranks)) if role.stage + 1 < len(stages) else None
-        self.link = BoundaryLink(tp_rank=role.tp_rank, tp=role.tp_size, prev=prev, next=nxt,
-                                 sequence_parallel=plan.sequence_parallel)
-        self.schedule = build_schedule(plan.schedule, len(stages), self.replica.num_micro_batches,
-                                       plan.virtual_pipeline_size)
-        self.actions = self.schedule.actions[role.stage]
+        if self.overlap_report is not None and role.tp_rank == 0:
+            logger.info("rank %d (replica %d stage %d): %s", role.rank, role.replica, role.stage,
+                        self.overlap_report.describe())
         self.total_micro_batches = sum(r.num_micro_batches for r in plan.replicas)
 
-        self.params = self._named_global_params()
-        self.placement = rank_placement(plan, cluster)
+        self.params = self.named_global_params()
+        self.plan_rank = role.rank  # this rank in ``plan`` (role.rank changes when the world is rebuilt)
+        self.plan_placement = self.placement = rank_placement(plan, cluster)
         self.sync = self._gradient_synchronizer()
         if init_full_state is None:  # stages are seeded apart: every copy of a parameter starts from one value
             self.sync.synchronize_values()
@@ -218,18 +121,52 @@ class HeteroTrainer:
             if kind != "native":
                 logger.info("rank %d: gradient group %s spans collective libraries %s -> %s", role.rank,
                             list(ranks), sorted({self.placement.library[r] for r in ranks}), kind)
+        self.optimizer = self._optimizer()
+
+        stages = self.replica.stages
+        prev = Neighbour(ranks=tuple(stages[role.stage - 1].ranks)) if role.stage > 0 else None
+        nxt = Neighbour(ranks=tuple(stages[role.stage + 1].ranks)) if role.stage + 1 < len(stages) else None
+        link = BoundaryLink(tp_rank=role.tp_rank, tp=role.tp_size, prev=prev, next=nxt,
+                            sequence_parallel=plan.sequence_parallel)
+        schedule = build_schedule(plan.schedule, len(stages), self.replica.num_micro_batches,
+                                  plan.virtual_pipeline_size)
+        first = replica_first_micro_batch(plan, role.replica)
+        self.executor = self._executor(globalise(schedule.actions[role.stage], first),
+                                       dict.fromkeys(range(first, first + self.replica.num_micro_batches), link),
+                                       split_backward=False)
+
+    @property
+    def rank(self) -> int:
+        return self.role.rank
+
+    # ---- building blocks (also used by rebind) -----------------------------------------------
+    def _build_model(self):
+        gpt = build_gpt_stage(self.stage, self.config, self.pgc)
+        if self.stage_plan.tp_comm_overlap:
+            from megatron_het.comm.overlap_megatron import apply_tp_comm_overlap
+
+            self.overlap_report = apply_tp_comm_overlap(gpt, chunks=self.train.tp_comm_overlap_chunks)
+        return gpt
+
+    def _optimizer(self) -> torch.optim.AdamW:
+        """AdamW with Megatron-LM's groups: no weight decay on biases and 1-D parameters."""
+        train = self.train
         decay = [p for n, p in self.params.items() if not (p.dim() == 1 or n.endswith(".bias"))]
         no_decay = [p for n, p in self.params.items() if p.dim() == 1 or n.endswith(".bias")]
-        self.optimizer = torch.optim.AdamW(
+        return torch.optim.AdamW(
             [{"params": decay, "weight_decay": train.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
             lr=train.lr, betas=(train.adam_beta1, train.adam_beta2), eps=train.adam_eps)
-        self.iteration = 0
-        if self.slowdown != 1.0 and dist.get_rank() == role.rank:
-            logger.info("rank %d (%s): EMULATED device speed, compute slowed %.2fx", role.rank, role.island,
-                        self.slowdown)
 
-    # ---- parameters -------------------------------------------------------------------------
-    def _named_global_params(self) -> dict[str, torch.nn.Parameter]:
+    def _executor(self, actions: Sequence[Action], links: Mapping[int, BoundaryLink], *,
+                  split_backward: bool) -> ActionExecutor:
+        mbs, seq, h = self.train.micro_batch_size, self.model_spec.seq_length, self.model_spec.hidden_size
+        return ActionExecutor(actions=actions, links=links, is_first=self.is_first, is_last=self.is_last,
+                              act_shape=(seq, mbs, h), dtype=self.config.params_dtype, micro_batch_size=mbs,
+                              loss_scale=self.total_micro_batches, split_backward=split_backward,
+                              arm=getattr(self.sync, "arm", None))
+
+    def named_global_params(self) -> dict[str, torch.nn.Parameter]:
+        """This stage's parameters by global name (the last stage's tied output is the word embedding)."""
         out = {}
         for name, p in self.gpt.named_parameters():
             g = global_name(name, self.role.layers[0])
@@ -242,15 +179,16 @@ class HeteroTrainer:
         """The plain synchronizer, or with ``overlap_grad_reduce`` the hook-driven one in buckets of
         ``ddp_bucket_size`` parameters (megatron-core's default size when None)."""
         if not self.train.overlap_grad_reduce:
-            return GradientSynchronizer(self._holdings(), self.params, placement=self.placement)
+            return GradientSynchronizer(self.holdings(), self.params, placement=self.placement)
         from megatron_het.comm.overlap_grad import OverlappedGradientSynchronizer
         from megatron_het.perf.predict import bucket_parameters
 
         size = self.train.ddp_bucket_size or bucket_parameters(len(self.plan.replicas))
-        return OverlappedGradientSynchronizer(self._holdings(), self.params, placement=self.placement,
+        return OverlappedGradientSynchronizer(self.holdings(), self.params, placement=self.placement,
                                               bucket_numel=size)
 
-    def _holdings(self) -> list[Holding]:
+    def holdings(self) -> list[Holding]:
+        """What this rank holds of each full parameter (the gradient synchronizer's input)."""
         role = self.role
         hs = []
         for name, p in self.params.items():
@@ -266,123 +204,31 @@ class HeteroTrainer:
         return hs
 
     # ---- one iteration ----------------------------------------------------------------------
-    def _micro_tokens(self, iteration: int, micro_batch: int, batch_fn: BatchFn | None = None) -> torch.Tensor:
-        mbs = self.train.micro_batch_size
-        first = (replica_first_micro_batch(self.plan, self.role.replica) + micro_batch) * mbs
-        return (batch_fn or self.batch_fn)(iteration, range(first, first + mbs))
-
-    @torch.no_grad()
-    def evaluate(self, batch_fn: BatchFn, iteration: int) -> float:
-        """Forward-only loss of one global batch from ``batch_fn`` (e.g. the validation split)."""
-        act_shape = (self.model_spec.seq_length, self.train.micro_batch_size, self.model_spec.hidden_size)
-        loss_sum = 0.0
-        for m in range(self.replica.num_micro_batches):  # forwards in order: no deadlock, no backward
-            tokens = self._micro_tokens(iteration, m, batch_fn) if (self.is_first or self.is_last) else None
-            inp = None if self.is_first else self.link.recv_forward(act_shape, self.config.params_dtype, m)
-            out = self._forward(tokens, inp)
-            if self.is_last:
-                loss_sum += float(out) * self.total_micro_batches
-            else:
-                self.link.send_forward(out, m)
-        self.link.drain()
-        report = torch.tensor([loss_sum if (self.is_last and self.role.tp_rank == 0) else 0.0])
-        dist.all_reduce(report)
-        return float(report) / self.total_micro_batches
-
-    def _timed(self, times: StageTimes, fn):
-        start = time.perf_counter()
-        out = fn()
-        dt = time.perf_counter() - start
-        if self.slowdown > 1.0:  # emulate a slower device: wait the extra time it would take
-            extra = (self.slowdown - 1.0) * dt
-            time.sleep(extra)
-            times.emulated_s += extra
-            dt += extra
-        times.compute_s += dt
-        return out
-
-    def train_step(self) -> HeteroIterationLog:
-        while True:
-            it = self.iteration
-            if self.hooks is not None:
-                self.hooks.on_step_start(self, it)
-            try:
-                log = self._step(it)
-            except Exception as error:  # a peer failed: the hooks may repair the groups and redo
-                if self.hooks is None or not self.hooks.on_failure(self, it, error):
-                    raise
-                continue
-            if self.hooks is not None:
-                self.hooks.on_step_end(self, log)
-            return log
-
-    def _step(self, it: int) -> HeteroIterationLog:
-        start = time.perf_counter()
-        times = StageTimes()
+    def step(self, iteration: int, *, lr: float, timer: EmulationTimer, on_action: ActionHook | None) -> StepResult:
         for group in self.optimizer.param_groups:
-            group["lr"] = self.train.lr_at(it)
+            group["lr"] = lr
         self.optimizer.zero_grad(set_to_none=False)
         for p in self.params.values():
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
-        loss_sum = self.hooks.run_actions(self, it, times) if self.hooks is not None else None
-        if loss_sum is None:
-            loss_sum = self._run_actions(it, times)
+        loss_sum = self.executor.run(iteration=iteration, batch_fn=self.batch_fn, forward=self._forward,
+                                     params=list(self.params.values()), timer=timer, on_action=on_action)
         self.sync.reduce()
         grad_norm = self._clip()
         # Global mean loss: last stages hold their replicas' per-micro-batch mean sums. Reported
         # before the step so that a failure in any collective leaves every survivor un-stepped.
         report = torch.tensor([loss_sum.item() if (self.is_last and self.role.tp_rank == 0) else 0.0])
         dist.all_reduce(report)
-        step_start = time.perf_counter()
-        self.optimizer.step()
-        if self.slowdown > 1.0:  # a slower device steps its optimizer slower too (the model prices it so)
-            extra = (self.slowdown - 1.0) * (time.perf_counter() - step_start)
-            time.sleep(extra)
-            times.emulated_s += extra
-        times.total_s = time.perf_counter() - start
-        self.iteration += 1
-        tokens = self.train.global_batch_size * self.model_spec.seq_length
-        return HeteroIterationLog(iteration=self.iteration, lm_loss=float(report) / self.total_micro_batches,
-                                  grad_norm=grad_norm, elapsed_s=times.total_s, compute_s=times.compute_s,
-                                  idle_s=times.idle_s, tokens_per_s=tokens / times.total_s)
+        timer.stretch(self.optimizer.step)  # a slower device steps its optimizer slower too (the model prices it so)
+        return StepResult(lm_loss=float(report) / self.total_micro_batches, grad_norm=grad_norm)
 
-    def _run_actions(self, it: int, times: StageTimes) -> torch.Tensor:
-        """Run this stage's action list of the plan's schedule; returns the local loss sum."""
-        mbs, seq, h = self.train.micro_batch_size, self.model_spec.seq_length, self.model_spec.hidden_size
-        act_shape = (seq, mbs, h)
-        saved: dict[int, tuple[torch.Tensor | None, torch.Tensor]] = {}
-        loss_sum = torch.zeros((), dtype=torch.float64)
-        trigger = grad_reduce_trigger(self.actions) if hasattr(self.sync, "arm") else None
-        for index, action in enumerate(self.actions):
-            if self.hooks is not None:
-                self.hooks.on_action(self, it, index, action)
-            m = action.micro_batch
-            if action.kind == "F":
-                tokens = self._micro_tokens(it, m) if (self.is_first or self.is_last) else None
-                inp = None
-                if not self.is_first:
-                    inp = self.link.recv_forward(act_shape, self.config.params_dtype, m).requires_grad_()
-                out = self._timed(times, lambda: self._forward(tokens, inp))
-                if self.is_last:
-                    loss_sum += float(out.detach()) * self.total_micro_batches
-                else:
-                    self.link.send_forward(out.detach(), m)
-                saved[m] = (inp, out)
-            elif action.kind in ("B", "BW"):
-                inp, out = saved.pop(m)
-                grad = None if self.is_last else self.link.recv_backward(act_shape, out.dtype, m)
-                if index == trigger:  # buckets start reducing as this backward completes them
-                    self.sync.arm()
-                self._timed(times, lambda: torch.autograd.backward(out, grad_tensors=grad))
-                if not self.is_first:
-                    self.link.send_backward(inp.grad, m)
-            elif action.kind == "W":
-                continue  # fused into B here: torch autograd computes both gradients together
-            else:
-                raise ValueError(f"unknown schedule action {action}")
-        self.link.drain()
-        return loss_sum
+    @torch.no_grad()
+    def evaluate(self, batch_fn: BatchFn, iteration: int) -> float:
+        """Forward-only loss of one global batch from ``batch_fn`` (e.g. the validation split)."""
+        loss_sum = self.executor.evaluate(iteration=iteration, batch_fn=batch_fn, forward=self._forward)
+        report = torch.tensor([loss_sum if (self.is_last and self.role.tp_rank == 0) else 0.0])
+        dist.all_reduce(report)
+        return float(report) / self.total_micro_batches
 
     def _forward(self, tokens: torch.Tensor | None, inp: torch.Tensor | None) -> torch.Tensor:
         if inp is not None:
@@ -411,6 +257,32 @@ class HeteroTrainer:
                     p.grad.mul_(coeff)
         return norm
 
+    # ---- after a group change (resilience) -----------------------------------------------------
+    def rebind(self, *, pgc, ranks: Mapping[int, int], actions: Sequence[Action],
+               links: Mapping[int, BoundaryLink], split_backward: bool) -> None:
+        """Move this stage onto rebuilt process groups (collective over the new world).
+
+        ``pgc``: this rank's groups in the new world; ``ranks``: rank in the plan -> rank in the new
+        world, of every survivor. The stage model is rebuilt on ``pgc`` (with TP overlap when the plan chose it) with
+        the same parameter values and optimizer state; gradient synchronisation is rebuilt as at
+        construction (overlapped buckets, collective-library placement) over the new ranks; from
+        then on ``actions`` (global micro-batches, each sent through ``links[g]``) run each iteration.
+        """
+        state = self.gpt.state_dict()
+        opt_state = self.optimizer.state_dict()
+        self.pgc = pgc
+        self.gpt = self._build_model()
+        self.gpt.load_state_dict(state)
+        self.role = dataclasses.replace(self.role, rank=ranks[self.plan_rank])
+        old = self.plan_placement
+        self.placement = RankPlacement(island={ranks[r]: i for r, i in old.island.items() if r in ranks},
+                                       library={ranks[r]: lib for r, lib in old.library.items() if r in ranks})
+        self.params = self.named_global_params()
+        self.optimizer = self._optimizer()
+        self.optimizer.load_state_dict(opt_state)  # same parameter order: state moves by position
+        self.sync = self._gradient_synchronizer()
+        self.executor = self._executor(actions, links, split_backward=split_backward)
+
     # ---- checkpoints ------------------------------------------------------------------------
     def _slots(self):
         from megatron_het.checkpoint.dist_ckpt import TensorSlot
@@ -421,7 +293,7 @@ class HeteroTrainer:
                                  glu=is_glu(name, self.model_spec.swiglu))
                 for name, p in self.params.items()}
 
-    def save_checkpoint(self, save: str) -> str:
+    def save_checkpoint(self, save: str, iteration: int, *, tokenizer_model: str | None = None) -> str:
         """Write model, optimizer, iteration and data position under ``save`` (collective)."""
         from megatron_het.checkpoint.dist_ckpt import model_common_state, save_checkpoint
 
@@ -430,9 +302,10 @@ class HeteroTrainer:
             st = self.optimizer.state.get(p, {})
             moments[name] = {k: st.get(k, torch.zeros_like(p)).detach() for k in ("exp_avg", "exp_avg_sq")}
         common = {"model": model_common_state(self.model_spec), "padded_vocab": self.stage.vocab_size,
-                  "consumed_samples": self.iteration * self.train.global_batch_size,
+                  "consumed_samples": iteration * self.train.global_batch_size,
                   "plan": self.plan.to_dict(), "seed": self.train.seed}
-        return save_checkpoint(save, self.iteration, params=self._slots(), optimizer_state=moments, common=common)
+        return save_checkpoint(save, iteration, params=self._slots(), optimizer_state=moments, common=common,
+                               tokenizer_model=tokenizer_model)
 
     @torch.no_grad()
     def load_checkpoint(self, path: str, *, with_optimizer: bool = True) -> int:
@@ -453,23 +326,39 @@ class HeteroTrainer:
                 self.optimizer.state[p] = {"step": torch.tensor(float(iteration)),
                                            "exp_avg": moments[name]["exp_avg"].clone(),
                                            "exp_avg_sq": moments[name]["exp_avg_sq"].clone()}
-        self.iteration = iteration
         return iteration
 
-    # ---- whole runs -------------------------------------------------------------------------
     def shards(self) -> dict[str, Shard]:
         return local_shards(self.gpt, layer_offset=self.role.layers[0], tp_rank=self.role.tp_rank,
                             tp_size=self.role.tp_size, tied=self.tied, gated=self.model_spec.swiglu)
 
-    def run(self, iterations: int | None = None, *, return_shards: bool = False,
-            on_iteration: Callable[[HeteroIterationLog], None] | None = None) -> RunResult:
-        """Train ``iterations`` steps (default ``train.train_iters``), logging each."""
-        initial = self.shards() if return_shards else None
-        logs = []
-        for _ in range(iterations if iterations is not None else self.train.train_iters):
-            log = self.train_step()
-            logs.append(log)
-            if on_iteration is not None:
-                on_iteration(log)
-        return RunResult(rank=self.role.rank, iterations=tuple(logs), initial_shards=initial,
-                         shards=self.shards() if return_shards else None)
+    def summary_lines(self, logs: Sequence[IterationLog]) -> list[str]:
+        """Every rank's compute/idle, gathered; rank 0 gets one line per stage (mean over its ranks)."""
+        from megatron_het.runtime.tensorboard_log import gather_stage_times
+
+        stages = gather_stage_times(self.role, logs, group=None, dst=0)
+        if stages is None:
+            return []
+        lines = ["per-stage time over the run (mean over the stage's ranks):"]
+        for st in stages:
+            n = st.iterations
+            lines.append(f"  replica {st.replica} stage {st.stage} ({st.island}): compute "
+                         f"{st.compute_s / n * 1000:8.1f} ms/it, idle {st.idle_s / n * 1000:8.1f} ms/it "
+                         f"({100 * st.idle_s / max(st.compute_s + st.idle_s, 1e-9):4.1f}% idle), peak memory "
+                         f"{st.peak_memory_bytes / 2**20:.0f} MiB")
+        return lines
+
+
+def HeteroTrainer(*, model: ModelSpec, plan: Plan, train: TrainConfig, batch_fn: BatchFn,  # noqa: N802
+                  cluster: ClusterSpec | None = None, init_full_state: Mapping[str, torch.Tensor] | None = None,
+                  padded_vocab: int | None = None, slowdown: float | None = None,
+                  clock: Callable[[], float] | None = None, hooks: TrainerHooks | None = None) -> Trainer:
+    """The trainer over this rank's stage of ``plan`` (call on every rank). ``slowdown`` overrides the
+    cluster's emulation factor of the rank's island; ``clock`` is the timer's (None: wall time)."""
+    strategy = PipelineStrategy(model=model, plan=plan, train=train, batch_fn=batch_fn, cluster=cluster,
+                                init_full_state=init_full_state, padded_vocab=padded_vocab)
+    timer = emulation_timer(cluster, strategy.role.island, slowdown=slowdown, clock=clock)
+    if timer.slowdown != 1.0:
+        logger.info("rank %d (%s): EMULATED device speed, compute slowed %.2fx", strategy.rank,
+                    strategy.role.island, timer.slowdown)
+    return Trainer(strategy=strategy, train=train, hooks=hooks, timer=timer)

@@ -1,8 +1,12 @@
 """The body of pretrain_scripts/pretrain_gpt.py: parse, build, train, close.
 
-Launched by torchrun (one process per GPU, or per CPU rank standing in for one). Megatron-style log
-lines come from rank 0; every rank's compute/idle split is gathered for the end-of-run summary.
-With --tensorboard-dir, rank 0 also writes TensorBoard scalars (runtime/tensorboard_log.py).
+Launched by torchrun (one process per GPU, or per CPU rank standing in for one). The plan is either
+kind: a pipeline Plan runs the pipeline strategy (``runtime/hetero_trainer.py``), a ShardedPlan the
+sharded one (``sharding/trainer.py``); both go through the one trainer and Megatron's loop
+(``train/loop.py``). Megatron-style log lines come from rank 0; every rank's time split is gathered
+for the end-of-run summary. With --tensorboard-dir, rank 0 also writes TensorBoard scalars
+(runtime/tensorboard_log.py; pipeline plans). Only user errors (``UserError``) exit with code 2;
+anything else is a bug and surfaces as a traceback.
 """
 
 from __future__ import annotations
@@ -10,52 +14,28 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import logging
-import os
 import sys
-import time
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from functools import partial
 
-import torch
 import torch.distributed as dist
 
 from megatron_het.cluster import ConfigError
-from megatron_het.plan import Plan, PlanError, validate_plan
+from megatron_het.errors import UserError
+from megatron_het.plan import Plan, validate_plan
 from megatron_het.platform import detect_accelerator, detect_optional_accelerators, enable_cpu_backend
 from megatron_het.runtime.arguments import PretrainArgs, parse_args
-from megatron_het.sharding.plan import ShardedPlan, load_any_plan, validate_sharded_plan
-
-if TYPE_CHECKING:  # megatron-core loads only after the arguments are checked (fast usage errors)
-    from megatron_het.runtime.hetero_trainer import HeteroIterationLog
-    from megatron_het.runtime.tensorboard_log import TensorBoardHooks
+from megatron_het.sharding.plan import ShardedPlan, describe_sharded_plan, load_any_plan, validate_sharded_plan
+from megatron_het.train.loop import PretrainResult, print_rank0, train_loop
 
 log = logging.getLogger("megatron_het")
 
 
-def print_rank0(msg: str) -> None:
-    if not dist.is_initialized() or dist.get_rank() == 0:
-        print(msg, flush=True)
-
-
-def _pre_tokenizer_vocab(argv: list[str]) -> int | None:
-    """The tokenizer's size, needed before the model is known (Megatron pads from it)."""
-    if "--tokenizer-model" not in argv or "--mock-data" in argv:
-        return None
-    from megatron_het.data import load_tokenizer
-
-    path = argv[argv.index("--tokenizer-model") + 1]
-    if not os.path.exists(path):
-        raise ConfigError("tokenizer model not found", field="--tokenizer-model", value=path,
-                          fix="train one with tools/train_tokenizer.py")
-    return int(load_tokenizer(path).vocab_size)
-
-
-def apply_overlap_flags(plan: Plan, ns) -> Plan:
+def apply_overlap_flags(plan: Plan, args: PretrainArgs) -> Plan:
     """--sequence-parallel turns the plan's sequence parallelism on; --tp-comm-overlap the overlap of
     every stage with TP > 1 (a plan may already choose it per stage)."""
-    if ns.sequence_parallel:
+    if args.sequence_parallel:
         plan = dataclasses.replace(plan, sequence_parallel=True)
-    if ns.tp_comm_overlap:
+    if args.tp_comm_overlap:
         plan = dataclasses.replace(plan, replicas=tuple(dataclasses.replace(r, stages=tuple(
             dataclasses.replace(s, tp_comm_overlap=s.tp_comm_overlap or s.tp > 1) for s in r.stages))
             for r in plan.replicas))
@@ -70,7 +50,7 @@ def resolve_plan(args: PretrainArgs) -> Plan | ShardedPlan:
 
         choice = plan_best(args.model, args.cluster, global_batch_size=args.train.global_batch_size,
                            micro_batch_sizes=(args.train.micro_batch_size,),
-                           profile=_load_profile(args.raw.hetero_profile), pipeline_options={"top_k": 3})
+                           profile=_load_profile(args.profile), pipeline_options={"top_k": 3})
         if choice.pipeline_result is not None:
             print_rank0(f"planner: {choice.pipeline_result.explanation}")
         print_rank0(f"planner: {choice.explanation}")
@@ -78,12 +58,13 @@ def resolve_plan(args: PretrainArgs) -> Plan | ShardedPlan:
     else:
         plan = load_any_plan(args.plan_source)
     if isinstance(plan, ShardedPlan):
-        if args.raw.sequence_parallel or args.raw.tp_comm_overlap:
-            raise ValueError("--sequence-parallel / --tp-comm-overlap: the plan is a sharded data-parallel plan "
-                             "(no tensor parallelism). Fix: drop the flags or use a pipeline/TP plan")
+        if args.sequence_parallel or args.tp_comm_overlap:
+            raise ConfigError("the plan is a sharded data-parallel plan (no tensor parallelism)",
+                              field="--sequence-parallel / --tp-comm-overlap", value=args.plan_source,
+                              fix="drop the flags or use a pipeline/TP plan")
         validate_sharded_plan(plan, args.cluster)
     else:
-        plan = apply_overlap_flags(plan, args.raw)
+        plan = apply_overlap_flags(plan, args)
         validate_plan(plan, args.model, args.cluster)
     return plan
 
@@ -96,22 +77,21 @@ def _load_profile(path: str | None):
     return load_profile(path)
 
 
-def _batch_fns(args: PretrainArgs):
-    ns, model = args.raw, args.model
-    if ns.mock_data:
-        from functools import partial
-
-
+def batch_fns(args: PretrainArgs):
+    """(training batch_fn, validation batch_fn or None) of the run's data."""
+    model = args.model
+    if args.data.mock_data:
         fn = partial(_mock_batch, model.seq_length, model.vocab_size, args.train.seed)
         return fn, partial(_mock_batch, model.seq_length, model.vocab_size, args.train.seed + 1)
     from megatron_het.data import GptDataConfig, build_gpt_datasets, gpt_batch_fn, load_tokenizer
 
-    tokenizer = load_tokenizer(ns.tokenizer_model, tokenizer_type=ns.tokenizer_type)
-    cfg = GptDataConfig(data_path=tuple(ns.data_path), split=ns.split, seq_length=model.seq_length,
+    data = args.data
+    tokenizer = load_tokenizer(data.tokenizer_model, tokenizer_type=data.tokenizer_type)
+    cfg = GptDataConfig(data_path=tuple(data.data_path), split=data.split, seq_length=model.seq_length,
                         seed=args.train.seed, global_batch_size=args.train.global_batch_size,
-                        train_iters=args.train.train_iters, eval_iters=ns.eval_iters,
-                        eval_interval=ns.eval_interval or args.train.train_iters,
-                        data_cache_path=ns.data_cache_path)
+                        train_iters=args.train.train_iters, eval_iters=args.loop.eval_iters,
+                        eval_interval=args.loop.eval_interval or args.train.train_iters,
+                        data_cache_path=data.data_cache_path)
     datasets = build_gpt_datasets(cfg, tokenizer)
     valid = gpt_batch_fn(datasets.valid) if datasets.valid is not None else None
     return gpt_batch_fn(datasets.train), valid
@@ -138,41 +118,13 @@ def describe_plan_lines(plan: Plan) -> list[str]:
     return lines
 
 
-@dataclass(frozen=True, kw_only=True)
-class PretrainResult:
-    """What one rank saw of a run (losses are global: every rank holds the same values)."""
-
-    logs: tuple[HeteroIterationLog, ...]  # one per iteration trained in this run
-    validation: tuple[tuple[int, float], ...]  # (iteration, validation loss) at each --eval-interval
-
-
-def _stage_summary(trainer, logs) -> None:
-    """Gather every rank's compute/idle; rank 0 prints one line per stage (mean over its ranks)."""
-    from megatron_het.runtime.tensorboard_log import gather_stage_times
-
-    stages = gather_stage_times(trainer.role, logs, group=None, dst=0)
-    if stages is None:
-        return
-    print("per-stage time over the run (mean over the stage's ranks):")
-    for st in stages:
-        n = st.iterations
-        print(f"  replica {st.replica} stage {st.stage} ({st.island}): compute {st.compute_s / n * 1000:8.1f} ms/it, "
-              f"idle {st.idle_s / n * 1000:8.1f} ms/it ({100 * st.idle_s / max(st.compute_s + st.idle_s, 1e-9):4.1f}% "
-              f"idle), peak memory {st.peak_memory_bytes / 2**20:.0f} MiB")
-
-
-def _evaluate(trainer, valid_fn, iteration: int, eval_iters: int) -> float:
-    losses = [trainer.evaluate(valid_fn, it) for it in range(eval_iters)]
-    return sum(losses) / len(losses)
-
-
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
     logging.getLogger("megatron_het").setLevel(logging.INFO)
     try:
-        args = parse_args(argv, tokenizer_vocab=_pre_tokenizer_vocab(argv))
-    except ConfigError as e:
+        args = parse_args(argv)
+    except UserError as e:
         print(f"pretrain_gpt.py: error: {e}", file=sys.stderr)
         return 2
 
@@ -180,11 +132,11 @@ def main(argv: list[str] | None = None) -> int:
     owned = not dist.is_initialized()  # run_local (tests) sets the group up itself
     if owned:
         dist.init_process_group("gloo" if not acc.is_gpu else "cpu:gloo,cuda:nccl",
-                                timeout=datetime.timedelta(minutes=10))
+                                timeout=datetime.timedelta(minutes=args.train.distributed_timeout_minutes))
     try:
         run(args, acc)
         return 0
-    except (ConfigError, PlanError, ValueError) as e:
+    except UserError as e:
         print(f"[rank {dist.get_rank()}] pretrain_gpt.py: error: {e}", file=sys.stderr, flush=True)
         return 2
     finally:
@@ -192,66 +144,92 @@ def main(argv: list[str] | None = None) -> int:
             dist.destroy_process_group()
 
 
-def run(args: PretrainArgs, acc) -> PretrainResult:
-    """Build and train the run ``args`` describes on the initialised default group (collective)."""
-    from megatron_het.runtime.hetero_trainer import HeteroTrainer
-    from megatron_het.runtime.tensorboard_log import TensorBoardHooks
+def run(args: PretrainArgs, acc, *, plan: Plan | ShardedPlan | None = None,
+        memory_budget_bytes=None) -> PretrainResult:
+    """Build and train the run ``args`` describes on the initialised default group (collective).
 
+    ``plan`` replaces --hetero-plan (tests); ``memory_budget_bytes`` (one per rank, sharded plans)
+    emulates device capacity on CPU (``sharding.budget``).
+    """
     if not acc.is_gpu:
         print_rank0(enable_cpu_backend().describe())
     print_rank0(f"accelerator: {acc.kind} ({acc.device_name}); {detect_optional_accelerators(acc).describe()}")
     if acc.is_gpu:
-        raise ValueError("this build's heterogeneous runtime places tensors on the CPU only (got a GPU). "
-                         "Fix: run on CPU ranks, or wait for the GPU device placement of the runtime")
-    plan = resolve_plan(args)
-    if isinstance(plan, ShardedPlan):
-        from megatron_het.sharding.pretrain_sharded import run_sharded_pretrain
-
-        return run_sharded_pretrain(args, cluster=args.cluster, plan=plan, model=args.model)
+        raise ConfigError("this build's heterogeneous runtime places tensors on the CPU only", field="accelerator",
+                          value=acc.kind, fix="run on CPU ranks, or wait for the GPU device placement of the runtime")
+    if plan is None:
+        plan = resolve_plan(args)
+    elif isinstance(plan, ShardedPlan):
+        validate_sharded_plan(plan, args.cluster)
     check_world_size(plan.world_size)
-    for line in describe_plan_lines(plan):
+    cluster = args.cluster
+    sharded = isinstance(plan, ShardedPlan)
+    for line in describe_sharded_plan(plan) if sharded else describe_plan_lines(plan):
         print_rank0(line)
-    if plan.use_distributed_optimizer:
+    if sharded and (len({r.micro_batch_size for r in plan.ranks}) > 1
+                    or plan.ranks[0].micro_batch_size != args.train.micro_batch_size):
+        print_rank0(f"note: --micro-batch-size {args.train.micro_batch_size} is ignored: each rank uses its plan's "
+                    "micro-batch size")
+    if not sharded and plan.use_distributed_optimizer:
         print_rank0("note: plan.use_distributed_optimizer is used by the memory prediction; this runtime keeps "
                     "full optimizer state on every holder of a parameter")
-    cluster = args.cluster
-    emulate = announce_emulation(cluster, no_emulation=args.raw.no_emulation)
+    emulate = announce_emulation(cluster, no_emulation=args.no_emulation)
+    print_rank0(communication_line(plan, cluster))
+    if sharded and args.tensorboard is not None:
+        print_rank0("note: --tensorboard-dir is not written for sharded plans yet (log lines only)")
+    batch_fn, valid_fn = batch_fns(args)
+    load_path, padded_vocab = checkpoint_to_load(args)
+    tensorboard = None
+    try:
+        if sharded:
+            from megatron_het.sharding.trainer import ShardedTrainer
 
+            trainer = ShardedTrainer(model=args.model, plan=plan, train=args.train, batch_fn=batch_fn,
+                                     cluster=cluster, padded_vocab=padded_vocab, slowdown=None if emulate else 1.0,
+                                     memory_budget_bytes=memory_budget_bytes)
+        else:
+            from megatron_het.runtime.hetero_trainer import HeteroTrainer
+            from megatron_het.runtime.tensorboard_log import TensorBoardHooks
+
+            if args.tensorboard is not None:
+                tensorboard = TensorBoardHooks(args.tensorboard, group=None,
+                                               global_batch_size=args.train.global_batch_size,
+                                               seq_length=args.model.seq_length, writer_rank=0)
+                print_rank0(f"tensorboard: rank 0 writes to {args.tensorboard.log_dir}")
+            trainer = HeteroTrainer(model=args.model, plan=plan, train=args.train, batch_fn=batch_fn,
+                                    cluster=cluster, padded_vocab=padded_vocab,
+                                    slowdown=None if emulate else 1.0, hooks=tensorboard)
+        if load_path:
+            start = trainer.load_checkpoint(load_path)
+            print_rank0(f"loaded checkpoint {load_path} (iteration {start}, written under another plan is fine)")
+        return train_loop(trainer, loop=args.loop, seq_length=args.model.seq_length, valid_fn=valid_fn,
+                          on_validation=tensorboard.log_validation if tensorboard is not None else None,
+                          tokenizer_model=None if args.data.mock_data else args.data.tokenizer_model)
+    finally:  # the event file is complete even when training fails
+        if tensorboard is not None:
+            tensorboard.close()
+
+
+def communication_line(plan: Plan | ShardedPlan, cluster) -> str:
+    """Which communicators the plan's groups use."""
+    if isinstance(plan, ShardedPlan):
+        return "communication: one data-parallel group over all ranks (uneven all-gather / reduce-scatter)"
     libraries = sorted({cluster.island(s.island).device.collective_library
                         for r in plan.replicas for s in r.stages})
     if len(libraries) > 1:
         from megatron_het.comm import het_backend_info
 
         info = het_backend_info()
-        print_rank0(f"communication: the plan spans collective libraries {libraries}; groups across them use the "
-                    f"het bridge ({info.implementation}: {info.reason}), others the native backend")
-    else:
-        print_rank0(f"communication: one collective library ({libraries[0]}): native groups only")
-    batch_fn, valid_fn = _batch_fns(args)
-    load_path, padded_vocab = checkpoint_to_load(args)
-    tensorboard = None
-    if args.tensorboard is not None:
-        tensorboard = TensorBoardHooks(args.tensorboard, group=None, global_batch_size=args.train.global_batch_size,
-                                       seq_length=args.model.seq_length, writer_rank=0)
-        print_rank0(f"tensorboard: rank 0 writes to {args.tensorboard.log_dir}")
-    try:
-        trainer = HeteroTrainer(model=args.model, plan=plan, train=args.train, batch_fn=batch_fn,
-                                cluster=cluster, padded_vocab=padded_vocab,
-                                slowdown=None if emulate else 1.0, hooks=tensorboard)
-        if load_path:
-            start = trainer.load_checkpoint(load_path)
-            print_rank0(f"loaded checkpoint {load_path} (iteration {start}, written under another plan is fine)")
-        return train_loop(args, trainer, valid_fn, tensorboard=tensorboard)
-    finally:  # the event file is complete even when training fails
-        if tensorboard is not None:
-            tensorboard.close()
+        return (f"communication: the plan spans collective libraries {libraries}; groups across them use the "
+                f"het bridge ({info.implementation}: {info.reason}), others the native backend")
+    return f"communication: one collective library ({libraries[0]}): native groups only"
 
 
 def check_world_size(ranks: int) -> None:
     world = dist.get_world_size()
     if world != ranks:
-        raise ValueError(f"world size: the plan uses {ranks} ranks, torchrun started {world}. "
-                         f"Fix: launch with --nproc-per-node/--nnodes giving {ranks} processes")
+        raise ConfigError(f"the plan uses {ranks} ranks, torchrun started {world}", field="world size", value=world,
+                          fix=f"launch with --nproc-per-node/--nnodes giving {ranks} processes")
 
 
 def announce_emulation(cluster, *, no_emulation: bool) -> bool:
@@ -268,47 +246,11 @@ def checkpoint_to_load(args: PretrainArgs) -> tuple[str | None, int | None]:
     """(--load's latest iteration directory, its padded vocabulary), or (None, None) to start fresh."""
     from megatron_het.checkpoint.dist_ckpt import iteration_dir, latest_iteration, read_common
 
-    if not args.raw.load:
+    if not args.loop.load:
         return None, None
-    it = latest_iteration(args.raw.load)
+    it = latest_iteration(args.loop.load)
     if it is None:
-        print_rank0(f"no checkpoint in {args.raw.load}: starting from scratch")
+        print_rank0(f"no checkpoint in {args.loop.load}: starting from scratch")
         return None, None
-    load_path = iteration_dir(args.raw.load, it)
+    load_path = iteration_dir(args.loop.load, it)
     return load_path, read_common(load_path).get("padded_vocab")
-
-
-def train_loop(args: PretrainArgs, trainer, valid_fn, *, tensorboard: TensorBoardHooks | None = None,
-               summary=_stage_summary) -> PretrainResult:
-    """Megatron's loop for either trainer (HeteroTrainer, ShardedTrainer): log lines, evaluation,
-    checkpoints; ``summary(trainer, logs)`` prints where the time went at the end."""
-    ns, train = args.raw, args.train
-    logs = []
-    validation = []
-    window_start = time.perf_counter()
-    while trainer.iteration < train.train_iters:
-        entry = trainer.train_step()
-        logs.append(entry)
-        it = trainer.iteration
-        if it % train.log_interval == 0:
-            elapsed = (time.perf_counter() - window_start) / train.log_interval
-            window_start = time.perf_counter()
-            tokens = train.global_batch_size * args.model.seq_length
-            print_rank0(f" iteration {it:8d}/{train.train_iters:8d} | consumed samples: {it * train.global_batch_size:10d} "
-                        f"| elapsed time per iteration (ms): {elapsed * 1000:.1f} | learning rate: {train.lr_at(it - 1):.3E} "
-                        f"| global batch size: {train.global_batch_size:5d} | lm loss: {entry.lm_loss:.6E} "
-                        f"| grad norm: {entry.grad_norm:.3f} | tokens/s: {tokens / elapsed:.0f}")
-        if ns.eval_interval and ns.eval_iters and valid_fn is not None and it % ns.eval_interval == 0:
-            loss = _evaluate(trainer, valid_fn, it, ns.eval_iters)
-            validation.append((it, loss))
-            if tensorboard is not None:
-                tensorboard.log_validation(it, loss)
-            print_rank0(f" validation loss at iteration {it} | lm loss value: {loss:.6E} | "
-                        f"lm loss PPL: {torch.exp(torch.tensor(loss)).item():.3f}")
-        if ns.save and ns.save_interval and it % ns.save_interval == 0 and it < train.train_iters:
-            print_rank0(f"saved checkpoint {trainer.save_checkpoint(ns.save)}")
-    if ns.save:
-        print_rank0(f"saved checkpoint {trainer.save_checkpoint(ns.save)}")
-    if logs:
-        summary(trainer, logs)
-    return PretrainResult(logs=tuple(logs), validation=tuple(validation))

@@ -24,16 +24,21 @@ from typing import TYPE_CHECKING
 
 import torch.distributed as dist
 
-from megatron_het.runtime.hetero_trainer import HeteroIterationLog, TrainerHooks
+from megatron_het.errors import UserError
+from megatron_het.train.config import TensorBoardConfig
+from megatron_het.train.strategy import IterationLog
+from megatron_het.train.trainer import Trainer, TrainerHooks
 
 if TYPE_CHECKING:
     from megatron_het.plan.layout import RankRole
-    from megatron_het.runtime.hetero_trainer import HeteroTrainer
+
+__all__ = ["StageTime", "TensorBoardConfig", "TensorBoardHooks", "TensorBoardUnavailable", "gather_stage_times",
+           "iteration_scalars", "require_tensorboard", "stage_scalars", "stage_times"]
 
 INSTALL_HINT = "pip install tensorboard  (or: pip install -e '.[tensorboard]')"
 
 
-class TensorBoardUnavailable(ValueError):
+class TensorBoardUnavailable(UserError):
     """--tensorboard-dir was given but the ``tensorboard`` package is not importable (a usage error)."""
 
 
@@ -46,26 +51,6 @@ def require_tensorboard() -> None:
         raise TensorBoardUnavailable(
             f"--tensorboard-dir: the `tensorboard` package is not importable ({e}). Fix: {INSTALL_HINT}, "
             f"or drop --tensorboard-dir") from e
-
-
-@dataclass(frozen=True, kw_only=True)
-class TensorBoardConfig:
-    """Megatron-LM's TensorBoard flags, validated."""
-
-    log_dir: str  # --tensorboard-dir: where the event files go
-    log_interval: int = 1  # --tensorboard-log-interval: iterations between written points
-    queue_size: int = 1000  # --tensorboard-queue-size: events buffered before a write to disk
-    log_timers: bool = False  # --log-timers-to-tensorboard: iteration-time and per-stage compute/idle
-    log_memory: bool = False  # --log-memory-to-tensorboard: peak/current memory, per stage
-    log_throughput: bool = False  # --log-throughput: tokens/s and samples/s
-
-    def __post_init__(self) -> None:
-        if not self.log_dir:
-            raise ValueError("--tensorboard-dir: got ''. Fix: pass a directory, e.g. --tensorboard-dir runs/tb")
-        for flag, value in (("--tensorboard-log-interval", self.log_interval),
-                            ("--tensorboard-queue-size", self.queue_size)):
-            if value < 1:
-                raise ValueError(f"{flag}: got {value}, the minimum is 1. Fix: pass {flag} 1 or more")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -110,7 +95,7 @@ def stage_times(samples: Sequence[tuple]) -> list[StageTime]:
             for (r, s, i), vals in sorted(by_stage.items())]
 
 
-def gather_stage_times(role: RankRole, logs: Sequence[HeteroIterationLog], *, group: dist.ProcessGroup | None,
+def gather_stage_times(role: RankRole, logs: Sequence[IterationLog], *, group: dist.ProcessGroup | None,
                        dst: int) -> list[StageTime] | None:
     """Collective over ``group``: every rank's compute/idle over ``logs``; the stages on global rank ``dst``, else None."""
     current = current_memory_bytes()  # first: the OS peak may lag a sample taken after it
@@ -122,7 +107,7 @@ def gather_stage_times(role: RankRole, logs: Sequence[HeteroIterationLog], *, gr
     return stage_times(gathered) if me == dst else None
 
 
-def iteration_scalars(log: HeteroIterationLog, *, lr: float, global_batch_size: int, seq_length: int,
+def iteration_scalars(log: IterationLog, *, lr: float, global_batch_size: int, seq_length: int,
                       config: TensorBoardConfig) -> dict[str, float]:
     """The per-iteration scalars of one logged iteration (pure)."""
     out = {"lm loss": log.lm_loss, "learning-rate": lr, "grad-norm": log.grad_norm,
@@ -175,12 +160,12 @@ class TensorBoardHooks(TrainerHooks):
     def __exit__(self, *exc) -> None:
         self.close()
 
-    def on_step_end(self, trainer: HeteroTrainer, log: HeteroIterationLog) -> None:
+    def on_step_end(self, trainer: Trainer, log: IterationLog) -> None:
         if log.iteration % self.config.log_interval:
             return
         stages = None
         if self.config.log_timers or self.config.log_memory:
-            stages = gather_stage_times(trainer.role, [log], group=self.group, dst=self.writer_rank)
+            stages = gather_stage_times(trainer.strategy.role, [log], group=self.group, dst=self.writer_rank)
         if self.writer is None:
             return
         scalars = iteration_scalars(log, lr=trainer.train.lr_at(log.iteration - 1),

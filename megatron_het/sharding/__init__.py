@@ -2,9 +2,9 @@
 
 Pure parts (import without torch.distributed set up): ``plan`` (ShardedPlan), ``layout`` (who
 owns which flat elements, who computes which samples). Runtime parts: ``collectives`` (uneven
-all-gather / reduce-scatter), ``optimizer`` (AdamW on a flat shard), ``trainer`` (ShardedTrainer),
-``checkpoint`` (save/load across shard layouts and plans), ``budget`` (emulated memory capacity),
-``pretrain_sharded`` (pretrain_gpt.py's loop for a ShardedPlan).
+all-gather / reduce-scatter), ``optimizer`` (AdamW on a flat shard), ``trainer`` (the sharded
+strategy of the one trainer, ``train/trainer.py``), ``checkpoint`` (save/load across shard layouts and
+plans), ``budget`` (emulated memory capacity). pretrain_gpt.py runs a ShardedPlan like any plan.
 The planner lives in ``megatron_het.planner.sharded``, the perf model in ``megatron_het.perf.sharded``.
 """
 

@@ -17,65 +17,60 @@ import torch
 
 from megatron_het.checkpoint.dist_ckpt import CheckpointError, TensorSlot, model_common_state
 from megatron_het.checkpoint.full_state import local_shards
-from megatron_het.sharding.trainer import ShardedTrainer
 
-__all__ = ["ShardedCheckpointError", "save_sharded", "load_sharded"]
-
-
-class ShardedCheckpointError(CheckpointError):
-    """A checkpoint that does not fit the sharded trainer loading it."""
+__all__ = ["save_sharded", "load_sharded"]
 
 
-def _slots(trainer: ShardedTrainer, full: dict[str, torch.Tensor]) -> dict[str, TensorSlot]:
+def _slots(strategy, full: dict[str, torch.Tensor]) -> dict[str, TensorSlot]:
     """Full tensors as dist_ckpt slots; TP layout marks (partition dim, gated fc1) as the pipeline
     runtime's at TP=1, so both write the same keys."""
-    meta = local_shards(trainer.gpt, layer_offset=0, tp_rank=0, tp_size=1, tied=trainer.tied,
-                        gated=trainer.model_spec.swiglu)
+    meta = local_shards(strategy.gpt, layer_offset=0, tp_rank=0, tp_size=1, tied=strategy.tied,
+                        gated=strategy.model_spec.swiglu)
     return {name: TensorSlot(tensor=full[name], partition_dim=meta[name].partition_dim, tp_rank=0, tp_size=1,
-                             main=trainer.rank == 0, glu=meta[name].glu) for name in trainer.index.names}
+                             main=strategy.rank == 0, glu=meta[name].glu) for name in strategy.index.names}
 
 
-def save_sharded(trainer: ShardedTrainer, save: str) -> str:
-    """Write ``trainer``'s full state under directory ``save`` (collective). Returns the iteration directory."""
+def save_sharded(strategy, save: str, iteration: int, *, tokenizer_model: str | None = None) -> str:
+    """Write the full state of ``strategy`` (a ``sharding.trainer.ShardedStrategy``) after ``iteration`` steps under directory ``save`` (collective).
+    Returns the iteration directory."""
     from megatron_het.checkpoint.dist_ckpt import save_checkpoint
 
-    opt = trainer.optimizer
-    model = trainer.full_tensors(trainer.gather(opt.master))
-    exp_avg = trainer.full_tensors(trainer.gather(opt.exp_avg))
-    exp_avg_sq = trainer.full_tensors(trainer.gather(opt.exp_avg_sq))
+    opt = strategy.optimizer
+    model = strategy.full_tensors(strategy.gather(opt.master))
+    exp_avg = strategy.full_tensors(strategy.gather(opt.exp_avg))
+    exp_avg_sq = strategy.full_tensors(strategy.gather(opt.exp_avg_sq))
     moments = {n: {"exp_avg": exp_avg[n], "exp_avg_sq": exp_avg_sq[n]} for n in model}
-    common = {"model": model_common_state(trainer.model_spec), "padded_vocab": trainer.stage.vocab_size,
-              "consumed_samples": trainer.iteration * trainer.train.global_batch_size,
-              "plan": trainer.plan.to_dict(), "seed": trainer.train.seed}
-    return save_checkpoint(save, trainer.iteration, params=_slots(trainer, model), optimizer_state=moments,
-                           common=common)
+    common = {"model": model_common_state(strategy.model_spec), "padded_vocab": strategy.stage.vocab_size,
+              "consumed_samples": iteration * strategy.train.global_batch_size,
+              "plan": strategy.plan.to_dict(), "seed": strategy.train.seed}
+    return save_checkpoint(save, iteration, params=_slots(strategy, model), optimizer_state=moments,
+                           common=common, tokenizer_model=tokenizer_model)
 
 
 @torch.no_grad()
-def load_sharded(trainer: ShardedTrainer, path: str, *, with_optimizer: bool = True) -> int:
+def load_sharded(strategy, path: str, *, with_optimizer: bool = True) -> int:
     """Load an iteration directory written under any shard layout or plan; returns its iteration (collective)."""
     from megatron_het.checkpoint.dist_ckpt import load_checkpoint, read_common
 
-    vocab = read_common(path).get("padded_vocab") if os.path.isdir(path) else trainer.stage.vocab_size
-    if vocab != trainer.stage.vocab_size:  # checked first: the shape error below would not say why
-        raise ShardedCheckpointError(
-            f"{path}: padded_vocab: the checkpoint has {vocab} embedding rows, this trainer builds "
-            f"{trainer.stage.vocab_size}. Fix: construct the trainer with padded_vocab={vocab}")
-    empty = {n: torch.empty(trainer.shapes[n]) for n in trainer.index.names}
-    common, values, moments = load_checkpoint(path, params=_slots(trainer, empty), model=trainer.model_spec,
+    vocab = read_common(path).get("padded_vocab") if os.path.isdir(path) else strategy.stage.vocab_size
+    if vocab != strategy.stage.vocab_size:  # checked first: the shape error below would not say why
+        raise CheckpointError(
+            f"{path}: padded_vocab: the checkpoint has {vocab} embedding rows, this strategy builds "
+            f"{strategy.stage.vocab_size}. Fix: construct the trainer with padded_vocab={vocab}")
+    empty = {n: torch.empty(strategy.shapes[n]) for n in strategy.index.names}
+    common, values, moments = load_checkpoint(path, params=_slots(strategy, empty), model=strategy.model_spec,
                                               with_optimizer=with_optimizer)
-    start, stop = trainer.layout.range(trainer.rank)
+    start, stop = strategy.layout.range(strategy.rank)
 
     def flat(tensors: dict[str, torch.Tensor]) -> torch.Tensor:
-        return torch.cat([tensors[n].reshape(-1).float() for n in trainer.index.names])[start:stop]
+        return torch.cat([tensors[n].reshape(-1).float() for n in strategy.index.names])[start:stop]
 
-    opt = trainer.optimizer
+    opt = strategy.optimizer
     opt.master.copy_(flat(values))
     iteration = int(common["iteration"])
     if with_optimizer:
         opt.exp_avg.copy_(flat({n: m["exp_avg"] for n, m in moments.items()}))
         opt.exp_avg_sq.copy_(flat({n: m["exp_avg_sq"] for n, m in moments.items()}))
-        opt.step_count = iteration  # one optimizer step per iteration, as HeteroTrainer assumes
-    trainer.iteration = iteration
+        opt.step_count = iteration  # one optimizer step per iteration, as the pipeline strategy assumes
     return iteration
 

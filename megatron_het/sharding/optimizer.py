@@ -14,8 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
-from megatron_het.runtime.train_config import TrainConfig
 from megatron_het.sharding.layout import FlatIndex
+from megatron_het.train.config import TrainConfig
 
 __all__ = ["ShardedAdamW", "decay_mask", "decays"]
 

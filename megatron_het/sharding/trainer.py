@@ -1,4 +1,4 @@
-"""Train one GPT with uneven sharded data parallelism: compute share by speed, state share by memory.
+"""Sharded strategy: one GPT with uneven sharded data parallelism (compute share by speed, state by memory).
 
 Each rank builds the whole model (megatron-core GPTModel, TP=1, PP=1, explicit process groups)
 and owns one contiguous slice of the flat training state, sized by ``plan.shard_fraction``.
@@ -14,8 +14,8 @@ One iteration:
 3. reduce-scatter the gradient buffer (uneven): each rank gets the summed gradient of its slice;
 4. global-norm clipping (squared norms summed over shards) and AdamW on the shard.
 
-Speed is emulated on CPU as in ``HeteroTrainer._timed``: after each forward/backward the rank
-sleeps ``(slowdown - 1) x`` the measured time. Memory is emulated by a per-rank byte budget.
+Speed is emulated on CPU by the trainer's timer (``train/timer.py``): after each forward/backward
+the rank sleeps ``(slowdown - 1) x`` the measured time. Memory is emulated by a per-rank byte budget.
 """
 
 from __future__ import annotations
@@ -23,7 +23,6 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
 from typing import Literal
 
 import torch
@@ -31,38 +30,29 @@ import torch.distributed as dist
 
 from megatron_het.checkpoint.full_state import Shard, global_name, load_full_state
 from megatron_het.cluster import ClusterSpec, ModelSpec
+from megatron_het.perf.flops import padded_vocab_size
 from megatron_het.perf.sharded import sharded_rank_memory
-from megatron_het.runtime.gpt_model import StageModelSpec, build_gpt_stage, padded_vocab_size, transformer_config
-from megatron_het.runtime.megatron_trainer import IterationLog, RunResult, split_tokens
-from megatron_het.runtime.train_config import TrainConfig
+from megatron_het.runtime.gpt_model import StageModelSpec, build_gpt_stage, transformer_config
+from megatron_het.runtime.megatron_trainer import split_tokens
 from megatron_het.sharding.budget import check_budget
+from megatron_het.sharding.checkpoint import load_sharded, save_sharded
 from megatron_het.sharding.collectives import uneven_all_gather, uneven_reduce_scatter
 from megatron_het.sharding.layout import FlatIndex, ShardLayout, sample_ranges
 from megatron_het.sharding.optimizer import ShardedAdamW, decay_mask
 from megatron_het.sharding.plan import ShardedPlan
+from megatron_het.train.config import TrainConfig
+from megatron_het.train.strategy import ActionHook, BatchFn, IterationLog, StepResult
+from megatron_het.train.timer import EmulationTimer, emulation_timer
+from megatron_het.train.trainer import Trainer
 
-__all__ = ["ShardedTrainer", "ShardedIterationLog"]
-
-BatchFn = Callable[[int, range], torch.Tensor]
-
-
-@dataclass(frozen=True, kw_only=True)
-class ShardedIterationLog(IterationLog):
-    """IterationLog plus where this rank's time went."""
-
-    compute_s: float = 0.0  # forward + backward, including emulated slowdown
-    emulated_s: float = 0.0  # of which: sleeping to emulate a slower device
-    comm_s: float = 0.0  # all-gather + reduce-scatter + norm all-reduce (includes waiting for slower ranks)
-    optimizer_s: float = 0.0  # AdamW on the shard
-    tokens_per_s: float = 0.0  # global tokens / elapsed
+__all__ = ["ShardedStrategy", "ShardedTrainer"]
 
 
-class ShardedTrainer:
-    """Builds this rank's model and state shard from a ShardedPlan. Construct on every rank."""
+class ShardedStrategy:
+    """This rank's model and state shard of a ShardedPlan. Construct on every rank."""
 
     def __init__(self, *, model: ModelSpec, plan: ShardedPlan, train: TrainConfig, batch_fn: BatchFn,
-                 cluster: ClusterSpec | None = None, init_full_state: Mapping[str, torch.Tensor] | None = None,
-                 padded_vocab: int | None = None, slowdown: float | None = None,
+                 init_full_state: Mapping[str, torch.Tensor] | None = None, padded_vocab: int | None = None,
                  memory_budget_bytes: Sequence[int] | None = None,
                  gather_method: Literal["padded", "broadcast"] = "padded",
                  reduce_scatter_method: Literal["reduce", "all_reduce"] = "reduce") -> None:
@@ -82,9 +72,8 @@ class ShardedTrainer:
                              "Fix: pass one budget per rank")
         self.model_spec, self.plan, self.train, self.batch_fn = model, plan, train, batch_fn
         self.rank, self.share = rank, plan.ranks[rank]
+        self.reports_shards = rank == 0  # every rank gathers the same full tensors; one copy is enough
         self.gather_method, self.reduce_scatter_method = gather_method, reduce_scatter_method
-        self.slowdown = slowdown if slowdown is not None else (
-            cluster.slowdown(self.share.island) if cluster is not None and cluster.emulated else 1.0)
         _, self.pgc = block_process_groups(BlockShape(tp=1, pp=1, dp=world))
 
         # Same seed on every rank: identical initial weights; each keeps only its shard as master.
@@ -92,7 +81,7 @@ class ShardedTrainer:
         model_parallel_cuda_manual_seed(train.seed, tp_rank=0, ep_rank=0, etp_rank=0, force_reset_rng=True)
         self.stage = StageModelSpec(model=model, num_layers=model.num_layers, layer_offset=0, tp=1,
                                     pre_process=True, post_process=True,
-                                    vocab_size=padded_vocab or padded_vocab_size(model.vocab_size, 1),
+                                    vocab_size=padded_vocab or padded_vocab_size(model.vocab_size, tp=1),
                                     recompute=self.share.recompute)
         self.config = transformer_config(self.stage)
         self.gpt = build_gpt_stage(self.stage, self.config, self.pgc)
@@ -122,30 +111,15 @@ class ShardedTrainer:
         if memory_budget_bytes is not None:
             check_budget(self.memory, rank=rank, budget_bytes=int(memory_budget_bytes[rank]),
                          shard_fraction=plan.shard_fractions[rank])
-        self.iteration = 0
 
     # ---- collectives over the state ----------------------------------------------------------
     def gather(self, shard: torch.Tensor) -> torch.Tensor:
         """Full flat vector from every rank's slice (collective)."""
         return uneven_all_gather(shard, self.layout, method=self.gather_method)
 
-    def _timed(self, fn, acc: dict[str, float]):
-        start = time.perf_counter()
-        out = fn()
-        dt = time.perf_counter() - start
-        if self.slowdown > 1.0:  # emulate a slower device: wait the extra time it would take
-            extra = (self.slowdown - 1.0) * dt
-            time.sleep(extra)
-            acc["emulated"] += extra
-            dt += extra
-        acc["compute"] += dt
-        return out
-
     # ---- one iteration -----------------------------------------------------------------------
-    def train_step(self) -> ShardedIterationLog:
-        it, share, train = self.iteration, self.share, self.train
-        start = time.perf_counter()
-        acc = {"compute": 0.0, "emulated": 0.0}
+    def step(self, iteration: int, *, lr: float, timer: EmulationTimer, on_action: ActionHook | None) -> StepResult:
+        it, share, train = iteration, self.share, self.train
         t0 = time.perf_counter()
         with torch.no_grad():
             self.flat.copy_(self.gather(self.optimizer.master))
@@ -158,9 +132,8 @@ class ShardedTrainer:
             first = self.samples.start + m * share.micro_batch_size
             tokens = self.batch_fn(it, range(first, first + share.micro_batch_size))
             inputs, labels, position_ids, _ = split_tokens(tokens)
-            loss = self._timed(lambda: self.gpt(inputs, position_ids, None, labels=labels).float().sum() * scale,
-                               acc)
-            self._timed(lambda: loss.backward(), acc)
+            loss = timer.compute(lambda: self.gpt(inputs, position_ids, None, labels=labels).float().sum() * scale)
+            timer.compute(lambda: loss.backward())
             loss_sum += float(loss.detach())
         t0 = time.perf_counter()
         grads = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1)
@@ -176,16 +149,11 @@ class ShardedTrainer:
             if coeff < 1.0:
                 grad.mul_(coeff)
         t0 = time.perf_counter()
-        self.optimizer.step(grad, train.lr_at(it))
+        self.optimizer.step(grad, lr)
         opt = time.perf_counter() - t0
         report = torch.tensor([loss_sum], dtype=torch.float64)
         dist.all_reduce(report)
-        elapsed = time.perf_counter() - start
-        self.iteration += 1
-        return ShardedIterationLog(iteration=self.iteration, lm_loss=float(report), grad_norm=norm,
-                                   elapsed_s=elapsed, compute_s=acc["compute"], emulated_s=acc["emulated"],
-                                   comm_s=comm, optimizer_s=opt,
-                                   tokens_per_s=train.global_batch_size * self.model_spec.seq_length / elapsed)
+        return StepResult(lm_loss=float(report), grad_norm=norm, comm_s=comm, optimizer_s=opt)
 
     @torch.no_grad()
     def evaluate(self, batch_fn: BatchFn, iteration: int) -> float:
@@ -206,16 +174,12 @@ class ShardedTrainer:
         return float(report)
 
     # ---- checkpoints (sharding/checkpoint.py; the pipeline runtime's format) -------------------
-    def save_checkpoint(self, save: str) -> str:
+    def save_checkpoint(self, save: str, iteration: int, *, tokenizer_model: str | None = None) -> str:
         """Write the full state under ``save`` (collective); returns the iteration directory."""
-        from megatron_het.sharding.checkpoint import save_sharded
-
-        return save_sharded(self, save)
+        return save_sharded(self, save, iteration, tokenizer_model=tokenizer_model)
 
     def load_checkpoint(self, path: str, *, with_optimizer: bool = True) -> int:
         """Load an iteration directory written under any plan (collective); returns its iteration."""
-        from megatron_het.sharding.checkpoint import load_sharded
-
         return load_sharded(self, path, with_optimizer=with_optimizer)
 
     # ---- state as global-named full tensors ---------------------------------------------------
@@ -232,16 +196,34 @@ class ShardedTrainer:
         full = self.full_tensors(self.gather(self.optimizer.master))
         return {n: Shard(tensor=t, partition_dim=None, tp_rank=0, tp_size=1) for n, t in full.items()}
 
-    def run(self, iterations: int | None = None, *, return_shards: bool = False,
-            on_iteration: Callable[[ShardedIterationLog], None] | None = None) -> RunResult:
-        initial = self.shards() if return_shards else None
-        logs = []
-        for _ in range(iterations if iterations is not None else self.train.train_iters):
-            log = self.train_step()
-            logs.append(log)
-            if on_iteration is not None:
-                on_iteration(log)
-        final = self.shards() if return_shards else None
-        keep = self.rank == 0  # every rank has the same full tensors; send one copy back
-        return RunResult(rank=self.rank, iterations=tuple(logs), initial_shards=initial if keep else None,
-                         shards=final if keep else None)
+    def summary_lines(self, logs: Sequence[IterationLog]) -> list[str]:
+        """Every rank's time split, gathered; one line per rank (ms per iteration) on rank 0."""
+        n = len(logs)
+        mine = (self.rank, self.share.island, sum(l.compute_s for l in logs), sum(l.emulated_s for l in logs),
+                sum(l.comm_s for l in logs), sum(l.optimizer_s for l in logs), self.share.samples)
+        gathered: list = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, mine)
+        if self.rank != 0:
+            return []
+        lines = ["per-rank time over the run (comm includes waiting for slower ranks):"]
+        for rank, island, compute, emulated, comm, opt, samples in gathered:
+            lines.append(f"  rank {rank} ({island}, {samples} samples/it): compute {compute / n * 1000:8.1f} ms/it "
+                         f"(emulated {emulated / n * 1000:.1f}), collectives {comm / n * 1000:8.1f} ms/it, "
+                         f"optimizer {opt / n * 1000:6.1f} ms/it")
+        return lines
+
+
+def ShardedTrainer(*, model: ModelSpec, plan: ShardedPlan, train: TrainConfig, batch_fn: BatchFn,  # noqa: N802
+                   cluster: ClusterSpec | None = None, init_full_state: Mapping[str, torch.Tensor] | None = None,
+                   padded_vocab: int | None = None, slowdown: float | None = None,
+                   clock: Callable[[], float] | None = None, memory_budget_bytes: Sequence[int] | None = None,
+                   gather_method: Literal["padded", "broadcast"] = "padded",
+                   reduce_scatter_method: Literal["reduce", "all_reduce"] = "reduce") -> Trainer:
+    """The trainer over this rank's shard of ``plan`` (call on every rank); ``slowdown`` overrides the
+    cluster's emulation factor of the rank's island."""
+    strategy = ShardedStrategy(model=model, plan=plan, train=train, batch_fn=batch_fn,
+                               init_full_state=init_full_state, padded_vocab=padded_vocab,
+                               memory_budget_bytes=memory_budget_bytes, gather_method=gather_method,
+                               reduce_scatter_method=reduce_scatter_method)
+    timer = emulation_timer(cluster, strategy.share.island, slowdown=slowdown, clock=clock)
+    return Trainer(strategy=strategy, train=train, timer=timer)

@@ -26,7 +26,7 @@ from megatron_het.resilience.policy import decide
 from megatron_het.resilience.recovery import FaultSpec
 from megatron_het.resilience.routing import reroute
 from megatron_het.resilience.worker import resilient_worker
-from megatron_het.runtime.train_config import TrainConfig
+from megatron_het.train.config import TrainConfig
 
 MODEL = ModelSpec(num_layers=4, hidden_size=64, num_attention_heads=4, seq_length=32, vocab_size=200)
 TRAIN = TrainConfig(micro_batch_size=2, global_batch_size=12, train_iters=6, lr=1e-3)

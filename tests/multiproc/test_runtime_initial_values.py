@@ -7,7 +7,7 @@ import pytest
 from megatron_het.cluster import ModelSpec
 from megatron_het.plan import Plan, ReplicaPlan, StagePlan
 from megatron_het.platform.local_launch import run_local
-from megatron_het.runtime.train_config import TrainConfig
+from megatron_het.train.config import TrainConfig
 
 MODEL = ModelSpec(num_layers=4, hidden_size=32, num_attention_heads=4, seq_length=16, vocab_size=100)
 
@@ -29,7 +29,8 @@ def _rank(rank, world_size):
     enable_cpu_backend()
     train = TrainConfig(micro_batch_size=2, global_batch_size=4, train_iters=1)
     trainer = HeteroTrainer(model=MODEL, plan=PLAN, train=train, batch_fn=lambda it, idx: None)
-    return {name: (p.detach().clone(), trainer.sync.local[name]) for name, p in trainer.params.items()}
+    stage = trainer.strategy
+    return {name: (p.detach().clone(), stage.sync.local[name]) for name, p in stage.params.items()}
 
 
 @pytest.mark.multiproc

@@ -24,7 +24,7 @@ from megatron_het.platform.local_launch import run_local
 from megatron_het.runtime.boundary import Transfer, sequence_transfers, shard_rows
 from megatron_het.runtime.grad_sync import Holding, plan_buckets
 from megatron_het.runtime.groups import BlockShape
-from megatron_het.runtime.train_config import TrainConfig
+from megatron_het.train.config import TrainConfig
 
 MODEL = ModelSpec(num_layers=4, hidden_size=64, num_attention_heads=4, seq_length=32, vocab_size=200)
 TRAIN = TrainConfig(micro_batch_size=2, global_batch_size=8, train_iters=3, lr=1e-3)
@@ -62,9 +62,10 @@ def cases_worker(rank, world_size, model, cases, init_full_state, padded_vocab):
         trainer = HeteroTrainer(model=model, plan=plan, train=train, batch_fn=batch_fn(model, train.seed),
                                 init_full_state=init_full_state, padded_vocab=padded_vocab)
         res = trainer.run(return_shards=True)
-        out[name] = {"run": res, "report": trainer.overlap_report,
-                     "launched": getattr(trainer.sync, "launched_in_backward", None),
-                     "buckets": len(trainer.sync._groups), "stage": (trainer.role.replica, trainer.role.stage)}
+        stage = trainer.strategy
+        out[name] = {"run": res, "report": stage.overlap_report,
+                     "launched": getattr(stage.sync, "launched_in_backward", None),
+                     "buckets": len(stage.sync._groups), "stage": (stage.role.replica, stage.role.stage)}
     return out
 
 
@@ -213,7 +214,7 @@ def test_bucket_numel_splits_groups_in_backward_order():
 
 @pytest.mark.parametrize("name,stages,micro", [("1f1b", 3, 4), ("gpipe", 2, 3), ("zb-h1", 3, 5)])
 def test_gradient_buckets_are_armed_before_the_last_backward(name, stages, micro):
-    from megatron_het.runtime.hetero_trainer import grad_reduce_trigger
+    from megatron_het.runtime.executor import grad_reduce_trigger
     from megatron_het.schedule import build_schedule
 
     for acts in build_schedule(name, stages, micro, 1).actions:

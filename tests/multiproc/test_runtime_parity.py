@@ -15,7 +15,7 @@ from megatron_het.cluster import ModelSpec
 from megatron_het.plan import Plan, ReplicaPlan, StagePlan
 from megatron_het.platform.local_launch import run_local
 from megatron_het.runtime.groups import BlockShape
-from megatron_het.runtime.train_config import TrainConfig
+from megatron_het.train.config import TrainConfig
 
 from workers.megatron_workers import hetero_cases_worker, megatron_block_worker
 

@@ -27,8 +27,8 @@ from megatron_het.cluster import ModelSpec
 from megatron_het.perf.sharded import sharded_rank_memory
 from megatron_het.platform.local_launch import run_local
 from megatron_het.runtime.groups import BlockShape
-from megatron_het.runtime.train_config import TrainConfig
 from megatron_het.sharding import RankShare, ShardedPlan
+from megatron_het.train.config import TrainConfig
 
 from workers.megatron_workers import megatron_block_worker
 from workers.sharding_workers import sharded_cases_worker

@@ -39,18 +39,18 @@ def _argv(plan: str, tb_dir: str, iters: int = ITERS) -> list[str]:
 def pretrain_worker(rank: int, world: int, argv: list[str], failing_argv: list[str]):
     """A full run, then a run whose second iteration raises on every rank (the event file must survive)."""
     from megatron_het.platform import detect_accelerator
-    from megatron_het.runtime import hetero_trainer
     from megatron_het.runtime.pretrain import run
+    from megatron_het.train.trainer import Trainer
 
     result = run(parse_args(argv), detect_accelerator())
-    step = hetero_trainer.HeteroTrainer._step
+    step = Trainer._step
 
     def failing(self, it):
         if it == 1:
             raise RuntimeError("injected failure at iteration 2")
         return step(self, it)
 
-    hetero_trainer.HeteroTrainer._step = failing
+    Trainer._step = failing
     try:
         run(parse_args(failing_argv), detect_accelerator())
         failed = None
@@ -138,9 +138,9 @@ def test_stage_times_average_each_stage_over_its_ranks():
 
 
 def test_iteration_scalars_follow_the_flags():
-    from megatron_het.runtime.hetero_trainer import HeteroIterationLog
+    from megatron_het.train.strategy import IterationLog
 
-    log = HeteroIterationLog(iteration=4, lm_loss=6.5, grad_norm=0.25, elapsed_s=0.5)
+    log = IterationLog(iteration=4, lm_loss=6.5, grad_norm=0.25, elapsed_s=0.5)
     base = iteration_scalars(log, lr=2e-4, global_batch_size=8, seq_length=64, config=TensorBoardConfig(log_dir="x"))
     assert base == {"lm loss": 6.5, "learning-rate": 2e-4, "grad-norm": 0.25, "batch-size": 8.0}
     full = iteration_scalars(log, lr=2e-4, global_batch_size=8, seq_length=64,

@@ -8,7 +8,7 @@ from functools import partial
 from megatron_het.cluster import ModelSpec
 from megatron_het.data.synthetic import synthetic_batch
 from megatron_het.runtime.groups import BlockShape
-from megatron_het.runtime.train_config import TrainConfig
+from megatron_het.train.config import TrainConfig
 
 
 def batch_fn(model: ModelSpec, seed: int):
@@ -68,7 +68,7 @@ def hetero_cases_worker(rank, world_size, model: ModelSpec, cases, train: TrainC
             trainer = HeteroTrainer(model=model, plan=plan, train=train, batch_fn=batch_fn(model, train.seed),
                                     init_full_state=init_full_state, padded_vocab=padded_vocab, cluster=cluster)
             res = trainer.run(return_shards=True)
-            res = dataclasses.replace(res, routes=tuple(trainer.sync.routes))
+            res = dataclasses.replace(res, routes=tuple(trainer.strategy.sync.routes))
         out[name] = (res, time.perf_counter() - start)
     return out
 

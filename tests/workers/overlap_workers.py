@@ -218,7 +218,8 @@ def megatron_parity_cases(rank: int, world: int) -> dict:
 
     from megatron_het.cluster import ModelSpec
     from megatron_het.comm.overlap_megatron import apply_tp_comm_overlap
-    from megatron_het.runtime.gpt_model import StageModelSpec, padded_vocab_size, transformer_config
+    from megatron_het.perf.flops import padded_vocab_size
+    from megatron_het.runtime.gpt_model import StageModelSpec, transformer_config
     from megatron_het.runtime.groups import BlockShape, block_process_groups
     from megatron_het.tp.spec import sequence_parallel_block_spec
 
@@ -228,7 +229,7 @@ def megatron_parity_cases(rank: int, world: int) -> dict:
         model = ModelSpec(num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=16, vocab_size=100,
                           swiglu=swiglu)
         spec = StageModelSpec(model=model, num_layers=2, layer_offset=0, tp=2, pre_process=True,
-                              post_process=True, vocab_size=padded_vocab_size(100, 2), sequence_parallel=True)
+                              post_process=True, vocab_size=padded_vocab_size(100, tp=2), sequence_parallel=True)
 
         def build():
             torch.manual_seed(3)

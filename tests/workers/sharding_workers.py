@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 
 from megatron_het.cluster import ModelSpec
-from megatron_het.runtime.train_config import TrainConfig
+from megatron_het.train.config import TrainConfig
 
 from workers.megatron_workers import batch_fn
 
@@ -24,7 +24,6 @@ def sharded_cases_worker(rank, world_size, model: ModelSpec, cases, train: Train
 
     from megatron_het.platform import enable_cpu_backend
     from megatron_het.sharding.budget import MemoryBudgetError
-    from megatron_het.sharding.checkpoint import load_sharded, save_sharded
     from megatron_het.sharding.trainer import ShardedTrainer
 
     enable_cpu_backend()
@@ -44,10 +43,10 @@ def sharded_cases_worker(rank, world_size, model: ModelSpec, cases, train: Train
             first = ShardedTrainer(model=model, plan=case["plan"], train=train, batch_fn=fn,
                                    init_full_state=init_full_state, padded_vocab=padded_vocab)
             a = first.run(case["split"])
-            path = save_sharded(first, os.path.join(workdir, name))  # -> <dir>/iter_0000003
+            path = first.save_checkpoint(os.path.join(workdir, name))  # -> <dir>/iter_0000003
             second = ShardedTrainer(model=model, plan=case["resume_plan"], train=train, batch_fn=fn,
                                     padded_vocab=padded_vocab)
-            loaded = load_sharded(second, path)
+            loaded = second.load_checkpoint(path)
             b = second.run(train.train_iters - loaded, return_shards=True)
             out[name] = (a, b, loaded)
         elif kind == "budget":
@@ -89,7 +88,7 @@ def pretrain_sharded_worker(rank, world_size, steps, pipeline_check):
     """pretrain_gpt.py's sharded path, run in-process: ``steps`` is a list of (argv, plan_path).
 
     Each step parses ``argv`` as pretrain_gpt.py does, loads the plan with ``load_any_plan`` and
-    runs ``run_sharded_pretrain``; its PretrainResult and rank 0's printed lines are returned per step. Then
+    runs pretrain_gpt.py's ``run`` with it; its PretrainResult and rank 0's printed lines are returned per step. Then
     ``pipeline_check`` = (argv, pipeline_plan_path, checkpoint_dir): a HeteroTrainer under that
     pipeline Plan loads the sharded checkpoint and evaluates validation iteration 0.
     """
@@ -97,12 +96,11 @@ def pretrain_sharded_worker(rank, world_size, steps, pipeline_check):
     import io
 
     from megatron_het.checkpoint.dist_ckpt import iteration_dir, latest_iteration
-    from megatron_het.platform import enable_cpu_backend
+    from megatron_het.platform import detect_accelerator, enable_cpu_backend
     from megatron_het.runtime.arguments import parse_args
     from megatron_het.runtime.hetero_trainer import HeteroTrainer
-    from megatron_het.runtime.pretrain import _batch_fns
+    from megatron_het.runtime.pretrain import batch_fns, run
     from megatron_het.sharding.plan import ShardedPlan, load_any_plan
-    from megatron_het.sharding.pretrain_sharded import run_sharded_pretrain
 
     enable_cpu_backend()
     out = {"steps": []}
@@ -112,13 +110,13 @@ def pretrain_sharded_worker(rank, world_size, steps, pipeline_check):
         assert isinstance(plan, ShardedPlan)
         buf = io.StringIO()
         with contextlib.redirect_stdout(buf):
-            result = run_sharded_pretrain(args, cluster=args.cluster, plan=plan, model=args.model)
+            result = run(args, detect_accelerator(), plan=plan)
         out["steps"].append((result, buf.getvalue()))
     argv, plan_path, ckpt = pipeline_check
     args = parse_args(argv)
-    _, valid_fn = _batch_fns(args)
+    train_fn, valid_fn = batch_fns(args)
     trainer = HeteroTrainer(model=args.model, plan=load_any_plan(plan_path), train=args.train,
-                            batch_fn=_batch_fns(args)[0], slowdown=1.0)
+                            batch_fn=train_fn, slowdown=1.0)
     loaded = trainer.load_checkpoint(iteration_dir(ckpt, latest_iteration(ckpt)))
     out["pipeline"] = (loaded, trainer.evaluate(valid_fn, 0))
     return out

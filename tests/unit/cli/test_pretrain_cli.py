@@ -75,3 +75,47 @@ def test_overlap_flags_reach_the_plan_and_the_training_config(tmp_path):
     plain = resolve_plan(parse_args(base))
     assert plain == plan and not plain.sequence_parallel
     validate_plan(plain, args.model, args.cluster)
+
+
+@pytest.fixture(scope="module")
+def tokenizer_512(tmp_path_factory) -> str:
+    """A real SentencePiece model of 512 pieces, trained on the first 60 documents of the shipped corpus."""
+    import json
+
+    from megatron_het.data.tokenizer import TokenizerTrainConfig, train_tokenizer
+
+    work = tmp_path_factory.mktemp("tok")
+    corpus = work / "small.jsonl"
+    with open(os.path.join(ROOT, "examples/data/corpus.jsonl"), encoding="utf-8") as lines:
+        corpus.write_text("".join(line for line, _ in zip(lines, range(60))), encoding="utf-8")
+    assert json.loads(corpus.read_text(encoding="utf-8").splitlines()[0])["text"]
+    return str(train_tokenizer(TokenizerTrainConfig(input=corpus, output_prefix=work / "sp512", vocab_size=512)).model_path)
+
+
+# --tokenizer-model used to be found by scanning argv: the "=" form and the last position skipped the
+# vocabulary check, and a too-small --vocab-size died mid-step with an IndexError in the embedding.
+@pytest.mark.parametrize("form", ["equals", "last"])
+def test_tokenizer_vocabulary_is_checked_in_every_flag_form(form, tokenizer_512, capsys):
+    flag = [f"--tokenizer-model={tokenizer_512}"] if form == "equals" else ["--tokenizer-model", tokenizer_512]
+    with pytest.raises(SystemExit) as exc:
+        parse_args(BASE + ["--data-path", "prefix", "--vocab-size", "100"] + flag)
+    assert exc.value.code == 2
+    assert "error: --vocab-size: the tokenizer has 512 pieces (got 100)" in capsys.readouterr().err
+    args = parse_args(BASE + ["--data-path", "prefix"] + flag)  # no --vocab-size: the tokenizer's
+    assert args.model.vocab_size == 512 and args.data.tokenizer_model == tokenizer_512
+
+
+@pytest.mark.parametrize("form", ["equals", "last"])
+@pytest.mark.parametrize("bad", ["missing", "empty"])
+def test_bad_tokenizer_file_is_one_line_naming_flag_and_file(form, bad, tmp_path):
+    path = tmp_path / "tok.model"
+    if bad == "empty":
+        path.write_bytes(b"")
+    flag = [f"--tokenizer-model={path}"] if form == "equals" else ["--tokenizer-model", str(path)]
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "pretrain_scripts/pretrain_gpt.py"),
+                           *BASE, "--data-path", "prefix", *flag], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1, proc.stderr
+    assert lines[0].startswith("pretrain_gpt.py: error: --tokenizer-model: ") and f"'{path}'" in lines[0]
+    assert ("file not found" if bad == "missing" else "is empty") in lines[0]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from megatron_het.resilience.executor import backward_input, backward_weight
+from megatron_het.runtime.executor import backward_input, backward_weight
 
 
 class Stage(torch.nn.Module):

@@ -1,18 +1,14 @@
 """ChainedHooks: several TrainerHooks (e.g. TensorBoard + resilience) behave as one."""
 
-from megatron_het.runtime.hetero_trainer import ChainedHooks, TrainerHooks
+from megatron_het.train.trainer import ChainedHooks, TrainerHooks
 
 
 class _Recorder(TrainerHooks):
-    def __init__(self, name, events, *, loss=None, repairs=False):
-        self.name, self.events, self.loss, self.repairs = name, events, loss, repairs
+    def __init__(self, name, events, *, repairs=False):
+        self.name, self.events, self.repairs = name, events, repairs
 
     def on_step_start(self, trainer, iteration):
         self.events.append((self.name, "start", iteration))
-
-    def run_actions(self, trainer, iteration, times):
-        self.events.append((self.name, "run", iteration))
-        return self.loss
 
     def on_action(self, trainer, iteration, index, action):
         self.events.append((self.name, "action", index))
@@ -27,13 +23,11 @@ class _Recorder(TrainerHooks):
 
 def test_every_hook_sees_every_event_in_order():
     events = []
-    chain = ChainedHooks(_Recorder("a", events), _Recorder("b", events, loss=7.0), _Recorder("c", events, loss=9.0))
+    chain = ChainedHooks(_Recorder("a", events), _Recorder("b", events), _Recorder("c", events))
     chain.on_step_start(None, 3)
-    assert chain.run_actions(None, 3, None) == 7.0  # the first executor that answers runs the iteration
     chain.on_action(None, 3, 5, "F0")
     chain.on_step_end(None, "log")
     assert events == [("a", "start", 3), ("b", "start", 3), ("c", "start", 3),
-                      ("a", "run", 3), ("b", "run", 3),
                       ("a", "action", 5), ("b", "action", 5), ("c", "action", 5),
                       ("a", "end", "log"), ("b", "end", "log"), ("c", "end", "log")]
 
@@ -43,4 +37,3 @@ def test_failure_is_repaired_when_one_hook_repairs_it():
     assert ChainedHooks(_Recorder("a", events), _Recorder("b", events, repairs=True)).on_failure(None, 1, RuntimeError("x"))
     assert [e[0] for e in events] == ["a", "b"]
     assert not ChainedHooks(_Recorder("a", [])).on_failure(None, 1, RuntimeError("x"))
-    assert ChainedHooks().run_actions(None, 0, None) is None

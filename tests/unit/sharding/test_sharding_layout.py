@@ -7,9 +7,9 @@ import json
 import pytest
 import torch
 
-from megatron_het.runtime.train_config import TrainConfig
 from megatron_het.sharding import FlatIndex, RankShare, ShardedPlan, ShardLayout, sample_ranges, shard_sizes
 from megatron_het.sharding.optimizer import ShardedAdamW, decay_mask
+from megatron_het.train.config import TrainConfig
 
 
 def _plan(mbs=(1, 1, 2, 4), nmb=(1, 1, 1, 1), fr=(0.1, 0.2, 0.3, 0.4), gbs=8):

@@ -1,4 +1,8 @@
-"""Optimisation settings shared by every trainer (Megatron-LM's flag names, minus dashes)."""
+"""Settings of a training run as typed objects (Megatron-LM's flag names, minus dashes).
+
+``runtime/arguments.py`` declares each command-line flag once and maps it into these; the
+defaults live here only. No torch import: parsing stays fast.
+"""
 
 from __future__ import annotations
 
@@ -32,6 +36,9 @@ class TrainConfig:
     # Megatron's --ddp-bucket-size: parameters per gradient bucket with overlap_grad_reduce; None:
     # megatron-core's default max(40M, 1M x replicas). Without overlap a bucket is one holder group
     ddp_bucket_size: int | None = None
+    # Megatron's --distributed-timeout-minutes: timeout of the process groups (a hung peer fails the
+    # collective after this long instead of blocking forever)
+    distributed_timeout_minutes: int = 10
 
     def __post_init__(self) -> None:
         for name in ("micro_batch_size", "global_batch_size", "train_iters", "log_interval"):
@@ -50,6 +57,9 @@ class TrainConfig:
                              f"(limit 1). Fix: leave it None for megatron-core's default")
         if self.clip_grad < 0:
             raise ValueError(f"clip_grad must be >= 0, got {self.clip_grad}")
+        if self.distributed_timeout_minutes < 1:
+            raise ValueError(f"distributed_timeout_minutes must be >= 1, got {self.distributed_timeout_minutes}. "
+                             f"Fix: pass minutes, e.g. --distributed-timeout-minutes 10")
 
     def lr_at(self, iteration: int) -> float:
         """Learning rate for 0-based ``iteration`` (warm-up, then the decay style down to min_lr)."""
@@ -64,3 +74,51 @@ class TrainConfig:
         if self.lr_decay_style == "linear":
             return self.min_lr + (self.lr - self.min_lr) * (1.0 - frac)
         return self.min_lr + (self.lr - self.min_lr) * 0.5 * (1.0 + math.cos(math.pi * frac))
+
+
+@dataclass(frozen=True, kw_only=True)
+class LoopConfig:
+    """What a pretraining run does around the steps (Megatron-LM's flags of the same names)."""
+
+    eval_interval: int = 0  # iterations between validation passes; 0: none
+    eval_iters: int = 0  # validation batches per pass
+    save: str | None = None  # checkpoint directory written at the end (and every save_interval)
+    save_interval: int = 0  # iterations between intermediate saves; 0: only at the end
+    load: str | None = None  # checkpoint directory to resume from (its latest iteration)
+
+    def __post_init__(self) -> None:
+        for name in ("eval_interval", "eval_iters", "save_interval"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class DataConfig:
+    """Where the training tokens come from."""
+
+    mock_data: bool = False  # synthetic tokens instead of data_path
+    data_path: tuple[str, ...] = ()  # indexed dataset prefix (or weight prefix ... pairs)
+    split: str = "949,50,1"  # train,valid,test weights
+    data_cache_path: str | None = None  # where megatron-core caches dataset indices
+    tokenizer_type: str = "SentencePieceTokenizer"
+    tokenizer_model: str | None = None  # the SentencePiece model the data was tokenized with
+
+
+@dataclass(frozen=True, kw_only=True)
+class TensorBoardConfig:
+    """Megatron-LM's TensorBoard flags, validated (``runtime/tensorboard_log.py`` writes the scalars)."""
+
+    log_dir: str  # --tensorboard-dir: where the event files go
+    log_interval: int = 1  # --tensorboard-log-interval: iterations between written points
+    queue_size: int = 1000  # --tensorboard-queue-size: events buffered before a write to disk
+    log_timers: bool = False  # --log-timers-to-tensorboard: iteration-time and per-stage compute/idle
+    log_memory: bool = False  # --log-memory-to-tensorboard: peak/current memory, per stage
+    log_throughput: bool = False  # --log-throughput: tokens/s and samples/s
+
+    def __post_init__(self) -> None:
+        if not self.log_dir:
+            raise ValueError("--tensorboard-dir: got ''. Fix: pass a directory, e.g. --tensorboard-dir runs/tb")
+        for flag, value in (("--tensorboard-log-interval", self.log_interval),
+                            ("--tensorboard-queue-size", self.queue_size)):
+            if value < 1:
+                raise ValueError(f"{flag}: got {value}, the minimum is 1. Fix: pass {flag} 1 or more")

@@ -1,0 +1,86 @@
+"""Megatron's pretraining loop around the trainer: log lines, evaluation, periodic saves, summary.
+
+The same for every plan kind: ``runtime/pretrain.py`` builds the trainer (pipeline or sharded
+strategy) and hands it here. Log lines come from global rank 0 in Megatron-LM's format.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from megatron_het.train.config import LoopConfig
+from megatron_het.train.strategy import BatchFn, IterationLog
+from megatron_het.train.trainer import Trainer
+
+
+def print_rank0(msg: str) -> None:
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        print(msg, flush=True)
+
+
+def iteration_line(*, iteration: int, train_iters: int, global_batch_size: int, elapsed_s: float, lr: float,
+                   loss: float, grad_norm: float, tokens_per_s: float) -> str:
+    """Megatron-LM's per-iteration log line (``elapsed_s``: mean per iteration over the log window)."""
+    return (f" iteration {iteration:8d}/{train_iters:8d} | consumed samples: {iteration * global_batch_size:10d} "
+            f"| elapsed time per iteration (ms): {elapsed_s * 1000:.1f} | learning rate: {lr:.3E} "
+            f"| global batch size: {global_batch_size:5d} | lm loss: {loss:.6E} "
+            f"| grad norm: {grad_norm:.3f} | tokens/s: {tokens_per_s:.0f}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class PretrainResult:
+    """What one rank saw of a run (losses are global: every rank holds the same values)."""
+
+    logs: tuple[IterationLog, ...]  # one per iteration trained in this run
+    validation: tuple[tuple[int, float], ...]  # (iteration, validation loss) at each eval_interval
+
+
+def evaluate(trainer: Trainer, valid_fn: BatchFn, eval_iters: int) -> float:
+    """Mean validation loss over ``eval_iters`` batches (collective)."""
+    losses = [trainer.evaluate(valid_fn, it) for it in range(eval_iters)]
+    return sum(losses) / len(losses)
+
+
+def train_loop(trainer: Trainer, *, loop: LoopConfig, seq_length: int, valid_fn: BatchFn | None,
+               on_validation: Callable[[int, float], None] | None = None,
+               tokenizer_model: str | None = None) -> PretrainResult:
+    """Train up to ``trainer.train.train_iters`` (from the trainer's iteration); collective.
+
+    Checkpoints carry ``tokenizer_model`` (the run's SentencePiece file) when given.
+    """
+    train = trainer.train
+    validation = []
+    window_start = time.perf_counter()
+
+    def after_step(entry: IterationLog) -> None:
+        nonlocal window_start
+        it = entry.iteration
+        if it % train.log_interval == 0:
+            elapsed = (time.perf_counter() - window_start) / train.log_interval
+            window_start = time.perf_counter()
+            print_rank0(iteration_line(iteration=it, train_iters=train.train_iters,
+                                       global_batch_size=train.global_batch_size, elapsed_s=elapsed,
+                                       lr=train.lr_at(it - 1), loss=entry.lm_loss, grad_norm=entry.grad_norm,
+                                       tokens_per_s=train.global_batch_size * seq_length / elapsed))
+        if loop.eval_interval and loop.eval_iters and valid_fn is not None and it % loop.eval_interval == 0:
+            loss = evaluate(trainer, valid_fn, loop.eval_iters)
+            validation.append((it, loss))
+            if on_validation is not None:
+                on_validation(it, loss)
+            print_rank0(f" validation loss at iteration {it} | lm loss value: {loss:.6E} | "
+                        f"lm loss PPL: {torch.exp(torch.tensor(loss)).item():.3f}")
+        if loop.save and loop.save_interval and it % loop.save_interval == 0 and it < train.train_iters:
+            print_rank0(f"saved checkpoint {trainer.save_checkpoint(loop.save, tokenizer_model=tokenizer_model)}")
+
+    logs = trainer.run(max(0, train.train_iters - trainer.iteration), on_iteration=after_step).iterations
+    if loop.save:
+        print_rank0(f"saved checkpoint {trainer.save_checkpoint(loop.save, tokenizer_model=tokenizer_model)}")
+    if logs:
+        for line in trainer.strategy.summary_lines(logs):
+            print(line, flush=True)
+    return PretrainResult(logs=tuple(logs), validation=tuple(validation))

@@ -1,0 +1,96 @@
+"""What a parallelism strategy implements for the one trainer, and the types they share.
+
+A strategy (pipeline: ``runtime/hetero_trainer.py``, sharded: ``sharding/trainer.py``, plain
+megatron-core: ``runtime/megatron_trainer.py``) owns the model, its process groups, its optimizer
+and one iteration's work; the trainer (``train/trainer.py``) owns the iteration counter, the hooks,
+the timer and the logs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol
+
+import torch
+
+if TYPE_CHECKING:
+    from megatron_het.cluster import ModelSpec
+    from megatron_het.train.timer import EmulationTimer
+
+# global parameter name -> checkpoint.full_state.Shard (this rank's piece of the full tensor)
+Shards = Mapping[str, Any]
+
+# batch_fn(iteration, sample_indices) -> LongTensor [len(indices), seq_length + 1]
+BatchFn = Callable[[int, range], torch.Tensor]
+# on_action(index, action): called before each schedule action of an iteration (fault injection)
+ActionHook = Callable[[int, object], None]
+
+
+@dataclass(frozen=True, kw_only=True)
+class StepResult:
+    """What a strategy's step reports; the trainer adds the timing common to every strategy."""
+
+    lm_loss: float | None  # mean token loss over the global batch (None where the rank does not see it)
+    grad_norm: float  # global gradient norm before clipping
+    comm_s: float = 0.0  # collectives over the training state (sharded: gather, reduce-scatter, norm)
+    optimizer_s: float = 0.0  # the optimizer step, where a strategy measures it apart
+
+
+@dataclass(frozen=True, kw_only=True)
+class IterationLog:
+    """What one rank saw of one iteration."""
+
+    iteration: int  # 1-based, as Megatron logs it
+    lm_loss: float | None  # mean token loss over the global batch (None: not known on this rank)
+    grad_norm: float  # global gradient norm before clipping
+    elapsed_s: float  # wall time of the step on this rank
+    compute_s: float = 0.0  # forward + backward, emulated slowdown included
+    emulated_s: float = 0.0  # of which (plus the optimizer's): waiting to emulate a slower device
+    comm_s: float = 0.0  # StepResult.comm_s
+    optimizer_s: float = 0.0  # StepResult.optimizer_s
+    tokens_per_s: float = 0.0  # global batch tokens / elapsed_s
+
+    @property
+    def idle_s(self) -> float:
+        """Time not spent computing (waiting for neighbours, collectives, optimizer)."""
+        return max(0.0, self.elapsed_s - self.compute_s)
+
+
+@dataclass(frozen=True, kw_only=True)
+class RunResult:
+    """A rank's outcome of a training run."""
+
+    rank: int
+    iterations: tuple[IterationLog, ...]
+    initial_shards: Shards | None  # parameters before the first step, if requested
+    shards: Shards | None  # final parameters as global-named shards, if requested
+    routes: tuple = ()  # (ranks, "native" | "het-bridge") of this rank's gradient groups
+
+
+class Strategy(Protocol):
+    """One parallelism strategy behind the trainer; every method is collective over the strategy's ranks."""
+
+    model_spec: ModelSpec  # the model trained
+    rank: int  # this process's rank in the current world
+    reports_shards: bool  # this rank's shards() go into RunResult (one copy per tensor is enough)
+
+    # One optimizer step on the global batch of 0-based ``iteration``. A failure must leave the
+    # optimizer un-stepped on every rank, so the trainer can redo the iteration.
+    def step(self, iteration: int, *, lr: float, timer: EmulationTimer,
+             on_action: ActionHook | None) -> StepResult: ...
+
+    # Forward-only mean loss of one global batch from ``batch_fn``.
+    def evaluate(self, batch_fn: BatchFn, iteration: int) -> float: ...
+
+    # Write the state after ``iteration`` steps under ``save``; returns the iteration directory.
+    def save_checkpoint(self, save: str, iteration: int, *, tokenizer_model: str | None = None) -> str: ...
+
+    # Load a checkpoint written under any plan; returns its iteration.
+    def load_checkpoint(self, path: str, *, with_optimizer: bool = True) -> int: ...
+
+    # Current parameters as global-named shards.
+    def shards(self) -> Shards: ...
+
+    # Where the time went over ``logs``: the lines on global rank 0, [] elsewhere.
+    def summary_lines(self, logs: Sequence[IterationLog]) -> list[str]: ...
