@@ -47,8 +47,16 @@ class FutureWork : public c10d::Work {
       : Work(rank, op), fut_(std::move(fut)) {}
   bool isCompleted() override { return fut_->completed(); }
   bool isSuccess() const override { return fut_->completed() && !fut_->hasError(); }
-  bool wait(std::chrono::milliseconds /*timeout*/) override {
-    fut_->wait();
+  // `timeout` (kNoTimeout: wait until the worker finishes) bounds the caller's wait; the collective
+  // itself stays bounded by the group's timeout on the worker thread.
+  bool wait(std::chrono::milliseconds timeout) override {
+    if (timeout == ::kNoTimeout) {
+      fut_->wait();
+    } else if (!waitFor(timeout)) {
+      TORCH_CHECK_WITH(DistBackendError, false, "het: Work.wait timed out after ", timeout.count(),
+                       " ms; the collective is still queued or running on the group's worker thread. Fix: wait "
+                       "longer, or check that every rank of the group calls the same collectives in the same order");
+    }
     if (fut_->hasError()) {
       std::rethrow_exception(fut_->exception_ptr());
     }
@@ -57,6 +65,26 @@ class FutureWork : public c10d::Work {
   c10::intrusive_ptr<c10::ivalue::Future> getFuture() override { return fut_; }
 
  private:
+  // True when the future completed within `timeout` (a callback wakes the waiter; a future already
+  // complete runs it at once).
+  bool waitFor(std::chrono::milliseconds timeout) {
+    struct Waiter {
+      std::mutex mu;
+      std::condition_variable cv;
+      bool done = false;
+    };
+    auto w = std::make_shared<Waiter>();
+    fut_->addCallback([w](c10::ivalue::Future&) {
+      {
+        std::lock_guard<std::mutex> g(w->mu);
+        w->done = true;
+      }
+      w->cv.notify_all();
+    });
+    std::unique_lock<std::mutex> g(w->mu);
+    return w->cv.wait_for(g, timeout, [&] { return w->done; });
+  }
+
   c10::intrusive_ptr<c10::ivalue::Future> fut_;
 };
 
@@ -251,9 +279,16 @@ class HetBackend : public c10d::Backend {
     return c10::make_intrusive<FutureWork>(rank_, type, fut);
   }
 
-  // Name the group, this rank, and every rank whose last entered collective is before `seq`.
+  static std::string firstLine(const char* text) {
+    std::string s(text);
+    return s.substr(0, s.find('\n'));
+  }
+
+  // Name the group, this rank, and every rank whose last entered collective is before `seq`;
+  // stops at the first store error (one store timeout, not one per rank).
   std::string diagnose(const std::string& op, int64_t seq, double waited, const char* cause) {
     std::ostringstream missing;
+    std::string unreachable;
     int n_missing = 0;
     for (int r = 0; r < size_; ++r) {
       std::string key = "seq/" + std::to_string(r);
@@ -263,8 +298,11 @@ class HetBackend : public c10d::Backend {
           auto v = store_->get(key);
           theirs = std::stoll(std::string(v.begin(), v.end()));
         }
-      } catch (const std::exception&) {
-        continue;  // the store itself is gone: nothing more to learn
+      } catch (const std::exception& e) {
+        // The store itself is gone: every further read would wait out its timeout too.
+        unreachable = "; the store is unreachable (" + firstLine(e.what()) + "), ranks " + std::to_string(r) +
+                      ".." + std::to_string(size_ - 1) + " not checked";
+        break;
       }
       if (theirs < seq) {
         missing << (n_missing++ ? ", " : "") << "rank " << r << " (last entered #" << theirs << ")";
@@ -274,7 +312,8 @@ class HetBackend : public c10d::Backend {
     msg << "het group '" << name_ << "': rank " << rank_ << " " << op << " #" << seq
         << " failed after " << waited << " s (timeout " << timeout_s_ << " s); "
         << (n_missing ? "ranks that never entered it: " + missing.str()
-                      : std::string("every rank entered it"))
+                      : std::string(unreachable.empty() ? "every rank entered it" : "no rank found behind"))
+        << unreachable
         << ". Check that every rank of the group calls the same collectives in the same order. "
         << "Cause: " << cause;
     return msg.str();

@@ -42,13 +42,14 @@ def all_cases(rank: int, world: int, implementations: list[str]) -> dict:
     "three": islands of 1-2-3 ranks over the world; "two": islands of 2-2 on ranks 0-3 (4 and 5
     are non-members, which only join group creation); "skip": rank 3 skips an all-reduce.
     """
-    out: dict = {"three": {}, "two": {}, "skip": {}}
+    out: dict = {"three": {}, "two": {}, "skip": {}, "wait": {}}
     for impl in implementations:
         out["three"][impl] = _compare_one(rank, world, [1, 2, 3], impl, [5, 37], 1024)
         # 1 and 37 elements: not divisible by the island size; 700 fp32 elements with 1 KiB
         # chunks: the all-reduce pipeline runs three chunks.
         out["two"][impl] = _compare_one(rank, world, [2, 2], impl, [1, 37, 700], 1024)
         out["skip"][impl] = _skip(rank, world, impl, 3, 2.0)
+        out["wait"][impl] = _wait_timeout(rank, world, impl, 3, 2.0, 0.3)
     return out
 
 
@@ -157,4 +158,31 @@ def _skip(rank: int, world: int, implementation: str, skipper: int, timeout_s: f
             result["error"] = str(exc)
         result["elapsed"] = time.monotonic() - start
     dist.barrier()  # world group: line everyone up again before the next group is created
+    return result
+
+
+def _wait_timeout(rank: int, world: int, implementation: str, skipper: int, timeout_s: float,
+                  wait_s: float) -> dict:
+    """Work.wait(timeout) returns control after ``wait_s`` while the collective (which ``skipper``
+    never joins) is still pending; waiting again without a timeout ends at the group's timeout."""
+    import datetime
+
+    het = new_hierarchical_group([0, 1, 2, 3], membership_of([2, 2]),
+                                 implementation=implementation, timeout_s=timeout_s)
+    result = {"early": None, "early_s": 0.0, "final": None}
+    if het is not None and rank == skipper:
+        time.sleep(timeout_s * 2.5)
+    elif het is not None:
+        work = het.all_reduce(torch.ones(4), async_op=True)
+        start = time.monotonic()
+        try:
+            work.wait(datetime.timedelta(seconds=wait_s))
+        except HetCommError as exc:
+            result["early"] = str(exc)
+        result["early_s"] = time.monotonic() - start
+        try:
+            work.wait()
+        except HetCommError as exc:
+            result["final"] = str(exc)
+    dist.barrier()
     return result

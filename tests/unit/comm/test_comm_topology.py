@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from megatron_het.comm import CommConfigError, IslandMembership, needs_bridge, plan_topology
-from megatron_het.comm.diagnose import failure_message
+from megatron_het.comm.diagnose import Behind, failure_message
 from megatron_het.comm.group import _check_settings
 
 MEMBERSHIP = IslandMembership(rank_to_island={0: "mi", 1: "a100", 2: "a100", 3: "mi", 4: "cpu", 5: "a100"},
@@ -67,7 +67,7 @@ def test_settings_are_validated_with_value_and_limit():
 
 def test_failure_message_names_group_rank_and_missing_ranks():
     msg = failure_message(group="7", rank=1, op="all_reduce", seq=4, waited_s=3.04, timeout_s=3,
-                          behind=[(2, 3)], global_ranks=(0, 1, 5), cause="Timed out")
+                          behind=Behind(ranks=[(2, 3)]), global_ranks=(0, 1, 5), cause="Timed out")
     assert msg.startswith("het group '7': rank 1 all_reduce #4 failed after 3.0 s (timeout 3 s)")
     assert "rank 5 (group rank 2, last entered #3)" in msg
     assert msg.endswith("Cause: Timed out")
