@@ -53,7 +53,7 @@ def test_plan_json_round_trip_and_derived_views():
 
 
 def test_plan_validation_names_field_value_and_fix():
-    with pytest.raises(ValueError, match=r"global_batch_size: the ranks compute 8 samples .* is 9\. Fix"):
+    with pytest.raises(ValueError, match=r"global_batch_size: the ranks compute 8 samples per iteration, not global_batch_size \(got 9\)\. Fix"):
         _plan(gbs=9)
     with pytest.raises(ValueError, match=r"shard_fraction: the ranks' fractions sum to 1\.100000000"):
         _plan(fr=(0.2, 0.2, 0.3, 0.4))
