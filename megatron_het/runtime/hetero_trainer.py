@@ -35,7 +35,7 @@ from megatron_het.checkpoint.full_state import (
     local_shards,
 )
 from megatron_het.checkpoint.tp_layout import is_glu
-from megatron_het.cluster import ClusterSpec, ModelSpec
+from megatron_het.cluster import ClusterSpec, ConfigError, ModelSpec
 from megatron_het.perf.flops import padded_vocab_size
 from megatron_het.plan import Plan
 from megatron_het.plan.validate import check_tp_comm_overlap
@@ -81,10 +81,10 @@ class PipelineStrategy:
 
         check_tp_comm_overlap(plan)
         if plan.micro_batch_size != train.micro_batch_size or plan.global_batch_size != train.global_batch_size:
-            raise ValueError(
-                f"batch sizes: the plan has micro {plan.micro_batch_size} / global {plan.global_batch_size}, the "
-                f"training arguments micro {train.micro_batch_size} / global {train.global_batch_size}. "
-                f"Fix: pass the plan's sizes (or re-plan for yours)")
+            raise ConfigError(f"the plan has micro {plan.micro_batch_size} / global {plan.global_batch_size}",
+                              field="--micro-batch-size / --global-batch-size",
+                              value=(train.micro_batch_size, train.global_batch_size),
+                              fix="pass the plan's sizes (or re-plan for yours)")
         self.model_spec, self.plan, self.train, self.batch_fn = model, plan, train, batch_fn
         self.pgc, self.role = build_stage_groups(plan)
         role = self.role
@@ -124,8 +124,13 @@ class PipelineStrategy:
         self.optimizer = self._optimizer()
 
         stages = self.replica.stages
-        prev = Neighbour(ranks=tuple(stages[role.stage - 1].ranks)) if role.stage > 0 else None
-        nxt = Neighbour(ranks=tuple(stages[role.stage + 1].ranks)) if role.stage + 1 < len(stages) else None
+
+        def neighbour(s: int) -> Neighbour | None:  # island and stage are named when a transfer fails
+            if not 0 <= s < len(stages):
+                return None
+            return Neighbour(ranks=tuple(stages[s].ranks), island=stages[s].island, stage=s)
+
+        prev, nxt = neighbour(role.stage - 1), neighbour(role.stage + 1)
         link = BoundaryLink(tp_rank=role.tp_rank, tp=role.tp_size, prev=prev, next=nxt,
                             sequence_parallel=plan.sequence_parallel)
         schedule = build_schedule(plan.schedule, len(stages), self.replica.num_micro_batches,

@@ -21,10 +21,9 @@ import torch.distributed as dist
 
 from megatron_het.cluster import ConfigError
 from megatron_het.errors import UserError
-from megatron_het.plan import Plan, validate_plan
+from megatron_het.plan import AnyPlan, Plan, ShardedPlan, load_any_plan
 from megatron_het.platform import detect_accelerator, detect_optional_accelerators, enable_cpu_backend
 from megatron_het.runtime.arguments import PretrainArgs, parse_args
-from megatron_het.sharding.plan import ShardedPlan, describe_sharded_plan, load_any_plan, validate_sharded_plan
 from megatron_het.train.loop import PretrainResult, print_rank0, train_loop
 
 log = logging.getLogger("megatron_het")
@@ -42,7 +41,7 @@ def apply_overlap_flags(plan: Plan, args: PretrainArgs) -> Plan:
     return plan
 
 
-def resolve_plan(args: PretrainArgs) -> Plan | ShardedPlan:
+def resolve_plan(args: PretrainArgs) -> AnyPlan:
     """A plan file of either kind, validated against the model and cluster, or the planner's best plan
     over both modes (pipeline search, uneven sharded data parallelism)."""
     if args.plan_source == "auto":
@@ -62,10 +61,9 @@ def resolve_plan(args: PretrainArgs) -> Plan | ShardedPlan:
             raise ConfigError("the plan is a sharded data-parallel plan (no tensor parallelism)",
                               field="--sequence-parallel / --tp-comm-overlap", value=args.plan_source,
                               fix="drop the flags or use a pipeline/TP plan")
-        validate_sharded_plan(plan, args.cluster)
     else:
         plan = apply_overlap_flags(plan, args)
-        validate_plan(plan, args.model, args.cluster)
+    plan.validate(args.model, args.cluster)
     return plan
 
 
@@ -104,26 +102,13 @@ def _mock_batch(seq_length, vocab_size, seed, iteration, indices):
                            vocab_size=vocab_size)
 
 
-def describe_plan_lines(plan: Plan) -> list[str]:
-    lines = [f"plan: {len(plan.replicas)} replica(s), {plan.world_size} ranks, micro-batch {plan.micro_batch_size}, "
-             f"global batch {plan.global_batch_size}, schedule {plan.schedule}"]
-    for r, replica in enumerate(plan.replicas):
-        stages = " | ".join(f"{s.island}({s.device_type}) TP={s.tp} ranks {s.ranks[0]}-{s.ranks[-1]} "
-                            f"layers {s.layers[0]}-{s.layers[1] - 1}" for s in replica.stages)
-        lines.append(f"  replica {r}: {replica.num_micro_batches} micro-batches: {stages}")
-    if plan.predicted:
-        p = plan.predicted
-        lines.append(f"  predicted: {p.get('iteration_time_s', float('nan')) * 1000:.1f} ms/iteration, "
-                     f"{p.get('tokens_per_s', float('nan')):.0f} tokens/s")
-    return lines
-
-
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
     logging.getLogger("megatron_het").setLevel(logging.INFO)
-    try:
+    try:  # bad arguments and plan files fail here, before any rendezvous
         args = parse_args(argv)
+        plan = resolve_plan(args)
     except UserError as e:
         print(f"pretrain_gpt.py: error: {e}", file=sys.stderr)
         return 2
@@ -134,7 +119,7 @@ def main(argv: list[str] | None = None) -> int:
         dist.init_process_group("gloo" if not acc.is_gpu else "cpu:gloo,cuda:nccl",
                                 timeout=datetime.timedelta(minutes=args.train.distributed_timeout_minutes))
     try:
-        run(args, acc)
+        run(args, acc, plan=plan)
         return 0
     except UserError as e:
         print(f"[rank {dist.get_rank()}] pretrain_gpt.py: error: {e}", file=sys.stderr, flush=True)
@@ -144,7 +129,7 @@ def main(argv: list[str] | None = None) -> int:
             dist.destroy_process_group()
 
 
-def run(args: PretrainArgs, acc, *, plan: Plan | ShardedPlan | None = None,
+def run(args: PretrainArgs, acc, *, plan: AnyPlan | None = None,
         memory_budget_bytes=None) -> PretrainResult:
     """Build and train the run ``args`` describes on the initialised default group (collective).
 
@@ -159,12 +144,12 @@ def run(args: PretrainArgs, acc, *, plan: Plan | ShardedPlan | None = None,
                           value=acc.kind, fix="run on CPU ranks, or wait for the GPU device placement of the runtime")
     if plan is None:
         plan = resolve_plan(args)
-    elif isinstance(plan, ShardedPlan):
-        validate_sharded_plan(plan, args.cluster)
+    else:
+        plan.validate(args.model, args.cluster)
     check_world_size(plan.world_size)
     cluster = args.cluster
     sharded = isinstance(plan, ShardedPlan)
-    for line in describe_sharded_plan(plan) if sharded else describe_plan_lines(plan):
+    for line in plan.describe():
         print_rank0(line)
     if sharded and (len({r.micro_batch_size for r in plan.ranks}) > 1
                     or plan.ranks[0].micro_batch_size != args.train.micro_batch_size):
@@ -210,7 +195,7 @@ def run(args: PretrainArgs, acc, *, plan: Plan | ShardedPlan | None = None,
             tensorboard.close()
 
 
-def communication_line(plan: Plan | ShardedPlan, cluster) -> str:
+def communication_line(plan: AnyPlan, cluster) -> str:
     """Which communicators the plan's groups use."""
     if isinstance(plan, ShardedPlan):
         return "communication: one data-parallel group over all ranks (uneven all-gather / reduce-scatter)"

@@ -29,9 +29,10 @@ import torch
 import torch.distributed as dist
 
 from megatron_het.checkpoint.full_state import Shard, global_name, load_full_state
-from megatron_het.cluster import ClusterSpec, ModelSpec
+from megatron_het.cluster import ClusterSpec, ConfigError, ModelSpec
 from megatron_het.perf.flops import padded_vocab_size
 from megatron_het.perf.sharded import sharded_rank_memory
+from megatron_het.plan import ShardedPlan
 from megatron_het.runtime.gpt_model import StageModelSpec, build_gpt_stage, transformer_config
 from megatron_het.runtime.megatron_trainer import split_tokens
 from megatron_het.sharding.budget import check_budget
@@ -39,7 +40,6 @@ from megatron_het.sharding.checkpoint import load_sharded, save_sharded
 from megatron_het.sharding.collectives import uneven_all_gather, uneven_reduce_scatter
 from megatron_het.sharding.layout import FlatIndex, ShardLayout, sample_ranges
 from megatron_het.sharding.optimizer import ShardedAdamW, decay_mask
-from megatron_het.sharding.plan import ShardedPlan
 from megatron_het.train.config import TrainConfig
 from megatron_het.train.strategy import ActionHook, BatchFn, IterationLog, StepResult
 from megatron_het.train.timer import EmulationTimer, emulation_timer
@@ -65,8 +65,8 @@ class ShardedStrategy:
             raise ValueError(f"plan.ranks: the plan has {plan.world_size} ranks, the world {world}. "
                              f"Fix: launch {plan.world_size} processes or re-plan for {world}")
         if plan.global_batch_size != train.global_batch_size:
-            raise ValueError(f"global_batch_size: the plan has {plan.global_batch_size}, the training arguments "
-                             f"{train.global_batch_size}. Fix: pass the plan's global batch size")
+            raise ConfigError(f"the plan has {plan.global_batch_size}", field="--global-batch-size",
+                              value=train.global_batch_size, fix="pass the plan's global batch size")
         if memory_budget_bytes is not None and len(memory_budget_bytes) != world:
             raise ValueError(f"memory_budget_bytes: has {len(memory_budget_bytes)} entries for {world} ranks. "
                              "Fix: pass one budget per rank")

@@ -6,6 +6,7 @@ strategy) and hands it here. Log lines come from global rank 0 in Megatron-LM's 
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -19,7 +20,9 @@ from megatron_het.train.trainer import Trainer
 
 
 def print_rank0(msg: str) -> None:
-    if not dist.is_initialized() or dist.get_rank() == 0:
+    """Print on global rank 0 (before the process group exists: the launcher's RANK, if any)."""
+    rank = dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", "0"))
+    if rank == 0:
         print(msg, flush=True)
 
 
