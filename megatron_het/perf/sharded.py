@@ -22,6 +22,7 @@ The uneven collectives run as a ring over the padded largest shard (``sharding/c
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -178,14 +179,23 @@ def predict_sharded_ranks(model: ModelSpec, cluster: ClusterSpec, *, islands: Se
     p = total_parameters(model)
     sb = state_bytes_for(precision)
     ranks = []
+    bases: dict[tuple[int, bool], StageMemory] = {}  # ranks differ in few (size, recompute) pairs: price each once
+    computes: dict[tuple[str, int, int, bool], float] = {}
     for r in range(n):
         island = cluster.island(islands[r])
-        mem = sharded_rank_memory(model, shard_fraction=shard_fractions[r], micro_batch_size=micro_batch_sizes[r],
-                                  recompute=recompute[r], precision=precision, num_parameters=p,
-                                  overhead_bytes=overhead_bytes)
-        comp = rank_compute_s(model, island, micro_batch_size=micro_batch_sizes[r],
-                              num_micro_batches=num_micro_batches[r], recompute=recompute[r],
-                              slowdown=cluster.slowdown(islands[r]), profile=profile)
+        key = (micro_batch_sizes[r], bool(recompute[r]))
+        if key not in bases:
+            bases[key] = sharded_rank_memory(model, shard_fraction=0.0, micro_batch_size=key[0], recompute=key[1],
+                                             precision=precision, num_parameters=p, overhead_bytes=overhead_bytes)
+        if not 0.0 <= shard_fractions[r] <= 1.0:
+            raise ValueError(f"shard_fraction: must be in [0, 1] (got {shard_fractions[r]}). "
+                             "Fix: pass the rank's share")
+        mem = dataclasses.replace(bases[key], optimizer_bytes=math.ceil(sb.state_bytes * p * shard_fractions[r]))
+        ckey = (islands[r], micro_batch_sizes[r], num_micro_batches[r], bool(recompute[r]))
+        if ckey not in computes:
+            computes[ckey] = rank_compute_s(model, island, micro_batch_size=ckey[1], num_micro_batches=ckey[2],
+                                            recompute=ckey[3], slowdown=cluster.slowdown(islands[r]), profile=profile)
+        comp = computes[ckey]
         opt = optimizer_step_s(island.device, round(p * shard_fractions[r]), profile=profile)
         cap = capacity_bytes[r] if capacity_bytes is not None else int(island.device.memory_gib * 2**30)
         ranks.append(RankPrediction(rank=r, island=islands[r], compute_s=comp, optimizer_s=opt, memory=mem,

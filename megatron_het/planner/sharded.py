@@ -23,6 +23,7 @@ inputs and keeps the faster.
 
 from __future__ import annotations
 
+import functools
 import heapq
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -73,6 +74,11 @@ def _ranks(cluster: ClusterSpec, islands: Sequence[str] | None, capacity_bytes: 
                                   "Fix: pass one capacity per GPU, island by island")
         out = [_Rank(island=r.island, device_type=r.device_type, capacity=int(c)) for r, c in zip(out, capacity_bytes)]
     return out
+
+
+# Ranks the sharded planner handles (about 10 s at the bound on one core); the largest sharded
+# data-parallel runs published use ~16K GPUs.
+MAX_SHARDED_RANKS = 1 << 15
 
 
 def _min_max_split(total: int, seconds_per_sample: Sequence[float]) -> list[int]:
@@ -130,14 +136,19 @@ def _try_cap(model: ModelSpec, cluster: ClusterSpec, ranks: list[_Rank], *, cap:
              batch_policy: BatchPolicy, precision: Precision, profile, overhead: int) -> ShardedPlan | str:
     P = total_parameters(model)
 
+    @functools.cache
     def base(mbs: int, rc: bool) -> int:  # bytes of everything but the state shard
         m = sharded_rank_memory(model, shard_fraction=0.0, micro_batch_size=mbs, recompute=rc, precision=precision,
                                 overhead_bytes=overhead, num_parameters=P)
         return m.total_bytes
 
+    @functools.cache
+    def island_sample_s(island: str, mbs: int, rc: bool) -> float:  # ranks of one island price alike
+        return rank_compute_s(model, cluster.island(island), micro_batch_size=mbs, num_micro_batches=1,
+                              recompute=rc, slowdown=cluster.slowdown(island), profile=profile) / mbs
+
     def per_sample_s(r: _Rank, mbs: int, rc: bool) -> float:
-        return rank_compute_s(model, cluster.island(r.island), micro_batch_size=mbs, num_micro_batches=1,
-                              recompute=rc, slowdown=cluster.slowdown(r.island), profile=profile) / mbs
+        return island_sample_s(r.island, mbs, rc)
 
     def fitting_mbs(r: _Rank, limit: int) -> tuple[int, bool] | None:
         """The (micro-batch size <= limit, recompute) that fits and computes a sample fastest."""
@@ -230,6 +241,10 @@ def plan_sharded(model: ModelSpec, cluster: ClusterSpec, *, global_batch_size: i
                               f"option (got {tuple(micro_batch_sizes)}, {tuple(recompute_options)}). "
                               "Fix: pass e.g. (1, 2, 4) and (False, True)")
     ranks = _ranks(cluster, islands, capacity_bytes)
+    if len(ranks) > MAX_SHARDED_RANKS:
+        raise InfeasibleError(f"ranks: {len(ranks):,} GPUs exceed the sharded planner's bound of {MAX_SHARDED_RANKS:,} "
+                              "(a sharded plan lists, shards and prices every rank; beyond it planning takes minutes). "
+                              "Fix: use the pipeline planner (plan.py --mode pipeline) or plan for a subset of islands")
     best: tuple[float, ShardedPlan, ShardedPrediction] | None = None
     reasons: list[str] = []
     policies = ("balanced", "memory", "equal") if shard_policy == "auto" else (shard_policy,)

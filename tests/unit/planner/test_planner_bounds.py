@@ -60,3 +60,26 @@ def test_plan_at_the_bound_finishes_quickly():
     choice = plan_best(model, cluster, global_batch_size=MAX_GLOBAL_BATCH_SIZE, pipeline_options={"top_k": 1})
     assert time.monotonic() - start < 20.0
     assert choice.plan.global_batch_size == MAX_GLOBAL_BATCH_SIZE
+
+
+def _cluster_of(nodes: int):
+    from megatron_het.cluster import cluster_from_dict
+
+    return cluster_from_dict({"islands": [{"name": "a", "device": "A100-80GB", "nodes": nodes, "gpus_per_node": 8},
+                                          {"name": "b", "device": "H100-SXM", "nodes": nodes, "gpus_per_node": 8}],
+                              "links": [{"between": ["a", "b"], "bandwidth_gbps": 100}]})
+
+
+def test_sharded_planner_refuses_more_ranks_than_it_can_price_and_auto_falls_back():
+    from megatron_het.planner.errors import InfeasibleError
+    from megatron_het.planner.sharded import MAX_SHARDED_RANKS, plan_sharded
+
+    model = load_model(EXAMPLES / "models/llama2-7b.yaml")
+    huge = _cluster_of(65_536)  # 2^20 GPUs: the largest cluster file accepted
+    start = time.monotonic()
+    with pytest.raises(InfeasibleError, match=rf"1,048,576 GPUs exceed the sharded planner's bound of "
+                                              rf"{MAX_SHARDED_RANKS:,} .*Fix: use the pipeline planner"):
+        plan_sharded(model, huge, global_batch_size=512)
+    assert time.monotonic() - start < 2.0
+    choice = plan_best(model, huge, global_batch_size=512, pipeline_options={"top_k": 1})
+    assert choice.mode == "pipeline" and time.monotonic() - start < 30.0
