@@ -19,24 +19,8 @@ from megatron_het.errors import UserError
 from megatron_het.perf import load_profile
 from megatron_het.perf.bounds import check_global_batch_size
 from megatron_het.planner import MODES, plan_best
-from megatron_het.sharding import describe_sharded_plan
+from megatron_het.planner.summary import candidates_table, rank_ranges, summarize_plan, summarize_sharded
 from megatron_het.utils.progress import Progress, add_progress_argument
-
-
-def _table(candidates) -> str:
-    rows = ["rank  iter_s      tokens/s    TFLOP/s/GPU  mem_GiB  mbs  replicas: stages (island device TP layers) x micro-batches"]
-    for n, (plan, pred) in enumerate(candidates, 1):
-        groups: dict[tuple, list[int]] = {}
-        for r in plan.replicas:
-            key = tuple((s.island, s.device_type, s.tp, s.layers) for s in r.stages)
-            groups.setdefault(key, []).append(r.num_micro_batches)
-        desc = "; ".join(
-            f"{len(ms)} x [" + " | ".join(f"{i} {d} TP={t} L{a}-{b}" for i, d, t, (a, b) in key)
-            + f"] m={'/'.join(str(m) for m in sorted(set(ms), reverse=True))}"
-            for key, ms in groups.items())
-        rows.append(f"{n:<5} {pred.iteration_time_s:<11.4g} {pred.tokens_per_s:<11.4g} {pred.tflops_per_gpu:<12.4g} "
-                    f"{pred.memory_gib_per_rank_max:<8.1f} {plan.micro_batch_size:<4} {desc}")
-    return "\n".join(rows)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -49,6 +33,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--top", type=int, default=5, help="plans to show")
     parser.add_argument("--exhaustive", action="store_true", help="search the full space (small clusters)")
     parser.add_argument("--json", action="store_true", help="print the top plans as a JSON list")
+    parser.add_argument("--verbose", action="store_true",
+                        help="list every replica (or sharded rank), whole table rows and every pruning reason; "
+                             "by default identical replicas are listed once with a count and ranks as ranges")
     parser.add_argument("--output", default=None, help="write the best plan here")
     parser.add_argument("--mode", choices=("auto", *MODES), default="auto",
                         help="plan family: the pipeline search, uneven sharded data parallelism (Cephalo), or "
@@ -84,11 +71,16 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(plans, indent=2))
     else:
         if result is not None:
-            print(_table(result.candidates))
+            print("\n".join(candidates_table(result.candidates, verbose=args.verbose)))
             print()
             print(result.explanation)
+            if args.verbose:
+                print("\n".join(summarize_plan(result.best, verbose=True)))
+                print("\n".join(f"pruned: {r}" for r in result.infeasible))
+            else:
+                print("ranks: " + "; ".join(f"{isl} {rank_ranges(r)}" for isl, r in result.best.island_ranks().items()))
         if choice.sharded is not None:
-            print("\n".join(describe_sharded_plan(choice.sharded)))
+            print("\n".join(summarize_sharded(choice.sharded, verbose=args.verbose)))
         print(f"mode: {choice.explanation}")
     if args.output:
         choice.plan.save(args.output)

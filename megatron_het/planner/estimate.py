@@ -27,10 +27,10 @@ from megatron_het.perf.predict import (
     bucket_parameters,
     optimizer_step_s,
     overlapped_reduction_tail_s,
-    stage_cost,
     stage_gradient_chunks,
 )
 from megatron_het.perf.profile import Profile
+from megatron_het.planner.parallelizer import IntraConfig, LayerSlice, MegatronParallelizer, Parallelizer
 from megatron_het.planner.space import Template, allocate_micro_batches, balanced_split_options
 
 __all__ = ["Estimate", "Estimator", "pipeline_period"]
@@ -84,7 +84,8 @@ class Estimator:
 
     def __init__(self, model: ModelSpec, cluster: ClusterSpec, *, global_batch_size: int,
                  profile: Profile | Sequence[Profile] | None, distributed_optimizer: bool,
-                 overlap_grad_reduce: bool = False) -> None:
+                 overlap_grad_reduce: bool = False, parallelizer: Parallelizer | None = None,
+                 max_tp: int = 8) -> None:
         self.model = model
         self.cluster = with_measured_links(cluster, profile)  # the same links predict() prices
         self.global_batch_size = global_batch_size
@@ -99,14 +100,32 @@ class Estimator:
         self._rows: dict[tuple[object, ...], list[tuple[float, float, int]]] = {}
         self._options: dict[tuple[object, ...], list[list[tuple[float, float, int]]]] = {}
         self._capacity = [device_capacity_bytes(i.device) for i in cluster.islands]
+        # How a slice runs inside an island (TP, recompute) and what it costs: the plug-in point.
+        self.parallelizer: Parallelizer = parallelizer if parallelizer is not None else MegatronParallelizer(
+            model, self.cluster, max_tp=max_tp, profile=profile, distributed_optimizer=distributed_optimizer)
+        self._candidates: dict[tuple[int, LayerSlice], Sequence[IntraConfig]] = {}
+        self._tps: dict[int, tuple[int, ...]] = {}
+
+    def configs(self, isl: int, slice_: LayerSlice) -> Sequence[IntraConfig]:
+        """The parallelizer's candidates for ``slice_`` on island ``isl`` within device memory (cached)."""
+        key = (isl, slice_)
+        if key not in self._candidates:
+            self._candidates[key] = tuple(self.parallelizer.candidates(slice_, isl, self._capacity[isl]))
+        return self._candidates[key]
+
+    def tp_sizes(self, isl: int) -> tuple[int, ...]:
+        """TP sizes the parallelizer offers on island ``isl`` (asked with a one-layer slice and no
+        memory limit, so that memory never hides a size the search may combine with more stages)."""
+        if isl not in self._tps:
+            probe = LayerSlice(num_layers=1, is_first=False, is_last=False, micro_batch_size=1, in_flight=1,
+                               data_parallel=1, recompute_allowed=True)
+            found = self.parallelizer.candidates(probe, isl, 2**62)
+            self._tps[isl] = tuple(sorted({c.tp for c in found}))
+        return self._tps[isl]
 
     def cost(self, isl: int, tp: int, mbs: int, recompute: bool) -> StageCost:
-        key = (isl, tp, mbs, recompute)
-        if key not in self._costs:
-            island = self.cluster.islands[isl]
-            self._costs[key] = stage_cost(self.model, island, tp=tp, micro_batch_size=mbs, recompute=recompute,
-                                          slowdown=self.cluster.slowdown(island.name), profile=self.profile)
-        return self._costs[key]
+        """The parallelizer's cost of a stage that ``rows`` offered (rows fills the cache)."""
+        return self._costs[(isl, tp, mbs, recompute)]
 
     def memory_line(self, isl: int, tp: int, mbs: int, recompute: bool, *, first: bool, last: bool,
                     in_flight: int, dp: int) -> tuple[int, int]:
@@ -124,15 +143,6 @@ class Estimator:
                               two.optimizer_bytes - one.optimizer_bytes)
         rest, rest_slope, opt, opt_slope = self._mem[key]
         return rest + -(-opt // shard), rest_slope + opt_slope / shard
-
-    def cap(self, isl: int, tp: int, mbs: int, recompute: bool, *, first: bool, last: bool, in_flight: int,
-            dp: int) -> int:
-        """Most layers such a stage can hold in device memory (0: not even one)."""
-        one, slope = self.memory_line(isl, tp, mbs, recompute, first=first, last=last, in_flight=in_flight, dp=dp)
-        capacity = self._capacity[isl]
-        if one > capacity:
-            return 0
-        return 1 + int((capacity - one) // slope) if slope > 0 else self.model.num_layers
 
     def hop(self, a: tuple[int, int], b: tuple[int, int], mbs: int) -> float:
         key = (a, b, mbs)
@@ -162,13 +172,22 @@ class Estimator:
         """A stage's (fixed s, s per layer, layer cap) without recompute and, when allowed, with."""
         key = (isl, tp, mbs, recompute, first, last, in_flight, dp)
         if key not in self._rows:
+            slice_ = LayerSlice(num_layers=1, is_first=first, is_last=last, micro_batch_size=mbs, in_flight=in_flight,
+                                data_parallel=dp, recompute_allowed=recompute)
+            found = {c.recompute: c for c in reversed(self.configs(isl, slice_)) if c.tp == tp}
             out = []
             for rc in ((False, True) if recompute else (False,)):
-                c = self.cost(isl, tp, mbs, rc)
-                out.append(((c.embedding_forward_s + c.embedding_backward_s if first else 0.0)
-                            + (c.output_forward_s + c.output_backward_s if last else 0.0),
-                            c.layer_forward_s + c.layer_backward_s,
-                            self.cap(isl, tp, mbs, rc, first=first, last=last, in_flight=in_flight, dp=dp)))
+                c = found.get(rc)
+                if c is None:  # not offered or not even one layer fits: a row that holds no layer
+                    out.append((0.0, 0.0, 0))
+                    continue
+                self._costs[(isl, tp, mbs, rc)] = c.cost
+                spare = self._capacity[isl] - c.memory_bytes
+                cap = 1 + int(spare // c.memory_per_layer_bytes) if c.memory_per_layer_bytes > 0 else self.model.num_layers
+                cost = c.cost
+                out.append(((cost.embedding_forward_s + cost.embedding_backward_s if first else 0.0)
+                            + (cost.output_forward_s + cost.output_backward_s if last else 0.0),
+                            cost.layer_forward_s + cost.layer_backward_s, cap))
             self._rows[key] = out
         return self._rows[key]
 
@@ -177,6 +196,40 @@ class Estimator:
         if key not in self._params:
             self._params[key] = stage_parameters(self.model, num_layers=n, is_first=first, is_last=last, tp=tp)
         return self._params[key]
+
+    def replica_line(self, template: Template, mbs: int, recompute: bool, *, replicas: int
+                     ) -> tuple[float, float, float] | None:
+        """(A, T, tail) of one replica of ``template`` among ``replicas``: with m micro-batches it takes
+        ``A + (m - 1) T + tail`` (closed form, layers balanced under memory caps), the tail being
+        its gradient reduction past its end (peers assumed on the stage's own island) and its
+        slowest optimizer step; None if it does not fit."""
+        L = self.model.num_layers
+        stages = template.stage_islands()
+        p = len(stages)
+        max_m = self.global_batch_size // mbs - replicas + 1
+        if p > L or max_m < 1:
+            return None
+        options = [self.rows(isl, tp, mbs, recompute, j == 0, j == p - 1, min(p - j, max_m), replicas)
+                   for j, (isl, tp) in enumerate(stages)]
+        found = balanced_split_options(L, options)
+        if found is None:
+            return None
+        counts, picked = found
+        taus = [options[j][k][0] + n * options[j][k][1] for j, (n, k) in enumerate(zip(counts, picked))]
+        hops = [self.hop(stages[j], stages[j + 1], mbs) + self.hop(stages[j + 1], stages[j], mbs)
+                for j in range(p - 1)]
+        lag = exposed = optimizer = 0.0
+        for j, ((isl, tp), n, k) in enumerate(zip(stages, counts, picked)):
+            c = self.cost(isl, tp, mbs, k == 1)
+            params = self.params(n, j == 0, j == p - 1, tp)
+            exposed = max(exposed, self.reduction(((isl, replicas),), GRAD_BYTES * params) - lag)
+            island = self.cluster.islands[isl]
+            shard = replicas if self.distributed_optimizer else 1
+            optimizer = max(optimizer, self.cluster.slowdown(island.name)
+                            * optimizer_step_s(island.device, params // shard, profile=self.profile))
+            if j + 1 < p:
+                lag += c.backward_s(n, is_first=j == 0, is_last=False) + self.hop(stages[j + 1], stages[j], mbs)
+        return sum(taus) + sum(hops), pipeline_period(taus, hops), exposed + optimizer
 
     def evaluate(self, templates: Sequence[Template], mbs: int, recompute: bool) -> Estimate | str:
         """The estimate, or a reason string when the point is infeasible."""

@@ -51,7 +51,7 @@ def island_infeasibility(est: Estimator, isl: int, *, max_tp: int, micro_batch_s
 
 
 def describe_plan(plan: Plan) -> str:
-    """One line per distinct replica layout: "2 x [a100 TP=2 L0-10 | h100 TP=1 L10-32 RC] m=8,8"
+    """One line per distinct replica layout: "2 x [a100 TP=2 L0-9 | h100 TP=1 L10-31 RC] m=8,8"
     (RC: the stage recomputes activations)."""
     groups: dict[tuple[object, ...], list[int]] = {}
     for r in plan.replicas:
@@ -59,7 +59,7 @@ def describe_plan(plan: Plan) -> str:
         groups.setdefault(key, []).append(r.num_micro_batches)
     lines = []
     for key, ms in groups.items():
-        stages = " | ".join(f"{isl} TP={tp} L{a}-{b}{' RC' if rc else ''}" for isl, tp, (a, b), rc in key)
+        stages = " | ".join(f"{isl} TP={tp} L{a}-{b - 1}{' RC' if rc else ''}" for isl, tp, (a, b), rc in key)
         lines.append(f"{len(ms)} x [{stages}] micro-batches {sorted(set(ms), reverse=True)}")
     return "\n".join(lines)
 

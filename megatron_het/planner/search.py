@@ -30,11 +30,14 @@ from megatron_het.perf.profile import Profile
 from megatron_het.plan.errors import PlanError
 from megatron_het.plan.types import Plan
 from megatron_het.plan.validate import validate_plan
+from megatron_het.planner.compose import compose
 from megatron_het.planner.errors import InfeasibleError
 from megatron_het.planner.estimate import Estimate, Estimator
 from megatron_het.planner.explain import explain_choice, island_infeasibility
+from megatron_het.planner.idle import explain_idle
+from megatron_het.planner.parallelizer import Parallelizer
 from megatron_het.planner.refine import hill_climb
-from megatron_het.planner.space import Segment, Template, build_plan, tp_options
+from megatron_het.planner.space import Segment, Template, build_plan
 
 __all__ = ["PlannerResult", "plan_cluster", "with_seq_length"]
 
@@ -45,6 +48,8 @@ _EXHAUSTIVE_PREDICT = 40  # exhaustive mode: candidates predicted in full
 _SPANNING_BUDGET = 2000  # fast mode: spanning structures per island subset before TP pruning kicks in
 _CLIMB_STARTS = 6  # fast mode: best distinct candidates refined by hill climbing
 _MAX_REASONS = 50  # infeasibility reasons kept in the result
+_COMPOSE_SETTINGS = 2  # fast mode: (micro-batch size, recompute) pairs, best first, that composition explores
+_COMPOSE_BASES = 3  # best distinct plans per pair whose idle GPUs composition tries to fill
 
 
 @dataclass(kw_only=True)
@@ -78,6 +83,7 @@ class PlannerResult:
     candidates: list[tuple[Plan, Prediction]]  # top plans, fastest first (best is candidates[0])
     explanation: str  # why this plan, in words
     infeasible: list[str]  # reasons some layouts were pruned (memory, divisibility), deduplicated
+    idle: tuple[str, ...] = ()  # per island with unused GPUs: the best plan using them and why it lost
 
 
 def with_seq_length(model: ModelSpec, seq_length: int | None) -> ModelSpec:
@@ -94,11 +100,11 @@ def _pp_values(limit: int, exhaustive: bool) -> list[int]:
     return [p for p in _FAST_PP if p <= limit]
 
 
-def _local_templates(model: ModelSpec, cluster: ClusterSpec, isl: int, *, max_tp: int, max_replicas: int,
+def _local_templates(model: ModelSpec, cluster: ClusterSpec, isl: int, *, tps: Sequence[int], max_replicas: int,
                      exhaustive: bool) -> list[Template]:
     island = cluster.islands[isl]
     out = []
-    for tp in tp_options(model, island, max_tp=max_tp):
+    for tp in tps:
         for pp in _pp_values(min(model.num_layers, island.num_gpus // tp), exhaustive):
             count = min(island.num_gpus // (tp * pp), max_replicas)
             if count >= 1:
@@ -167,10 +173,15 @@ def plan_cluster(model: ModelSpec, cluster: ClusterSpec, *, global_batch_size: i
                  max_tp: int = 8, recompute_options: Sequence[bool] = (False, True),
                  micro_batch_sizes: Sequence[int] = (1, 2, 4, 8), distributed_optimizer: bool = True,
                  islands: Sequence[str] | None = None, overlap_grad_reduce: bool = False,
-                 progress: Callable[[int, int], None] | None = None) -> PlannerResult:
+                 progress: Callable[[int, int], None] | None = None,
+                 parallelizer: Parallelizer | None = None, compose_islands: bool = True) -> PlannerResult:
     """Search plans for ``model`` on ``cluster`` and return the fastest predicted one.
 
     ``islands`` restricts the search to those islands (the others get no ranks).
+    ``parallelizer`` decides how a layer slice runs inside an island and prices it (planner/parallelizer.py;
+    default: :class:`MegatronParallelizer` with ``max_tp``). ``compose_islands`` adds compositions of
+    replicas of different shapes over the islands (planner/compose.py); off, only the local and
+    spanning layouts are searched.
     ``overlap_grad_reduce`` prices plans for a runtime that overlaps stage 0's gradient reduction
     with its last backward, as megatron-core's DDP option of that name does (see perf.predict). Raises
     :class:`InfeasibleError` (a ValueError) naming the failed memory or divisibility constraint.
@@ -197,15 +208,17 @@ def plan_cluster(model: ModelSpec, cluster: ClusterSpec, *, global_batch_size: i
             f"{tuple(micro_batch_sizes)} (got {global_batch_size}). Fix: use a global batch size that is a "
             f"multiple of {min(micro_batch_sizes, default=1)}")
     est = Estimator(model, cluster, global_batch_size=global_batch_size, profile=profile,
-                    distributed_optimizer=distributed_optimizer, overlap_grad_reduce=overlap_grad_reduce)
+                    distributed_optimizer=distributed_optimizer, overlap_grad_reduce=overlap_grad_reduce,
+                    parallelizer=parallelizer, max_tp=max_tp)
     active = [i for i, isl in enumerate(cluster.islands) if isl.name in allowed]
     reasons: dict[str, None] = {}
     estimates: list[Estimate] = []
     evaluated = 0
     counter = _Progress(callback=progress)
+    local_tps: dict[tuple[int, bool], dict[int, list[int]]] = {}
     for mbs in sizes:  # every local layout is known before any is priced
         counter.add(len(recompute_options) * sum(
-            len(_local_templates(model, cluster, i, max_tp=max_tp, max_replicas=global_batch_size // mbs,
+            len(_local_templates(model, cluster, i, tps=est.tp_sizes(i), max_replicas=global_batch_size // mbs,
                                  exhaustive=exhaustive)) for i in active))
 
     def price(structure: tuple[Template, ...], mbs: int, rc: bool) -> Estimate | None:
@@ -224,15 +237,19 @@ def plan_cluster(model: ModelSpec, cluster: ClusterSpec, *, global_batch_size: i
         max_replicas = global_batch_size // mbs
         for rc in recompute_options:
             per_island: dict[int, list[tuple[float, Template]]] = {}
+            local_tps[(mbs, rc)] = {}
             for i in active:
                 scored = []
-                for t in _local_templates(model, cluster, i, max_tp=max_tp, max_replicas=max_replicas,
+                for t in _local_templates(model, cluster, i, tps=est.tp_sizes(i), max_replicas=max_replicas,
                                           exhaustive=exhaustive):
                     e = price((t,), mbs, rc)
                     if e is not None:
                         scored.append((e.iteration_time_s, t))
                 scored.sort(key=lambda x: x[0])
                 per_island[i] = scored if exhaustive else scored[:_LOCAL_KEEP]
+                # TP sizes for composition: the island's best local layouts' TPs, else its largest.
+                ranked_tps = list(dict.fromkeys(t.segments[0].tp for _, t in scored)) or list(est.tp_sizes(i))[::-1]
+                local_tps[(mbs, rc)][i] = list(est.tp_sizes(i)) if exhaustive else ranked_tps[:2]
             # Combine islands' local layouts (None = island unused).
             options = [[None] + [t for _, t in per_island[i]] for i in active]
             counter.add(math.prod(len(o) for o in options) - 1 - sum(len(o) - 1 for o in options))  # >= 2 islands
@@ -248,11 +265,11 @@ def plan_cluster(model: ModelSpec, cluster: ClusterSpec, *, global_batch_size: i
             # Fast mode: spanning replicas use each island's best local TP (its largest TP when
             # the island cannot hold a replica alone).
             tps = {i: [per_island[i][0][1].segments[0].tp] if per_island[i]
-                   else list(tp_options(model, cluster.islands[i], max_tp=max_tp))[-1:] for i in active}
+                   else list(est.tp_sizes(i))[-1:] for i in active}
             if exhaustive:
-                tps = {i: list(tp_options(model, cluster.islands[i], max_tp=max_tp)) for i in active}
+                tps = {i: list(est.tp_sizes(i)) for i in active}
             sub = _restrict(cluster, active)
-            wide = {k: list(tp_options(model, cluster.islands[v], max_tp=max_tp)) for k, v in enumerate(active)}
+            wide = {k: list(est.tp_sizes(v)) for k, v in enumerate(active)}
             spanning = _spanning_structures(model, sub.view, tps={k: tps[v] for k, v in enumerate(active)},
                                             max_replicas=max_replicas, exhaustive=exhaustive, wide_tps=wide)
             counter.add(len(spanning))
@@ -263,8 +280,20 @@ def plan_cluster(model: ModelSpec, cluster: ClusterSpec, *, global_batch_size: i
         raise InfeasibleError(_infeasible_text(est, active, sizes, recompute_options, max_tp, reasons),
                               reasons=tuple(reasons))
     estimates.sort(key=lambda e: e.iteration_time_s)
+    if compose_islands and len(active) > 1:  # Tangram: replicas of different shapes over every island
+        settings: dict[tuple[int, bool], list[tuple[Template, ...]]] = {}
+        for e in estimates:
+            bases = settings.setdefault((e.micro_batch_size, e.recompute), [])
+            if len(bases) < _COMPOSE_BASES and e.templates not in bases:
+                bases.append(e.templates)
+        picked = list(settings.items()) if exhaustive else list(settings.items())[:_COMPOSE_SETTINGS]
+        for (mbs, rc), bases in picked:
+            for structure in compose(est, active, tps=local_tps[(mbs, rc)], mbs=mbs, recompute=rc, bases=bases):
+                counter.add(1)
+                price(structure, mbs, rc)
+        estimates.sort(key=lambda e: e.iteration_time_s)
     if not exhaustive:  # recover what the pruning missed around the best few starting points
-        all_tps = {i: list(tp_options(model, cluster.islands[i], max_tp=max_tp)) for i in active}
+        all_tps = {i: list(est.tp_sizes(i)) for i in active}
         starts, seen_starts = [], set()
         for e in estimates:
             key = (e.templates, e.micro_batch_size, e.recompute)
@@ -307,10 +336,24 @@ def plan_cluster(model: ModelSpec, cluster: ClusterSpec, *, global_batch_size: i
         raise InfeasibleError(_infeasible_text(est, active, sizes, recompute_options, max_tp, reasons),
                               reasons=tuple(reasons))
     ranked.sort(key=lambda x: x[1].iteration_time_s)
+
+    def build(e: Estimate) -> Plan | None:
+        plan = build_plan(cluster, e.templates, e.layer_counts, e.micro_batches, micro_batch_size=e.micro_batch_size,
+                          global_batch_size=global_batch_size, recompute=e.recompute,
+                          distributed_optimizer=distributed_optimizer, stage_recompute=e.stage_recompute)
+        try:
+            validate_plan(plan, model, cluster)
+        except PlanError:
+            return None
+        return plan
+
+    idle = explain_idle(cluster, ranked[0], estimates, build=build, islands=[cluster.islands[i].name for i in active],
+                        predict_plan=lambda plan: predict(plan, model, cluster, profile=profile,
+                                                          overlap_grad_reduce=overlap_grad_reduce))
     counter.finish()
+    explanation = explain_choice(model, cluster, ranked, evaluated, evaluated - len(estimates))
     return PlannerResult(best=ranked[0][0], candidates=ranked[:top_k],
-                         explanation=explain_choice(model, cluster, ranked, evaluated, evaluated - len(estimates)),
-                         infeasible=list(reasons))
+                         explanation="\n".join([explanation, *idle]), infeasible=list(reasons), idle=tuple(idle))
 
 
 @dataclass(frozen=True, kw_only=True)
