@@ -81,7 +81,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="pretrain_gpt.py",
         description="Train a GPT with megatron-core on a heterogeneous cluster (launch with torchrun).")
-    groups: dict[str, argparse._ArgumentGroup] = {}
+    groups: dict = {}  # section -> its argument group
     for flag in FLAGS:
         section, field = flag.to.split(".")
         fields = {f.name: f.default for f in dataclasses.fields(CONFIGS[section])} if section in CONFIGS else {}

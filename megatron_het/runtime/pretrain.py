@@ -45,11 +45,12 @@ def resolve_plan(args: PretrainArgs) -> AnyPlan:
     """A plan file of either kind, validated against the model and cluster, or the planner's best plan
     over both modes (pipeline search, uneven sharded data parallelism)."""
     if args.plan_source == "auto":
+        from megatron_het.perf import load_profile
         from megatron_het.planner.modes import plan_best
 
         choice = plan_best(args.model, args.cluster, global_batch_size=args.train.global_batch_size,
                            micro_batch_sizes=(args.train.micro_batch_size,),
-                           profile=_load_profile(args.profile), pipeline_options={"top_k": 3})
+                           profile=load_profile(args.profile) if args.profile else None, pipeline_options={"top_k": 3})
         if choice.pipeline_result is not None:
             print_rank0(f"planner: {choice.pipeline_result.explanation}")
         print_rank0(f"planner: {choice.explanation}")
@@ -65,14 +66,6 @@ def resolve_plan(args: PretrainArgs) -> AnyPlan:
         plan = apply_overlap_flags(plan, args)
     plan.validate(args.model, args.cluster)
     return plan
-
-
-def _load_profile(path: str | None):
-    if not path:
-        return None
-    from megatron_het.perf import load_profile
-
-    return load_profile(path)
 
 
 def batch_fns(args: PretrainArgs):

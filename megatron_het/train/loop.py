@@ -43,12 +43,6 @@ class PretrainResult:
     validation: tuple[tuple[int, float], ...]  # (iteration, validation loss) at each eval_interval
 
 
-def evaluate(trainer: Trainer, valid_fn: BatchFn, eval_iters: int) -> float:
-    """Mean validation loss over ``eval_iters`` batches (collective)."""
-    losses = [trainer.evaluate(valid_fn, it) for it in range(eval_iters)]
-    return sum(losses) / len(losses)
-
-
 def train_loop(trainer: Trainer, *, loop: LoopConfig, seq_length: int, valid_fn: BatchFn | None,
                on_validation: Callable[[int, float], None] | None = None,
                tokenizer_model: str | None = None) -> PretrainResult:
@@ -71,7 +65,7 @@ def train_loop(trainer: Trainer, *, loop: LoopConfig, seq_length: int, valid_fn:
                                        lr=train.lr_at(it - 1), loss=entry.lm_loss, grad_norm=entry.grad_norm,
                                        tokens_per_s=train.global_batch_size * seq_length / elapsed))
         if loop.eval_interval and loop.eval_iters and valid_fn is not None and it % loop.eval_interval == 0:
-            loss = evaluate(trainer, valid_fn, loop.eval_iters)
+            loss = sum(trainer.evaluate(valid_fn, i) for i in range(loop.eval_iters)) / loop.eval_iters
             validation.append((it, loss))
             if on_validation is not None:
                 on_validation(it, loss)

@@ -68,7 +68,7 @@ class Trainer:
                  timer: EmulationTimer | None = None) -> None:
         self.strategy = strategy  # the parallelism strategy of this rank (replaceable on a re-plan)
         self.train = train
-        self.hooks = hooks  # None: plain training, an exception ends the run
+        self.hooks = hooks or TrainerHooks()  # the defaults do nothing: an exception ends the run
         self.timer = timer or EmulationTimer()  # compute measurement and device emulation of this rank
         self.iteration = 0  # optimizer steps taken (= the next 0-based iteration)
 
@@ -76,29 +76,21 @@ class Trainer:
         """One iteration; on an exception the hooks may repair the trainer and the iteration is redone."""
         while True:
             it = self.iteration
-            if self.hooks is not None:
-                self.hooks.on_step_start(self, it)
+            self.hooks.on_step_start(self, it)
             try:
                 log = self._step(it)
             except Exception as error:  # a peer failed: the hooks may repair the groups and redo
-                if self.hooks is None or not self.hooks.on_failure(self, it, error):
+                if not self.hooks.on_failure(self, it, error):
                     raise
                 continue
-            if self.hooks is not None:
-                self.hooks.on_step_end(self, log)
+            self.hooks.on_step_end(self, log)
             return log
 
     def _step(self, it: int) -> IterationLog:
         start = time.perf_counter()
         self.timer.reset()
-        on_action = None
-        if self.hooks is not None:
-            hooks = self.hooks
-
-            def on_action(index: int, action) -> None:
-                hooks.on_action(self, it, index, action)
-
-        result = self.strategy.step(it, lr=self.train.lr_at(it), timer=self.timer, on_action=on_action)
+        result = self.strategy.step(it, lr=self.train.lr_at(it), timer=self.timer,
+                                    on_action=lambda index, action: self.hooks.on_action(self, it, index, action))
         elapsed = time.perf_counter() - start
         self.iteration = it + 1
         tokens = self.train.global_batch_size * self.strategy.model_spec.seq_length

@@ -119,3 +119,24 @@ def test_bad_tokenizer_file_is_one_line_naming_flag_and_file(form, bad, tmp_path
     assert len(lines) == 1, proc.stderr
     assert lines[0].startswith("pretrain_gpt.py: error: --tokenizer-model: ") and f"'{path}'" in lines[0]
     assert ("file not found" if bad == "missing" else "is empty") in lines[0]
+
+
+def test_every_flag_fills_its_config_field_with_the_field_default():
+    import dataclasses
+
+    from megatron_het.runtime.arguments import CONFIGS, FLAGS
+
+    args = parse_args(BASE + ["--mock-data"])
+    seen = set()
+    for flag in FLAGS:
+        section, field = flag.to.split(".")
+        assert flag.name not in seen, f"{flag.name} declared twice"
+        seen.add(flag.name)
+        if section not in CONFIGS or section == "tensorboard" or flag.required or flag.name == "--mock-data":
+            continue
+        default = {f.name: f.default for f in dataclasses.fields(CONFIGS[section])}[field]
+        assert getattr(getattr(args, section), field) == default, flag.name
+    given = parse_args(BASE + ["--mock-data", "--distributed-timeout-minutes", "3", "--save-interval", "5",
+                               "--split", "1,0,0", "--seed", "7", "--adam-eps", "1e-5", "--no-emulation"])
+    assert (given.train.distributed_timeout_minutes, given.loop.save_interval, given.data.split) == (3, 5, "1,0,0")
+    assert (given.train.seed, given.train.adam_eps, given.no_emulation) == (7, 1e-5, True)
