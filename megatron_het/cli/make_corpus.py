@@ -12,7 +12,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from megatron_het.data.corpus import CorpusConfig, default_stdlib_dir, stdlib_documents, write_jsonl
+from megatron_het.data.corpus import CorpusConfig, check_output, default_stdlib_dir, stdlib_documents, write_jsonl
 from megatron_het.errors import UserError
 
 
@@ -26,6 +26,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         config = CorpusConfig(stdlib_dir=Path(args.stdlib_dir) if args.stdlib_dir else default_stdlib_dir(),
                               max_bytes=args.max_bytes)
+        check_output(Path(args.output))  # before reading the standard library
         texts = stdlib_documents(config)
         size = write_jsonl(texts, Path(args.output), key=args.json_key)
     except UserError as err:  # bugs are not caught: they surface as tracebacks

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from megatron_het.data.jsonl import DataInputError
+from megatron_het.utils.atomic import write_bytes_atomic
 
 # Folders of the stdlib that hold tests, vendored data or platform-specific tooling, not prose.
 SKIPPED_PARTS = frozenset({"test", "tests", "idle_test", "site-packages", "dist-packages", "__pycache__",
@@ -96,8 +97,8 @@ def stdlib_documents(config: CorpusConfig) -> list[str]:
     return documents
 
 
-def write_jsonl(texts: list[str], path: Path, *, key: str = "text") -> int:
-    """Write one ``{key: text}`` object per line; returns the number of bytes written."""
+def check_output(path: Path) -> None:
+    """Refuse an output the corpus could not be written to, before the standard library is read."""
     if path.is_dir():
         raise DataInputError(f"output: {str(path)!r} is a directory. Fix: pass --output FILE.jsonl")
     for up in path.parents:  # the nearest existing ancestor must be a directory
@@ -106,16 +107,12 @@ def write_jsonl(texts: list[str], path: Path, *, key: str = "text") -> int:
                 raise DataInputError(f"output: {str(path)!r}: {str(up)!r} is a file, not a directory. "
                                      "Fix: pass --output inside a directory")
             break
+
+
+def write_jsonl(texts: list[str], path: Path, *, key: str = "text") -> int:
+    """Write one ``{key: text}`` object per line (atomically); returns the number of bytes written."""
+    check_output(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     payload = "".join(json.dumps({key: t}) + "\n" for t in texts).encode("utf-8")
-    tmp = path.with_name(f".{path.name}.tmp")  # readers see the old file or the new one, never a partial one
-    try:
-        with tmp.open("wb") as f:
-            f.write(payload)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
+    write_bytes_atomic(path, payload)  # readers see the old file or the new one, never a partial one
     return len(payload)

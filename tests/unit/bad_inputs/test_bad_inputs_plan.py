@@ -81,6 +81,7 @@ PLAN_ROWS = [
     Row(id="output-parent-is-file", argv=(*PLAN, "--output", "f.txt/plan.json"), files={"f.txt": "x"},
         names=("f.txt/plan.json",)),
     Row(id="profile-missing", argv=(*PLAN, "--profile", "p.json"), names=("p.json",)),
+    Row(id="profile-directory", argv=(*PLAN, "--profile", "pdir"), dirs=("pdir",), names=("pdir",)),
     Row(id="profile-garbage", argv=(*PLAN, "--profile", "p.json"), files={"p.json": GARBAGE}, names=("p.json",)),
     Row(id="profile-deep-json", argv=(*PLAN, "--profile", "p.json"), files={"p.json": DEEP_JSON},
         names=("p.json",)),
