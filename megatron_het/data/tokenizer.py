@@ -14,12 +14,12 @@ Choices (why):
 from __future__ import annotations
 
 import io
-import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from megatron_het.data.jsonl import DataInputError, read_jsonl_texts, require_file
+from megatron_het.utils.atomic import write_bytes_atomic
 
 if TYPE_CHECKING:
     from megatron.core.tokenizers import MegatronTokenizerBase
@@ -100,8 +100,8 @@ def train_tokenizer(config: TokenizerTrainConfig) -> TokenizerTrainReport:
     listing = "".join(f"{_escape(processor.id_to_piece(i))}\t{processor.get_score(i):g}\n"
                       for i in range(processor.get_piece_size()))
     prefix.parent.mkdir(parents=True, exist_ok=True)
-    _write_atomic(model_path, model.getvalue())
-    _write_atomic(vocab_path, listing.encode("utf-8"))
+    write_bytes_atomic(model_path, model.getvalue())
+    write_bytes_atomic(vocab_path, listing.encode("utf-8"))
     return TokenizerTrainReport(model_path=model_path, vocab_path=vocab_path,
                                 vocab_size=processor.get_piece_size(), num_documents=len(texts))
 
@@ -119,20 +119,6 @@ def _check_output_prefix(prefix: Path) -> None:
         if target.is_dir():
             raise DataInputError(f"output_prefix: {str(target)!r} is a directory. "
                                  "Fix: pass another --output-prefix or remove that directory.")
-
-
-def _write_atomic(path: Path, data: bytes) -> None:
-    """Readers see the old file or the new one, never a partial one."""
-    tmp = path.with_name(f".{path.name}.tmp")
-    try:
-        with tmp.open("wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
 
 
 def _escape(piece: str) -> str:
@@ -177,8 +163,9 @@ def load_tokenizer(model_path: Path | str, *, tokenizer_type: str = "SentencePie
                         fix="pass --tokenizer-model with an existing SentencePiece .model file "
                             "(train one with tools/train_tokenizer.py).")
     check_sentencepiece_model(path)
-    import megatron_het.platform  # noqa: F401  (triton import guard before megatron.core)
     from megatron.core.tokenizers import MegatronTokenizer
+
+    import megatron_het.platform  # noqa: F401  (triton import guard before megatron.core)
 
     # metadata as a dict: no tokenizer_metadata.json is written next to the model file.
     return MegatronTokenizer.from_pretrained(tokenizer_path=str(path.resolve()),
