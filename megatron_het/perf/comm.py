@@ -151,20 +151,21 @@ def tp_channel(island: IslandSpec, tp: int) -> Channel:
 
 def tp_layer_comm_times(model: ModelSpec, island: IslandSpec, *, micro_batch_size: int, tp: int,
                         seq_length: int | None = None, sequence_parallel: bool = False,
-                        recompute: Recompute = "none") -> CommTimes:
+                        recompute: Recompute = "none", element_bytes: int = 2) -> CommTimes:
     """Tensor-parallel traffic of one layer for one micro-batch (Megatron-LM, Shoeybi et al. 2019).
 
     Without sequence parallelism: two all-reduces of the ``s*b*h`` bf16 activation in forward
     (after the attention projection and fc2) and two in backward (input gradients of QKV and fc1).
     With it: each all-reduce becomes an all-gather plus a reduce-scatter of the same buffer, which
     costs the same in a ring. Full recomputation repeats the forward traffic during backward.
+    ``element_bytes`` is 4 for fp32/tf32 runs.
     """
     check_tp(model, tp)
     check_recompute(recompute)
     if tp == 1:
         return CommTimes(forward_s=0.0, backward_s=0.0)
     s = model.seq_length if seq_length is None else seq_length
-    nbytes = 2 * s * micro_batch_size * model.hidden_size
+    nbytes = element_bytes * s * micro_batch_size * model.hidden_size
     ch = tp_channel(island, tp)
     args = dict(n=tp, bandwidth_gbps=ch.bandwidth_gbps, latency_us=ch.latency_us)
     if sequence_parallel:
@@ -176,13 +177,14 @@ def tp_layer_comm_times(model: ModelSpec, island: IslandSpec, *, micro_batch_siz
 
 
 def activation_message_bytes(model: ModelSpec, *, micro_batch_size: int, seq_length: int | None = None,
-                             tp: int = 1, sequence_parallel: bool = False) -> int:
-    """Bytes each tensor-parallel rank sends to the next stage: the bf16 ``s*b*h`` hidden states,
-    or its ``1/tp`` sequence shard with sequence parallelism. The gradient sent back is the same size."""
+                             tp: int = 1, sequence_parallel: bool = False, element_bytes: int = 2) -> int:
+    """Bytes each tensor-parallel rank sends to the next stage: the ``s*b*h`` hidden states (2 bytes
+    an element, 4 in fp32/tf32 runs), or its ``1/tp`` sequence shard with sequence parallelism. The
+    gradient sent back is the same size."""
     check_tp(model, tp)
     s = model.seq_length if seq_length is None else seq_length
     s_local = s // tp if sequence_parallel else s
-    return 2 * s_local * micro_batch_size * model.hidden_size
+    return element_bytes * s_local * micro_batch_size * model.hidden_size
 
 
 def p2p_channel(cluster: ClusterSpec, *, src: str, dst: str, same_node: bool = False) -> Channel:
@@ -219,8 +221,14 @@ def _dp_channel(island: IslandSpec) -> Channel:
     return _intra_island_channel(island, same_node=island.nodes == 1)
 
 
-def dp_gradient_reduction(nbytes: float, cluster: ClusterSpec, *, replica_islands: Sequence[str]) -> GradientReduction:
+def dp_gradient_reduction(nbytes: float, cluster: ClusterSpec, *, replica_islands: Sequence[str],
+                          ranks_per_node: int = 1) -> GradientReduction:
     """Time to all-reduce ``nbytes`` of one stage rank's gradients among its replicas.
+
+    ``ranks_per_node``: how many of the replicas share one node of a multi-node island (Megatron
+    places data-parallel peers next to each other after tensor parallelism). NCCL stripes the ring's
+    channels over every NIC of the node, so the node's inter-node traffic is carried by that many
+    network links at once (the ring's intra-node hops run over the faster intra-node link).
 
     ``replica_islands`` names the island of each replica's copy of this stage (one entry per
     replica, repeats allowed). One island: a flat ring all-reduce. Several: reduce to one leader
@@ -237,7 +245,11 @@ def dp_gradient_reduction(nbytes: float, cluster: ClusterSpec, *, replica_island
         counts[name] = counts.get(name, 0) + 1
     if len(counts) == 1:
         (name, n), = counts.items()
-        ch = _dp_channel(cluster.island(name))
+        island = cluster.island(name)
+        ch = _dp_channel(island)
+        if island.nodes > 1 and ranks_per_node > 1:
+            ch = Channel(bandwidth_gbps=min(island.intra_node_bandwidth_gbps, ranks_per_node * ch.bandwidth_gbps),
+                         latency_us=ch.latency_us, host_staged=ch.host_staged)
         flat = ring_all_reduce_time(nbytes, n=n, bandwidth_gbps=ch.bandwidth_gbps, latency_us=ch.latency_us)
         return GradientReduction(reduce_s=flat, inter_island_s=0.0, broadcast_s=0.0, islands=1)
     intra = 0.0

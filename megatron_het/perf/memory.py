@@ -5,8 +5,14 @@ Model state (mixed precision with Adam, as Megatron-LM's DDP + optimizer keep it
   reduces in fp32 by default); fp32 master weights + Adam's two moments, 12 bytes/param.
 - That is 18 bytes/param, or ``6 + 12/d`` with the distributed optimizer, which shards only the
   optimizer part over the ``d`` data-parallel replicas. Source: Megatron Core developer guide,
-  "Distributed Optimizer", table of theoretical bytes per parameter ("float16 param, fp32 grads:
+  "Distributed Optimizer", table of theoretical bytes per parameter ("bf16 param, fp32 grads:
   18 | 6 + 12/d"), https://docs.nvidia.com/megatron-core/developer-guide/latest/distrib_optimizer.html
+- The same table gives the other precisions (:data:`STATE_BYTES`): ``--fp16`` keeps fp16 gradients
+  and the optimizer holds fp32 main params and main grads besides the moments ("fp16 param, fp16
+  grads: 20 | 4 + 16/d"); fp32 (and tf32, which differs only in matmul precision) has no master copy
+  ("fp32 param, fp32 grads: 16 | 8 + 8/d"). fp8 (Transformer Engine) keeps bf16 weights and fp32
+  main gradients, as bf16. Activations are 4 bytes per element in fp32/tf32, 2 otherwise (fp8
+  runs keep their saved activations in bf16; the fp8 copies TE caches are not counted).
 
 Activations (16-bit, stored for backward), Korthikanti et al. 2022, "Reducing Activation
 Recomputation in Large Transformer Models", sections 4.1-4.3. Per layer and micro-batch:
@@ -27,6 +33,9 @@ from megatron_het.cluster import ConfigError, DeviceType, ModelSpec
 from megatron_het.perf.flops import Recompute, check_recompute, check_tp, stage_parameters
 
 __all__ = [
+    "STATE_BYTES",
+    "state_bytes",
+    "activation_element_bytes",
     "PARAM_BYTES",
     "GRAD_BYTES",
     "OPTIMIZER_BYTES",
@@ -44,6 +53,26 @@ PARAM_BYTES = 2  # bf16 model weights
 GRAD_BYTES = 4  # fp32 main gradients in Megatron's DDP buffer
 OPTIMIZER_BYTES = 12  # fp32 master weights + Adam exp_avg + exp_avg_sq
 DEFAULT_OVERHEAD_BYTES = int(1.5 * 2**30)  # CUDA context, cuBLAS/NCCL workspaces, allocator slack
+
+# precision -> (weight, gradient, optimizer) bytes per parameter (Megatron's distributed optimizer table).
+STATE_BYTES = {
+    "fp32": (4, 4, 8), "tf32": (4, 4, 8), "fp16": (2, 2, 16), "bf16": (PARAM_BYTES, GRAD_BYTES, OPTIMIZER_BYTES),
+    "fp8": (2, 4, 12),
+}
+
+
+def state_bytes(precision: str) -> tuple[int, int, int]:
+    """(weight, gradient, optimizer) bytes per parameter at ``precision``."""
+    if precision not in STATE_BYTES:
+        raise ConfigError("unknown precision", field="precision", value=precision,
+                          fix=f"use one of: {', '.join(STATE_BYTES)}")
+    return STATE_BYTES[precision]
+
+
+def activation_element_bytes(precision: str) -> int:
+    """Bytes of one stored activation element: 4 in fp32/tf32, 2 in 16-bit and fp8 runs."""
+    state_bytes(precision)
+    return 4 if precision in ("fp32", "tf32") else 2
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -92,7 +121,8 @@ def _check_sp(model: ModelSpec, seq_length: int, tp: int, sequence_parallel: boo
 
 def activation_bytes_per_layer(model: ModelSpec, *, micro_batch_size: int, seq_length: int | None = None,
                                tp: int = 1, sequence_parallel: bool = False,
-                               recompute: Recompute = "none", flash_attention: bool = False) -> int:
+                               recompute: Recompute = "none", flash_attention: bool = False,
+                               precision: str = "bf16") -> int:
     """Activation bytes one layer keeps for backward, per micro-batch, on one TP rank.
 
     Terms (Korthikanti et al. 2022, sec. 4.1; ``x`` = s*b*h elements, 2 bytes each unless a mask):
@@ -102,7 +132,8 @@ def activation_bytes_per_layer(model: ModelSpec, *, micro_batch_size: int, seq_l
     (``2*s*b*f``), and the attention core, ``5*a*s^2*b`` (softmax output 2, dropout mask 1,
     dropout output 2), which selective recomputation does not store. A fused (flash) attention
     kernel stores no ``s x s`` tensors either, only fp32 softmax statistics, ``4*a*s*b`` bytes
-    (megatron-core's local spec, what runs on CPU, uses the unfused path).
+    (megatron-core's local spec, what runs on CPU, uses the unfused path). In fp32/tf32 every
+    element but the dropout masks takes 4 bytes instead of 2.
     """
     check_tp(model, tp)
     check_recompute(recompute)
@@ -114,26 +145,28 @@ def activation_bytes_per_layer(model: ModelSpec, *, micro_batch_size: int, seq_l
     _check_sp(model, s, tp, sequence_parallel)
     h, d = model.hidden_size, model.kv_channels
     s_local = s // tp if sequence_parallel else s  # sequence-parallel regions hold s/t tokens
+    e = activation_element_bytes(precision)
     if recompute == "full":
-        return 2 * s_local * b * h  # only the layer input survives the forward
+        return e * s_local * b * h  # only the layer input survives the forward
     heads = model.num_attention_heads // tp
     groups = model.num_query_groups // tp
     f = model.ffn_hidden_size // tp
-    outside = 10 * s_local * b * h
-    attention = s * b * (2 * heads * d + 2 * 2 * groups * d + 2 * heads * d)  # Q; K and V; projection input
-    mlp = s * b * (2 * f * (2 if model.swiglu else 1) + 2 * f)  # activation input; fc2 input
+    outside = (4 * e + 2) * s_local * b * h  # 4 tensors (2 norm inputs, QKV and fc1 inputs) + 2 masks
+    attention = e * s * b * (2 * heads * d + 2 * groups * d)  # Q and projection input; K and V
+    mlp = e * s * b * (f * (2 if model.swiglu else 1) + f)  # activation input; fc2 input
     if recompute == "selective":
         core = 0
     elif flash_attention:
         core = 4 * heads * s * b
     else:
-        core = 5 * heads * s * s * b
+        core = (2 * e + 1) * heads * s * s * b  # softmax output, dropout output, dropout mask
     return outside + attention + mlp + core
 
 
 def first_stage_extra_activation_bytes(model: ModelSpec, *, micro_batch_size: int, seq_length: int | None = None,
-                                       tp: int = 1, sequence_parallel: bool = False) -> int:
+                                       tp: int = 1, sequence_parallel: bool = False, precision: str = "bf16") -> int:
     """Embedding dropout mask, ``s*b*h`` bytes (``/t`` with sequence parallelism); Korthikanti sec. 4.3."""
+    activation_element_bytes(precision)
     s = model.seq_length if seq_length is None else seq_length
     _check_sp(model, s, tp, sequence_parallel)
     s_local = s // tp if sequence_parallel else s
@@ -141,7 +174,7 @@ def first_stage_extra_activation_bytes(model: ModelSpec, *, micro_batch_size: in
 
 
 def last_stage_extra_activation_bytes(model: ModelSpec, *, micro_batch_size: int, seq_length: int | None = None,
-                                      tp: int = 1, sequence_parallel: bool = False) -> int:
+                                      tp: int = 1, sequence_parallel: bool = False, precision: str = "bf16") -> int:
     """Final norm input and output-layer input (2 bytes each) plus fp32 logits for the
     cross entropy, ``4*s*b*V/t``: ``4*s*b*h/t*(1 + V/h)`` with sequence parallelism (sec. 4.3)."""
     check_tp(model, tp)
@@ -149,7 +182,8 @@ def last_stage_extra_activation_bytes(model: ModelSpec, *, micro_batch_size: int
     _check_sp(model, s, tp, sequence_parallel)
     s_local = s // tp if sequence_parallel else s
     b, h = micro_batch_size, model.hidden_size
-    return 4 * s_local * b * h + 4 * s * b * math.ceil(model.vocab_size / tp)
+    e = activation_element_bytes(precision)
+    return 2 * e * s_local * b * h + 4 * s * b * math.ceil(model.vocab_size / tp)
 
 
 def microbatches_in_flight(*, stage: int, pipeline_size: int, num_microbatches: int, virtual_stages: int = 1) -> int:
@@ -178,14 +212,16 @@ def stage_memory(model: ModelSpec, *, num_layers: int, is_first: bool, is_last: 
                  microbatches_in_flight: int, tp: int = 1, dp: int = 1, seq_length: int | None = None,
                  sequence_parallel: bool = False, recompute: Recompute = "none",
                  distributed_optimizer: bool = True, virtual_stages: int = 1, flash_attention: bool = False,
-                 overhead_bytes: int = DEFAULT_OVERHEAD_BYTES) -> StageMemory:
+                 overhead_bytes: int = DEFAULT_OVERHEAD_BYTES, precision: str = "bf16") -> StageMemory:
     """Peak bytes on one rank of a stage of ``num_layers`` layers.
 
     ``microbatches_in_flight`` comes from :func:`microbatches_in_flight` (chunk micro-batches when
     ``virtual_stages > 1``; each then holds ``num_layers / virtual_stages`` layers). The first and
     last stage extras are charged per in-flight micro-batch of the whole stage. With recomputation,
-    one layer's full activations are added for the layer being recomputed during backward.
+    one layer's full activations are added for the layer being recomputed during backward. Weight,
+    gradient and optimizer bytes per parameter and activation element sizes follow ``precision``.
     """
+    weight_b, grad_b, opt_b = state_bytes(precision)
     if isinstance(dp, bool) or not isinstance(dp, int) or dp < 1:
         raise ConfigError("must be an integer >= 1", field="dp", value=dp, fix="pass the number of replicas (>= 1)")
     if virtual_stages < 1 or num_layers % virtual_stages:
@@ -202,12 +238,12 @@ def stage_memory(model: ModelSpec, *, num_layers: int, is_first: bool, is_last: 
     shard = dp if distributed_optimizer else 1
     per_layer = activation_bytes_per_layer(model, micro_batch_size=micro_batch_size, seq_length=seq_length, tp=tp,
                                            sequence_parallel=sequence_parallel, recompute=recompute,
-                                           flash_attention=flash_attention)
+                                           flash_attention=flash_attention, precision=precision)
     # Layer-micro-batches alive at the peak: chunk micro-batches x layers per chunk.
     activations = microbatches_in_flight * (num_layers // virtual_stages) * per_layer
     whole_stage_mbs = math.ceil(microbatches_in_flight / virtual_stages)
     extras = dict(model=model, micro_batch_size=micro_batch_size, seq_length=seq_length, tp=tp,
-                  sequence_parallel=sequence_parallel)
+                  sequence_parallel=sequence_parallel, precision=precision)
     if is_first:
         activations += whole_stage_mbs * first_stage_extra_activation_bytes(**extras)
     if is_last:
@@ -217,11 +253,11 @@ def stage_memory(model: ModelSpec, *, num_layers: int, is_first: bool, is_last: 
         # (without recomputation) are alive on top of what the stage keeps.
         activations += activation_bytes_per_layer(model, micro_batch_size=micro_batch_size, seq_length=seq_length,
                                                   tp=tp, sequence_parallel=sequence_parallel,
-                                                  flash_attention=flash_attention) - per_layer
+                                                  flash_attention=flash_attention, precision=precision) - per_layer
     return StageMemory(
-        parameters_bytes=PARAM_BYTES * params,
-        gradients_bytes=GRAD_BYTES * params,
-        optimizer_bytes=math.ceil(OPTIMIZER_BYTES * params / shard),
+        parameters_bytes=weight_b * params,
+        gradients_bytes=grad_b * params,
+        optimizer_bytes=math.ceil(opt_b * params / shard),
         activations_bytes=activations,
         overhead_bytes=overhead_bytes,
     )

@@ -23,6 +23,11 @@ Assumptions (docs/planner.md, "Prediction"):
   (:func:`overlapped_reduction_tail_s`); other stages are not bucketed by Megatron and reduce at
   their end as above. ``bucket_all_stages=True`` models megatron-het's runtime with
   ``TrainConfig.overlap_grad_reduce`` instead, which buckets every stage the same way.
+- Precision is the plan's (``Plan.precision``): it sets the matmul rate (``DeviceType.rate_tflops``),
+  the compute model's calibrated figures, bytes per weight/gradient/optimizer state and activation
+  (perf/memory.py), the gradient bytes reduced and the optimizer step's traffic.
+- Attention is fused (flash) on GPUs, as megatron-core's Transformer Engine spec runs it, and
+  unfused on CPUs (the local spec); ``flash_attention=`` overrides.
 - The optimizer step is memory-bound: ``OPTIMIZER_STEP_BYTES`` per parameter (sharded over the
   replicas with the distributed optimizer) at the device's memory bandwidth.
 - iteration time = max(slowest replica's pipeline, latest end of a stage's reduction) + the
@@ -38,14 +43,15 @@ from megatron_het.cluster import ClusterSpec, DeviceType, IslandSpec, ModelSpec
 from megatron_het.perf.bounds import check_global_batch_size
 from megatron_het.perf.calibrate import with_measured_links
 from megatron_het.perf.comm import activation_message_bytes, dp_gradient_reduction, p2p_time, tp_layer_comm_times
-from megatron_het.perf.compute import embedding_times, layer_times, logits_times
+from megatron_het.perf.compute import compute_params_for, embedding_times, layer_times, logits_times
 from megatron_het.perf.flops import model_flops_per_iteration, stage_parameters
 from megatron_het.perf.memory import (
-    GRAD_BYTES,
     StageMemory,
+    activation_element_bytes,
     device_capacity_bytes,
     microbatches_in_flight,
     stage_memory,
+    state_bytes,
 )
 from megatron_het.perf.profile import Profile
 from megatron_het.plan.types import Plan, ReplicaPlan, StagePlan
@@ -71,6 +77,9 @@ __all__ = [
 # Adam step per parameter: read fp32 master, grad, exp_avg, exp_avg_sq (16), write master and the
 # two moments (12) and the bf16 weight (2).
 OPTIMIZER_STEP_BYTES = 30
+# Per precision: fp16 also reads its fp16 gradient and writes the fp32 main grad (32); fp32/tf32 have
+# no master copy: read weight, grad and two moments, write weight and moments (28).
+OPTIMIZER_STEP_BYTES_BY_PRECISION = {"bf16": 30, "fp8": 30, "fp16": 32, "fp32": 28, "tf32": 28}
 _GIB = 2**30
 
 
@@ -94,13 +103,17 @@ class StageCost:
                 + (self.output_backward_s if is_last else 0.0))
 
 
-def optimizer_step_s(device: DeviceType, params: int, *, profile: Profile | Sequence[Profile] | None = None) -> float:
+def optimizer_step_s(device: DeviceType, params: int, *, profile: Profile | Sequence[Profile] | None = None,
+                     precision: str = "bf16") -> float:
     """One Adam step over ``params`` parameters on ``device``: measured per parameter when the
-    device's profile has it, else memory-bound at ``OPTIMIZER_STEP_BYTES`` per parameter."""
+    device's profile has it, else memory-bound at ``OPTIMIZER_STEP_BYTES`` (per precision) per
+    parameter at the compute model's memory efficiency."""
     measured = profile_for(profile, device.name)
     if measured is not None and measured.optimizer_s_per_parameter is not None:
         return measured.optimizer_s_per_parameter * params
-    return OPTIMIZER_STEP_BYTES * params / (device.memory_bandwidth_gbs * 1e9)
+    state_bytes(precision)
+    eff = compute_params_for(device, precision, profile=measured).memory_efficiency
+    return OPTIMIZER_STEP_BYTES_BY_PRECISION[precision] * params / (device.memory_bandwidth_gbs * 1e9 * eff)
 
 
 def profile_for(profile: Profile | Sequence[Profile] | None, device_name: str) -> Profile | None:
@@ -113,15 +126,19 @@ def profile_for(profile: Profile | Sequence[Profile] | None, device_name: str) -
 
 def stage_cost(model: ModelSpec, island: IslandSpec, *, tp: int, micro_batch_size: int, slowdown: float = 1.0,
                seq_length: int | None = None, recompute: bool = False, sequence_parallel: bool = False,
-               tp_comm_overlap: bool = False, profile: Profile | Sequence[Profile] | None = None) -> StageCost:
-    """Per-micro-batch costs of a stage of ``tp`` ranks on ``island``."""
-    mode = "full" if recompute else "none"
+               tp_comm_overlap: bool = False, profile: Profile | Sequence[Profile] | None = None,
+               precision: str = "bf16", flash_attention: bool | None = None) -> StageCost:
+    """Per-micro-batch costs of a stage of ``tp`` ranks on ``island``. ``recompute`` is a bool (full)
+    or a mode ("none", "selective", "full"); ``flash_attention`` None means fused on GPUs."""
+    mode = ("full" if recompute else "none") if isinstance(recompute, bool) else recompute
     device = island.device
+    flash = device.vendor != "cpu" if flash_attention is None else flash_attention
     lt = layer_times(model, device, micro_batch_size=micro_batch_size, seq_length=seq_length, tp=tp,
                      sequence_parallel=sequence_parallel, recompute=mode,
-                     profile=profile_for(profile, device.name))
+                     profile=profile_for(profile, device.name), precision=precision, flash_attention=flash)
     comm = tp_layer_comm_times(model, island, micro_batch_size=micro_batch_size, tp=tp, seq_length=seq_length,
-                               sequence_parallel=sequence_parallel, recompute=mode)
+                               sequence_parallel=sequence_parallel, recompute=mode,
+                               element_bytes=activation_element_bytes(precision))
     if lt.includes_tp_comm:  # measured on tp ranks together: its collectives are in the times already
         fwd_comm = bwd_comm = 0.0
     elif tp_comm_overlap:  # chunked overlap hides the traffic behind the GEMMs it feeds
@@ -130,9 +147,9 @@ def stage_cost(model: ModelSpec, island: IslandSpec, *, tp: int, micro_batch_siz
         fwd_comm, bwd_comm = comm.forward_s, comm.backward_s
     measured = profile_for(profile, device.name)
     emb = embedding_times(model, device, micro_batch_size=micro_batch_size, seq_length=seq_length, tp=tp,
-                          profile=measured)
+                          profile=measured, precision=precision)
     out = logits_times(model, device, micro_batch_size=micro_batch_size, seq_length=seq_length, tp=tp,
-                       profile=measured)
+                       profile=measured, precision=precision)
     k = slowdown
     return StageCost(
         layer_forward_s=k * (lt.forward_s + fwd_comm), layer_backward_s=k * (lt.backward_s + bwd_comm),
@@ -289,15 +306,19 @@ def stage_gradient_chunks(model: ModelSpec, cost: StageCost, *, num_layers: int,
 
 def predict(plan: Plan, model: ModelSpec, cluster: ClusterSpec, *, profile: Profile | Sequence[Profile] | None = None,
             distributed_optimizer: bool | None = None, seq_length: int | None = None,
-            overlap_grad_reduce: bool = False, bucket_all_stages: bool = False) -> Prediction:
+            overlap_grad_reduce: bool = False, bucket_all_stages: bool = False,
+            flash_attention: bool | None = None, recompute_mode: str | None = None) -> Prediction:
     """Predict one iteration of ``plan`` (assumed valid: run validate_plan first).
 
     ``overlap_grad_reduce`` models megatron-core's DDP option of that name (stage 0 reduces in
     buckets during its last backward); with ``bucket_all_stages`` every stage does, as
     megatron-het's runtime with ``TrainConfig.overlap_grad_reduce``. Both default to False (the
-    reduction runs after the schedule).
+    reduction runs after the schedule). ``flash_attention`` None: fused on GPUs, unfused on CPUs.
+    ``recompute_mode`` ("selective" or "full") says what a stage's ``recompute=True`` means (default full).
     """
     check_global_batch_size(plan.global_batch_size)  # bounds every replica's micro-batch count
+    precision = plan.precision
+    param_bytes, grad_bytes, _ = state_bytes(precision)
     cluster = with_measured_links(cluster, profile)
     dist_opt = plan.use_distributed_optimizer if distributed_optimizer is None else distributed_optimizer
     s_len = model.seq_length if seq_length is None else seq_length
@@ -309,9 +330,11 @@ def predict(plan: Plan, model: ModelSpec, cluster: ClusterSpec, *, profile: Prof
         key = (stage.island, stage.tp, stage.recompute, stage.tp_comm_overlap)
         if key not in costs:
             island = cluster.island(stage.island)
+            mode = (recompute_mode or "full") if stage.recompute else "none"
             costs[key] = stage_cost(model, island, tp=stage.tp, micro_batch_size=mbs, seq_length=s_len,
-                                    slowdown=cluster.slowdown(stage.island), recompute=stage.recompute,
-                                    sequence_parallel=sp, tp_comm_overlap=stage.tp_comm_overlap, profile=profile)
+                                    slowdown=cluster.slowdown(stage.island), recompute=mode,
+                                    sequence_parallel=sp, tp_comm_overlap=stage.tp_comm_overlap, profile=profile,
+                                    precision=precision, flash_attention=flash_attention)
         return costs[key]
 
     # Simulate each distinct replica once; record when every stage's last backward ends.
@@ -323,11 +346,11 @@ def predict(plan: Plan, model: ModelSpec, cluster: ClusterSpec, *, profile: Prof
             sims[key] = _simulate(plan, r, model, cluster, cost, seq_length=s_len)
         keys.append(key)
     # Reduction peers of a stage: in every replica, the stage holding its first layer.
-    holders: dict[int, list[tuple[str, float]]] = {}
+    holders: dict[int, list[tuple[str, float, int]]] = {}
     for r, key in zip(plan.replicas, keys):
         for st, end in zip(r.stages, sims[key][2].stage_end):
             for layer in range(st.layers[0], st.layers[1]):
-                holders.setdefault(layer, []).append((st.island, end))
+                holders.setdefault(layer, []).append((st.island, end, st.ranks[0]))
     reductions: dict[tuple[object, ...], tuple[float, float, float]] = {}
 
     def reduce_and_step(stage: StagePlan, is_first: bool, is_last: bool, bwd_s: float) -> tuple[float, float, float]:
@@ -337,11 +360,24 @@ def predict(plan: Plan, model: ModelSpec, cluster: ClusterSpec, *, profile: Prof
             params = stage_parameters(model, num_layers=stage.num_layers, is_first=is_first, is_last=is_last,
                                       tp=stage.tp)
             peers = holders[stage.layers[0]]
-            names = [name for name, _ in peers]
-            start = max(end for _, end in peers)  # every peer must be done with its backward
+            names = [name for name, _, _ in peers]
+            start = max(end for _, end, _ in peers)  # every peer must be done with its backward
+            island_of = cluster.island(stage.island)
+            node = stage.ranks[0] // island_of.gpus_per_node
+            same_node = sum(1 for name, _, r0 in peers if name == stage.island and r0 // island_of.gpus_per_node == node)
+
+            def all_reduce_s(nbytes: float) -> float:
+                return dp_gradient_reduction(nbytes, cluster, replica_islands=names,
+                                             ranks_per_node=max(1, same_node)).total_s
 
             def reduce_s(n: int) -> float:
-                return dp_gradient_reduction(GRAD_BYTES * n, cluster, replica_islands=names).total_s
+                # distributed optimizer: reduce-scatter the gradients (half a ring all-reduce); the
+                # updated weights' all-gather overlaps the next forward with overlap_grad_reduce
+                # (--overlap-param-gather), else it follows the optimizer step (added to the tail here)
+                if dist_opt:
+                    rs = 0.5 * all_reduce_s(grad_bytes * n)
+                    return rs if overlap_grad_reduce else rs + 0.5 * all_reduce_s(param_bytes * n)
+                return all_reduce_s(grad_bytes * n)
 
             red = reduce_s(params) if dp > 1 else 0.0
             tail = red
@@ -352,7 +388,8 @@ def predict(plan: Plan, model: ModelSpec, cluster: ClusterSpec, *, profile: Prof
                                                    reduce_s=reduce_s)
             island = cluster.island(stage.island)
             shard = len(peers) if dist_opt else 1
-            opt = cluster.slowdown(stage.island) * optimizer_step_s(island.device, params // shard, profile=profile)
+            opt = cluster.slowdown(stage.island) * optimizer_step_s(island.device, params // shard, profile=profile,
+                                                                        precision=precision)
             reductions[key] = (red, start + tail, opt)
         return reductions[key]
 
@@ -361,7 +398,7 @@ def predict(plan: Plan, model: ModelSpec, cluster: ClusterSpec, *, profile: Prof
     for r, key in zip(plan.replicas, keys):
         if key not in built:
             built[key] = _replica(plan, r, model, cluster, sims[key], reduce_and_step, dp=dp, dist_opt=dist_opt,
-                                  seq_length=s_len)
+                                  seq_length=s_len, flash_attention=flash_attention, recompute_mode=recompute_mode)
         replicas.append(built[key])
 
     pipeline = max(r.pipeline_time_s for r in replicas)
@@ -403,7 +440,8 @@ def _simulate(plan: Plan, r: ReplicaPlan, model: ModelSpec, cluster: ClusterSpec
                 continue
             sa, sb = r.stages[a], r.stages[b]
             nbytes = activation_message_bytes(model, micro_batch_size=mbs, seq_length=seq_length,
-                                              tp=sa.tp, sequence_parallel=plan.sequence_parallel)
+                                              tp=sa.tp, sequence_parallel=plan.sequence_parallel,
+                                              element_bytes=activation_element_bytes(plan.precision))
             same = sa.island == sb.island and _same_node(cluster.island(sa.island), sa, sb)
             hop[(a, b)] = p2p_time(nbytes, cluster, src=sa.island, dst=sb.island, same_node=same)
 
@@ -416,7 +454,7 @@ def _simulate(plan: Plan, r: ReplicaPlan, model: ModelSpec, cluster: ClusterSpec
 
 def _replica(plan: Plan, r: ReplicaPlan, model: ModelSpec, cluster: ClusterSpec,
              simulated: tuple[list[float], list[float], PipelineTimes], reduce_and_step, *, dp: int, dist_opt: bool,
-             seq_length: int) -> ReplicaPrediction:
+             seq_length: int, flash_attention: bool | None = None, recompute_mode: str | None = None) -> ReplicaPrediction:
     p, m, v, mbs = len(r.stages), r.num_micro_batches, plan.virtual_pipeline_size, plan.micro_batch_size
     fwd, bwd, sim = simulated
     stages = []
@@ -427,7 +465,10 @@ def _replica(plan: Plan, r: ReplicaPlan, model: ModelSpec, cluster: ClusterSpec,
         mem = stage_memory(model, num_layers=st.num_layers, is_first=is_first, is_last=is_last,
                            micro_batch_size=mbs, microbatches_in_flight=in_flight, tp=st.tp, dp=dp,
                            seq_length=seq_length, sequence_parallel=plan.sequence_parallel,
-                           recompute="full" if st.recompute else "none", distributed_optimizer=dist_opt,
+                           recompute=(recompute_mode or "full") if st.recompute else "none",
+                           distributed_optimizer=dist_opt, precision=plan.precision,
+                           flash_attention=(cluster.island(st.island).device.vendor != "cpu"
+                                            if flash_attention is None else flash_attention),
                            virtual_stages=v)
         red, red_end, opt = reduce_and_step(st, is_first, is_last, bwd[i] / v)
         device = cluster.island(st.island).device

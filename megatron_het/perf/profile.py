@@ -24,6 +24,12 @@ Optional sections (``tools/profile_host.py --vocab-size``, ``--optimizer``, ``--
      "optimizer": {"seconds_per_parameter": 5e-9, "method": "torch.optim.AdamW ..."},
      "communication": {"ranks": 2, "latency_us": 120.0, "bandwidth_gbps": 8.0, "method": "...",
                        "samples": [{"op": "all_reduce", "bytes": 65536, "seconds": 0.0004}]}
+     "compute_model": {"16bit": {"gemm_efficiency": 0.8, "attention_efficiency": 0.5,
+                                 "kernel_overhead_us": 6.0, ...}, "method": "tools/calibrate.py ..."}
+
+``compute_model`` holds the analytic compute model's kernel figures for this device type per
+precision class ("fp32", "tf32", "16bit", "fp8"), as tools/calibrate.py fits them from published
+runs (megatron_het.perf.compute.ComputeParams); a profile with it may have no layer entries.
 
 ``communication`` is one alpha-beta channel fitted to measured gloo/NCCL all-reduces and
 send/recv between processes of this host: :func:`megatron_het.perf.calibrate.with_measured_links`
@@ -144,6 +150,9 @@ class Profile:
     optimizer_s_per_parameter: float | None = None  # measured AdamW step per parameter; None: analytic
     optimizer_method: str = ""  # how the optimizer step was measured
     link: MeasuredLink | None = None  # measured communication of this host; None: the cluster file's figures
+    # precision class -> megatron_het.perf.compute.ComputeParams fitted for this device type (tools/calibrate.py)
+    compute_model: Mapping[str, Any] = field(default_factory=lambda: types.MappingProxyType({}))
+    compute_method: str = ""  # how compute_model was obtained
 
 
 def _entry_from_dict(data: object, path: str) -> ProfileEntry:
@@ -203,7 +212,7 @@ def profile_from_dict(data: object, *, source: str | None = None) -> Profile:
     try:
         data = as_mapping(data, "(top level)", example='{"format": "megatron-het-profile", ...}')
         check_keys(data, "", allowed=("format", "version", "device", "method", "machine", "entries", "parts",
-                                      "optimizer", "communication"),
+                                      "optimizer", "communication", "compute_model"),
                    required=("format", "version", "device", "entries"))
         if data["format"] != PROFILE_FORMAT:
             raise ConfigError("not a megatron-het profile", field="format", value=data["format"],
@@ -212,7 +221,8 @@ def profile_from_dict(data: object, *, source: str | None = None) -> Profile:
             raise ConfigError(f"unsupported version (this code reads {PROFILE_VERSION})", field="version",
                               value=data["version"], fix="regenerate the profile with tools/profile_host.py")
         raw = as_list(data["entries"], "entries", example='[{"hidden_size": 256, ...}]')
-        if not raw:
+        compute_model, compute_method = _compute_model_from_dict(data.get("compute_model"))
+        if not raw and not compute_model:
             raise ConfigError("a profile needs at least one entry", field="entries", value=raw,
                               fix="regenerate the profile with tools/profile_host.py")
         entries = tuple(_entry_from_dict(e, join("entries", i)) for i, e in enumerate(raw))
@@ -244,9 +254,41 @@ def profile_from_dict(data: object, *, source: str | None = None) -> Profile:
         return Profile(device=as_str(data["device"], "device"), entries=entries,
                        method=as_str(data.get("method", "unspecified"), "method"),
                        machine=types.MappingProxyType(dict(machine)), source=source, parts=parts,
-                       optimizer_s_per_parameter=opt_s, optimizer_method=opt_method, link=link)
+                       optimizer_s_per_parameter=opt_s, optimizer_method=opt_method, link=link,
+                       compute_model=types.MappingProxyType(compute_model), compute_method=compute_method)
     except ConfigError as err:
         raise err.located(file=source) from None
+
+
+def _compute_model_from_dict(data: object) -> tuple[dict[str, Any], str]:
+    if data is None:
+        return {}, ""
+    from megatron_het.perf.compute import PRECISION_CLASSES, ComputeParams  # compute imports this module
+
+    data = as_mapping(data, "compute_model", example='{"16bit": {"gemm_efficiency": 0.8, ...}}')
+    check_keys(data, "compute_model", allowed=PRECISION_CLASSES + ("method",), required=())
+    out = {}
+    keys = ("gemm_efficiency", "attention_efficiency", "kernel_overhead_us", "memory_efficiency", "k_half",
+            "elementwise_kernels", "source")
+    for cls in PRECISION_CLASSES:
+        if cls not in data:
+            continue
+        path = join("compute_model", cls)
+        item = as_mapping(data[cls], path, example='{"gemm_efficiency": 0.8, "kernel_overhead_us": 6}')
+        check_keys(item, path, allowed=keys, required=("gemm_efficiency", "attention_efficiency",
+                                                       "kernel_overhead_us"))
+        kwargs: dict[str, Any] = {k: as_float(item[k], join(path, k)) for k in keys[:5] if k in item}
+        if "kernel_overhead_us" in item:
+            kwargs["kernel_overhead_us"] = as_float(item["kernel_overhead_us"], join(path, "kernel_overhead_us"),
+                                                    inclusive=True)
+        if "elementwise_kernels" in item:
+            kwargs["elementwise_kernels"] = as_int(item["elementwise_kernels"], join(path, "elementwise_kernels"))
+        kwargs["source"] = as_str(item.get("source", "profile"), join(path, "source"))
+        try:
+            out[cls] = ComputeParams(**kwargs)
+        except ConfigError as err:
+            raise err.located(prefix=path) from None
+    return out, as_str(data.get("method", ""), "compute_model.method")
 
 
 def profile_to_dict(profile: Profile) -> dict[str, Any]:
@@ -268,6 +310,9 @@ def profile_to_dict(profile: Profile) -> dict[str, Any]:
         out["communication"] = {"ranks": link.ranks, "latency_us": link.latency_us,
                                 "bandwidth_gbps": link.bandwidth_gbps, "method": link.method,
                                 "samples": [{"op": o, "bytes": b, "seconds": t} for o, b, t in link.samples]}
+    if profile.compute_model:
+        out["compute_model"] = {cls: p.to_dict() for cls, p in profile.compute_model.items()}
+        out["compute_model"]["method"] = profile.compute_method
     return out
 
 

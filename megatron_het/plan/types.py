@@ -23,13 +23,18 @@ if TYPE_CHECKING:
     from megatron_het.cluster import ClusterSpec, ModelSpec
     from megatron_het.plan.interface import MemoryCheck
 
-__all__ = ["PLAN_FORMAT", "PLAN_FORMAT_VERSION", "Plan", "ReplicaPlan", "StagePlan"]
+__all__ = ["DEFAULT_PRECISION", "PLAN_FORMAT", "PLAN_FORMAT_VERSION", "PLAN_PRECISIONS", "Plan", "ReplicaPlan",
+           "StagePlan"]
 
 PLAN_FORMAT = "megatron-het-plan"  # value of the "format" key in plan JSON
 PLAN_FORMAT_VERSION = 1  # value of the "version" key this code reads and writes
 
 _PLAN_KEYS = ("format", "version", "micro_batch_size", "global_batch_size", "schedule", "virtual_pipeline_size",
-              "sequence_parallel", "use_distributed_optimizer", "replicas", "predicted")
+              "sequence_parallel", "use_distributed_optimizer", "precision", "replicas", "predicted")
+# Precisions a plan may record (megatron_het.cluster.catalog.PRECISIONS, repeated here so plan/ does
+# not import cluster/ at run time).
+PLAN_PRECISIONS = ("fp32", "tf32", "fp16", "bf16", "fp8")
+DEFAULT_PRECISION = "bf16"  # what every plan written before the field existed was priced as
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -43,6 +48,9 @@ class Plan:
     virtual_pipeline_size: int = 1  # model chunks per stage for "interleaved"
     sequence_parallel: bool = False  # Megatron sequence parallelism inside TP groups
     use_distributed_optimizer: bool = False  # shard optimizer state across replicas
+    # Training precision the plan was priced for (Megatron: no flag = fp32, --fp16, --bf16, --fp8-format;
+    # tf32 = fp32 storage with tensor-core matmuls). Absent from older plan files, which were priced as bf16.
+    precision: str = DEFAULT_PRECISION
     predicted: Mapping[str, object] | None = None  # performance-model output attached by the planner
     version: int = PLAN_FORMAT_VERSION  # JSON format version
 
@@ -93,7 +101,7 @@ class Plan:
             "format": PLAN_FORMAT, "version": self.version, "micro_batch_size": self.micro_batch_size,
             "global_batch_size": self.global_batch_size, "schedule": self.schedule,
             "virtual_pipeline_size": self.virtual_pipeline_size, "sequence_parallel": self.sequence_parallel,
-            "use_distributed_optimizer": self.use_distributed_optimizer,
+            "use_distributed_optimizer": self.use_distributed_optimizer, "precision": self.precision,
             "replicas": [r.to_dict() for r in self.replicas], "predicted": predicted,
         }
 
@@ -123,6 +131,10 @@ class Plan:
                 f'"version": {PLAN_FORMAT_VERSION} if it follows docs/plan-format.md',
             )
         replicas = as_list(required(d, "replicas", "", source), "replicas", source, what="replicas")
+        precision = as_str(d.get("precision", DEFAULT_PRECISION), "precision", source)
+        if precision not in PLAN_PRECISIONS:
+            raise PlanError(file=source, field="precision", value=precision, problem="unknown precision",
+                            fix=f"use one of: {', '.join(PLAN_PRECISIONS)}")
         predicted = d.get("predicted")
         if predicted is not None and not isinstance(predicted, Mapping):
             raise PlanError(file=source, field="predicted", value=predicted,
@@ -136,6 +148,7 @@ class Plan:
             sequence_parallel=as_bool(d.get("sequence_parallel", False), "sequence_parallel", source),
             use_distributed_optimizer=as_bool(d.get("use_distributed_optimizer", False),
                                               "use_distributed_optimizer", source),
+            precision=precision,
             predicted=dict(predicted) if predicted is not None else None,
             version=version,
         )

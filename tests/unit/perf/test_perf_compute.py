@@ -5,7 +5,9 @@ import pytest
 from megatron_het.cluster import CATALOG, ConfigError, ModelSpec
 from megatron_het.perf.compute import (
     DEFAULT_EFFICIENCY,
+    ComputeParams,
     EfficiencyCurve,
+    gemm_efficiency,
     gemm_time,
     layer_elementwise_bytes,
     layer_times,
@@ -33,32 +35,71 @@ def test_efficiency_curve_validation():
         EfficiencyCurve(e_max=1.5, m_half=128)
 
 
+PARAMS = ComputeParams(gemm_efficiency=0.8, attention_efficiency=0.5, kernel_overhead_us=5.0)
+
+
 def test_large_gemm_is_compute_bound():
     g = Gemm(name="fc1", m=4096, n=4096, k=4096)
-    # 2*4096^3 FLOPs at 312 TFLOP/s * 0.7*4096/(4096+128)
-    expected = 137_438_953_472 / (312e12 * 0.7 * 4096 / 4224)
-    assert gemm_time(g, A100) == pytest.approx(expected, rel=1e-12)
-    assert gemm_time(g, A100) == pytest.approx(6.4896e-4, rel=1e-4)
+    # 256x128 tiles: 16 x 32 = 512 tiles on 108 SMs -> 5 waves (540 slots), no padding; k = 4096 of k_half 64
+    eff = 0.8 * (512 / 540) * 4096 / (4096 + 64)
+    assert gemm_efficiency(g, A100, PARAMS) == pytest.approx(eff, rel=1e-12)
+    expected = 5e-6 + 137_438_953_472 / (312e12 * eff)
+    assert gemm_time(g, A100, params=PARAMS) == pytest.approx(expected, rel=1e-12)
+    # the older smallest-dimension curve is still available: 2*4096^3 at 312e12 * 0.7*4096/4224
+    curve = EfficiencyCurve(e_max=0.7, m_half=128)
+    assert gemm_time(g, A100, curve=curve) == pytest.approx(6.4896e-4, rel=1e-4)
 
 
-def test_small_gemm_is_memory_bound():
+def test_wave_quantisation_and_padding():
+    # 109 tiles of 256x128 on 108 SMs need two waves; smaller tiles fill them better, at a cost
+    one_wave = Gemm(name="fc1", m=256 * 12, n=128 * 9, k=4096)  # 108 tiles: one full wave
+    spill = Gemm(name="fc1", m=256 * 12 + 1, n=128 * 9, k=4096)  # a 13th tile row: 117 tiles
+    full, partial = gemm_efficiency(one_wave, A100, PARAMS), gemm_efficiency(spill, A100, PARAMS)
+    assert full == pytest.approx(0.8 * 4096 / 4160, rel=1e-12)
+    assert partial < 0.9 * full
+    # per FLOP, the spilled GEMM is slower
+    per_flop = [gemm_time(g, A100, params=PARAMS) / g.flops for g in (one_wave, spill)]
+    assert per_flop[1] > per_flop[0]
+    # a short reduction depth (the attention core, k = head dim) runs below a deep one
+    shallow = Gemm(name="attention_scores", m=2048, n=2048, k=64, batch=32)
+    deep = Gemm(name="fc1", m=2048, n=2048, k=4096, batch=32)
+    assert gemm_efficiency(shallow, A100, PARAMS) < 0.55 * gemm_efficiency(deep, A100, PARAMS)
+
+
+def test_small_gemm_pays_the_kernel_cost_and_idle_sms():
     g = Gemm(name="attention_scores", m=64, n=64, k=64, batch=32)
-    # compute: 2*64^3*32 = 16777216 FLOPs at 312e12 * 0.7*64/192 -> 2.30e-7 s
-    # memory: 2*(3*4096)*32 = 786432 bytes at 2039 GB/s -> 3.86e-7 s, the larger
-    assert gemm_time(g, A100) == pytest.approx(786_432 / 2039e9, rel=1e-12)
+    # 32 tiles of 64x64 fill 32 of 108 SMs at the small tile's 0.6, k=64 halves it again: compute
+    # 2*64^3*32 FLOPs at 312e12 * 0.8*0.6*(32/108)*0.5 beats the memory time (786432 bytes at 2039 GB/s)
+    compute = 16_777_216 / (312e12 * 0.8 * 0.6 * (32 / 108) * 0.5)
+    assert compute > 786_432 / 2039e9
+    assert gemm_time(g, A100, params=PARAMS) == pytest.approx(5e-6 + compute, rel=1e-12)
+    tiny = Gemm(name="fc1", m=16, n=64, k=64)
+    assert gemm_time(tiny, A100, params=PARAMS) < 5.1e-6  # nearly all fixed cost
 
 
-def test_layer_forward_is_gemms_plus_elementwise_and_backward_twice():
-    t = layer_times(GPT, A100, micro_batch_size=2)
-    gemms = sum(gemm_time(g, A100) for g in layer_gemms(GPT, micro_batch_size=2))
-    elementwise = layer_elementwise_bytes(GPT, micro_batch_size=2) / 2039e9
-    assert t.forward_s == pytest.approx(gemms + elementwise)
-    assert t.backward_s == pytest.approx(2 * t.forward_s)
+def test_layer_times_add_up_by_part_and_recompute_orders():
+    t = layer_times(GPT, A100, micro_batch_size=2, params=PARAMS, flash_attention=True)
     assert t.source == "analytic"
-    full = layer_times(GPT, A100, micro_batch_size=2, recompute="full")
-    assert full.backward_s == pytest.approx(3 * t.forward_s)
-    selective = layer_times(GPT, A100, micro_batch_size=2, recompute="selective")
+    assert sum(t.parts.values()) == pytest.approx(t.forward_s + t.backward_s, rel=1e-9)
+    assert {"gemm:qkv", "gemm:fc1", "gemm:fc2", "gemm:projection", "attention", "elementwise",
+            "kernel_overhead"} <= set(t.parts)
+    # backward runs two GEMMs per forward GEMM: about twice the forward
+    assert 1.8 * t.forward_s < t.backward_s < 2.6 * t.forward_s
+    full = layer_times(GPT, A100, micro_batch_size=2, params=PARAMS, flash_attention=True, recompute="full")
+    assert full.backward_s == pytest.approx(t.backward_s + t.forward_s)
+    selective = layer_times(GPT, A100, micro_batch_size=2, params=PARAMS, flash_attention=True,
+                            recompute="selective")
     assert t.backward_s < selective.backward_s < full.backward_s
+    unfused = layer_times(GPT, A100, micro_batch_size=2, params=PARAMS)
+    assert unfused.forward_s > t.forward_s  # the s x s softmax traffic
+
+
+def test_kernel_costs_dominate_small_layers():
+    tiny = ModelSpec(num_layers=2, hidden_size=128, num_attention_heads=2, seq_length=128, vocab_size=1000)
+    t = layer_times(tiny, A100, micro_batch_size=1, params=PARAMS, flash_attention=True)
+    assert t.parts["kernel_overhead"] > 0.5 * (t.forward_s + t.backward_s)
+    big = layer_times(GPT, A100, micro_batch_size=8, params=PARAMS, flash_attention=True)
+    assert big.parts["kernel_overhead"] < 0.05 * (big.forward_s + big.backward_s)
 
 
 def test_elementwise_bytes_by_hand():
