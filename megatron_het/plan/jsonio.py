@@ -10,10 +10,10 @@ from __future__ import annotations
 import json
 import os
 import re
-from pathlib import Path
 
 from megatron_het.plan.errors import PlanError
 from megatron_het.utils.atomic import write_text_atomic
+from megatron_het.utils.json_file import FileProblem, read_json_file
 
 __all__ = ["json_text", "read_json", "write_json"]
 
@@ -35,20 +35,9 @@ def write_json(path: str | os.PathLike[str], d: dict) -> None:
 
 def read_json(path: str | os.PathLike[str]) -> object:
     """The parsed JSON document of a plan file; PlanError (naming the file) when it cannot be read."""
-    source = str(path)
     try:
-        text = Path(path).read_text(encoding="utf-8")
-    except UnicodeDecodeError as e:
-        raise PlanError(file=source, field="(file)", value=source, problem=f"not UTF-8 text ({e.reason})",
-                        fix="pass a plan JSON file written by tools/plan.py") from None
-    except OSError as e:
-        raise PlanError(file=source, field="(file)", value=source, problem=f"cannot read: {e.strerror}",
-                        fix="check the path") from None
-    try:
-        return json.loads(text)
-    except json.JSONDecodeError as e:
-        raise PlanError(file=source, field=f"line {e.lineno} column {e.colno}", value=e.msg,
-                        problem="invalid JSON", fix="correct the JSON syntax") from None
-    except RecursionError:
-        raise PlanError(file=source, field="(file)", value=source, problem="JSON nested too deeply",
-                        fix="pass a plan JSON file written by tools/plan.py") from None
+        return read_json_file(path)
+    except FileProblem as e:
+        raise PlanError(file=str(path), field=e.where, value=str(path), problem=e.problem,
+                        fix="pass a plan JSON file written by tools/plan.py" if e.where == "(file)"
+                        else "correct the JSON syntax") from None

@@ -10,7 +10,7 @@ from megatron_het.checkpoint.convert.errors import ConvertError
 from megatron_het.checkpoint.convert.het import read_het, write_het
 from megatron_het.checkpoint.convert.hf import read_hf, write_hf
 from megatron_het.checkpoint.convert.hf_tokenizer import check_tokenizer_model
-from megatron_het.checkpoint.convert.io import atomic_output_dir
+from megatron_het.checkpoint.convert.io import atomic_output_dir, check_output_dir
 from megatron_het.checkpoint.convert.megatron import read_megatron, write_megatron
 from megatron_het.checkpoint.convert.state import ModelState
 from megatron_het.cluster import ModelSpec
@@ -73,6 +73,7 @@ def convert(request: ConvertRequest, *, progress: PhaseProgress | None = None) -
     tensors read, then ``progress("write <fmt>")`` the one for the tensors written; each phase's
     last call is ``(total, total)``, made once that phase's files are written or read.
     """
+    check_output_dir(request.output)  # before the (long) read
     export = request.output_format == "hf"  # het and megatron outputs only keep the file
     if request.tokenizer_model is not None:  # a wrong file fails before the (long) read
         check_tokenizer_model(request.tokenizer_model, export=export)

@@ -8,11 +8,12 @@ default (rotary_interleaved=False) rotates halves, as HF Llama does. HF gets the
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
 import sys
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 
 import torch
 
@@ -22,6 +23,7 @@ from megatron_het.checkpoint.convert.qkv import fuse_qkv, split_qkv
 from megatron_het.checkpoint.convert.state import OUTPUT_LAYER, POSITION_EMBEDDING, WORD_EMBEDDING, ModelState
 from megatron_het.cluster import ModelSpec
 from megatron_het.utils.atomic import write_text_atomic
+from megatron_het.utils.json_file import FileProblem, read_json_file
 from megatron_het.utils.progress import ProgressCallback
 
 CONFIG = "config.json"
@@ -248,6 +250,20 @@ def write_hf(state: ModelState, out_dir: str, *, max_shard_bytes: int = MAX_SHAR
     write_text_atomic(os.path.join(out_dir, CONFIG), json.dumps(config, indent=2) + "\n")
 
 
+@contextlib.contextmanager
+def _safetensors_errors(path: str) -> Iterator[None]:
+    """A damaged or foreign .safetensors file is one ConvertError naming it (safetensors parses the
+    header itself and never runs code, but reports damage as its own exception type)."""
+    from safetensors import SafetensorError
+
+    try:
+        yield
+    except (SafetensorError, OSError) as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ConvertError(f"{path}: not a readable safetensors file ({first}). Fix: copy the model again, "
+                           f"or convert a complete Hugging Face model directory") from None
+
+
 def read_hf(in_dir: str, *, model: ModelSpec | None = None, progress: ProgressCallback | None = None) -> ModelState:
     """A HF model directory (config.json + *.safetensors, and the ``tokenizer.model`` an export from
     this project carries); ``model`` overrides what config.json says."""
@@ -258,19 +274,28 @@ def read_hf(in_dir: str, *, model: ModelSpec | None = None, progress: ProgressCa
     if model is None:
         if not os.path.exists(config_path):
             raise ConvertError(f"{in_dir}: no config.json. Fix: pass --model M.yaml describing the checkpoint")
-        with open(config_path, encoding="utf-8") as f:
-            model = model_from_hf_config(json.load(f), source=config_path)
+        try:
+            config = read_json_file(config_path)
+        except FileProblem as e:
+            raise ConvertError(f"{config_path}: {e}. Fix: pass a Hugging Face model directory whose config.json "
+                               f"is intact, or --model M.yaml describing the checkpoint") from None
+        if not isinstance(config, dict):
+            raise ConvertError(f"{config_path}: expected a JSON object, found {type(config).__name__}. "
+                               f"Fix: pass a Hugging Face config.json")
+        model = model_from_hf_config(config, source=config_path)
     files = sorted(f for f in os.listdir(in_dir) if f.endswith(".safetensors"))
     if not files:
         raise ConvertError(f"{in_dir}: no *.safetensors files. Fix: convert a safetensors checkpoint "
                            f"(pytorch_model.bin is not read)")
     total = 0
-    for fname in files:  # the headers alone give the tensor count
-        with safe_open(os.path.join(in_dir, fname), framework="pt") as f:
+    for fname in files:  # the headers alone give the tensor count; a damaged header fails here, cheaply
+        with _safetensors_errors(os.path.join(in_dir, fname)), safe_open(os.path.join(in_dir, fname),
+                                                                           framework="pt") as f:
             total += len(list(f.keys()))
     tensors: dict[str, torch.Tensor] = {}
     for fname in files:
-        tensors.update(load_file(os.path.join(in_dir, fname)))
+        with _safetensors_errors(os.path.join(in_dir, fname)):
+            tensors.update(load_file(os.path.join(in_dir, fname)))
         if progress is not None:
             progress(len(tensors), total)
     state = from_hf(tensors, model, source=in_dir)

@@ -16,6 +16,22 @@ from megatron_het.utils.progress import ProgressCallback
 T = TypeVar("T")
 
 
+def check_output_dir(path: str) -> str:
+    """``path`` made absolute, once it is known to be usable as a new output directory: absent (or an
+    empty directory) and under directories only. Checked before any input is read."""
+    path = os.path.abspath(path)
+    if os.path.exists(path) and (not os.path.isdir(path) or os.listdir(path)):
+        raise ConvertError(f"--output {path}: already exists and is not empty. "
+                           f"Fix: choose a new output directory or remove this one")
+    up = os.path.dirname(path)
+    while not os.path.exists(up):
+        up = os.path.dirname(up)
+    if not os.path.isdir(up):
+        raise ConvertError(f"--output {path}: {up} is a file, not a directory. Fix: choose an output directory "
+                           f"under a directory")
+    return path
+
+
 @contextlib.contextmanager
 def atomic_output_dir(path: str) -> Iterator[str]:
     """Yield a temporary sibling of ``path`` to write into; renamed to ``path`` only on success.
@@ -23,10 +39,7 @@ def atomic_output_dir(path: str) -> Iterator[str]:
     A failed or interrupted conversion leaves nothing at ``path`` (the temp dir is removed on
     errors; a killed process leaves only a ``.<name>.tmp-*`` sibling).
     """
-    path = os.path.abspath(path)
-    if os.path.exists(path) and (not os.path.isdir(path) or os.listdir(path)):
-        raise ConvertError(f"--output {path}: already exists and is not empty. "
-                           f"Fix: choose a new output directory or remove this one")
+    path = check_output_dir(path)
     parent = os.path.dirname(path)
     os.makedirs(parent, exist_ok=True)
     tmp = tempfile.mkdtemp(dir=parent, prefix=f".{os.path.basename(path)}.tmp-")
