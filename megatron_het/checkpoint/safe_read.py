@@ -24,7 +24,6 @@ from __future__ import annotations
 import dataclasses
 import enum
 import io
-import json
 import os
 import pickle
 from collections.abc import Mapping
@@ -33,6 +32,7 @@ import torch
 
 import megatron_het.platform  # noqa: F401  (triton import guard before any megatron import)
 from megatron_het.checkpoint.errors import CheckpointError
+from megatron_het.utils.json_file import FileProblem, read_json_file
 
 METADATA = ".metadata"  # torch DCP's global metadata file (pickled)
 CONFIG = "metadata.json"  # megatron-core's marker of a distributed checkpoint
@@ -149,14 +149,13 @@ def verify_checkpoint(path: str) -> None:
         raise CheckpointError(f"{path}: no such checkpoint directory. Fix: check the path (--load / --input) "
                               f"and the tracker file")
     config = os.path.join(path, CONFIG)
-    try:
-        with open(config, encoding="utf-8") as f:
-            parsed = json.load(f)
-    except FileNotFoundError:
+    if not os.path.exists(config):
         raise CheckpointError(f"{config}: missing, so {path} is not a torch_dist checkpoint. Fix: point at an "
-                              f"iter_XXXXXXX directory written by Megatron-LM or megatron-het") from None
-    except (ValueError, RecursionError) as e:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
-        raise CheckpointError(f"{config}: not valid JSON ({e}). Fix: copy the checkpoint again") from None
+                              f"iter_XXXXXXX directory written by Megatron-LM or megatron-het")
+    try:
+        parsed = read_json_file(config)
+    except FileProblem as e:
+        raise CheckpointError(f"{config}: {e}. Fix: copy the checkpoint again") from None
     if not isinstance(parsed, dict):
         raise CheckpointError(f"{config}: expected a JSON object, found {type(parsed).__name__}. "
                               f"Fix: copy the checkpoint again")
