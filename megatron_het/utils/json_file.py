@@ -19,7 +19,7 @@ class FileProblem(Exception):
     """Why a file could not be read as JSON; ``problem`` is one short clause (no file name)."""
 
     def __init__(self, problem: str, *, where: str = "(file)") -> None:
-        super().__init__(f"{where}: {problem}")
+        super().__init__(problem if where == "(file)" else f"{problem} at {where}")
         self.problem = problem  # e.g. "not UTF-8 text (byte 3)", "invalid JSON (Expecting value)"
         self.where = where  # "(file)", or "line L column C" for a syntax error
 

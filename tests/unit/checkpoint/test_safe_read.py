@@ -132,7 +132,7 @@ def test_damaged_checkpoints_name_the_file(tmp_path):
     with pytest.raises(CheckpointError, match=r"\.metadata: missing"):
         verify_checkpoint(str(ckpt))
     (ckpt / "metadata.json").write_bytes(b"\xff\xfe{")
-    with pytest.raises(CheckpointError, match=r"metadata.json: not valid JSON"):
+    with pytest.raises(CheckpointError, match=r"metadata.json: not UTF-8 text \(byte 0\)\. Fix: copy the checkpoint again"):
         verify_checkpoint(str(ckpt))
     with pytest.raises(CheckpointError, match="no such checkpoint directory"):
         verify_checkpoint(str(tmp_path / "nope"))
