@@ -106,14 +106,14 @@ def instances_plan(routing: Routing, template: Plan) -> Plan:
                 global_batch_size=template.micro_batch_size * len(replicas))
 
 
-def routed_links(routing: Routing, key: InstanceKey, *, tp_rank: int, sequence_parallel: bool
-                 ) -> dict[int, BoundaryLink]:
+def routed_links(routing: Routing, key: InstanceKey, plan: Plan, *, tp_rank: int) -> dict[int, BoundaryLink]:
     """Per global micro-batch of instance ``key``: the link to its neighbours on that micro-batch's pipeline."""
     links: dict[int, BoundaryLink] = {}
     mine = routing.instance(key)
 
-    def neighbour(hop: InstanceKey) -> Neighbour:
-        return Neighbour(ranks=tuple(routing.new_rank(r) for r in routing.instance(hop).ranks))
+    def neighbour(hop: InstanceKey) -> Neighbour:  # island and stage are named when a transfer fails
+        return Neighbour(ranks=tuple(routing.new_rank(r) for r in routing.instance(hop).ranks),
+                         island=plan.replicas[hop[0]].stages[hop[1]].island, stage=hop[1])
 
     for pipe in routing.pipelines:
         if key not in pipe.hops:
@@ -122,7 +122,7 @@ def routed_links(routing: Routing, key: InstanceKey, *, tp_rank: int, sequence_p
         link = BoundaryLink(tp_rank=tp_rank, tp=len(mine.ranks),
                             prev=neighbour(pipe.hops[s - 1]) if s > 0 else None,
                             next=neighbour(pipe.hops[s + 1]) if s + 1 < len(pipe.hops) else None,
-                            sequence_parallel=sequence_parallel)
+                            sequence_parallel=plan.sequence_parallel)
         links.update(dict.fromkeys(pipe.micro_batches, link))
     return links
 
@@ -135,8 +135,7 @@ def rebind(strategy: PipelineStrategy, routing: Routing, rank: int, *, split_bac
     pgc, _ = build_stage_groups(instances_plan(routing, strategy.plan))
     key = routing.instance_of(rank).key
     schedule = routed_schedule(routing, split_backward=split_backward)
-    links = routed_links(routing, key, tp_rank=strategy.role.tp_rank,
-                         sequence_parallel=strategy.plan.sequence_parallel)
+    links = routed_links(routing, key, strategy.plan, tp_rank=strategy.role.tp_rank)
     strategy.rebind(pgc=pgc, ranks={r: routing.new_rank(r) for r in routing.survivors}, actions=schedule.actions[key],
                     links=links, split_backward=split_backward)
 
