@@ -314,10 +314,14 @@ def _analytic_layer_cached(model: ModelSpec, device: DeviceType, micro_batch_siz
         fwd, bwd = fwd + f, bwd + b
         if core:
             core_fwd += f
-        if precision == "fp8" and not core:  # cast the GEMM's inputs to fp8: read 2 bytes, write 1
-            cast = 3 * (g.m * g.k + g.k * g.n) / bw + overhead
-            fwd, bwd = fwd + cast, bwd + 2 * cast
-            parts["fp8_casts"] = parts.get("fp8_casts", 0.0) + 3 * cast
+        if precision == "fp8" and not core:
+            # Transformer Engine casts the GEMM's activation input to fp8 in forward and the output
+            # gradient in backward (read 2 bytes, write 1); weights are cast once per iteration
+            # (Megatron passes is_first_microbatch), not per micro-batch, and are not counted
+            cast_f = 3 * g.m * g.k * g.batch / bw + overhead
+            cast_b = 3 * g.m * g.n * g.batch / bw + overhead
+            fwd, bwd = fwd + cast_f, bwd + cast_b
+            parts["fp8_casts"] = parts.get("fp8_casts", 0.0) + cast_f + cast_b
     if flash_attention:
         sixteen = device.rate_tflops("bf16" if precision in ("fp8", "fp16", "bf16") else precision)
         flops = 4 * micro_batch_size * heads * s * s * model.kv_channels * 0.5  # causal half of QK^T and PV

@@ -74,7 +74,7 @@ def test_small_gemm_pays_the_kernel_cost_and_idle_sms():
     assert compute > 786_432 / 2039e9
     assert gemm_time(g, A100, params=PARAMS) == pytest.approx(5e-6 + compute, rel=1e-12)
     tiny = Gemm(name="fc1", m=16, n=64, k=64)
-    assert gemm_time(tiny, A100, params=PARAMS) < 5.1e-6  # nearly all fixed cost
+    assert 5e-6 < gemm_time(tiny, A100, params=PARAMS) < 6e-6  # mostly fixed cost
 
 
 def test_layer_times_add_up_by_part_and_recompute_orders():
