@@ -1,36 +1,52 @@
 #!/usr/bin/env python
-"""Heterogeneous plan throughput vs its upper bound and two baselines, six device pairs x two models.
+"""Heterogeneous plan throughput vs upper bounds and baselines: six device pairs and six clusters of
+three or more device types (NVIDIA and AMD, old and new, cross-type links 4-8x slower than the
+islands' own networks), each with llama2-7b and llama2-70b.
 
-    python bench/planner_efficiency.py
+    python bench/planner_efficiency.py            # everything (a few minutes on a quiet core)
+    python bench/planner_efficiency.py --quick    # the 1,024-GPU case of issue #19 only
 
-Upper bound: sum over the islands of the best plan found by the same planner on that island
-alone, each island running its share of the global batch (in proportion to its peak TFLOP/s), so
-per-replica micro-batch counts are comparable with the joint run. Baselines: Megatron's uniform plan on the whole cluster (same TP/PP everywhere, equal
-layers, equal micro-batches per replica; the best such plan that fits) and the fastest device
-type alone. Target: chosen / upper bound >= 0.95 everywhere. Writes bench/results/planner_efficiency.json.
+Two upper bounds, both sums over the device types of the best plan the same planner finds on that
+type's island alone:
+- peak share (the bench's bound since #8): each island runs its share of the global batch in
+  proportion to its peak TFLOP/s, so per-replica micro-batch counts are comparable with the joint run;
+- same batch (issue #19's wording): each island runs the whole global batch alone. Every island then
+  has several times the micro-batches per replica it gets in the joint run (smaller pipeline bubbles),
+  so this bound is looser, the more so the more islands share the batch.
+Baselines for the pairs: Megatron's uniform plan on the whole cluster (same TP/PP everywhere, equal
+layers, equal micro-batches per replica; the best such plan that fits) and the fastest device type
+alone. For every case: GPUs used, and whether every island with idle GPUs has an explanation
+(PlannerResult.idle). Target: chosen / bound >= 0.95. Writes bench/results/planner_efficiency.json.
 """
 
 from __future__ import annotations
 
+import argparse
 import datetime
 import json
 import os
 import platform
+import subprocess
 import sys
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 
-from megatron_het.cluster import CATALOG, ClusterSpec, IslandSpec, LinkSpec, ModelSpec, load_model  # noqa: E402
+from megatron_het.cluster import CATALOG, ClusterSpec, IslandSpec, LinkSpec, ModelSpec, load_cluster, load_model  # noqa: E402
 from megatron_het.perf import predict  # noqa: E402
 from megatron_het.plan import PlanError, validate_plan  # noqa: E402
 from megatron_het.planner import InfeasibleError, Segment, Template, build_plan, plan_cluster, tp_options  # noqa: E402
+from megatron_het.utils.atomic import write_text_atomic  # noqa: E402
 
 PAIRS = (("A100-80GB", "H100-SXM"), ("A100-80GB", "MI250X"), ("H100-SXM", "MI300X"), ("V100-32GB", "A100-80GB"),
          ("A100-80GB", "L40S"), ("H100-SXM", "H200"))
 GPUS_PER_ISLAND = (128, 64)  # first type, second type
 GLOBAL_BATCH = 1024
+# Clusters of three or more types (examples/clusters/), global batch size.
+MULTI = (("tangram-1024.yaml", 2048), ("mixed3-256.yaml", 1024), ("v100-a100-mi300x.yaml", 1024),
+         ("h200-h100-mi300x.yaml", 1024), ("a100-l40s-mi250x.yaml", 1024), ("four-types.yaml", 1024))
+TARGET = 0.95
 
 
 def machine() -> dict:
@@ -74,8 +90,69 @@ def uniform_baseline(model: ModelSpec, cluster: ClusterSpec) -> float:
     return best
 
 
-def main() -> int:
-    models = [load_model(ROOT / "examples/models/llama2-7b.yaml"), load_model(ROOT / "examples/models/llama2-70b.yaml")]
+def load() -> str:
+    return " ".join(f"{x:.2f}" for x in os.getloadavg())
+
+
+def alone(model: ModelSpec, cluster: ClusterSpec, global_batch: int) -> tuple[dict, dict]:
+    """Per island: best tokens/s alone at its peak share of the batch, and alone at the whole batch."""
+    share_tps, same_tps, peak = {}, {}, sum(i.peak_tflops for i in cluster.islands)
+    for island in cluster.islands:
+        share = max(8, round(global_batch * island.peak_tflops / peak / 8) * 8)
+        for gbs, out in ((share, share_tps), (global_batch, same_tps)):
+            try:
+                out[island.name] = plan_cluster(model, cluster, global_batch_size=gbs,
+                                                islands=[island.name]).candidates[0][1].tokens_per_s
+            except InfeasibleError:
+                out[island.name] = 0.0
+    return share_tps, same_tps
+
+
+def joint(model: ModelSpec, cluster: ClusterSpec, global_batch: int) -> dict:
+    start, cpu = time.perf_counter(), time.process_time()
+    result = plan_cluster(model, cluster, global_batch_size=global_batch)
+    wall, cpu = time.perf_counter() - start, time.process_time() - cpu
+    pred = result.candidates[0][1]
+    used: dict[str, int] = {}
+    for r in result.best.replicas:
+        for st in r.stages:
+            used[st.island] = used.get(st.island, 0) + st.tp
+    idle = {i.name: i.num_gpus - used.get(i.name, 0) for i in cluster.islands if used.get(i.name, 0) < i.num_gpus}
+    explained = all(any(line.startswith("idle: ") and f" on {name}:" in line for line in result.idle) for name in idle)
+    return {"chosen_tokens_per_s": pred.tokens_per_s, "gpus_used": pred.num_gpus, "gpus": cluster.num_gpus,
+            "gpus_used_per_island": used, "idle_gpus_per_island": idle, "idle_explained": explained,
+            "idle_explanations": list(result.idle), "layouts": len({tuple((s.island, s.tp, s.layers) for s in r.stages)
+                                                                     for r in result.best.replicas}),
+            "planning_time_s": round(wall, 2), "planning_cpu_s": round(cpu, 2)}
+
+
+def multi_cases(models: list[ModelSpec], names=MULTI) -> list[dict]:
+    rows = []
+    print(f"{'cluster':<24} {'model':<11} {'chosen tok/s':>12} {'same-batch':>10} {'ratio':>6} {'peak-share':>10} "
+          f"{'ratio':>6} {'used':>9} {'idle expl':>9} {'plan_s':>6} {'cpu_s':>6}")
+    for name, gbs in names:
+        cluster = load_cluster(ROOT / "examples/clusters" / name)
+        for model in models:
+            row = {"cluster": name, "devices": "+".join(f"{i.num_gpus}x{i.device.name}" for i in cluster.islands),
+                   "model": model.name, "global_batch_size": gbs, "load_before": load()}
+            row.update(joint(model, cluster, gbs))
+            share, same = alone(model, cluster, gbs)
+            row.update({"alone_peak_share_tokens_per_s": share, "alone_same_batch_tokens_per_s": same,
+                        "upper_bound_peak_share": sum(share.values()), "upper_bound_same_batch": sum(same.values())})
+            row["ratio_peak_share"] = row["chosen_tokens_per_s"] / row["upper_bound_peak_share"]
+            row["ratio_same_batch"] = row["chosen_tokens_per_s"] / row["upper_bound_same_batch"]
+            rows.append(row)
+            print(f"{name[:-5]:<24} {model.name:<11} {row['chosen_tokens_per_s']:>12.4g} "
+                  f"{row['upper_bound_same_batch']:>10.4g} {row['ratio_same_batch']:>6.3f} "
+                  f"{row['upper_bound_peak_share']:>10.4g} {row['ratio_peak_share']:>6.3f} "
+                  f"{row['gpus_used']:>4}/{row['gpus']:<4} {str(row['idle_explained']):>9} "
+                  f"{row['planning_time_s']:>6.1f} {row['planning_cpu_s']:>6.1f}")
+            for line in row["idle_explanations"]:
+                print(f"    {line[:150]}")
+    return rows
+
+
+def pair_cases(models: list[ModelSpec]) -> list[dict]:
     figures = []
     print(f"{'devices':<22} {'model':<11} {'chosen tok/s':>12} {'upper':>10} {'ratio':>6} {'uniform':>10} "
           f"{'x_unif':>6} {'fastest':>10} {'x_fast':>6} {'plan_s':>6}")
@@ -85,22 +162,15 @@ def main() -> int:
             t0 = time.perf_counter()
             chosen = plan_cluster(model, cluster, global_batch_size=GLOBAL_BATCH).candidates[0][1].tokens_per_s
             elapsed = time.perf_counter() - t0
-            alone, peak = {}, sum(i.peak_tflops for i in cluster.islands)
-            for island in cluster.islands:
-                # The island's share of the global batch, in proportion to its peak (multiple of 8).
-                share = max(8, round(GLOBAL_BATCH * island.peak_tflops / peak / 8) * 8)
-                try:
-                    alone[island.name] = plan_cluster(model, cluster, global_batch_size=share,
-                                                      islands=[island.name]).candidates[0][1].tokens_per_s
-                except InfeasibleError:
-                    alone[island.name] = 0.0
-            upper = sum(alone.values())
+            share, same = alone(model, cluster, GLOBAL_BATCH)
+            upper = sum(share.values())
             fastest_island = max(cluster.islands, key=lambda i: (i.device.peak_tflops, i.num_gpus))
-            fastest = alone[fastest_island.name]
+            fastest = share[fastest_island.name]
             uniform = uniform_baseline(model, cluster)
             row = {"devices": f"{GPUS_PER_ISLAND[0]}x{a}+{GPUS_PER_ISLAND[1]}x{b}", "model": model.name,
                    "chosen_tokens_per_s": chosen, "upper_bound_tokens_per_s": upper, "ratio_to_upper": chosen / upper,
-                   "alone_tokens_per_s": alone, "uniform_tokens_per_s": uniform,
+                   "alone_tokens_per_s": share, "upper_bound_same_batch": sum(same.values()),
+                   "ratio_same_batch": chosen / sum(same.values()), "uniform_tokens_per_s": uniform,
                    "speedup_over_uniform": chosen / uniform if uniform else None,
                    "fastest_only_tokens_per_s": fastest, "speedup_over_fastest_only": chosen / fastest if fastest else None,
                    "planning_time_s": round(elapsed, 2)}
@@ -109,13 +179,48 @@ def main() -> int:
             print(f"{a + '+' + b:<22} {model.name:<11} {chosen:>12.4g} {upper:>10.4g} {chosen / upper:>6.3f} "
                   f"{uniform:>10.4g} {fmt(row['speedup_over_uniform'])} {fastest:>10.4g} "
                   f"{fmt(row['speedup_over_fastest_only'])} {elapsed:>6.1f}")
-    ratios = [f["ratio_to_upper"] for f in figures]
-    print(f"min ratio to upper bound {min(ratios):.3f}; {sum(r >= 0.95 for r in ratios)}/{len(ratios)} >= 0.95")
-    out = {"figures": figures,
-           "targets": {"ratio_to_upper_min": 0.95, "met": min(ratios) >= 0.95, "min_ratio": min(ratios)},
-           "command": "python bench/planner_efficiency.py", "machine": machine(),
+    return figures
+
+
+def perf_commit() -> str:
+    out = subprocess.run(["git", "log", "-1", "--format=%h", "--", "megatron_het/perf"], cwd=ROOT,
+                         capture_output=True, text=True)
+    dirty = subprocess.run(["git", "status", "--short", "--", "megatron_het/perf"], cwd=ROOT,
+                           capture_output=True, text=True).stdout.strip()
+    return out.stdout.strip() + (" (+ uncommitted changes)" if dirty else "")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--quick", action="store_true", help="only the 1,024-GPU case of issue #19 (llama2-7b)")
+    args = parser.parse_args(argv)
+    models = [load_model(ROOT / "examples/models/llama2-7b.yaml"), load_model(ROOT / "examples/models/llama2-70b.yaml")]
+    start = time.perf_counter()
+    if args.quick:
+        multi = multi_cases(models[:1], names=MULTI[:1])
+        pairs = []
+    else:
+        multi = multi_cases(models)
+        pairs = pair_cases(models)
+    multi_min = min(r["ratio_peak_share"] for r in multi)
+    multi_same_min = min(r["ratio_same_batch"] for r in multi)
+    pair_min = min((r["ratio_to_upper"] for r in pairs), default=None)
+    print(f"three+ types: min ratio {multi_min:.3f} (peak-share bound), {multi_same_min:.3f} (same-batch bound); "
+          f"idle explained everywhere: {all(r['idle_explained'] for r in multi)}")
+    if pairs:
+        print(f"pairs: min ratio {pair_min:.3f}; {sum(r['ratio_to_upper'] >= TARGET for r in pairs)}/{len(pairs)} >= 0.95")
+    out = {"multi_type": multi, "figures": pairs,
+           "targets": {"ratio_min": TARGET,
+                       "multi_type_min_ratio_peak_share": multi_min, "multi_type_min_ratio_same_batch": multi_same_min,
+                       "multi_type_met_peak_share": multi_min >= TARGET, "multi_type_met_same_batch": multi_same_min >= TARGET,
+                       "idle_explained": all(r["idle_explained"] for r in multi),
+                       "pairs_min_ratio": pair_min, "pairs_met": pair_min is not None and pair_min >= TARGET},
+           "command": "python bench/planner_efficiency.py" + (" --quick" if args.quick else ""),
+           "perf_commit": perf_commit(), "machine": machine(), "load_after": load(),
+           "bench_wall_s": round(time.perf_counter() - start, 1),
            "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")}
-    (ROOT / "bench/results/planner_efficiency.json").write_text(json.dumps(out, indent=2) + "\n")
+    name = "planner_efficiency_quick.json" if args.quick else "planner_efficiency.json"
+    write_text_atomic(ROOT / "bench/results" / name, json.dumps(out, indent=2) + "\n")
     return 0
 
 

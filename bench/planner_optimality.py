@@ -4,7 +4,10 @@
     python bench/planner_optimality.py
 
 Gap = fast plan's predicted iteration time / exhaustive best - 1 (both under the same
-performance model). Target: within 1%. Writes bench/results/planner_optimality.json.
+performance model). Both search compositions of replicas of different shapes over the islands
+(planner/compose.py); the exhaustive one with every TP size in every chain, every (micro-batch
+size, recompute) setting, every pair of the 12 best shapes at every count, and idle GPUs filled
+with every shape. Target: within 1%. Writes bench/results/planner_optimality.json.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 from megatron_het.cluster import CATALOG, ClusterSpec, IslandSpec, LinkSpec, ModelSpec, load_model  # noqa: E402
 from megatron_het.planner import InfeasibleError, plan_cluster  # noqa: E402
+from megatron_het.utils.atomic import write_text_atomic  # noqa: E402
 
 TYPES = ("V100-32GB", "A100-40GB", "A100-80GB", "H100-SXM", "L40S", "MI250X", "MI300X", "RTX-4090")
 CASES = 24
@@ -76,11 +80,13 @@ def main() -> int:
         except InfeasibleError:
             continue  # generated cluster too small for the model: draw another
         f, e = fast.candidates[0][1].iteration_time_s, full.candidates[0][1].iteration_time_s
+        shapes = lambda r: len({tuple((s.island, s.tp) for s in rep.stages) for rep in r.best.replicas})  # noqa: E731
         gap = 100 * (f / e - 1)
         kinds = "+".join(f"{i.num_gpus}x{i.device.name}" for i in cluster.islands)
         figures.append({"case": k, "gpus": cluster.num_gpus, "islands": kinds, "model": model.name,
                         "global_batch_size": gbs, "fast_iteration_s": f, "exhaustive_iteration_s": e,
-                        "gap_percent": gap, "fast_time_s": t1 - t0, "exhaustive_time_s": t2 - t1})
+                        "gap_percent": gap, "fast_time_s": t1 - t0, "exhaustive_time_s": t2 - t1,
+                        "fast_replica_shapes": shapes(fast), "exhaustive_replica_shapes": shapes(full)})
         print(f"{k:>4} {cluster.num_gpus:>4} {kinds:<32} {model.name:<14} {gbs:>4} {f:>9.4g} {e:>9.4g} {gap:>6.2f} "
               f"{t1 - t0:>6.2f} {t2 - t1:>6.2f}")
     gaps = [x["gap_percent"] for x in figures]
@@ -90,9 +96,9 @@ def main() -> int:
           f"{summary['within_1_percent']}/{len(gaps)} within 1%")
     out = {"figures": {"cases": figures, "summary": summary},
            "targets": {"gap_percent_max": 1.0, "met": summary["worst_gap_percent"] <= 1.0},
-           "command": "python bench/planner_optimality.py", "machine": machine(),
+           "command": "python bench/planner_optimality.py", "machine": {**machine(), "load_average": os.getloadavg()},
            "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")}
-    (ROOT / "bench/results/planner_optimality.json").write_text(json.dumps(out, indent=2) + "\n")
+    write_text_atomic(ROOT / "bench/results/planner_optimality.json", json.dumps(out, indent=2) + "\n")
     return 0
 
 

@@ -38,6 +38,8 @@ _CHAIN_PP = (1, 2, 3, 4, 6, 8)  # stages one island may take in a multi-island c
 _LOCAL_PP = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 32, 40, 48, 64, 80)  # stages of a one-island chain
 _MAX_CHAIN = 3  # islands per chain
 _REFINE = 2  # LP solves, each with the micro-batches per replica of the previous composition
+_PAIR_SHAPES = 4  # fast mode: best shapes by rate per GPU paired (plus the best of every island set)
+_PAIR_SHAPES_EXHAUSTIVE = 12  # exhaustive mode: best shapes whose pairs are composed at every count
 _TIE = 1e-3  # fill_idle: an addition this close to the best so far counts as a tie and is kept exploring
 
 
@@ -95,8 +97,9 @@ def _chains(active: Sequence[int]) -> list[tuple[int, ...]]:
 
 
 def shapes(est: Estimator, active: Sequence[int], *, tps: Mapping[int, Sequence[int]], mbs: int, recompute: bool,
-           replicas: int) -> list[Shape]:
-    """Every priced, non-dominated shape over chains of the active islands."""
+           replicas: int, exhaustive: bool = False) -> list[Shape]:
+    """Every priced, non-dominated shape over chains of the active islands (``exhaustive``: every
+    TP size of ``tps`` in 3-island chains too, not only the first)."""
     cluster, L = est.cluster, est.model.num_layers
     out: list[Shape] = []
     for chain in _chains(active):
@@ -104,7 +107,7 @@ def shapes(est: Estimator, active: Sequence[int], *, tps: Mapping[int, Sequence[
         for i in chain:
             g = cluster.islands[i].num_gpus
             pps = _LOCAL_PP if len(chain) == 1 else _CHAIN_PP
-            use = tps[i] if len(chain) < 3 else tps[i][:1]
+            use = tps[i] if len(chain) < 3 or exhaustive else tps[i][:1]
             per_island.append([(tp, pp) for tp in use for pp in pps if tp * pp <= g and pp <= L])
         for combo in itertools.product(*per_island):
             if sum(pp for _, pp in combo) > L:
@@ -154,19 +157,63 @@ def _round(shapes_: Sequence[Shape], x: np.ndarray, free: list[int], max_replica
 
 
 def compose(est: Estimator, active: Sequence[int], *, tps: Mapping[int, Sequence[int]], mbs: int, recompute: bool,
-            bases: Sequence[tuple[Template, ...]]) -> list[tuple[Template, ...]]:
+            bases: Sequence[tuple[Template, ...]], exhaustive: bool = False) -> list[tuple[Template, ...]]:
     """Compositions (structures of templates with counts) to price: the LP's, then ``bases``
     (the caller's best plans at this micro-batch size and recompute setting, best first) and the LP's
     with their idle GPUs filled by further replicas (:func:`fill_idle`).
 
-    Shapes are priced for the replica count of ``bases[0]`` (memory shards, micro-batches in flight)."""
+    Shapes are priced for the replica count of ``bases[0]`` (memory shards, micro-batches in flight).
+    Pairs of shapes (:func:`shape_pairs`) are added in both modes. ``exhaustive`` (small clusters,
+    the optimality reference): every TP size in every chain, idle GPUs filled trying every shape
+    until none fits, and pairs of the _PAIR_SHAPES_EXHAUSTIVE best shapes at every count."""
     replicas = sum(t.count for t in bases[0]) if bases else 1
-    found = shapes(est, active, tps=tps, mbs=mbs, recompute=recompute, replicas=max(1, replicas))
+    found = shapes(est, active, tps=tps, mbs=mbs, recompute=recompute, replicas=max(1, replicas),
+                   exhaustive=exhaustive)
     if not found:
         return []
     out = lp_compositions(est, active, found, mbs=mbs, replicas=replicas)
     for base in list(bases) + list(out):
-        out += [s for s in fill_idle(est, base, found, mbs=mbs, recompute=recompute) if s not in out]
+        more = fill_idle(est, base, found, mbs=mbs, recompute=recompute,
+                         **({"rounds": 64, "tries": len(found)} if exhaustive else {}))
+        out += [s for s in more if s not in out]
+    out += [s for s in shape_pairs(est, found, mbs=mbs, replicas=replicas, exhaustive=exhaustive) if s not in out]
+    return out
+
+
+def shape_pairs(est: Estimator, found: Sequence[Shape], *, mbs: int, replicas: int, exhaustive: bool = False
+                ) -> list[tuple[Template, ...]]:
+    """Two-shape compositions: some replicas of one shape, the second filling what is left (at most
+    the micro-batch count in all). The LP prices each shape as if its layers were reduced on its own
+    islands; these pairs let the full closed form judge mixes the LP misranks.
+
+    Shapes: the best by rate per GPU and the best for every set of islands, _PAIR_SHAPES of them
+    (exhaustive: the _PAIR_SHAPES_EXHAUSTIVE best); counts of the first: every count when
+    ``exhaustive``, else 1, 2, 4, ... and the largest few."""
+    total_mb = est.global_batch_size // mbs
+    m = max(1.0, total_mb / max(1, replicas))
+    ranked = sorted(found, key=lambda s: -s.rate(m) / sum(s.gpus))
+    if exhaustive:
+        best = ranked[:_PAIR_SHAPES_EXHAUSTIVE]
+    else:
+        per_set: dict[tuple[bool, ...], Shape] = {}
+        for s in ranked:
+            per_set.setdefault(tuple(g > 0 for g in s.gpus), s)
+        best = list(dict.fromkeys(ranked[:_PAIR_SHAPES] + list(per_set.values())))
+    caps = [i.num_gpus for i in est.cluster.islands]
+    out = []
+    for a, b in itertools.permutations(best, 2):
+        most_a = min(min(c // g for c, g in zip(caps, a.gpus) if g), total_mb - 1)
+        if exhaustive:
+            counts = range(1, most_a + 1)
+        else:
+            counts = sorted({1 << k for k in range(most_a.bit_length()) if 1 << k <= most_a}
+                            | {n for n in range(most_a - 2, most_a + 1) if n >= 1})
+        for n in counts:
+            left = [c - n * g for c, g in zip(caps, a.gpus)]
+            k = min(min(c // g for c, g in zip(left, b.gpus) if g), total_mb - n)
+            if k >= 1:
+                out.append((Template(segments=a.template.segments, count=n),
+                            Template(segments=b.template.segments, count=k)))
     return out
 
 

@@ -21,7 +21,7 @@ from megatron_het.cluster import ClusterSpec, ModelSpec
 from megatron_het.perf.calibrate import with_measured_links
 from megatron_het.perf.comm import activation_message_bytes, dp_gradient_reduction, p2p_time
 from megatron_het.perf.flops import stage_parameters
-from megatron_het.perf.memory import GRAD_BYTES, device_capacity_bytes, stage_memory
+from megatron_het.perf.memory import device_capacity_bytes, stage_memory, state_bytes
 from megatron_het.perf.predict import (
     StageCost,
     bucket_parameters,
@@ -92,6 +92,7 @@ class Estimator:
         self.profile = profile
         self.distributed_optimizer = distributed_optimizer
         self.overlap_grad_reduce = overlap_grad_reduce  # price stage 0's reduction as megatron's bucketed overlap
+        self.precision = "bf16"  # what build_plan's plans train in (Plan.precision's default)
         self._costs: dict[tuple[int, int, int, bool], StageCost] = {}
         self._mem: dict[tuple[object, ...], tuple[int, int, int, int]] = {}
         self._hops: dict[tuple[object, ...], float] = {}
@@ -154,18 +155,40 @@ class Estimator:
             self._hops[key] = p2p_time(nbytes, self.cluster, src=ca.name, dst=cb.name, same_node=same)
         return self._hops[key]
 
-    def reduction(self, counts: tuple[tuple[int, int], ...], nbytes: float) -> float:
-        """dp_gradient_reduction among replicas placed ``counts`` ((island, replicas), ...); it is
-        affine in bytes, so two evaluations per placement serve every size."""
+    def reduction(self, counts: tuple[tuple[int, int], ...], nbytes: float, ranks_per_node: int = 1) -> float:
+        """dp_gradient_reduction (an all-reduce) among replicas placed ``counts`` ((island, replicas),
+        ...), ``ranks_per_node`` of them sharing a node; it is affine in bytes, so two evaluations per
+        placement serve every size."""
         if sum(n for _, n in counts) <= 1:
             return 0.0
-        if counts not in self._red:
+        key = (counts, ranks_per_node)
+        if key not in self._red:
             names = [self.cluster.islands[i].name for i, n in counts for _ in range(n)]
-            t0 = dp_gradient_reduction(0.0, self.cluster, replica_islands=names).total_s
-            t1 = dp_gradient_reduction(1e9, self.cluster, replica_islands=names).total_s
-            self._red[counts] = (t0, (t1 - t0) / 1e9)
-        t0, slope = self._red[counts]
+            t0 = dp_gradient_reduction(0.0, self.cluster, replica_islands=names, ranks_per_node=ranks_per_node).total_s
+            t1 = dp_gradient_reduction(1e9, self.cluster, replica_islands=names, ranks_per_node=ranks_per_node).total_s
+            self._red[key] = (t0, (t1 - t0) / 1e9)
+        t0, slope = self._red[key]
         return t0 + slope * nbytes
+
+    def grad_sync(self, counts: tuple[tuple[int, int], ...], params: int, *, replicas: int,
+                  ranks_per_node: int = 1) -> float:
+        """A stage's gradient synchronisation over ``params`` parameters, as perf.predict prices it:
+        with the distributed optimizer a reduce-scatter of the gradients (half an all-reduce) plus
+        the updated weights' all-gather (the other half, hidden with overlap_grad_reduce); without it
+        an all-reduce of the gradients."""
+        _, grad_bytes, _ = state_bytes(self.precision)
+        param_bytes = state_bytes(self.precision)[0]
+        if self.distributed_optimizer and replicas > 1:
+            rs = 0.5 * self.reduction(counts, grad_bytes * params, ranks_per_node)
+            return rs if self.overlap_grad_reduce else rs + 0.5 * self.reduction(counts, param_bytes * params,
+                                                                                  ranks_per_node)
+        return self.reduction(counts, grad_bytes * params, ranks_per_node)
+
+    def ranks_per_node(self, isl: int, tp: int, pp: int, count: int) -> int:
+        """Replicas of a template whose copies of one stage share a node of island ``isl`` (ranks are
+        placed replica by replica, each taking tp * pp consecutive ranks of the island)."""
+        island = self.cluster.islands[isl]
+        return max(1, min(count, island.gpus_per_node // (tp * pp))) if island.nodes > 1 else 1
 
     def rows(self, isl: int, tp: int, mbs: int, recompute: bool, first: bool, last: bool, in_flight: int,
              dp: int) -> list[tuple[float, float, int]]:
@@ -222,7 +245,10 @@ class Estimator:
         for j, ((isl, tp), n, k) in enumerate(zip(stages, counts, picked)):
             c = self.cost(isl, tp, mbs, k == 1)
             params = self.params(n, j == 0, j == p - 1, tp)
-            exposed = max(exposed, self.reduction(((isl, replicas),), GRAD_BYTES * params) - lag)
+            pp = next(seg.pp for seg in template.segments if seg.island == isl)
+            sync = self.grad_sync(((isl, replicas),), params, replicas=replicas,
+                                  ranks_per_node=self.ranks_per_node(isl, tp, pp, replicas))
+            exposed = max(exposed, sync - lag)
             island = self.cluster.islands[isl]
             shard = replicas if self.distributed_optimizer else 1
             optimizer = max(optimizer, self.cluster.slowdown(island.name)
@@ -296,6 +322,7 @@ class Estimator:
         shard = replicas if self.distributed_optimizer else 1
         for t, counts, (_, rows) in zip(templates, all_counts, all_lags):
             stages, first = t.stage_islands(), 0
+            seg_pp = [seg.pp for seg in t.segments for _ in range(seg.pp)]
             for j, ((isl, tp), n) in enumerate(zip(stages, counts)):
                 is_first, is_last = j == 0, j == len(stages) - 1
                 params = self.params(n, is_first, is_last, tp)
@@ -306,13 +333,15 @@ class Estimator:
                     where[isls[k]] = where.get(isls[k], 0) + cnt
                     start = max(start, ends[k])
                 placement = tuple(sorted(where.items()))
-                tail = self.reduction(placement, GRAD_BYTES * params)
+                rpn = self.ranks_per_node(isl, tp, seg_pp[j], t.count)
+                tail = self.grad_sync(placement, params, replicas=replicas, ranks_per_node=rpn)
                 if self.overlap_grad_reduce and is_first and replicas > 1:
                     c, bwd = rows[j]
                     chunks = stage_gradient_chunks(self.model, c, num_layers=n, is_first=True, is_last=is_last, tp=tp)
                     tail = overlapped_reduction_tail_s(
                         chunks, backward_s=bwd, bucket_params=bucket_parameters(replicas),
-                        reduce_s=lambda k, placement=placement: self.reduction(placement, GRAD_BYTES * k))
+                        reduce_s=lambda k, placement=placement, rpn=rpn: self.grad_sync(
+                            placement, k, replicas=replicas, ranks_per_node=rpn))
                 reduced = max(reduced, start + tail)
                 island = self.cluster.islands[isl]
                 optimizer = max(optimizer, self.cluster.slowdown(island.name)

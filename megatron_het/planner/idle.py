@@ -4,9 +4,9 @@ GPUs, give the predicted throughput of the best priced plan that uses them, and 
 The alternative is the fastest closed-form point of the search that puts at least half of the
 island's idle GPUs to work; it is predicted in full (``perf.predict``) so that the two figures are
 comparable. Why it lost is read off the two predictions: the part of the iteration that grew most
-(gradient reduction across islands: links; the pipeline with as many micro-batches on its slowest
-replica: batch divisibility; recomputation added: memory; otherwise the pipeline: stage balance
-and transfers).
+(gradient reduction across islands: links; recomputation added: memory; as many micro-batches on
+its slowest replica: batch divisibility; more on fewer, deeper replicas: batch split; otherwise the
+pipeline: stage balance and transfers).
 """
 
 from __future__ import annotations
@@ -57,9 +57,15 @@ def _why(cluster: ClusterSpec, island: str, best: tuple[Plan, Prediction], alt: 
                 f"+{d_red:.3g} s exposed")
     if alt_rc > rc and d_pipe > 0:
         return f"memory: {alt_rc} stages must recompute activations to fit, +{d_pipe:.3g} s of pipeline"
-    if alt_most >= most and d_pipe >= 0:
+    if alt_most == most and d_pipe >= 0:
         return (f"batch divisibility: micro-batches are whole, its slowest replica still runs {alt_most} "
                 f"(the chosen plan's: {most}), +{d_pipe:.3g} s of pipeline")
+    if alt_most > most and d_pipe >= 0:
+        depth = max(len(r.stages) for r in alt_plan.replicas)
+        chosen_depth = max(len(r.stages) for r in plan.replicas)
+        return (f"batch split: its {len(alt_plan.replicas)} replicas of up to {depth} stages run up to {alt_most} "
+                f"micro-batches each (the chosen plan's {len(plan.replicas)} of up to {chosen_depth}: {most}), "
+                f"+{d_pipe:.3g} s of pipeline")
     if d_opt > max(d_pipe, 0.0):
         return f"optimizer step: +{d_opt:.3g} s on the slowest stage"
     return (f"pipeline: stage balance and transfers to {island} make its slowest replica +{d_pipe:.3g} s "

@@ -97,14 +97,15 @@ class MegatronParallelizer:
                                           slowdown=self.cluster.slowdown(island.name), profile=self.profile)
         return self._costs[key]
 
-    def _memory(self, slice_: LayerSlice, tp: int, rc: bool) -> tuple[int, int, int, int]:
+    def _memory(self, slice_: LayerSlice, tp: int, rc: bool, flash: bool) -> tuple[int, int, int, int]:
         """(bytes without optimizer state, optimizer bytes, and both per extra layer), unsharded;
         one entry serves every replica count."""
-        key = (slice_.num_layers, slice_.is_first, slice_.is_last, slice_.micro_batch_size, slice_.in_flight, tp, rc)
+        key = (slice_.num_layers, slice_.is_first, slice_.is_last, slice_.micro_batch_size, slice_.in_flight, tp, rc,
+               flash)
         if key not in self._mem:
             args = dict(is_first=slice_.is_first, is_last=slice_.is_last, micro_batch_size=slice_.micro_batch_size,
                         microbatches_in_flight=slice_.in_flight, tp=tp, recompute="full" if rc else "none",
-                        distributed_optimizer=False)
+                        distributed_optimizer=False, flash_attention=flash)
             here = stage_memory(self.model, num_layers=slice_.num_layers, **args)
             more = stage_memory(self.model, num_layers=slice_.num_layers + 1, **args)
             self._mem[key] = (here.total_bytes - here.optimizer_bytes, here.optimizer_bytes,
@@ -115,9 +116,11 @@ class MegatronParallelizer:
     def candidates(self, slice_: LayerSlice, island_index: int, budget_bytes: int) -> list[IntraConfig]:
         out = []
         shard = slice_.data_parallel if self.distributed_optimizer and slice_.data_parallel > 1 else 1
+        flash = self.cluster.islands[island_index].device.vendor != "cpu"
         for tp in self.tp_sizes(island_index):
             for rc in (False, True) if slice_.recompute_allowed else (False,):
-                rest, opt, rest_slope, opt_slope = self._memory(slice_, tp, rc)
+                # fused (flash) attention on GPUs, as perf.predict assumes megatron-core runs it
+                rest, opt, rest_slope, opt_slope = self._memory(slice_, tp, rc, flash)
                 # Optimizer state is kept apart and sharded over the replicas (as the runtime does).
                 total = rest + -(-opt // shard)
                 slope = rest_slope + opt_slope / shard

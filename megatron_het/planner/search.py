@@ -288,7 +288,8 @@ def plan_cluster(model: ModelSpec, cluster: ClusterSpec, *, global_batch_size: i
                 bases.append(e.templates)
         picked = list(settings.items()) if exhaustive else list(settings.items())[:_COMPOSE_SETTINGS]
         for (mbs, rc), bases in picked:
-            for structure in compose(est, active, tps=local_tps[(mbs, rc)], mbs=mbs, recompute=rc, bases=bases):
+            for structure in compose(est, active, tps=local_tps[(mbs, rc)], mbs=mbs, recompute=rc, bases=bases,
+                                     exhaustive=exhaustive):
                 counter.add(1)
                 price(structure, mbs, rc)
         estimates.sort(key=lambda e: e.iteration_time_s)
@@ -311,27 +312,54 @@ def plan_cluster(model: ModelSpec, cluster: ClusterSpec, *, global_batch_size: i
     counter.add(min(keep, len(estimates)))  # full predictions (duplicates skipped may need a few more)
     ranked: list[tuple[Plan, Prediction]] = []
     seen: set[str] = set()
-    for e in estimates:
-        if len(ranked) >= keep:
-            break
+    considered: set[int] = set()
+
+    def predict_point(e: Estimate) -> None:
+        considered.add(id(e))
         plan = build_plan(cluster, e.templates, e.layer_counts, e.micro_batches, micro_batch_size=e.micro_batch_size,
                           global_batch_size=global_batch_size, recompute=e.recompute,
                           distributed_optimizer=distributed_optimizer, stage_recompute=e.stage_recompute)
         key = plan.to_json()
         if key in seen:
-            continue
+            return
         seen.add(key)
         try:
             validate_plan(plan, model, cluster)
         except PlanError as err:  # a bug in the search if it happens; keep the reason, skip the plan
             reasons[f"internal: generated plan invalid: {err}"] = None
-            continue
+            return
         pred = predict(plan, model, cluster, profile=profile, overlap_grad_reduce=overlap_grad_reduce)
         counter.step()
         if not pred.fits:
             reasons[f"predicted memory {pred.memory_gib_per_rank_max:.1f} GiB exceeds a device"] = None
-            continue
+            return
         ranked.append((replace(plan, predicted=pred.to_json_dict()), pred))
+        origin.append(e)
+
+    origin: list[Estimate] = []  # the point behind each ranked plan
+    for e in estimates:
+        if len(ranked) >= keep:
+            break
+        predict_point(e)
+    # Then the best point of every (micro-batch size, recompute) setting not predicted yet:
+    # near-identical compositions must not crowd out a setting the full prediction ranks differently.
+    best_of: dict[tuple[int, bool], Estimate] = {}
+    for e in estimates:
+        best_of.setdefault((e.micro_batch_size, e.recompute), e)
+    rest = [e for e in best_of.values() if id(e) not in considered]
+    # And the structure predicted fastest so far at every other setting (the closed form's ranking
+    # of micro-batch sizes is the least certain part of it).
+    if ranked:
+        top = origin[min(range(len(ranked)), key=lambda k: ranked[k][1].iteration_time_s)]
+        for mbs in sizes:
+            for rc in recompute_options:
+                if (mbs, rc) != (top.micro_batch_size, top.recompute):
+                    e = est.evaluate(top.templates, mbs, rc)
+                    if not isinstance(e, str):
+                        rest.append(e)
+    counter.add(len(rest))
+    for e in rest:
+        predict_point(e)
     if not ranked:
         raise InfeasibleError(_infeasible_text(est, active, sizes, recompute_options, max_tp, reasons),
                               reasons=tuple(reasons))

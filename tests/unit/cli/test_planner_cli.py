@@ -74,3 +74,17 @@ def test_predict_reads_a_sharded_plan_written_by_plan(tmp_path):
     assert got["mode"] == "sharded" and got["iteration_time_s"] > 0 and len(got["ranks"]) == 4
     text = _run("predict.py", *CPU_DEMO, "--plan", str(out))
     assert text.returncode == 0 and "all-gather" in text.stdout and text.stdout.count("rank ") == 4
+
+
+def test_plan_output_for_1024_ranks_fits_a_screen_and_verbose_lists_everything():
+    args = ("--cluster", "examples/clusters/tangram-1024.yaml", "--model", "examples/models/llama2-7b.yaml",
+            "--global-batch-size", "2048", "--no-progress")
+    res = _run("plan.py", *args)
+    assert res.returncode == 0, res.stderr
+    lines = res.stdout.splitlines()
+    assert len(lines) <= 40, res.stdout
+    assert any(line.startswith("ranks: ") and "-" in line for line in lines)  # ranks as ranges
+    assert "pipeline best" in res.stdout and "sharded" in res.stdout  # both predictions stated
+    verbose = _run("plan.py", *args, "--verbose")
+    assert verbose.returncode == 0, verbose.stderr
+    assert len(verbose.stdout.splitlines()) > 200 and "replica 0:" in verbose.stdout

@@ -33,18 +33,20 @@ def _three_types(h100: int = 16, a100: int = 16, mi250: int = 8, cross_gbps: flo
 
 
 class ToyParallelizer:
-    """A second parallelizer: TP=1 only, no recompute, every layer twice as slow as Megatron's."""
+    """A second parallelizer: TP=2 only, no recompute, every layer twice as slow as Megatron's."""
 
     name = "toy"
 
     def __init__(self, model, cluster):
-        self.inner = MegatronParallelizer(model, cluster, max_tp=1)
+        self.inner = MegatronParallelizer(model, cluster, max_tp=2)
         self.calls = 0
 
     def candidates(self, slice_: LayerSlice, island_index: int, budget_bytes: int) -> list[IntraConfig]:
         self.calls += 1
         out = []
         for c in self.inner.candidates(replace(slice_, recompute_allowed=False), island_index, budget_bytes):
+            if c.tp != 2:
+                continue
             cost = replace(c.cost, layer_forward_s=2 * c.cost.layer_forward_s,
                            layer_backward_s=2 * c.cost.layer_backward_s)
             out.append(replace(c, cost=cost))
@@ -56,15 +58,16 @@ def test_plans_with_a_toy_parallelizer_plugged_in():
         islands=(IslandSpec(name="fast", device=CATALOG["CPU"], nodes=1, gpus_per_node=4),
                  IslandSpec(name="slow", device=CATALOG["CPU"], nodes=1, gpus_per_node=2)),
         links=(LinkSpec(between=("fast", "slow"), bandwidth_gbps=10.0),))
-    default = plan_cluster(TINY, cluster, global_batch_size=16)
-    assert any(s.tp > 1 for r in default.best.replicas for s in r.stages)  # Megatron's would use TP here
+    default = plan_cluster(TINY, cluster, global_batch_size=16, max_tp=1)
+    assert all(s.tp == 1 for r in default.best.replicas for s in r.stages)
     toy = ToyParallelizer(TINY, cluster)
     result = plan_cluster(TINY, cluster, global_batch_size=16, parallelizer=toy)
     assert toy.calls > 0
-    assert all(s.tp == 1 and not s.recompute for r in result.best.replicas for s in r.stages)
+    # Only what the toy offers: TP=2 everywhere, no recompute.
+    assert all(s.tp == 2 and not s.recompute for r in result.best.replicas for s in r.stages)
     validate_plan(result.best, TINY, cluster)
     # The search priced the toy's slower layers: its closed form differs from Megatron's for one layout.
-    one = (Template(segments=(Segment(island=0, tp=1, pp=2),), count=2),)
+    one = (Template(segments=(Segment(island=0, tp=2, pp=2),), count=1),)
     mine = Estimator(TINY, cluster, global_batch_size=16, profile=None, distributed_optimizer=True,
                      parallelizer=ToyParallelizer(TINY, cluster)).evaluate(one, 1, False)
     theirs = Estimator(TINY, cluster, global_batch_size=16, profile=None, distributed_optimizer=True
