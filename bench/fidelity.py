@@ -15,7 +15,7 @@ one alone, so the 2 vCPUs are not independent cores); then ``--tp-sizes 2`` (lay
 processes, their collectives included); before and after the runs; the model uses the means. The host's links
 (gloo all-reduce and send/recv between 2 processes, the alpha-beta fit of
 megatron_het.profiling.links) are measured before and after as well and fitted together. Measured:
-pretrain_gpt.py's entry (megatron_het.runtime.pretrain.run with its command line: --hetero-cluster,
+pretrain_gpt.py's entry (megatron_het.cli.pretrain.run with its command line: --hetero-cluster,
 --hetero-plan, mock data), median over iterations after warm-up of the slowest rank's iteration
 time, a fresh 2-process spawn per plan and round (a long-lived process was measured to slow down
 as it builds trainer after trainer), rounds alternating the order of the plans.
@@ -86,13 +86,13 @@ def _argv(cluster: str, plan_path: str, iters: int) -> list[str]:
 
 
 def _rank(rank, world_size, argv):
-    """One plan through pretrain_gpt.py's entry (megatron_het.runtime.pretrain.run); its iteration times."""
+    """One plan through pretrain_gpt.py's entry (megatron_het.cli.pretrain.run); its iteration times."""
     import contextlib
     import io
 
+    from megatron_het.cli.pretrain import run
     from megatron_het.platform import detect_accelerator
     from megatron_het.runtime.arguments import parse_args
-    from megatron_het.runtime.pretrain import run
 
     with contextlib.redirect_stdout(io.StringIO()):  # the log lines are not the point
         result = run(parse_args(argv), detect_accelerator())

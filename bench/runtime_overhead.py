@@ -25,9 +25,9 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 from megatron_het.cluster import ModelSpec, load_cluster  # noqa: E402
+from megatron_het.model.groups import BlockShape  # noqa: E402
 from megatron_het.plan import Plan, ReplicaPlan, StagePlan  # noqa: E402
 from megatron_het.platform.local_launch import run_local  # noqa: E402
-from megatron_het.runtime.groups import BlockShape  # noqa: E402
 from megatron_het.train.config import TrainConfig  # noqa: E402
 
 MODEL = ModelSpec(num_layers=8, hidden_size=256, num_attention_heads=8, seq_length=128, vocab_size=1000)

@@ -5,12 +5,12 @@
         --hetero-model examples/models/tiny-cpu.yaml --micro-batch-size 2 --global-batch-size 16 \
         --train-iters 20 --mock-data
 
-Thin: everything lives in megatron_het.runtime.pretrain (parse, build, train, close).
+Thin: everything lives in megatron_het.cli.pretrain (parse, build, train, close).
 """
 
 import sys
 
-from megatron_het.runtime.pretrain import main  # noqa: E402
+from megatron_het.cli.pretrain import main  # noqa: E402
 
 if __name__ == "__main__":
     sys.exit(main())

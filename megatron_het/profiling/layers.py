@@ -91,7 +91,7 @@ def _build_megatron(model: ModelSpec, num_layers: int, dtype: torch.dtype,
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         os.environ.setdefault("MASTER_PORT", str(free_port()))
         dist.init_process_group("gloo", rank=0, world_size=1)
-    # A runtime in this process (megatron_het.runtime.groups.ensure_global_memory_buffer) may have
+    # A runtime in this process (megatron_het.model.groups.ensure_global_memory_buffer) may have
     # created the buffer initialize_model_parallel insists on creating itself; it is stateless scratch.
     parallel_state.destroy_global_memory_buffer()
     parallel_state.initialize_model_parallel(tp, 1)
@@ -242,7 +242,7 @@ def profile_parts(model: ModelSpec, *, vocab_size: int, micro_batch_sizes: list[
     from megatron.core import parallel_state, tensor_parallel
     from megatron.core.models.common.embeddings.language_model_embedding import LanguageModelEmbedding
 
-    from megatron_het.runtime.gpt_model import StageModelSpec, transformer_config
+    from megatron_het.model.gpt import StageModelSpec, transformer_config
 
     spec = StageModelSpec(model=model, num_layers=1, layer_offset=0, tp=1, pre_process=True, post_process=True,
                           vocab_size=vocab_size, params_dtype=dtype)

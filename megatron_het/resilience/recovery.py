@@ -13,7 +13,6 @@ redone, so the sequence of updates equals the failure-free run.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import datetime
 import logging
@@ -129,10 +128,10 @@ def routed_links(routing: Routing, key: InstanceKey, plan: Plan, *, tp_rank: int
 
 def rebind(strategy: PipelineStrategy, routing: Routing, rank: int, *, split_backward: bool) -> None:
     """Move ``strategy`` (this rank = ``rank`` of ``strategy.plan``) onto the current, rebuilt world and
-    the routed schedule of ``routing`` (collective over the survivors)."""
+    the routed schedule of ``routing`` (collective over the survivors); groups get the run's timeout."""
     from megatron_het.runtime.stage_groups import build_stage_groups
 
-    pgc, _ = build_stage_groups(instances_plan(routing, strategy.plan))
+    pgc, _ = build_stage_groups(instances_plan(routing, strategy.plan), timeout=strategy.train.group_timeout)
     key = routing.instance_of(rank).key
     schedule = routed_schedule(routing, split_backward=split_backward)
     links = routed_links(routing, key, strategy.plan, tp_rank=strategy.role.tp_rank)
@@ -144,33 +143,6 @@ def _groups() -> list:
     from torch.distributed import distributed_c10d as c10d
 
     return list(c10d._world.pg_map) if dist.is_initialized() else []
-
-
-def bound_group_timeouts(timeout_s: float) -> None:
-    """Give every existing group ``timeout_s``: a peer that hangs is detected within that time."""
-    for pg in _groups():
-        try:
-            pg.set_timeout(datetime.timedelta(seconds=timeout_s))
-        except (RuntimeError, AttributeError):  # a backend without set_timeout keeps its own
-            pass
-
-
-@contextlib.contextmanager
-def bounded_new_groups(timeout_s: float):
-    """Groups created inside get ``timeout_s`` instead of torch's 30-minute default.
-
-    The trainer's group builders take no timeout argument; torch reads its module-level default
-    when a group is created, so it is swapped for the duration of the block and restored.
-    (``ProcessGroup.set_timeout`` after the fact did not bound gloo collectives of subgroups.)
-    """
-    from torch.distributed import distributed_c10d as c10d
-
-    saved = c10d.default_pg_timeout
-    c10d.default_pg_timeout = datetime.timedelta(seconds=timeout_s)
-    try:
-        yield
-    finally:
-        c10d.default_pg_timeout = saved
 
 
 def abort_all_groups() -> None:
@@ -220,14 +192,8 @@ class ResilienceHooks(TrainerHooks):
         self.failed: frozenset[int] = frozenset()
         self.members: tuple[int, ...] = tuple(range(plan.world_size))  # ranks of ``plan`` in the current world
         self.generation = 0
-        self._bounded = False  # set_timeout applied to the current groups
 
     # ---- hook points --------------------------------------------------------------------------
-    def on_step_start(self, trainer: Trainer, iteration: int) -> None:
-        if not self._bounded:  # groups made by the trainer use torch's default (30 min) timeout
-            bound_group_timeouts(self.config.pg_timeout_s)
-            self._bounded = True
-
     def on_action(self, trainer: Trainer, iteration: int, index: int, action) -> None:
         f = self.fault
         if f is not None and f.rank == self.rank and f.iteration == iteration and index >= f.after_actions:
@@ -275,8 +241,7 @@ class ResilienceHooks(TrainerHooks):
         if routing is not None and self.rank in routing.retired:
             raise RankRetired(f"rank {self.rank} retires: its TP group lost ranks {sorted(self.failed)}") from error
         if routing is not None:
-            with bounded_new_groups(self.config.pg_timeout_s):
-                rebind(trainer.strategy, routing, self.rank, split_backward=self.config.split_backward)
+            rebind(trainer.strategy, routing, self.rank, split_backward=self.config.split_backward)
         if decision.action == "replan":
             saved = None
             if routing is not None:  # every layer still has a holder: write the current state
@@ -317,8 +282,7 @@ class ResilienceHooks(TrainerHooks):
             raise RankRetired(f"rank {self.original_rank} is not in the new plan of {new_plan.world_size} ranks")
         self.fault = None
         self._start_epoch(new_plan, new_rank, epoch=self.epoch + 1)
-        with bounded_new_groups(self.config.pg_timeout_s):
-            trainer.use_strategy(self.rebuild(new_plan), iteration=0)  # 0: no checkpoint, start over
+        trainer.use_strategy(self.rebuild(new_plan), iteration=0)  # 0: no checkpoint, start over
         if load is not None:
             trainer.load_checkpoint(iteration_dir(self.config.checkpoint_dir, load))
 

@@ -24,7 +24,6 @@ from megatron_het.resilience.recovery import (
     RankRetired,
     ResilienceConfig,
     ResilienceHooks,
-    bounded_new_groups,
 )
 from megatron_het.train.config import TrainConfig
 
@@ -81,8 +80,11 @@ def resilient_train(*, rank: int, model: ModelSpec, plan: Plan, train: TrainConf
                     replan: Callable[[Plan, int], Plan] = homogeneous_replan) -> RankReport:
     """Train ``iterations`` steps of ``plan`` on this rank, surviving failures (the default group must exist).
 
-    One trainer with ResilienceHooks; a re-plan continues in it on a strategy rebuilt for the new plan."""
+    One trainer with ResilienceHooks; a re-plan continues in it on a strategy rebuilt for the new plan.
+    Every group of the run, rebuilt ones included, gets ``config.pg_timeout_s`` (bounds a hang on a stuck peer)."""
     from megatron_het.runtime.hetero_trainer import HeteroTrainer, PipelineStrategy
+
+    train = dataclasses.replace(train, distributed_timeout_minutes=config.pg_timeout_s / 60)
 
     def rebuild(new_plan: Plan) -> PipelineStrategy:
         return PipelineStrategy(model=model, plan=new_plan, train=train, batch_fn=batch_fn, padded_vocab=padded_vocab)
@@ -95,10 +97,9 @@ def resilient_train(*, rank: int, model: ModelSpec, plan: Plan, train: TrainConf
     hooks = ResilienceHooks(config=config, rank=rank, plan=plan, fault=next((f for f in faults if f.rank == rank), None),
                             rebuild=rebuild, replan=replan)
     try:
-        with bounded_new_groups(config.pg_timeout_s):
-            trainer = HeteroTrainer(model=model, plan=plan, train=train, batch_fn=batch_fn, hooks=hooks,
-                                    padded_vocab=padded_vocab, slowdown=slowdown, clock=clock,
-                                    init_full_state=init_full_state)
+        trainer = HeteroTrainer(model=model, plan=plan, train=train, batch_fn=batch_fn, hooks=hooks,
+                                padded_vocab=padded_vocab, slowdown=slowdown, clock=clock,
+                                init_full_state=init_full_state)
         trainer.run(iterations, on_iteration=record)
         status = "finished"
     except RankRetired:

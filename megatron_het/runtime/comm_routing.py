@@ -20,8 +20,8 @@ import torch
 import torch.distributed as dist
 
 from megatron_het.cluster import ClusterSpec
+from megatron_het.model.groups import group_options
 from megatron_het.plan import Plan, rank_roles
-from megatron_het.runtime.groups import group_options
 
 log = logging.getLogger(__name__)
 

@@ -23,11 +23,12 @@ Which parameters go together in one buffer and which ranks reduce it is a pure f
 every rank holds (``plan_buckets``), tested without processes; creating the groups is a thin
 collective step (``GradientSynchronizer``). ``bucket_numel`` splits a group's parameters into
 buckets of about that many elements in backward order, so an overlapped reduction
-(``comm/overlap_grad.py``) can start the first buckets while the backward still runs.
+(``runtime/overlap_grad.py``) can start the first buckets while the backward still runs.
 """
 
 from __future__ import annotations
 
+import datetime
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
@@ -152,10 +153,12 @@ class GradientSynchronizer:
     """Creates the reduction groups once (collective over the world) and reduces each step."""
 
     def __init__(self, local: Sequence[Holding], params: Mapping[str, torch.nn.Parameter], *,
-                 placement=None, bucket_numel: int | None = None) -> None:
+                 placement=None, bucket_numel: int | None = None, timeout: datetime.timedelta | None = None) -> None:
         """``placement`` (comm_routing.RankPlacement) routes groups that span collective libraries
         through the cross-vendor bridge; None: every group is a plain torch group.
-        ``bucket_numel``: see ``plan_buckets`` (None: one bucket per group of holders)."""
+        ``bucket_numel``: see ``plan_buckets`` (None: one bucket per group of holders).
+        ``timeout``: the run's group timeout (TrainConfig.group_timeout)."""
+        from megatron_het.model.groups import group_options
         from megatron_het.runtime.comm_routing import NativeGroup, new_reduction_group
 
         gathered: list[list[Holding] | None] = [None] * dist.get_world_size()
@@ -169,10 +172,10 @@ class GradientSynchronizer:
         self.routes: list[tuple[tuple[int, ...], str]] = []  # (ranks, "native" | "het-bridge"), for the log
         for bucket in self.buckets:  # every rank creates every group, in the same order
             if placement is None:
-                group = dist.new_group(list(bucket.ranks))
+                group = dist.new_group(list(bucket.ranks), **group_options(timeout))
                 group = NativeGroup(group) if self.rank in bucket.ranks else None
             else:
-                group = new_reduction_group(bucket.ranks, placement)
+                group = new_reduction_group(bucket.ranks, placement, timeout=timeout)
             if group is not None:
                 self._groups.append((bucket, group))
                 self.routes.append((bucket.ranks, group.kind))

@@ -13,7 +13,7 @@ Overlap options (docs/overlap.md): the plan's ``sequence_parallel`` shards activ
 sequence inside each TP group (boundaries re-split them between TP sizes); a stage whose plan sets
 ``tp_comm_overlap`` switches its TP linears to the chunked collective/GEMM path
 (``comm/overlap_megatron.py``); ``TrainConfig.overlap_grad_reduce`` launches the cross-replica
-gradient buckets from gradient hooks during each stage's last backward (``comm/overlap_grad.py``).
+gradient buckets from gradient hooks during each stage's last backward (``runtime/overlap_grad.py``).
 """
 
 from __future__ import annotations
@@ -36,13 +36,13 @@ from megatron_het.checkpoint.full_state import (
 )
 from megatron_het.checkpoint.tp_layout import is_glu
 from megatron_het.cluster import ClusterSpec, ConfigError, ModelSpec
+from megatron_het.model.gpt import StageModelSpec, build_gpt_stage, transformer_config
 from megatron_het.perf.flops import padded_vocab_size
 from megatron_het.plan import Plan
 from megatron_het.plan.validate import check_tp_comm_overlap
 from megatron_het.runtime.boundary import BoundaryLink, Neighbour
 from megatron_het.runtime.comm_routing import RankPlacement, rank_placement
 from megatron_het.runtime.executor import ActionExecutor, globalise
-from megatron_het.runtime.gpt_model import StageModelSpec, build_gpt_stage, transformer_config
 from megatron_het.runtime.grad_sync import GradientSynchronizer, Holding
 from megatron_het.runtime.megatron_trainer import split_tokens
 from megatron_het.runtime.stage_groups import build_stage_groups
@@ -86,7 +86,7 @@ class PipelineStrategy:
                               value=(train.micro_batch_size, train.global_batch_size),
                               fix="pass the plan's sizes (or re-plan for yours)")
         self.model_spec, self.plan, self.train, self.batch_fn = model, plan, train, batch_fn
-        self.pgc, self.role = build_stage_groups(plan)
+        self.pgc, self.role = build_stage_groups(plan, timeout=train.group_timeout)
         role = self.role
         self.replica = plan.replicas[role.replica]
         self.stage_plan = self.replica.stages[role.stage]
@@ -184,13 +184,14 @@ class PipelineStrategy:
         """The plain synchronizer, or with ``overlap_grad_reduce`` the hook-driven one in buckets of
         ``ddp_bucket_size`` parameters (megatron-core's default size when None)."""
         if not self.train.overlap_grad_reduce:
-            return GradientSynchronizer(self.holdings(), self.params, placement=self.placement)
-        from megatron_het.comm.overlap_grad import OverlappedGradientSynchronizer
+            return GradientSynchronizer(self.holdings(), self.params, placement=self.placement,
+                                        timeout=self.train.group_timeout)
         from megatron_het.perf.predict import bucket_parameters
+        from megatron_het.runtime.overlap_grad import OverlappedGradientSynchronizer
 
         size = self.train.ddp_bucket_size or bucket_parameters(len(self.plan.replicas))
         return OverlappedGradientSynchronizer(self.holdings(), self.params, placement=self.placement,
-                                              bucket_numel=size)
+                                              bucket_numel=size, timeout=self.train.group_timeout)
 
     def holdings(self) -> list[Holding]:
         """What this rank holds of each full parameter (the gradient synchronizer's input)."""

@@ -15,9 +15,9 @@ import torch.distributed as dist
 
 from megatron_het.checkpoint.full_state import Shard, load_full_state, local_shards
 from megatron_het.cluster import ModelSpec
+from megatron_het.model.gpt import StageModelSpec, build_gpt_stage, transformer_config
+from megatron_het.model.groups import BlockShape, block_process_groups
 from megatron_het.perf.flops import padded_vocab_size
-from megatron_het.runtime.gpt_model import StageModelSpec, build_gpt_stage, transformer_config
-from megatron_het.runtime.groups import BlockShape, block_process_groups
 from megatron_het.train.config import TrainConfig
 from megatron_het.train.strategy import ActionHook, BatchFn, IterationLog, RunResult, StepResult
 from megatron_het.train.timer import EmulationTimer
@@ -64,7 +64,7 @@ class MegatronStrategy:
 
         self.model_spec, self.train, self.shape, self.batch_fn = model, train, shape, batch_fn
         self.rank = dist.get_rank()
-        _, pgc = block_process_groups(shape)
+        _, pgc = block_process_groups(shape, timeout=train.group_timeout)
         self.pgc = pgc
         self.tp_rank, pp_rank, self.dp_rank = pgc.tp.rank(), pgc.pp.rank(), pgc.dp.rank()
         self.reports_shards = self.dp_rank == 0  # replicas hold equal copies: one is enough

@@ -13,8 +13,8 @@ import datetime
 
 import torch.distributed as dist
 
+from megatron_het.model.groups import GRID_DIMS, ensure_global_memory_buffer, group_options
 from megatron_het.plan import Plan, rank_roles
-from megatron_het.runtime.groups import GRID_DIMS, ensure_global_memory_buffer, group_options
 
 
 def check_contiguous_stages(plan: Plan) -> None:

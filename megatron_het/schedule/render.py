@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from megatron_het.schedule.engine import ActionTiming, Stuck, Trace, run, unit_duration
 from megatron_het.schedule.types import Schedule
 
-if TYPE_CHECKING:
-    from megatron_het.schedule.simulate import SimResult
+
+class Timed(Protocol):
+    """What ``render_grid`` needs of a simulation (simulate.SimResult): per-stage action timings."""
+
+    timings: tuple[tuple[ActionTiming, ...], ...]
 
 
 def render_trace(
@@ -46,7 +49,7 @@ def render_trace(
     return "\n".join(lines)
 
 
-def render_grid(schedule: Schedule, sim: SimResult | None = None, width: int = 120) -> str:
+def render_grid(schedule: Schedule, sim: Timed | None = None, width: int = 120) -> str:
     """Grid of ``sim``'s timings, or of a unit-duration run (showing where stages get stuck)."""
     if sim is not None:
         return render_trace(sim.timings, (), width)

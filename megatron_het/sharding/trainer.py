@@ -30,10 +30,10 @@ import torch.distributed as dist
 
 from megatron_het.checkpoint.full_state import Shard, global_name, load_full_state
 from megatron_het.cluster import ClusterSpec, ConfigError, ModelSpec
+from megatron_het.model.gpt import StageModelSpec, build_gpt_stage, transformer_config
 from megatron_het.perf.flops import padded_vocab_size
 from megatron_het.perf.sharded import sharded_rank_memory
 from megatron_het.plan import ShardedPlan
-from megatron_het.runtime.gpt_model import StageModelSpec, build_gpt_stage, transformer_config
 from megatron_het.runtime.megatron_trainer import split_tokens
 from megatron_het.sharding.budget import check_budget
 from megatron_het.sharding.checkpoint import load_sharded, save_sharded
@@ -58,7 +58,7 @@ class ShardedStrategy:
                  reduce_scatter_method: Literal["reduce", "all_reduce"] = "reduce") -> None:
         from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
-        from megatron_het.runtime.groups import BlockShape, block_process_groups
+        from megatron_het.model.groups import BlockShape, block_process_groups
 
         world, rank = dist.get_world_size(), dist.get_rank()
         if plan.world_size != world:
@@ -74,7 +74,7 @@ class ShardedStrategy:
         self.rank, self.share = rank, plan.ranks[rank]
         self.reports_shards = rank == 0  # every rank gathers the same full tensors; one copy is enough
         self.gather_method, self.reduce_scatter_method = gather_method, reduce_scatter_method
-        _, self.pgc = block_process_groups(BlockShape(tp=1, pp=1, dp=world))
+        _, self.pgc = block_process_groups(BlockShape(tp=1, pp=1, dp=world), timeout=train.group_timeout)
 
         # Same seed on every rank: identical initial weights; each keeps only its shard as master.
         torch.manual_seed(train.seed)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import datetime
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,8 +28,10 @@ class GridGroups:
         return getattr(self, axis)
 
 
-def create_grid_groups(grid: Grid4D, *, rank_offset: int = 0) -> GridGroups | None:
+def create_grid_groups(grid: Grid4D, *, rank_offset: int = 0,
+                       timeout: datetime.timedelta | None = None) -> GridGroups | None:
     """Create every axis group of ``grid`` (ranks ``rank_offset ..``); collective over the world.
+    ``timeout``: the run's group timeout (None: torch's default).
 
     Every rank of the world must call it with the same arguments (``new_group`` is collective).
     Returns None on ranks outside the grid.
@@ -42,7 +45,7 @@ def create_grid_groups(grid: Grid4D, *, rank_offset: int = 0) -> GridGroups | No
     for axis in AXES:
         for ranks in grid.axis_groups(axis):
             global_ranks = [rank_offset + r for r in ranks]
-            g = dist.new_group(global_ranks)
+            g = dist.new_group(global_ranks, **({} if timeout is None else {"timeout": timeout}))
             if rank in global_ranks:
                 mine[axis] = g
     if not rank_offset <= rank < rank_offset + grid.size:

@@ -6,6 +6,7 @@ defaults live here only. No torch import: parsing stays fast.
 
 from __future__ import annotations
 
+import datetime
 from dataclasses import dataclass
 
 
@@ -31,14 +32,14 @@ class TrainConfig:
     # tp_comm_overlap (comm/overlap.py); a shard whose rows it does not divide uses fewer
     tp_comm_overlap_chunks: int = 4
     # Megatron's --overlap-grad-reduce: cross-replica gradient buckets are reduced from gradient
-    # hooks during each stage's last backward (comm/overlap_grad.py) instead of after the schedule
+    # hooks during each stage's last backward (runtime/overlap_grad.py) instead of after the schedule
     overlap_grad_reduce: bool = False
     # Megatron's --ddp-bucket-size: parameters per gradient bucket with overlap_grad_reduce; None:
     # megatron-core's default max(40M, 1M x replicas). Without overlap a bucket is one holder group
     ddp_bucket_size: int | None = None
-    # Megatron's --distributed-timeout-minutes: timeout of the process groups (a hung peer fails the
-    # collective after this long instead of blocking forever)
-    distributed_timeout_minutes: int = 10
+    # Megatron's --distributed-timeout-minutes: timeout of every process group of the run (a hung peer
+    # fails the collective after this long instead of blocking forever); fractions bound tests tighter
+    distributed_timeout_minutes: float = 10
 
     def __post_init__(self) -> None:
         for name in ("micro_batch_size", "global_batch_size", "train_iters", "log_interval"):
@@ -57,9 +58,14 @@ class TrainConfig:
                              f"(limit 1). Fix: leave it None for megatron-core's default")
         if self.clip_grad < 0:
             raise ValueError(f"clip_grad must be >= 0, got {self.clip_grad}")
-        if self.distributed_timeout_minutes < 1:
-            raise ValueError(f"distributed_timeout_minutes must be >= 1, got {self.distributed_timeout_minutes}. "
+        if not self.distributed_timeout_minutes > 0:
+            raise ValueError(f"distributed_timeout_minutes must be > 0, got {self.distributed_timeout_minutes}. "
                              f"Fix: pass minutes, e.g. --distributed-timeout-minutes 10")
+
+    @property
+    def group_timeout(self) -> datetime.timedelta:
+        """The one timeout every process group of the run is created with."""
+        return datetime.timedelta(minutes=self.distributed_timeout_minutes)
 
     def lr_at(self, iteration: int) -> float:
         """Learning rate for 0-based ``iteration`` (warm-up, then the decay style down to min_lr)."""

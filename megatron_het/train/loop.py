@@ -1,6 +1,6 @@
 """Megatron's pretraining loop around the trainer: log lines, evaluation, periodic saves, summary.
 
-The same for every plan kind: ``runtime/pretrain.py`` builds the trainer (pipeline or sharded
+The same for every plan kind: ``cli/pretrain.py`` builds the trainer (pipeline or sharded
 strategy) and hands it here. Log lines come from global rank 0 in Megatron-LM's format.
 """
 

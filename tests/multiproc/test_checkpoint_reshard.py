@@ -21,8 +21,8 @@ from megatron_het.checkpoint.dist_ckpt import (
     model_common_state,
 )
 from megatron_het.checkpoint.full_state import assemble_full_state
+from megatron_het.model.groups import BlockShape
 from megatron_het.platform.local_launch import run_local
-from megatron_het.runtime.groups import BlockShape
 
 from workers.megatron_workers import checkpoint_worker, megatron_block_worker
 

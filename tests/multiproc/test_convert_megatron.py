@@ -2,7 +2,7 @@
 checkpoints written by megatron-core itself, exact round trips through every format.
 
 One spawned gloo process (world size 1) builds a GPT (tied, learned positions) and a Llama-style
-model (RMSNorm, rotary, SwiGLU, GQA, untied) with megatron_het.runtime.gpt_model.build_gpt_stage,
+model (RMSNorm, rotary, SwiGLU, GQA, untied) with megatron_het.model.gpt.build_gpt_stage,
 saves each as megatron-core's GPTModel.sharded_state_dict (as Megatron-LM does) and as a megatron-het
 checkpoint (dist_ckpt.save_checkpoint, as the trainer does, keeping the run's SentencePiece model),
 and runs the conversions. The HF export is then used as a user would: transformers' AutoTokenizer and
@@ -51,11 +51,11 @@ def _convert_model(model: ModelSpec, out: str, tokenizer: str) -> dict:
     from megatron_het.checkpoint.convert.state import VOCAB_ROWS, unpad_vocab
     from megatron_het.checkpoint.dist_ckpt import TensorSlot, model_common_state, save_checkpoint
     from megatron_het.checkpoint.full_state import assemble_full_state, local_shards
+    from megatron_het.model.gpt import StageModelSpec, build_gpt_stage, transformer_config
+    from megatron_het.model.groups import BlockShape, block_process_groups
     from megatron_het.perf.flops import padded_vocab_size
     from megatron_het.platform import enable_cpu_backend
     from megatron_het.platform.cpu_backend import _CpuTorchProxy
-    from megatron_het.runtime.gpt_model import StageModelSpec, build_gpt_stage, transformer_config
-    from megatron_het.runtime.groups import BlockShape, block_process_groups
 
     enable_cpu_backend()
     # megatron-core 0.19.2 rotary_pos_embedding.py:162 moves inv_freq to torch.cuda.current_device();

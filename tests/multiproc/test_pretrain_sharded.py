@@ -16,9 +16,9 @@ import re
 
 import pytest
 
+from megatron_het.model.groups import BlockShape
 from megatron_het.platform.local_launch import run_local
 from megatron_het.runtime.arguments import parse_args
-from megatron_het.runtime.groups import BlockShape
 from megatron_het.sharding import RankShare, ShardedPlan
 
 from support.paths import REPO

@@ -19,11 +19,11 @@ import pytest
 
 from megatron_het.checkpoint.full_state import assemble_full_state
 from megatron_het.cluster import ModelSpec
+from megatron_het.model.groups import BlockShape
 from megatron_het.plan import Plan, PlanError, ReplicaPlan, StagePlan, validate_plan
 from megatron_het.platform.local_launch import run_local
 from megatron_het.runtime.boundary import Transfer, sequence_transfers, shard_rows
 from megatron_het.runtime.grad_sync import Holding, plan_buckets
-from megatron_het.runtime.groups import BlockShape
 from megatron_het.train.config import TrainConfig
 
 MODEL = ModelSpec(num_layers=4, hidden_size=64, num_attention_heads=4, seq_length=32, vocab_size=200)

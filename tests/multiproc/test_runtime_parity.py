@@ -12,9 +12,9 @@ import pytest
 
 from megatron_het.checkpoint.full_state import assemble_full_state
 from megatron_het.cluster import ModelSpec
+from megatron_het.model.groups import BlockShape
 from megatron_het.plan import Plan, ReplicaPlan, StagePlan
 from megatron_het.platform.local_launch import run_local
-from megatron_het.runtime.groups import BlockShape
 from megatron_het.train.config import TrainConfig
 
 from workers.megatron_workers import hetero_cases_worker, megatron_block_worker

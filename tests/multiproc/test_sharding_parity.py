@@ -24,9 +24,9 @@ import torch
 
 from megatron_het.checkpoint.full_state import assemble_full_state
 from megatron_het.cluster import ModelSpec
+from megatron_het.model.groups import BlockShape
 from megatron_het.perf.sharded import sharded_rank_memory
 from megatron_het.platform.local_launch import run_local
-from megatron_het.runtime.groups import BlockShape
 from megatron_het.sharding import RankShare, ShardedPlan
 from megatron_het.train.config import TrainConfig
 

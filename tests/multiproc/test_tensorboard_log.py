@@ -38,8 +38,8 @@ def _argv(plan: str, tb_dir: str, iters: int = ITERS) -> list[str]:
 
 def pretrain_worker(rank: int, world: int, argv: list[str], failing_argv: list[str]):
     """A full run, then a run whose second iteration raises on every rank (the event file must survive)."""
+    from megatron_het.cli.pretrain import run
     from megatron_het.platform import detect_accelerator
-    from megatron_het.runtime.pretrain import run
     from megatron_het.train.trainer import Trainer
 
     result = run(parse_args(argv), detect_accelerator())

@@ -7,7 +7,7 @@ from functools import partial
 
 from megatron_het.cluster import ModelSpec
 from megatron_het.data.synthetic import synthetic_batch
-from megatron_het.runtime.groups import BlockShape
+from megatron_het.model.groups import BlockShape
 from megatron_het.train.config import TrainConfig
 
 

@@ -153,8 +153,8 @@ def grad_sync_case(rank: int, world: int) -> dict:
     A partitioned weight (reshard path: TP sizes differ), a replicated bias, and a parameter held
     by B and C only (direct path). Gradients come from a real backward so the hooks fire.
     """
-    from megatron_het.comm.overlap_grad import OverlappedGradientSynchronizer
     from megatron_het.runtime.grad_sync import GradientSynchronizer, Holding
+    from megatron_het.runtime.overlap_grad import OverlappedGradientSynchronizer
 
     tp_size, tp_rank, stage = (2, rank, (0, 0)) if rank < 2 else (1, 0, (rank - 1, 0))
     full = {"w": (6, 4), "bias": (4,), "only_bc": (3,)}
@@ -218,9 +218,9 @@ def megatron_parity_cases(rank: int, world: int) -> dict:
 
     from megatron_het.cluster import ModelSpec
     from megatron_het.comm.overlap_megatron import apply_tp_comm_overlap
+    from megatron_het.model.gpt import StageModelSpec, transformer_config
+    from megatron_het.model.groups import BlockShape, block_process_groups
     from megatron_het.perf.flops import padded_vocab_size
-    from megatron_het.runtime.gpt_model import StageModelSpec, transformer_config
-    from megatron_het.runtime.groups import BlockShape, block_process_groups
     from megatron_het.tp.spec import sequence_parallel_block_spec
 
     _, pgc = block_process_groups(BlockShape(tp=2, pp=1, dp=1))

@@ -96,10 +96,10 @@ def pretrain_sharded_worker(rank, world_size, steps, pipeline_check):
     import io
 
     from megatron_het.checkpoint.dist_ckpt import iteration_dir, latest_iteration
+    from megatron_het.cli.pretrain import batch_fns, run
     from megatron_het.platform import detect_accelerator, enable_cpu_backend
     from megatron_het.runtime.arguments import parse_args
     from megatron_het.runtime.hetero_trainer import HeteroTrainer
-    from megatron_het.runtime.pretrain import batch_fns, run
     from megatron_het.sharding.plan import ShardedPlan, load_any_plan
 
     enable_cpu_backend()

@@ -168,8 +168,8 @@ def _wanted_keys(model: ModelSpec) -> dict[str, tuple[int, ...]]:
 def build_full_model(model: ModelSpec, padded_vocab: int, full: Mapping[str, torch.Tensor]):
     """A TP=1 megatron-core GPTModel holding ``full`` (needs a one-rank process group); returns (gpt, pgc)."""
     from megatron_het.checkpoint.full_state import load_full_state
-    from megatron_het.runtime.gpt_model import StageModelSpec, build_gpt_stage, transformer_config
-    from megatron_het.runtime.groups import BlockShape, block_process_groups
+    from megatron_het.model.gpt import StageModelSpec, build_gpt_stage, transformer_config
+    from megatron_het.model.groups import BlockShape, block_process_groups
 
     _, pgc = block_process_groups(BlockShape(tp=1, pp=1, dp=1))
     spec = StageModelSpec(model=model, num_layers=model.num_layers, layer_offset=0, tp=1, pre_process=True,

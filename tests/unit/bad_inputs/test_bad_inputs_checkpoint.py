@@ -130,6 +130,6 @@ PRETRAIN_ROWS = [
 
 @pytest.mark.parametrize("row", PRETRAIN_ROWS, ids=lambda r: r.id)
 def test_pretrain_arguments_refused(row, tmp_path, capsys, monkeypatch):
-    from megatron_het.runtime import pretrain
+    from megatron_het.cli import pretrain
 
     check_row(pretrain.main, row, tmp_path, capsys, monkeypatch)

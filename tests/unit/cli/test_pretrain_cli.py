@@ -50,9 +50,9 @@ def test_cluster_typo_exits_cleanly(tmp_path):
 
 
 def test_overlap_flags_reach_the_plan_and_the_training_config(tmp_path):
+    from megatron_het.cli.pretrain import resolve_plan
     from megatron_het.plan import Plan, ReplicaPlan, StagePlan, validate_plan
     from megatron_het.plan.serialize import save_plan
-    from megatron_het.runtime.pretrain import resolve_plan
 
     stages = (StagePlan(island="fast", device_type="CPU", ranks=(0, 1), layers=(0, 2)),
               StagePlan(island="slow", device_type="CPU", ranks=(2,), layers=(2, 4)))

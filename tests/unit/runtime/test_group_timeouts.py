@@ -38,7 +38,7 @@ def test_torch_default_is_not_the_world_timeout(world):
 
 
 def test_block_groups_take_the_run_timeout(world):
-    from megatron_het.runtime.groups import BlockShape, block_process_groups
+    from megatron_het.model.groups import BlockShape, block_process_groups
 
     _, pgc = block_process_groups(BlockShape(tp=1, pp=1, dp=1), timeout=RUN)
     groups = {name: getattr(pgc, name) for name in ("tp", "pp", "dp", "cp", "ep", "mp", "tp_cp", "dp_cp",
@@ -59,7 +59,7 @@ def test_stage_and_reduction_groups_take_the_run_timeout(world):
 
 
 def test_bad_timeout_is_refused():
-    from megatron_het.runtime.groups import group_options
+    from megatron_het.model.groups import group_options
 
     assert group_options(None) == {}
     with pytest.raises(ValueError, match=r"timeout: must be a positive datetime.timedelta \(got 600\)"):
