@@ -67,7 +67,7 @@ def main(argv: list[str] | None = None) -> int:
             if out.exists() and not out.is_dir():
                 raise UserError("exists and is not a folder", field="--output", value=args.output,
                                 fix="pass a folder (it is created if missing)")
-            check_output_file(out / "profile.json", flag="--output")
+            check_output_file(out / "profile.json" if out.exists() else out, flag="--output")
         rows = load_published(args.data, sources=sources)
         result = fitting.fit(rows)
         errors = fitting.row_errors(rows, result.theta)

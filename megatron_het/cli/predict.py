@@ -2,10 +2,15 @@
 
     python tools/predict.py --cluster C.yaml --model M.yaml --plan plan.json [--json]
     python tools/predict.py --cluster C.yaml --model M.yaml --tp 2 --pp 2 --dp 2 \
-        --micro-batch-size 1 --global-batch-size 32 [--virtual-pipeline-size 2] [--recompute-activations]
+        --micro-batch-size 1 --global-batch-size 32 [--virtual-pipeline-size 2] [--recompute-activations] \
+        [--bf16 | --fp16 | --fp32 | --tf32 | --fp8]
 
-The second form needs a one-island cluster; the two forms do not mix. Errors are one line on stderr
-with exit code 2.
+The second form needs a one-island cluster; the two forms do not mix. Precision: Megatron's flags
+(--bf16, --fp16, --fp8 for Transformer Engine fp8 GEMMs; --fp32 is Megatron's default without a flag,
+--tf32 the same with tensor-core matmuls); this tool prices bf16 when none is given, as plans written
+before precision was recorded were. A plan carries its own precision. After the headline figures the
+tool prints where the iteration goes (GEMMs by kind, fixed per-kernel costs, exposed communication,
+bubble, optimizer; megatron_het/perf/breakdown.py). Errors are one line on stderr with exit code 2.
 """
 
 from __future__ import annotations
@@ -17,8 +22,9 @@ from dataclasses import replace
 
 from megatron_het.cluster import load_cluster, load_model
 from megatron_het.errors import UserError
-from megatron_het.perf import load_profile, predict
+from megatron_het.perf import load_profile
 from megatron_het.perf.bounds import check_global_batch_size
+from megatron_het.perf.breakdown import PART_LABELS, explain
 from megatron_het.plan import Plan, PlanError, homogeneous_plan, layer_split, validate_plan
 from megatron_het.planner.sharded import predict_sharded
 from megatron_het.sharding.plan import ShardedPlan, load_any_plan, validate_sharded_plan
@@ -41,7 +47,8 @@ def _homogeneous(args, model, cluster) -> Plan:
     replicas = tuple(replace(r, stages=tuple(replace(s, recompute=args.recompute_activations) for s in r.stages))
                      for r in plan.replicas)
     return replace(plan, replicas=replicas, schedule="interleaved" if v > 1 else "1f1b", virtual_pipeline_size=v,
-                   sequence_parallel=args.sequence_parallel, use_distributed_optimizer=args.use_distributed_optimizer)
+                   sequence_parallel=args.sequence_parallel, use_distributed_optimizer=args.use_distributed_optimizer,
+                   precision=args.precision or "bf16")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -58,7 +65,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--recompute-activations", action="store_true", help="full recomputation")
     parser.add_argument("--sequence-parallel", action="store_true")
     parser.add_argument("--use-distributed-optimizer", action="store_true")
-    parser.add_argument("--profile", action="append", default=[], help="profile JSON (repeatable)")
+    prec = parser.add_mutually_exclusive_group()
+    for flag, value, text in (("--bf16", "bf16", "bf16 mixed precision"), ("--fp16", "fp16", "fp16 mixed precision"),
+                              ("--fp32", "fp32", "fp32 (Megatron's default)"),
+                              ("--tf32", "tf32", "fp32 storage, TF32 tensor-core matmuls"),
+                              ("--fp8", "fp8", "Transformer Engine fp8 GEMMs, bf16 elsewhere")):
+        prec.add_argument(flag, dest="precision", action="store_const", const=value, help=text)
+    parser.add_argument("--profile", action="append", default=[],
+                        help="profile JSON (repeatable): measured layers, or a tools/calibrate.py compute model")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     args = parser.parse_args(argv)
     homog = ("tp", "pp", "dp", "micro_batch_size", "global_batch_size")
@@ -68,6 +82,8 @@ def main(argv: list[str] | None = None) -> int:
         given = [f"--{k.replace('_', '-')}" for k in (*homog, "virtual_pipeline_size", "recompute_activations",
                                                     "sequence_parallel", "use_distributed_optimizer")
                  if getattr(args, k) not in (None, False)]
+        if args.precision is not None:
+            given.append(f"--{args.precision}")
         if given:
             parser.error(f"{' '.join(given)} cannot be combined with --plan (the plan sets them); "
                          f"drop {'it' if len(given) == 1 else 'them'} or drop --plan")
@@ -82,16 +98,17 @@ def main(argv: list[str] | None = None) -> int:
                 validate_sharded_plan(plan, cluster)
                 return _print_sharded(predict_sharded(plan, model, cluster, profile=profiles), args.json)
             validate_plan(plan, model, cluster)
-            pred = predict(plan, model, cluster, profile=profiles)
+            pred, parts = explain(plan, model, cluster, profile=profiles)
         except PlanError as err:  # the plan is wrong for this model or cluster: name its file
             raise err.with_file(args.plan) from None
     except UserError as err:  # bugs are not caught: they surface as tracebacks
         print(f"error: {err}", file=sys.stderr)
         return 2
     if args.json:
-        print(json.dumps(pred.to_json_dict(), indent=2))
+        print(json.dumps(dict(pred.to_json_dict(), precision=plan.precision, breakdown_s=parts), indent=2))
         return 0
-    print(f"iteration time  {pred.iteration_time_s:.4g} s (pipeline {pred.pipeline_time_s:.4g}, gradient reduction "
+    print(f"iteration time  {pred.iteration_time_s:.4g} s (pipeline {pred.pipeline_time_s:.4g}, synchronization "
+          f"{pred.synchronization_s:.4g}, gradient reduction "
           f"{pred.gradient_reduction_s:.4g}, optimizer {pred.optimizer_s:.4g})")
     print(f"throughput      {pred.tokens_per_s:.4g} tokens/s, {pred.tflops_per_gpu:.4g} TFLOP/s per GPU "
           f"({pred.num_gpus} GPUs)")
@@ -106,6 +123,11 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{ri:<7} {si:<5} {s.island:<13} {s.device_type:<11} {s.tp:<3} {s.layers[0]}-{s.layers[1]:<6} "
                   f"{1e3 * s.forward_s:<9.4g} {1e3 * s.backward_s:<9.4g} {s.idle_s:<9.4g} "
                   f"{s.memory_gib:.2f} / {s.capacity_gib:g}{'' if s.fits else '  DOES NOT FIT'}")
+    print(f"where the iteration goes ({plan.precision}; busiest stage of the slowest replica, then the rest):")
+    total = sum(parts.values())
+    for name, sec in sorted(parts.items(), key=lambda kv: -kv[1]):
+        if sec > 0:
+            print(f"  {PART_LABELS.get(name, name):52s} {sec:10.4g} s  {100 * sec / total:5.1f}%")
     return 0
 
 

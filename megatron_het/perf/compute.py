@@ -348,7 +348,7 @@ def _analytic_layer_cached(model: ModelSpec, device: DeviceType, micro_batch_siz
 
 def layer_times(model: ModelSpec, device: DeviceType, *, micro_batch_size: int, seq_length: int | None = None,
                 tp: int = 1, sequence_parallel: bool = False, recompute: Recompute = "none",
-                flash_attention: bool = False, curve: EfficiencyCurve | None = None,
+                flash_attention: bool | None = None, curve: EfficiencyCurve | None = None,
                 profile: Profile | None = None, precision: str = "bf16",
                 params: ComputeParams | None = None) -> LayerTimes:
     """Forward and backward seconds of one layer for one micro-batch on one rank.
@@ -356,9 +356,12 @@ def layer_times(model: ModelSpec, device: DeviceType, *, micro_batch_size: int, 
     If ``profile`` (measured on this device type; the caller picks it) has an entry for this layer
     shape and ``tp``, its interpolated times are used; otherwise the analytic model (with the
     profile's fitted ``compute_model`` when it has one). Full recomputation adds a forward to the
-    backward; selective adds the attention core.
+    backward; selective adds the attention core. ``flash_attention`` None: fused on GPUs (what
+    megatron-core's Transformer Engine spec runs), unfused on CPUs (the local spec).
     """
     check_recompute(recompute)
+    if flash_attention is None:
+        flash_attention = device.vendor != "cpu"
     s = model.seq_length if seq_length is None else seq_length
     params = params or compute_params_for(device, precision, profile=profile)
     curve = curve or _cpu_curve(device, profile)

@@ -30,8 +30,12 @@ Assumptions (docs/planner.md, "Prediction"):
   unfused on CPUs (the local spec); ``flash_attention=`` overrides.
 - The optimizer step is memory-bound: ``OPTIMIZER_STEP_BYTES`` per parameter (sharded over the
   replicas with the distributed optimizer) at the device's memory bandwidth.
-- iteration time = max(slowest replica's pipeline, latest end of a stage's reduction) + the
-  slowest stage's optimizer step.
+- Every iteration the trainer also runs ``SYNC_ALL_REDUCES_PER_ITERATION`` small all-reduces over
+  every rank (the gradient norm for clipping and the loss report: megatron-het's trainer and
+  Megatron-LM's alike), priced by :func:`small_all_reduce_s`: the measured small-message all-reduce
+  of a profile whose links were measured on as many ranks, else taken as negligible.
+- iteration time = max(slowest replica's pipeline, latest end of a stage's reduction) + those
+  synchronisations + the slowest stage's optimizer step.
 """
 
 from __future__ import annotations
@@ -79,6 +83,7 @@ __all__ = [
 OPTIMIZER_STEP_BYTES = 30
 # Per precision: fp16 also reads its fp16 gradient and writes the fp32 main grad (32); fp32/tf32 have
 # no master copy: read weight, grad and two moments, write weight and moments (28).
+SYNC_ALL_REDUCES_PER_ITERATION = 2  # gradient norm (clipping) and loss report, over all ranks
 OPTIMIZER_STEP_BYTES_BY_PRECISION = {"bf16": 30, "fp8": 30, "fp16": 32, "fp32": 28, "tf32": 28}
 _GIB = 2**30
 
@@ -114,6 +119,25 @@ def optimizer_step_s(device: DeviceType, params: int, *, profile: Profile | Sequ
     state_bytes(precision)
     eff = compute_params_for(device, precision, profile=measured).memory_efficiency
     return OPTIMIZER_STEP_BYTES_BY_PRECISION[precision] * params / (device.memory_bandwidth_gbs * 1e9 * eff)
+
+
+def small_all_reduce_s(cluster: ClusterSpec, ranks: int, *, profile: Profile | Sequence[Profile] | None = None,
+                       islands: Sequence[str] = ()) -> float:
+    """One all-reduce of a few bytes over ``ranks`` ranks, as measured: the smallest all-reduce sample
+    of a profile whose links were measured on that many processes (tools/profile_host.py
+    --comm-ranks; on a CPU host, process scheduling makes it milliseconds). Without such a
+    measurement it is taken as negligible (on GPUs it is a few tens of microseconds, and the nominal
+    figures of an emulated cluster would only steer the planner towards fewer ranks)."""
+    if ranks <= 1:
+        return 0.0
+    profiles = () if profile is None else (profile,) if isinstance(profile, Profile) else tuple(profile)
+    devices = {cluster.island(name).device.name for name in islands} if islands else None
+    for p in profiles:
+        if p.link is not None and p.link.ranks == ranks and (devices is None or p.device in devices):
+            small = [t for op, b, t in p.link.samples if op == "all_reduce" and b <= 65536]
+            if small:
+                return min(small)
+    return 0.0
 
 
 def profile_for(profile: Profile | Sequence[Profile] | None, device_name: str) -> Profile | None:
@@ -213,6 +237,7 @@ class Prediction:
     iteration_time_s: float  # max pipeline + gradient reduction + optimizer step
     pipeline_time_s: float  # slowest replica's pipeline
     gradient_reduction_s: float  # reduction time past the slowest pipeline's end (the exposed part)
+    synchronization_s: float = 0.0  # the trainer's per-iteration small all-reduces over every rank
     optimizer_s: float  # slowest stage's optimizer step
     tokens_per_s: float  # global_batch_size * seq_length / iteration_time_s
     tflops_per_gpu: float  # model FLOPs (Megatron formula, no recompute) / (time * GPUs) / 1e12
@@ -237,6 +262,7 @@ class Prediction:
             "fits": self.fits,
             "pipeline_time_s": self.pipeline_time_s,
             "gradient_reduction_s": self.gradient_reduction_s,
+            "synchronization_s": self.synchronization_s,
             "optimizer_s": self.optimizer_s,
             "num_gpus": self.num_gpus,
             "replica_groups": [
@@ -405,11 +431,15 @@ def predict(plan: Plan, model: ModelSpec, cluster: ClusterSpec, *, profile: Prof
     reduced = max(s.gradient_reduction_end_s for r in replicas for s in r.stages)
     reduction = max(0.0, reduced - pipeline)
     optimizer = max(s.optimizer_s for r in replicas for s in r.stages)
-    iteration = pipeline + reduction + optimizer
     gpus = plan.world_size
+    sync = SYNC_ALL_REDUCES_PER_ITERATION * small_all_reduce_s(cluster, gpus, profile=profile,
+                                                               islands=[st.island for r in plan.replicas
+                                                                        for st in r.stages])
+    iteration = pipeline + reduction + sync + optimizer
     flops = model_flops_per_iteration(model, global_batch_size=plan.global_batch_size, seq_length=s_len)
     return Prediction(
         iteration_time_s=iteration, pipeline_time_s=pipeline, gradient_reduction_s=reduction, optimizer_s=optimizer,
+        synchronization_s=sync,
         tokens_per_s=plan.global_batch_size * s_len / iteration,
         tflops_per_gpu=flops / (iteration * gpus) / 1e12, num_gpus=gpus,
         memory_gib_per_rank_max=max(s.memory_gib for r in replicas for s in r.stages),

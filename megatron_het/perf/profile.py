@@ -151,7 +151,7 @@ class Profile:
     optimizer_method: str = ""  # how the optimizer step was measured
     link: MeasuredLink | None = None  # measured communication of this host; None: the cluster file's figures
     # precision class -> megatron_het.perf.compute.ComputeParams fitted for this device type (tools/calibrate.py)
-    compute_model: Mapping[str, Any] = field(default_factory=lambda: types.MappingProxyType({}))
+    compute_model: Mapping[str, Any] = field(default_factory=dict)  # (a dict: profiles cross process boundaries)
     compute_method: str = ""  # how compute_model was obtained
 
 
@@ -255,7 +255,7 @@ def profile_from_dict(data: object, *, source: str | None = None) -> Profile:
                        method=as_str(data.get("method", "unspecified"), "method"),
                        machine=types.MappingProxyType(dict(machine)), source=source, parts=parts,
                        optimizer_s_per_parameter=opt_s, optimizer_method=opt_method, link=link,
-                       compute_model=types.MappingProxyType(compute_model), compute_method=compute_method)
+                       compute_model=dict(compute_model), compute_method=compute_method)
     except ConfigError as err:
         raise err.located(file=source) from None
 

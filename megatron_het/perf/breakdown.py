@@ -1,0 +1,84 @@
+"""Where a predicted iteration goes: the critical stage's compute by kind, exposed communication, bubble.
+
+The iteration's critical path runs through the slowest replica; its busiest stage is the one to
+explain. That stage's busy time over the iteration is split by what its micro-batches spend on
+(from the analytic compute model's parts: GEMMs by kind, fused attention, element-wise work, fp8
+casts, per-kernel fixed costs, recomputation; measured layer times when a profile has them), plus
+its exposed tensor-parallel traffic. The rest of the iteration is pipeline bubble and p2p waits
+(pipeline time minus that stage's busy time), the gradient reduction past the pipeline's end and the
+optimizer step; the parts add up to the predicted iteration time.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from megatron_het.cluster import ClusterSpec, ModelSpec
+from megatron_het.perf.compute import embedding_times, layer_times, logits_times
+from megatron_het.perf.predict import Prediction, predict, profile_for, stage_cost
+from megatron_het.perf.profile import Profile
+from megatron_het.plan.types import Plan
+
+__all__ = ["explain", "PART_LABELS"]
+
+PART_LABELS = {
+    "gemm:qkv": "GEMM QKV", "gemm:attention": "GEMM attention core (unfused)", "attention": "fused attention",
+    "gemm:projection": "GEMM attention projection", "gemm:fc1": "GEMM MLP fc1", "gemm:fc2": "GEMM MLP fc2",
+    "gemm:logits": "GEMM logits", "elementwise": "element-wise (norms, residuals, activation, loss)",
+    "fp8_casts": "fp8 casts", "kernel_overhead": "per-kernel fixed costs", "recompute": "recomputation",
+    "measured": "measured layer time (profile)", "tp_communication": "tensor-parallel communication (exposed)",
+    "bubble": "pipeline bubble and p2p waits", "gradient_reduction": "gradient reduction (exposed)",
+    "synchronization": "per-iteration all-reduces (grad norm, loss)",
+    "optimizer": "optimizer step",
+}
+
+
+def explain(plan: Plan, model: ModelSpec, cluster: ClusterSpec, *, profile: Profile | Sequence[Profile] | None = None,
+            prediction: Prediction | None = None, **predict_kwargs) -> tuple[Prediction, dict[str, float]]:
+    """The prediction and its breakdown: part -> seconds per iteration (summing to the iteration)."""
+    pred = prediction or predict(plan, model, cluster, profile=profile, **predict_kwargs)
+    ri = max(range(len(pred.replicas)), key=lambda i: pred.replicas[i].pipeline_time_s)
+    replica, rp = plan.replicas[ri], pred.replicas[ri]
+    si = max(range(len(rp.stages)), key=lambda i: rp.stages[i].compute_s)
+    st, sp = replica.stages[si], rp.stages[si]
+    is_first, is_last = si == 0, si == len(replica.stages) - 1
+    island = cluster.island(st.island)
+    device = island.device
+    measured = profile_for(profile, device.name)
+    flash = predict_kwargs.get("flash_attention")
+    flash = device.vendor != "cpu" if flash is None else flash
+    mode = (predict_kwargs.get("recompute_mode") or "full") if st.recompute else "none"
+    args = dict(micro_batch_size=plan.micro_batch_size, seq_length=predict_kwargs.get("seq_length"), tp=st.tp,
+                profile=measured, precision=plan.precision)
+    lt = layer_times(model, device, sequence_parallel=plan.sequence_parallel, recompute=mode, flash_attention=flash,
+                     **args)
+    cost = stage_cost(model, island, tp=st.tp, micro_batch_size=plan.micro_batch_size,
+                      seq_length=predict_kwargs.get("seq_length"), slowdown=cluster.slowdown(st.island),
+                      recompute=mode, sequence_parallel=plan.sequence_parallel, tp_comm_overlap=st.tp_comm_overlap,
+                      profile=profile, precision=plan.precision, flash_attention=flash)
+    k = cluster.slowdown(st.island)
+    parts: dict[str, float] = {}
+
+    def add(name: str, seconds: float) -> None:
+        parts[name] = parts.get(name, 0.0) + seconds
+
+    n = st.num_layers
+    for name, sec in (lt.parts.items() if lt.parts else [("measured", lt.forward_s + lt.backward_s)]):
+        add(name, k * n * sec)
+    add("tp_communication", n * (cost.layer_forward_s + cost.layer_backward_s) - k * n * (lt.forward_s + lt.backward_s))
+    if is_first:
+        e = embedding_times(model, device, **args)
+        for name, sec in (e.parts.items() if e.parts else [("measured", e.forward_s + e.backward_s)]):
+            add(name, k * sec)
+    if is_last:
+        o = logits_times(model, device, **args)
+        for name, sec in (o.parts.items() if o.parts else [("measured", o.forward_s + o.backward_s)]):
+            add(name, k * sec)
+    per_micro_batch = sum(parts.values())
+    scale = sp.compute_s / per_micro_batch if per_micro_batch > 0 else 0.0
+    out = {name: sec * scale for name, sec in parts.items() if abs(sec) > 0}
+    out["bubble"] = max(0.0, pred.pipeline_time_s - sp.compute_s)
+    out["gradient_reduction"] = pred.gradient_reduction_s
+    out["synchronization"] = pred.synchronization_s
+    out["optimizer"] = pred.optimizer_s
+    return pred, out

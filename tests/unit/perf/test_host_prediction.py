@@ -1,0 +1,23 @@
+"""The demo's figure: a plan priced from a quick, cached profile of this host (#17 acceptance)."""
+
+from megatron_het.cluster import cluster_from_dict, load_model
+from megatron_het.plan import homogeneous_plan
+from megatron_het.profiling.host import host_key, predict_on_this_host
+
+MODEL = load_model("examples/models/tiny-cpu.yaml")
+
+
+def test_one_rank_plan_priced_from_a_cached_host_profile(tmp_path):
+    cluster = cluster_from_dict({"islands": [{"name": "cpu", "device": "CPU", "nodes": 1, "gpus_per_node": 1}]})
+    plan = homogeneous_plan(tp=1, pp=1, dp=1, num_layers=MODEL.num_layers, micro_batch_size=2, global_batch_size=4)
+    first = predict_on_this_host(plan, MODEL, cluster, cache_dir=tmp_path)
+    assert first.measured_now and first.profile_path.startswith(str(tmp_path))
+    assert first.profile.entries and first.profile.parts and first.profile.optimizer_s_per_parameter
+    # priced from the measurement, not the nominal 1 TFLOP/s CPU entry: milliseconds, not microseconds
+    layer = first.profile.entries[0]
+    assert first.iteration_time_s > 2 * MODEL.num_layers * (layer.forward_s + layer.backward_s)
+    again = predict_on_this_host(plan, MODEL, cluster, cache_dir=tmp_path)
+    assert not again.measured_now and again.profile_path == first.profile_path
+    assert again.iteration_time_s == first.iteration_time_s
+    assert host_key(MODEL, micro_batch_sizes=[2], ranks=1, threads=1) in first.profile_path
+    assert host_key(MODEL, micro_batch_sizes=[4], ranks=1, threads=1) not in first.profile_path
