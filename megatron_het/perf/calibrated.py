@@ -21,11 +21,11 @@ FIT: dict[str, object] = {
     ],
     "rows": 45,
     "theta": {
-        "a100_16bit_gemm": 0.705317,
-        "h100_over_a100": 0.73312,
-        "fp8_over_16bit": 0.984798,
-        "attention_over_gemm": 0.556167,
-        "kernel_overhead_us": 6.570071
+        "a100_16bit_gemm": 0.705318,
+        "h100_over_a100": 0.733126,
+        "fp8_over_16bit": 0.984866,
+        "attention_over_gemm": 0.55614,
+        "kernel_overhead_us": 6.570075
     },
     "priors": {
         "a100_16bit_gemm": 0.8,
@@ -34,16 +34,16 @@ FIT: dict[str, object] = {
         "attention_over_gemm": 0.6,
         "kernel_overhead_us": 6.0
     },
-    "objective": 26.9461
+    "objective": 26.9477
 }
 
 # device type name -> precision class -> fitted figures.
 CALIBRATED: dict[str, dict[str, dict[str, object]]] = {
     "A100-40GB": {
         "16bit": {
-            "gemm_efficiency": 0.7053171421409178,
-            "attention_efficiency": 0.3922741434682891,
-            "kernel_overhead_us": 6.570070933520982,
+            "gemm_efficiency": 0.7053175389730465,
+            "attention_efficiency": 0.39225508576073786,
+            "kernel_overhead_us": 6.570074630942334,
             "memory_efficiency": 0.8,
             "k_half": 64.0,
             "elementwise_kernels": 10,
@@ -52,9 +52,9 @@ CALIBRATED: dict[str, dict[str, dict[str, object]]] = {
     },
     "A100-80GB": {
         "16bit": {
-            "gemm_efficiency": 0.7053171421409178,
-            "attention_efficiency": 0.3922741434682891,
-            "kernel_overhead_us": 6.570070933520982,
+            "gemm_efficiency": 0.7053175389730465,
+            "attention_efficiency": 0.39225508576073786,
+            "kernel_overhead_us": 6.570074630942334,
             "memory_efficiency": 0.8,
             "k_half": 64.0,
             "elementwise_kernels": 10,
@@ -63,18 +63,18 @@ CALIBRATED: dict[str, dict[str, dict[str, object]]] = {
     },
     "H100-SXM": {
         "16bit": {
-            "gemm_efficiency": 0.5170820833063227,
-            "attention_efficiency": 0.2875840089694864,
-            "kernel_overhead_us": 6.570070933520982,
+            "gemm_efficiency": 0.517086660138897,
+            "attention_efficiency": 0.2875724209465145,
+            "kernel_overhead_us": 6.570074630942334,
             "memory_efficiency": 0.8,
             "k_half": 64.0,
             "elementwise_kernels": 10,
             "source": "fit of 45 published rows (llmfoundry, narayanan2021, nemo2412, torchtitan); tools/calibrate.py"
         },
         "fp8": {
-            "gemm_efficiency": 0.5092215279370953,
-            "attention_efficiency": 0.2875840089694864,
-            "kernel_overhead_us": 6.570070933520982,
+            "gemm_efficiency": 0.5092612969658629,
+            "attention_efficiency": 0.2875724209465145,
+            "kernel_overhead_us": 6.570074630942334,
             "memory_efficiency": 0.8,
             "k_half": 64.0,
             "elementwise_kernels": 10,
@@ -83,18 +83,18 @@ CALIBRATED: dict[str, dict[str, dict[str, object]]] = {
     },
     "H200": {
         "16bit": {
-            "gemm_efficiency": 0.5170820833063227,
-            "attention_efficiency": 0.2875840089694864,
-            "kernel_overhead_us": 6.570070933520982,
+            "gemm_efficiency": 0.517086660138897,
+            "attention_efficiency": 0.2875724209465145,
+            "kernel_overhead_us": 6.570074630942334,
             "memory_efficiency": 0.8,
             "k_half": 64.0,
             "elementwise_kernels": 10,
             "source": "fit of 45 published rows (llmfoundry, narayanan2021, nemo2412, torchtitan); tools/calibrate.py"
         },
         "fp8": {
-            "gemm_efficiency": 0.5092215279370953,
-            "attention_efficiency": 0.2875840089694864,
-            "kernel_overhead_us": 6.570070933520982,
+            "gemm_efficiency": 0.5092612969658629,
+            "attention_efficiency": 0.2875724209465145,
+            "kernel_overhead_us": 6.570074630942334,
             "memory_efficiency": 0.8,
             "k_half": 64.0,
             "elementwise_kernels": 10,
