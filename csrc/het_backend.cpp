@@ -28,10 +28,14 @@
 #include <thread>
 
 #if defined(USE_CUDA) || defined(USE_ROCM)
-// On ROCm builds torch hipifies these headers and the c10::cuda names map to HIP.
-#include <ATen/cuda/CUDAEvent.h>
+// On ROCm builds torch hipifies these headers and the c10::cuda names map to HIP. Only c10/cuda
+// and the runtime API: ATen/cuda/CUDAEvent.h pulls cuSPARSE/cuBLAS headers (CUDAContextLight.h),
+// which would tie this file to the math libraries and keep `make check-gpu-build` from compiling it
+// where only the toolkit's runtime headers are installed.
+#include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
+#include <cuda_runtime.h>
 #endif
 
 namespace het {
@@ -39,6 +43,37 @@ namespace het {
 using c10d::ProcessGroup;
 using PG = c10::intrusive_ptr<ProcessGroup>;
 using Clock = std::chrono::steady_clock;
+
+#if defined(USE_CUDA) || defined(USE_ROCM)
+// The point on the caller's stream where a collective's tensors are ready (what at::cuda::CUDAEvent
+// did here: an event without timing, recorded on the caller's stream, waited on by a pool stream).
+class ReadyEvent {
+ public:
+  explicit ReadyEvent(const c10::cuda::CUDAStream& stream) : device_(stream.device_index()) {
+    c10::cuda::CUDAGuard guard(device_);
+    C10_CUDA_CHECK(cudaEventCreateWithFlags(&event_, cudaEventDisableTiming));
+    C10_CUDA_CHECK(cudaEventRecord(event_, stream.stream()));
+  }
+  ReadyEvent(const ReadyEvent&) = delete;
+  ReadyEvent& operator=(const ReadyEvent&) = delete;
+  ~ReadyEvent() {
+    try {  // a destructor must not throw (e.g. during CUDA shutdown): the event is then gone anyway
+      c10::cuda::CUDAGuard guard(device_);
+      (void)cudaEventDestroy(event_);
+    } catch (...) {
+    }
+  }
+  // Make `stream` wait for the recorded point (device-side; the host does not block).
+  void block(const c10::cuda::CUDAStream& stream) const {
+    c10::cuda::CUDAGuard guard(stream.device_index());
+    C10_CUDA_CHECK(cudaStreamWaitEvent(stream.stream(), event_, 0));
+  }
+
+ private:
+  c10::DeviceIndex device_;
+  cudaEvent_t event_ = nullptr;
+};
+#endif
 
 // Work whose completion is a Future set by the worker thread.
 class FutureWork : public c10d::Work {
@@ -240,11 +275,10 @@ class HetBackend : public c10d::Backend {
     auto fut = c10::make_intrusive<c10::ivalue::Future>(c10::ListType::create(c10::TensorType::get()));
 #if defined(USE_CUDA) || defined(USE_ROCM)
     // The worker must not read device tensors before the caller's stream has produced them.
-    std::shared_ptr<at::cuda::CUDAEvent> ready;
+    std::shared_ptr<ReadyEvent> ready;
     for (auto& t : outputs) {
       if (t.is_cuda()) {
-        ready = std::make_shared<at::cuda::CUDAEvent>();
-        ready->record(c10::cuda::getCurrentCUDAStream(t.device().index()));
+        ready = std::make_shared<ReadyEvent>(c10::cuda::getCurrentCUDAStream(t.device().index()));
         break;
       }
     }
