@@ -31,6 +31,7 @@ from collections.abc import Mapping
 import torch
 
 import megatron_het.platform  # noqa: F401  (triton import guard before any megatron import)
+from megatron_het.platform import HOST_DEVICE
 from megatron_het.checkpoint.errors import CheckpointError
 from megatron_het.utils.json_file import FileProblem, read_json_file
 
@@ -97,7 +98,8 @@ def _weights_only(data: bytes | str, what: str) -> None:
     import megatron.core  # noqa: F401  (registers megatron-core's safe globals, e.g. argparse.Namespace)
 
     try:
-        torch.load(io.BytesIO(data) if isinstance(data, bytes) else data, map_location="cpu", weights_only=True)
+        torch.load(io.BytesIO(data) if isinstance(data, bytes) else data, map_location=HOST_DEVICE,
+                   weights_only=True)  # a validity probe: read into host memory
     except pickle.UnpicklingError as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise CheckpointError(f"{what}: refused to load: {first}; unpickling it could run code. "

@@ -109,7 +109,8 @@ def main(argv: list[str] | None = None) -> int:
     acc = detect_accelerator()
     owned = not dist.is_initialized()  # run_local (tests) sets the group up itself
     if owned:
-        dist.init_process_group("gloo" if not acc.is_gpu else "cpu:gloo,cuda:nccl",
+        acc.set_device()  # before any group: NCCL binds its communicators to the current device
+        dist.init_process_group(acc.world_backend,
                                 timeout=datetime.timedelta(minutes=args.train.distributed_timeout_minutes))
     try:
         run(args, acc, plan=plan)
@@ -131,10 +132,8 @@ def run(args: PretrainArgs, acc, *, plan: AnyPlan | None = None,
     """
     if not acc.is_gpu:
         print_rank0(enable_cpu_backend().describe())
-    print_rank0(f"accelerator: {acc.kind} ({acc.device_name}); {detect_optional_accelerators(acc).describe()}")
-    if acc.is_gpu:
-        raise ConfigError("this build's heterogeneous runtime places tensors on the CPU only", field="accelerator",
-                          value=acc.kind, fix="run on CPU ranks, or wait for the GPU device placement of the runtime")
+    print_rank0(f"accelerator: {acc.kind} ({acc.device_name}, tensors on {acc.device}, island backend "
+                f"{acc.torch_backend}); {detect_optional_accelerators(acc).describe()}")
     if plan is None:
         plan = resolve_plan(args)
     else:
@@ -164,7 +163,7 @@ def run(args: PretrainArgs, acc, *, plan: AnyPlan | None = None,
 
             trainer = ShardedTrainer(model=args.model, plan=plan, train=args.train, batch_fn=batch_fn,
                                      cluster=cluster, padded_vocab=padded_vocab, slowdown=None if emulate else 1.0,
-                                     memory_budget_bytes=memory_budget_bytes)
+                                     memory_budget_bytes=memory_budget_bytes, accelerator=acc)
         else:
             from megatron_het.runtime.hetero_trainer import HeteroTrainer
             from megatron_het.runtime.tensorboard_log import TensorBoardHooks
@@ -176,7 +175,7 @@ def run(args: PretrainArgs, acc, *, plan: AnyPlan | None = None,
                 print_rank0(f"tensorboard: rank 0 writes to {args.tensorboard.log_dir}")
             trainer = HeteroTrainer(model=args.model, plan=plan, train=args.train, batch_fn=batch_fn,
                                     cluster=cluster, padded_vocab=padded_vocab,
-                                    slowdown=None if emulate else 1.0, hooks=tensorboard)
+                                    slowdown=None if emulate else 1.0, hooks=tensorboard, accelerator=acc)
         if load_path:
             start = trainer.load_checkpoint(load_path)
             print_rank0(f"loaded checkpoint {load_path} (iteration {start}, written under another plan is fine)")

@@ -17,6 +17,7 @@ from megatron_het.comm.extension import HetBackendInfo, load_extension
 from megatron_het.comm.membership import CommConfigError, HetTopology, IslandMembership, plan_topology
 from megatron_het.comm.python_impl import BridgeGroups, PythonHetComm
 from megatron_het.comm.work import HetWork
+from megatron_het.platform import HOST_BACKEND, HOST_DEVICE, backend_devices, island_group_backend
 
 IMPLEMENTATIONS = ("auto", "cpp", "python")
 BACKEND_NAME = "het"  # the torch.distributed backend name registered by the C++ extension
@@ -51,15 +52,12 @@ def register_het_backend() -> None:
     """Register the `het` backend with torch.distributed (no-op when already registered)."""
     if hasattr(dist.Backend, BACKEND_NAME.upper()):
         return
-    devices = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
-    dist.Backend.register_backend(BACKEND_NAME, _create_het_backend, extended_api=True, devices=devices)
+    dist.Backend.register_backend(BACKEND_NAME, _create_het_backend, extended_api=True, devices=backend_devices())
 
 
 def intra_backend(native: str) -> str:
     """Backend string for an island's group: host tensors always on gloo, device tensors native."""
-    if native == "nccl" and torch.cuda.is_available() and dist.is_nccl_available():
-        return "cpu:gloo,cuda:nccl"
-    return "gloo"  # CPU-only host: the island's device tensors are host tensors here
+    return island_group_backend(native)
 
 
 class HetGroup:
@@ -85,7 +83,7 @@ class HetGroup:
         """Bytes this rank has sent over the inter-island bridge so far (ring model, see docs)."""
         if self._comm is not None:
             return self._comm.bridge_bytes()
-        return int(self.process_group._get_backend(torch.device("cpu")).bridge_bytes())
+        return int(self.process_group._get_backend(HOST_DEVICE).bridge_bytes())
 
     @staticmethod
     def _finish(work, async_op: bool) -> HetWork | None:
@@ -181,14 +179,15 @@ def _check_settings(timeout_s: float, chunk_bytes: int, implementation: str, lin
 
 def new_hierarchical_group(ranks: Sequence[int], membership: IslandMembership, *, timeout_s: float = 60,
                            chunk_bytes: int = 4 << 20, implementation: str = "auto",
-                           link_bytes_per_s: float = 0.0) -> HetGroup | None:
+                           link_bytes_per_s: float = 0.0, host_backend: str = HOST_BACKEND) -> HetGroup | None:
     """Create a hierarchical group over `ranks`; collective over the whole world.
 
     Returns None on ranks outside `ranks` (like ``new_group``'s non-member sentinel).
     ``link_bytes_per_s`` > 0 emulates a slow inter-island link on CPU (leaders sleep bytes / rate).
     ``implementation``: "cpp" (the `het` torch backend), "python" (the twin) or "auto" (C++ if
     it can be loaded or compiled, else Python; see `het_backend_info`). Every rank must resolve
-    "auto" the same way, which holds when they share a machine image.
+    "auto" the same way, which holds when they share a machine image. ``host_backend``: the
+    accelerator's backend for the host-staged leader and bridge groups.
     """
     _check_settings(timeout_s, chunk_bytes, implementation, link_bytes_per_s)
     topo = plan_topology(ranks, membership)
@@ -196,8 +195,8 @@ def new_hierarchical_group(ranks: Sequence[int], membership: IslandMembership, *
     timeout = datetime.timedelta(seconds=timeout_s)
     intra = [dist.new_group(list(m), backend=intra_backend(b), timeout=timeout)
              for m, b in zip(topo.members, topo.backends)]
-    leaders = dist.new_group(list(topo.leaders), backend="gloo", timeout=timeout)
-    bridge = dist.new_group(list(topo.ranks), backend="gloo", timeout=timeout)
+    leaders = dist.new_group(list(topo.leaders), backend=host_backend, timeout=timeout)
+    bridge = dist.new_group(list(topo.ranks), backend=host_backend, timeout=timeout)
     me = dist.get_rank()
     member = me in topo.ranks
     groups = None

@@ -6,8 +6,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from megatron_het.errors import UserError
-
-TORCH_BACKENDS = ("nccl", "gloo")  # torch names: RCCL is torch's "nccl" on ROCm builds
+from megatron_het.platform import TORCH_BACKENDS  # torch names: RCCL is torch's "nccl" on ROCm builds
 
 
 class CommConfigError(UserError):
@@ -19,14 +18,14 @@ class IslandMembership:
     """Which island each global rank belongs to and which torch backend each island speaks."""
 
     rank_to_island: Mapping[int, str]  # global rank -> island name
-    island_backend: Mapping[str, str]  # island name -> "nccl" | "gloo" (torch backend names)
+    island_backend: Mapping[str, str]  # island name -> a torch backend name of platform.TORCH_BACKENDS
 
     def __post_init__(self) -> None:
         for rank, island in self.rank_to_island.items():
             if island not in self.island_backend:
                 raise CommConfigError(
                     f"rank_to_island[{rank}] = {island!r} has no entry in island_backend "
-                    f"(known islands: {sorted(self.island_backend)}); add {island!r}: 'nccl' or 'gloo'")
+                    f"(known islands: {sorted(self.island_backend)}); add {island!r}: one of {list(TORCH_BACKENDS)}")
         for island, backend in self.island_backend.items():
             if backend not in TORCH_BACKENDS:
                 raise CommConfigError(

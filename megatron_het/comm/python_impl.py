@@ -18,6 +18,7 @@ import torch.distributed as dist
 from megatron_het.comm.diagnose import failure_message, ranks_behind, record_entry
 from megatron_het.comm.membership import HetTopology
 from megatron_het.comm.work import HetCommError
+from megatron_het.platform import HOST_DEVICE
 
 ReduceOp = dist.ReduceOp
 
@@ -34,9 +35,9 @@ class BridgeGroups:
 
 def stage(t: torch.Tensor) -> torch.Tensor:
     """Host copy for the gloo bridge (the tensor itself when it already is a contiguous host tensor)."""
-    if t.device.type == "cpu":
+    if t.device.type == HOST_DEVICE.type:
         return t.contiguous()
-    return t.to("cpu", non_blocking=False)
+    return t.to(HOST_DEVICE, non_blocking=False)
 
 
 def _base(op: ReduceOp) -> ReduceOp:
@@ -191,7 +192,7 @@ class PythonHetComm:
                 mine.copy_(t.reshape(-1))
             if self.is_leader and self._k > 1:  # phase 2: blocks padded to the largest
                 width = max(blocks)
-                send = torch.zeros(width, dtype=t.dtype)
+                send = torch.zeros(width, dtype=t.dtype, device=HOST_DEVICE)
                 send[: blocks[self.island]].copy_(mine)
                 got = [torch.empty_like(send) for _ in topo.islands]
                 self._throttle((self._k - 1) * width * send.element_size())
@@ -226,7 +227,7 @@ class PythonHetComm:
             mine = buf.narrow(0, self.island * width, width)
             if self.is_leader and self._k > 1:
                 host = stage(buf)
-                got = torch.empty(width, dtype=host.dtype)
+                got = torch.empty(width, dtype=host.dtype, device=HOST_DEVICE)
                 self._throttle((self._k - 1) * width * host.element_size())
                 dist.reduce_scatter(got, list(host.split(width)), op=base, group=g.leaders)
                 mine.copy_(got)
@@ -250,7 +251,7 @@ class PythonHetComm:
         return self.submit("reduce_scatter", job)
 
     def barrier(self) -> Future:
-        return self.submit("barrier", lambda: self._all_reduce_flat(torch.zeros(1), ReduceOp.SUM))
+        return self.submit("barrier", lambda: self._all_reduce_flat(torch.zeros(1, device=HOST_DEVICE), ReduceOp.SUM))
 
     # -- point to point: issued on the caller thread so a send and its recv can both be posted --
     def isend(self, t: torch.Tensor, dst: int, tag: int):
@@ -265,9 +266,9 @@ class PythonHetComm:
         g = self.groups
         if self.topology.island_of(src) == self.island:
             return dist.irecv(t, src=src, group=g.intra, tag=tag)
-        if t.device.type == "cpu" and t.is_contiguous():
+        if t.device.type == HOST_DEVICE.type and t.is_contiguous():
             return dist.irecv(t, src=src, group=g.bridge, tag=tag)
-        host = torch.empty(t.shape, dtype=t.dtype)
+        host = torch.empty(t.shape, dtype=t.dtype, device=HOST_DEVICE)
         inner = dist.irecv(host, src=src, group=g.bridge, tag=tag)
         return _CopyBack(inner, host, t)
 

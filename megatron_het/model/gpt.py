@@ -36,8 +36,12 @@ class StageModelSpec:
     recompute: bool = False  # full activation recomputation of every layer of the stage
 
 
-def transformer_config(spec: StageModelSpec, *, pp: int = 1, deterministic: bool = True):
-    """megatron-core TransformerConfig for a stage (dropout off when deterministic: parity tests)."""
+def transformer_config(spec: StageModelSpec, *, pp: int = 1, deterministic: bool = True,
+                       cpu_initialization: bool = True):
+    """megatron-core TransformerConfig for a stage (dropout off when deterministic: parity tests).
+
+    ``cpu_initialization``: the full weight initialised on the host then split (same values for any
+    TP; the CPU path); False on GPUs, where megatron-core initialises each shard on the current device."""
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     m = spec.model
@@ -52,7 +56,7 @@ def transformer_config(spec: StageModelSpec, *, pp: int = 1, deterministic: bool
         sequence_parallel=spec.sequence_parallel and spec.tp > 1,
         params_dtype=spec.params_dtype,
         pipeline_dtype=spec.params_dtype,
-        use_cpu_initialization=True,  # full weight initialised then split: same values for any TP
+        use_cpu_initialization=cpu_initialization,
         hidden_dropout=0.0 if deterministic else 0.1,
         attention_dropout=0.0 if deterministic else 0.1,
         bf16=spec.params_dtype == torch.bfloat16,
@@ -82,12 +86,13 @@ def layer_spec(model: ModelSpec, *, sequence_parallel: bool = False, num_layers:
     return gpt_layer_specs.get_gpt_layer_local_spec(normalization=normalization)
 
 
-def build_gpt_stage(spec: StageModelSpec, config, pg_collection):
-    """The stage's GPTModel; ``config`` from ``transformer_config``; groups passed explicitly."""
+def build_gpt_stage(spec: StageModelSpec, config, pg_collection, *, device=None):
+    """The stage's GPTModel on ``device`` (the accelerator's; None: where megatron-core built it);
+    ``config`` from ``transformer_config``; groups passed explicitly."""
     from megatron.core.models.gpt import GPTModel
 
     m = spec.model
-    return GPTModel(
+    gpt = GPTModel(
         config=config,
         transformer_layer_spec=layer_spec(m, sequence_parallel=config.sequence_parallel,
                                           num_layers=spec.num_layers),
@@ -99,3 +104,4 @@ def build_gpt_stage(spec: StageModelSpec, config, pg_collection):
         position_embedding_type="rope" if m.swiglu else "learned_absolute",
         pg_collection=pg_collection,
     )
+    return gpt if device is None else gpt.to(device)

@@ -59,27 +59,31 @@ def ensure_global_memory_buffer() -> None:
         parallel_state._set_global_memory_buffer()
 
 
-def group_options(timeout: datetime.timedelta | None) -> dict:
-    """Keyword arguments for ``new_group`` / ``HyperCommGrid.create_pg``: the run's timeout, when given
-    (None keeps torch's default of 30 minutes, whatever the world group's timeout is)."""
+def group_options(timeout: datetime.timedelta | None, backend: str | None = None) -> dict:
+    """Keyword arguments for ``new_group``: the run's timeout, when given (None keeps torch's default
+    of 30 minutes, whatever the world group's timeout is), and the accelerator's backend for the
+    group's island (``Accelerator.backend_for``; None: the world's default)."""
+    out = {} if backend is None else {"backend": backend}
     if timeout is None:
-        return {}
+        return out
     if not isinstance(timeout, datetime.timedelta) or timeout.total_seconds() <= 0:
         raise ValueError(f"timeout: must be a positive datetime.timedelta (got {timeout!r}). "
                          "Fix: pass datetime.timedelta(minutes=args.distributed_timeout_minutes)")
-    return {"timeout": timeout}
+    return {**out, "timeout": timeout}
 
 
-def block_process_groups(shape: BlockShape, *, timeout: datetime.timedelta | None = None):
+def block_process_groups(shape: BlockShape, *, timeout: datetime.timedelta | None = None,
+                         backend: str | None = None):
     """Create the groups of one block; returns ``(grid, pg_collection)`` (collection is None on
     ranks outside the block). Must be called by every rank of the world, in the same order.
-    ``timeout`` applies to every group created (see the module docstring)."""
+    ``timeout`` applies to every group created (see the module docstring); ``backend`` is the
+    accelerator's backend for the block's island (None: the world's default)."""
     from megatron.core.hyper_comm_grid import HyperCommGrid
     from megatron.core.process_groups_config import ProcessGroupCollection
 
-    options = group_options(timeout)
+    options = group_options(timeout)  # the grid passes its backend itself
     grid = HyperCommGrid([shape.tp, 1, 1, shape.dp, shape.pp], list(GRID_DIMS),
-                         rank_offset=shape.rank_offset)
+                         rank_offset=shape.rank_offset, backend=backend)
     pgs = {
         "tp": grid.create_pg("tp", **options),
         "pp": grid.create_pg("pp", **options),
@@ -97,10 +101,10 @@ def block_process_groups(shape: BlockShape, *, timeout: datetime.timedelta | Non
     embd = pos_embd = None
     for pp_ranks in grid.get_rank_enum("pp"):
         embd_ranks = sorted({pp_ranks[0], pp_ranks[-1]})
-        g = dist.new_group(embd_ranks, **options)
+        g = dist.new_group(embd_ranks, **options, backend=backend)
         if rank in embd_ranks:
             embd = g
-        g = dist.new_group([pp_ranks[0]], **options)
+        g = dist.new_group([pp_ranks[0]], **options, backend=backend)
         if rank == pp_ranks[0]:
             pos_embd = g
     if rank not in shape.ranks():

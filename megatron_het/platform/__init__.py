@@ -6,10 +6,17 @@ explicit call.
 """
 
 from megatron_het.platform.accelerator import (
+    HOST_BACKEND,
+    HOST_DEVICE,
+    HOST_LIBRARY,
+    TORCH_BACKENDS,
     Accelerator,
+    MemoryStats,
     OptionalAccelerators,
+    backend_devices,
     detect_accelerator,
     detect_optional_accelerators,
+    island_group_backend,
 )
 from megatron_het.platform.cpu_backend import CpuBackendReport, enable_cpu_backend
 from megatron_het.platform.import_guard import install_triton_guard
@@ -17,10 +24,17 @@ from megatron_het.platform.import_guard import install_triton_guard
 install_triton_guard()
 
 __all__ = [
+    "HOST_BACKEND",
+    "HOST_DEVICE",
+    "HOST_LIBRARY",
+    "TORCH_BACKENDS",
     "Accelerator",
+    "MemoryStats",
     "CpuBackendReport",
     "OptionalAccelerators",
+    "backend_devices",
     "detect_accelerator",
+    "island_group_backend",
     "detect_optional_accelerators",
     "enable_cpu_backend",
     "install_triton_guard",

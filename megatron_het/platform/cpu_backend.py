@@ -151,6 +151,8 @@ DEVICE_REDIRECTS: tuple[DeviceRedirect, ...] = (
                    upstream="distributed/distributed_data_parallel.py:297 torch.cuda.Stream; 649,672 synchronize"),
     DeviceRedirect(module="megatron.core.optimizer.optimizer",
                    upstream="optimizer/optimizer.py:315,690-702,1249 device='cuda'; 1492 current_device()"),
+    DeviceRedirect(module="megatron.core.optimizer.grad_scaler",
+                   upstream="optimizer/grad_scaler.py:20,111,114,117 device='cuda' (fp16 loss scale tensors)"),
     DeviceRedirect(module="megatron.core.optimizer.clip_grads",
                    upstream="optimizer/clip_grads.py:96,108,112,180,231 device='cuda'"),
     DeviceRedirect(module="megatron.core.optimizer.distrib_optimizer",

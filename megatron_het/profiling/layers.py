@@ -27,6 +27,7 @@ import torch
 
 from megatron_het.cluster import ModelSpec
 from megatron_het.perf.profile import PartEntry, Profile, ProfileEntry
+from megatron_het.platform import detect_accelerator
 from megatron_het.platform.local_launch import free_port
 
 __all__ = ["TorchReferenceLayer", "measure", "profile_layers", "profile_parts", "profile_optimizer",
@@ -58,7 +59,7 @@ class TorchReferenceLayer(torch.nn.Module):
         k = k.reshape(s, b * self.groups, self.d).transpose(0, 1).repeat_interleave(self.heads // self.groups, 0)
         v = v.reshape(s, b * self.groups, self.d).transpose(0, 1).repeat_interleave(self.heads // self.groups, 0)
         scores = torch.bmm(q, k.transpose(1, 2)) / self.d ** 0.5
-        causal = torch.ones(s, s, dtype=torch.bool).triu(1)
+        causal = torch.ones(s, s, dtype=torch.bool, device=x.device).triu(1)
         probs = scores.masked_fill(causal, float("-inf")).softmax(-1)
         context = torch.bmm(probs, v).transpose(0, 1).reshape(s, b, self.heads * self.d)
         x = x + self.proj(context)
@@ -90,7 +91,7 @@ def _build_megatron(model: ModelSpec, num_layers: int, dtype: torch.dtype,
     if created_group:
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         os.environ.setdefault("MASTER_PORT", str(free_port()))
-        dist.init_process_group("gloo", rank=0, world_size=1)
+        dist.init_process_group(detect_accelerator().world_backend, rank=0, world_size=1)
     # A runtime in this process (megatron_het.model.groups.ensure_global_memory_buffer) may have
     # created the buffer initialize_model_parallel insists on creating itself; it is stateless scratch.
     parallel_state.destroy_global_memory_buffer()
@@ -256,7 +257,7 @@ def profile_parts(model: ModelSpec, *, vocab_size: int, micro_batch_sizes: list[
     s, entries = model.seq_length, []
     for mbs in micro_batch_sizes:
         tokens = torch.randint(0, vocab_size, (mbs, s))
-        positions = torch.arange(s).unsqueeze(0).expand(mbs, s)
+        positions = torch.arange(s, device=tokens.device).unsqueeze(0).expand(mbs, s)
         hidden = torch.randn(s, mbs, model.hidden_size, dtype=dtype, requires_grad=True)
 
         def embed() -> tuple[float, float]:

@@ -15,6 +15,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from megatron_het.perf.profile import MeasuredLink
+from megatron_het.platform import detect_accelerator
 
 __all__ = ["DEFAULT_SIZES", "fit_link", "measure_link"]
 
@@ -54,7 +55,7 @@ def _probe(rank: int, world_size: int, sizes: Sequence[int], repeats: int) -> li
 
     out = []
     for nbytes in sizes:
-        buf = torch.zeros(nbytes // 4, dtype=torch.float32)
+        buf = torch.zeros(nbytes // 4, dtype=torch.float32, device=detect_accelerator().device)
         for op in ("all_reduce", "send_recv"):
             times = []
             for i in range(repeats + 2):  # two warm-ups

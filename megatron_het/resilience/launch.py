@@ -55,7 +55,10 @@ def _child(fn, rank, world_size, address, args, queue, pg_timeout_s):
     torch.set_num_threads(1)
     try:
         store = address.connect()
-        dist.init_process_group("gloo", store=dist.PrefixStore("gen0/", store), rank=rank, world_size=world_size,
+        from megatron_het.platform import detect_accelerator
+
+        dist.init_process_group(detect_accelerator().world_backend, store=dist.PrefixStore("gen0/", store),
+                                rank=rank, world_size=world_size,
                                 timeout=datetime.timedelta(seconds=pg_timeout_s))
         result = fn(rank, world_size, address, *args)
         queue.put((rank, "ok", pickle.dumps(result)))

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import torch.distributed as dist
 
 from megatron_het.plan import Plan, ReplicaPlan
+from megatron_het.platform import detect_accelerator
 from megatron_het.resilience.agreement import Heartbeat, StoreAddress, agree_on_failures
 from megatron_het.resilience.policy import PolicyConfig, decide
 from megatron_het.resilience.routed_schedule import routed_schedule
@@ -105,8 +106,10 @@ def instances_plan(routing: Routing, template: Plan) -> Plan:
                 global_batch_size=template.micro_batch_size * len(replicas))
 
 
-def routed_links(routing: Routing, key: InstanceKey, plan: Plan, *, tp_rank: int) -> dict[int, BoundaryLink]:
-    """Per global micro-batch of instance ``key``: the link to its neighbours on that micro-batch's pipeline."""
+def routed_links(routing: Routing, key: InstanceKey, plan: Plan, *, tp_rank: int,
+                 device=None) -> dict[int, BoundaryLink]:
+    """Per global micro-batch of instance ``key``: the link to its neighbours on that micro-batch's
+    pipeline (received tensors on ``device``, the accelerator's; None: the host)."""
     links: dict[int, BoundaryLink] = {}
     mine = routing.instance(key)
 
@@ -121,7 +124,7 @@ def routed_links(routing: Routing, key: InstanceKey, plan: Plan, *, tp_rank: int
         link = BoundaryLink(tp_rank=tp_rank, tp=len(mine.ranks),
                             prev=neighbour(pipe.hops[s - 1]) if s > 0 else None,
                             next=neighbour(pipe.hops[s + 1]) if s + 1 < len(pipe.hops) else None,
-                            sequence_parallel=plan.sequence_parallel)
+                            sequence_parallel=plan.sequence_parallel, device=device)
         links.update(dict.fromkeys(pipe.micro_batches, link))
     return links
 
@@ -131,10 +134,13 @@ def rebind(strategy: PipelineStrategy, routing: Routing, rank: int, *, split_bac
     the routed schedule of ``routing`` (collective over the survivors); groups get the run's timeout."""
     from megatron_het.runtime.stage_groups import build_stage_groups
 
-    pgc, _ = build_stage_groups(instances_plan(routing, strategy.plan), timeout=strategy.train.group_timeout)
+    acc = strategy.accelerator
+    library = strategy.plan_placement.library
+    pgc, _ = build_stage_groups(instances_plan(routing, strategy.plan), timeout=strategy.train.group_timeout,
+                                backend_of=lambda island: acc.backend_for(library[rank]))
     key = routing.instance_of(rank).key
     schedule = routed_schedule(routing, split_backward=split_backward)
-    links = routed_links(routing, key, strategy.plan, tp_rank=strategy.role.tp_rank)
+    links = routed_links(routing, key, strategy.plan, tp_rank=strategy.role.tp_rank, device=strategy.device)
     strategy.rebind(pgc=pgc, ranks={r: routing.new_rank(r) for r in routing.survivors}, actions=schedule.actions[key],
                     links=links, split_backward=split_backward)
 
@@ -293,7 +299,8 @@ class ResilienceHooks(TrainerHooks):
         self.members = tuple(survivors)
         if self.rank not in survivors:
             return
-        dist.init_process_group("gloo", store=dist.PrefixStore(f"gen{self.generation}/", self.store),
+        dist.init_process_group(detect_accelerator().world_backend,
+                                store=dist.PrefixStore(f"gen{self.generation}/", self.store),
                                 rank=survivors.index(self.rank), world_size=len(survivors),
                                 timeout=datetime.timedelta(seconds=self.config.pg_timeout_s))
 

@@ -30,6 +30,12 @@ import torch.distributed as dist
 FORWARD, BACKWARD = 0, 1
 
 
+def _host_device() -> torch.device:
+    from megatron_het.platform import HOST_DEVICE
+
+    return HOST_DEVICE
+
+
 def sender_for(receiver_tp_rank: int, sender_tp: int) -> int:
     """TP rank on the sending side that serves ``receiver_tp_rank`` (replicated activations)."""
     return receiver_tp_rank % sender_tp
@@ -114,9 +120,11 @@ class BoundaryLink:
     """
 
     def __init__(self, *, tp_rank: int, tp: int, prev: Neighbour | None, next: Neighbour | None,
-                 sequence_parallel: bool = False) -> None:
+                 sequence_parallel: bool = False, device: torch.device | None = None) -> None:
         self.tp_rank, self.tp = tp_rank, tp
         self.prev, self.next = prev, next
+        # where received activations/gradients are placed: the accelerator's device (None: the host)
+        self.device = device if device is not None else _host_device()
         # the plan's flag: a stage of TP > 1 holds a sequence shard; TP = 1 holds the whole sequence
         self.sequence_parallel = sequence_parallel
         self._pending: list[tuple[dist.Work, Neighbour, int, int]] = []  # (send, peer stage, its rank, tag)
@@ -148,7 +156,7 @@ class BoundaryLink:
 
     def _recv(self, shape, dtype, peer: Neighbour, t: int) -> torch.Tensor:
         if not self.sequence_parallel:
-            buf = torch.empty(shape, dtype=dtype)
+            buf = torch.empty(shape, dtype=dtype, device=self.device)
             src = peer.ranks[sender_for(self.tp_rank, peer.tp)]
             try:
                 dist.recv(buf, src, tag=t)
@@ -157,7 +165,7 @@ class BoundaryLink:
             return buf
         seq = shape[0]
         start, stop = shard_rows(seq, self.tp, self.tp_rank)
-        buf = torch.empty((stop - start, *shape[1:]), dtype=dtype)
+        buf = torch.empty((stop - start, *shape[1:]), dtype=dtype, device=self.device)
         works = [(dist.irecv(buf[tr.rows[0] - start:tr.rows[1] - start], peer.ranks[tr.sender], tag=t),
                   peer.ranks[tr.sender])
                  for tr in sequence_transfers(seq, peer.tp, self.tp) if tr.receiver == self.tp_rank]

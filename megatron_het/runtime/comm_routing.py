@@ -22,6 +22,7 @@ import torch.distributed as dist
 from megatron_het.cluster import ClusterSpec
 from megatron_het.model.groups import group_options
 from megatron_het.plan import Plan, rank_roles
+from megatron_het.platform import HOST_LIBRARY, Accelerator
 
 log = logging.getLogger(__name__)
 
@@ -31,7 +32,7 @@ class RankPlacement:
     """For every rank of a plan: its island and that island's collective library."""
 
     island: Mapping[int, str]
-    library: Mapping[int, str]  # "nccl" | "rccl" | "gloo"
+    library: Mapping[int, str]  # the catalog's collective library of the rank's device type
 
     def spans_libraries(self, ranks: Sequence[int]) -> bool:
         return len({self.library[r] for r in ranks}) > 1
@@ -42,7 +43,7 @@ def rank_placement(plan: Plan, cluster: ClusterSpec | None) -> RankPlacement:
     roles = rank_roles(plan)
     island = {r: role.island for r, role in roles.items()}
     if cluster is None:
-        return RankPlacement(island=island, library={r: "gloo" for r in roles})
+        return RankPlacement(island=island, library={r: HOST_LIBRARY for r in roles})
     return RankPlacement(island=island,
                          library={r: cluster.island(i).device.collective_library for r, i in island.items()})
 
@@ -69,20 +70,28 @@ class BridgedGroup:
         self.het.all_reduce(tensor)
 
 
-def new_reduction_group(ranks: Sequence[int], placement: RankPlacement, *, torch_backend: str = "gloo",
+def new_reduction_group(ranks: Sequence[int], placement: RankPlacement, *, accelerator: Accelerator,
                         timeout: datetime.timedelta | None = None):
     """Collective over the world (every rank calls it, same order); None on non-members.
 
-    ``timeout``: the run's one timeout for every group created (None: torch's 30-minute default)."""
+    ``accelerator`` chooses each island's torch backend (NCCL/RCCL on GPUs, gloo on CPU) and the
+    bridge's host backend; ``timeout``: the run's one timeout for every group created (None:
+    torch's 30-minute default)."""
     ranks = sorted(ranks)
     if placement.spans_libraries(ranks):
         from megatron_het.comm import IslandMembership, new_hierarchical_group
 
-        islands = sorted({placement.island[r] for r in ranks})
+        libraries = {placement.island[r]: placement.library[r] for r in ranks}
         membership = IslandMembership(rank_to_island={r: placement.island[r] for r in ranks},
-                                      island_backend={i: torch_backend for i in islands})
-        het = new_hierarchical_group(ranks, membership,
+                                      island_backend=accelerator.island_backends(libraries))
+        het = new_hierarchical_group(ranks, membership, host_backend=accelerator.host_backend,
                                      **({} if timeout is None else {"timeout_s": timeout.total_seconds()}))
         return BridgedGroup(het) if het is not None else None
-    group = dist.new_group(ranks, **group_options(timeout))
+    backend = accelerator.backend_for(placement.library[ranks[0]])
+    group = dist.new_group(ranks, **group_options(timeout, backend))
     return NativeGroup(group) if dist.get_rank() in ranks else None
+
+
+def rank_placement_of(ranks: Sequence[int]) -> RankPlacement:
+    """Ranks of one collective library (no cluster file): every group is native."""
+    return RankPlacement(island={r: "" for r in ranks}, library={r: HOST_LIBRARY for r in ranks})

@@ -57,7 +57,8 @@ class ActionExecutor:
 
     def __init__(self, *, actions: Sequence[Action], links: Mapping[int, BoundaryLink], is_first: bool,
                  is_last: bool, act_shape: tuple[int, int, int], dtype: torch.dtype, micro_batch_size: int,
-                 loss_scale: float, split_backward: bool = False, arm: Callable[[], None] | None = None) -> None:
+                 loss_scale: float, split_backward: bool = False, arm: Callable[[], None] | None = None,
+                 device: torch.device | None = None) -> None:
         self.actions = tuple(actions)  # this rank's actions, execution order, global micro-batches
         self.links = dict(links)  # global micro-batch -> the link to its neighbours
         self.is_first, self.is_last = is_first, is_last
@@ -68,6 +69,8 @@ class ActionExecutor:
         self.arm = arm  # an overlapped synchronizer's arm(): called before the last weight-gradient action
         self.trigger = grad_reduce_trigger(self.actions, split_backward=self.split) if arm is not None else None
         self.samples: list[int] = []  # sample indices this rank read in the last run (accounting)
+        self.device = device  # the accelerator's device: the loss accumulator lives there (None: host)
+        self.grad_scale: torch.Tensor | None = None  # fp16 loss scale a last stage multiplies its loss by
 
     def micro_batches(self) -> list[int]:
         """Global micro-batches this rank runs per iteration."""
@@ -87,7 +90,8 @@ class ActionExecutor:
         first, last = self.is_first, self.is_last
         saved: dict[int, tuple[torch.Tensor | None, torch.Tensor]] = {}
         out_grads: dict[int, torch.Tensor | None] = {}
-        loss_sum = torch.zeros((), dtype=torch.float64)
+        # accumulated on the device: no host sync per micro-batch (read once per iteration)
+        loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
         self.samples = []
         try:
             for index, action in enumerate(self.actions):
@@ -99,13 +103,15 @@ class ActionExecutor:
                     inp = None if first else link.recv_forward(self.act_shape, self.dtype, g).requires_grad_()
                     out = timer.compute(lambda: forward(tokens, inp))
                     if last:
-                        loss_sum += float(out.detach()) * self.loss_scale
+                        loss_sum += out.detach().double() * self.loss_scale
                     else:
                         link.send_forward(out.detach(), g)
                     saved[g] = (inp, out)
                 elif action.kind in ("B", "BW"):
                     inp, out = saved[g]
                     grad = None if last else link.recv_backward(self.act_shape, out.dtype, g)
+                    if last and self.grad_scale is not None:
+                        out = out * self.grad_scale  # the backward of the scaled loss (fp16)
                     if index == self.trigger:  # buckets start reducing as this backward completes them
                         self.arm()
                     if self.split and action.kind == "B":
@@ -135,16 +141,16 @@ class ActionExecutor:
         return loss_sum
 
     @torch.no_grad()
-    def evaluate(self, *, iteration: int, batch_fn: BatchFn, forward: ForwardFn) -> float:
+    def evaluate(self, *, iteration: int, batch_fn: BatchFn, forward: ForwardFn) -> torch.Tensor:
         """Forward-only loss sum of one global batch (forwards in micro-batch order: no deadlock)."""
-        loss_sum = 0.0
+        loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
         for g in self.micro_batches():
             link = self.links[g]
             tokens = self._tokens(batch_fn, iteration, g, record=False)
             inp = None if self.is_first else link.recv_forward(self.act_shape, self.dtype, g)
             out = forward(tokens, inp)
             if self.is_last:
-                loss_sum += float(out) * self.loss_scale
+                loss_sum += out.double() * self.loss_scale
             else:
                 link.send_forward(out, g)
         for link in set(self.links.values()):

@@ -153,13 +153,18 @@ class GradientSynchronizer:
     """Creates the reduction groups once (collective over the world) and reduces each step."""
 
     def __init__(self, local: Sequence[Holding], params: Mapping[str, torch.nn.Parameter], *,
-                 placement=None, bucket_numel: int | None = None, timeout: datetime.timedelta | None = None) -> None:
+                 placement=None, bucket_numel: int | None = None, timeout: datetime.timedelta | None = None,
+                 accelerator=None) -> None:
         """``placement`` (comm_routing.RankPlacement) routes groups that span collective libraries
         through the cross-vendor bridge; None: every group is a plain torch group.
+        ``accelerator`` (platform.Accelerator; None: detected) places the buffers and picks backends.
         ``bucket_numel``: see ``plan_buckets`` (None: one bucket per group of holders).
         ``timeout``: the run's group timeout (TrainConfig.group_timeout)."""
-        from megatron_het.model.groups import group_options
-        from megatron_het.runtime.comm_routing import NativeGroup, new_reduction_group
+        from megatron_het.platform import detect_accelerator
+        from megatron_het.runtime.comm_routing import new_reduction_group, rank_placement_of
+
+        self.accelerator = accelerator or detect_accelerator()
+        self.device = self.accelerator.device
 
         gathered: list[list[Holding] | None] = [None] * dist.get_world_size()
         dist.all_gather_object(gathered, list(local))
@@ -171,11 +176,8 @@ class GradientSynchronizer:
         self._groups = []
         self.routes: list[tuple[tuple[int, ...], str]] = []  # (ranks, "native" | "het-bridge"), for the log
         for bucket in self.buckets:  # every rank creates every group, in the same order
-            if placement is None:
-                group = dist.new_group(list(bucket.ranks), **group_options(timeout))
-                group = NativeGroup(group) if self.rank in bucket.ranks else None
-            else:
-                group = new_reduction_group(bucket.ranks, placement, timeout=timeout)
+            group = new_reduction_group(bucket.ranks, placement or rank_placement_of(bucket.ranks),
+                                        accelerator=self.accelerator, timeout=timeout)
             if group is not None:
                 self._groups.append((bucket, group))
                 self.routes.append((bucket.ranks, group.kind))
@@ -199,7 +201,7 @@ class GradientSynchronizer:
         pieces = []
         for name, g in zip(bucket.names, grads):
             h = self.local[name]
-            full = torch.zeros(h.full_shape, dtype=g.dtype)
+            full = torch.zeros(h.full_shape, dtype=g.dtype, device=self.device)
             if h.partition_dim is not None or h.tp_rank == 0 or h.sequence_parallel:
                 _write(full, g, h)
             pieces.append(full.reshape(-1))
@@ -233,7 +235,7 @@ class GradientSynchronizer:
 
     def grad_norm_sq_local(self) -> torch.Tensor:
         """This rank's share of the squared global gradient norm (sum it over the world)."""
-        total = torch.zeros((), dtype=torch.float64)
+        total = torch.zeros((), dtype=torch.float64, device=self.device)
         for name in self.norm_names:
             total += self._grad(name).double().pow(2).sum()
         return total

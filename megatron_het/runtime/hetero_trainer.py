@@ -40,11 +40,13 @@ from megatron_het.model.gpt import StageModelSpec, build_gpt_stage, transformer_
 from megatron_het.perf.flops import padded_vocab_size
 from megatron_het.plan import Plan
 from megatron_het.plan.validate import check_tp_comm_overlap
+from megatron_het.platform import Accelerator, detect_accelerator
 from megatron_het.runtime.boundary import BoundaryLink, Neighbour
 from megatron_het.runtime.comm_routing import RankPlacement, rank_placement
 from megatron_het.runtime.executor import ActionExecutor, globalise
 from megatron_het.runtime.grad_sync import GradientSynchronizer, Holding
 from megatron_het.runtime.megatron_trainer import split_tokens
+from megatron_het.runtime.mixed_precision import LossScaler, MainParams, params_dtype, wrap_float16
 from megatron_het.runtime.stage_groups import build_stage_groups
 from megatron_het.schedule import Action, build_schedule
 from megatron_het.train.config import TrainConfig
@@ -76,17 +78,28 @@ class PipelineStrategy:
 
     def __init__(self, *, model: ModelSpec, plan: Plan, train: TrainConfig, batch_fn: BatchFn,
                  cluster: ClusterSpec | None = None, init_full_state: Mapping[str, torch.Tensor] | None = None,
-                 padded_vocab: int | None = None) -> None:
+                 padded_vocab: int | None = None, accelerator: Accelerator | None = None) -> None:
         from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
         check_tp_comm_overlap(plan)
+        if train.precision != "fp32" and train.overlap_grad_reduce:
+            raise ConfigError("overlapped gradient reduction hooks the model's parameters, while mixed precision "
+                              "reduces fp32 main gradients", field="--overlap-grad-reduce", value=train.precision,
+                              fix="drop --overlap-grad-reduce with --bf16/--fp16 (this build)")
         if plan.micro_batch_size != train.micro_batch_size or plan.global_batch_size != train.global_batch_size:
             raise ConfigError(f"the plan has micro {plan.micro_batch_size} / global {plan.global_batch_size}",
                               field="--micro-batch-size / --global-batch-size",
                               value=(train.micro_batch_size, train.global_batch_size),
                               fix="pass the plan's sizes (or re-plan for yours)")
         self.model_spec, self.plan, self.train, self.batch_fn = model, plan, train, batch_fn
-        self.pgc, self.role = build_stage_groups(plan, timeout=train.group_timeout)
+        # device, backends, timing and memory of this rank (platform/): every tensor and group below uses it
+        self.accelerator = acc = accelerator or detect_accelerator()
+        self.device = acc.device
+        acc.set_device()
+        placement = rank_placement(plan, cluster)
+        island_library = {placement.island[r]: placement.library[r] for r in placement.island}
+        self.pgc, self.role = build_stage_groups(plan, timeout=train.group_timeout,
+                                                 backend_of=lambda island: acc.backend_for(island_library[island]))
         role = self.role
         self.replica = plan.replicas[role.replica]
         self.stage_plan = self.replica.stages[role.stage]
@@ -98,8 +111,9 @@ class PipelineStrategy:
         self.stage = StageModelSpec(model=model, num_layers=role.layers[1] - role.layers[0],
                                     layer_offset=role.layers[0], tp=role.tp_size, pre_process=self.is_first,
                                     post_process=self.is_last, vocab_size=padded_vocab or plan_padded_vocab(model, plan),
-                                    recompute=self.stage_plan.recompute, sequence_parallel=plan.sequence_parallel)
-        self.config = transformer_config(self.stage)
+                                    recompute=self.stage_plan.recompute, sequence_parallel=plan.sequence_parallel,
+                                    params_dtype=params_dtype(train.precision))
+        self.config = transformer_config(self.stage, cpu_initialization=not acc.is_gpu)
         self.tied = not model.untie_embeddings_and_output_weights
         self.overlap_report = None  # comm.overlap_megatron.OverlapReport when the stage overlaps
         self.gpt = self._build_model()
@@ -112,11 +126,16 @@ class PipelineStrategy:
         self.total_micro_batches = sum(r.num_micro_batches for r in plan.replicas)
 
         self.params = self.named_global_params()
+        # mixed precision: fp32 main parameters/gradients the synchronizer, norm and optimizer use
+        self.main = MainParams(self.params) if train.precision != "fp32" else None
+        self.scaler = LossScaler(train, self.device) if train.fp16 else None
         self.plan_rank = role.rank  # this rank in ``plan`` (role.rank changes when the world is rebuilt)
-        self.plan_placement = self.placement = rank_placement(plan, cluster)
+        self.plan_placement = self.placement = placement
         self.sync = self._gradient_synchronizer()
         if init_full_state is None:  # stages are seeded apart: every copy of a parameter starts from one value
             self.sync.synchronize_values()
+            if self.main is not None:
+                self.main.copy_to_model()
         for ranks, kind in self.sync.routes:
             if kind != "native":
                 logger.info("rank %d: gradient group %s spans collective libraries %s -> %s", role.rank,
@@ -132,7 +151,7 @@ class PipelineStrategy:
 
         prev, nxt = neighbour(role.stage - 1), neighbour(role.stage + 1)
         link = BoundaryLink(tp_rank=role.tp_rank, tp=role.tp_size, prev=prev, next=nxt,
-                            sequence_parallel=plan.sequence_parallel)
+                            sequence_parallel=plan.sequence_parallel, device=self.device)
         schedule = build_schedule(plan.schedule, len(stages), self.replica.num_micro_batches,
                                   plan.virtual_pipeline_size)
         first = replica_first_micro_batch(plan, role.replica)
@@ -145,8 +164,16 @@ class PipelineStrategy:
         return self.role.rank
 
     # ---- building blocks (also used by rebind) -----------------------------------------------
+    @property
+    def opt_params(self) -> dict[str, torch.nn.Parameter]:
+        """What the synchronizer, norm, optimizer and checkpoints see: fp32 main parameters in mixed
+        precision, else the model's own parameters."""
+        return self.main.main if self.main is not None else self.params
+
     def _build_model(self):
-        gpt = build_gpt_stage(self.stage, self.config, self.pgc)
+        gpt = build_gpt_stage(self.stage, self.config, self.pgc, device=self.device)
+        # Megatron's Float16Module: converts the stage to bf16/fp16 in place; runs it in that precision
+        self.module = wrap_float16(self.config, gpt) if self.train.precision != "fp32" else gpt
         if self.stage_plan.tp_comm_overlap:
             from megatron_het.comm.overlap_megatron import apply_tp_comm_overlap
 
@@ -156,8 +183,8 @@ class PipelineStrategy:
     def _optimizer(self) -> torch.optim.AdamW:
         """AdamW with Megatron-LM's groups: no weight decay on biases and 1-D parameters."""
         train = self.train
-        decay = [p for n, p in self.params.items() if not (p.dim() == 1 or n.endswith(".bias"))]
-        no_decay = [p for n, p in self.params.items() if p.dim() == 1 or n.endswith(".bias")]
+        decay = [p for n, p in self.opt_params.items() if not (p.dim() == 1 or n.endswith(".bias"))]
+        no_decay = [p for n, p in self.opt_params.items() if p.dim() == 1 or n.endswith(".bias")]
         return torch.optim.AdamW(
             [{"params": decay, "weight_decay": train.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
             lr=train.lr, betas=(train.adam_beta1, train.adam_beta2), eps=train.adam_eps)
@@ -168,7 +195,7 @@ class PipelineStrategy:
         return ActionExecutor(actions=actions, links=links, is_first=self.is_first, is_last=self.is_last,
                               act_shape=(seq, mbs, h), dtype=self.config.params_dtype, micro_batch_size=mbs,
                               loss_scale=self.total_micro_batches, split_backward=split_backward,
-                              arm=getattr(self.sync, "arm", None))
+                              arm=getattr(self.sync, "arm", None), device=self.device)
 
     def named_global_params(self) -> dict[str, torch.nn.Parameter]:
         """This stage's parameters by global name (the last stage's tied output is the word embedding)."""
@@ -184,14 +211,15 @@ class PipelineStrategy:
         """The plain synchronizer, or with ``overlap_grad_reduce`` the hook-driven one in buckets of
         ``ddp_bucket_size`` parameters (megatron-core's default size when None)."""
         if not self.train.overlap_grad_reduce:
-            return GradientSynchronizer(self.holdings(), self.params, placement=self.placement,
-                                        timeout=self.train.group_timeout)
+            return GradientSynchronizer(self.holdings(), self.opt_params, placement=self.placement,
+                                        timeout=self.train.group_timeout, accelerator=self.accelerator)
         from megatron_het.perf.predict import bucket_parameters
         from megatron_het.runtime.overlap_grad import OverlappedGradientSynchronizer
 
         size = self.train.ddp_bucket_size or bucket_parameters(len(self.plan.replicas))
         return OverlappedGradientSynchronizer(self.holdings(), self.params, placement=self.placement,
-                                              bucket_numel=size, timeout=self.train.group_timeout)
+                                              bucket_numel=size, timeout=self.train.group_timeout,
+                                              accelerator=self.accelerator)
 
     def holdings(self) -> list[Holding]:
         """What this rank holds of each full parameter (the gradient synchronizer's input)."""
@@ -214,39 +242,57 @@ class PipelineStrategy:
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         self.optimizer.zero_grad(set_to_none=False)
-        for p in self.params.values():
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
+        if self.main is not None:
+            self.main.zero_grad()
+        else:
+            for p in self.params.values():
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+        self.executor.grad_scale = self.scaler.scale if self.scaler is not None else None
         loss_sum = self.executor.run(iteration=iteration, batch_fn=self.batch_fn, forward=self._forward,
                                      params=list(self.params.values()), timer=timer, on_action=on_action)
         self.sync.reduce()
-        grad_norm = self._clip()
+        scale = float(self.scaler.scale) if self.scaler is not None else None
+        skipped = self.scaler.unscale_and_check(self.opt_params) if self.scaler is not None else False
+        grad_norm = self._clip() if not skipped else math.nan
         # Global mean loss: last stages hold their replicas' per-micro-batch mean sums. Reported
         # before the step so that a failure in any collective leaves every survivor un-stepped.
-        report = torch.tensor([loss_sum.item() if (self.is_last and self.role.tp_rank == 0) else 0.0])
-        dist.all_reduce(report)
-        timer.stretch(self.optimizer.step)  # a slower device steps its optimizer slower too (the model prices it so)
-        return StepResult(lm_loss=float(report) / self.total_micro_batches, grad_norm=grad_norm)
+        report = self._loss_report(loss_sum)
+        if not skipped:
+            timer.stretch(self._optimizer_step)  # a slower device steps its optimizer slower too (priced so)
+        return StepResult(lm_loss=float(report) / self.total_micro_batches, grad_norm=grad_norm, skipped=skipped,
+                          loss_scale=scale)
+
+    def _optimizer_step(self) -> None:
+        self.optimizer.step()
+        if self.main is not None:
+            self.main.copy_to_model()  # Megatron's _copy_main_params_to_model_params
 
     @torch.no_grad()
     def evaluate(self, batch_fn: BatchFn, iteration: int) -> float:
         """Forward-only loss of one global batch from ``batch_fn`` (e.g. the validation split)."""
         loss_sum = self.executor.evaluate(iteration=iteration, batch_fn=batch_fn, forward=self._forward)
-        report = torch.tensor([loss_sum if (self.is_last and self.role.tp_rank == 0) else 0.0])
+        return float(self._loss_report(loss_sum)) / self.total_micro_batches
+
+    def _loss_report(self, loss_sum: torch.Tensor) -> torch.Tensor:
+        """Sum of the last stages' loss sums over the world, on the device (one read per iteration)."""
+        mine = self.is_last and self.role.tp_rank == 0
+        report = loss_sum.reshape(1) if mine else torch.zeros(1, dtype=loss_sum.dtype, device=self.device)
         dist.all_reduce(report)
-        return float(report) / self.total_micro_batches
+        return report
 
     def _forward(self, tokens: torch.Tensor | None, inp: torch.Tensor | None) -> torch.Tensor:
         if inp is not None:
-            self.gpt.set_input_tensor(inp)
+            self.module.set_input_tensor(inp)
         inputs = labels = position_ids = None
         if tokens is not None:
-            inputs, labels, position_ids, _ = split_tokens(tokens)
+            inputs, labels, position_ids, _ = split_tokens(tokens, self.device)
         if position_ids is None:
             mbs, seq = self.train.micro_batch_size, self.model_spec.seq_length
-            position_ids = torch.arange(seq).unsqueeze(0).expand(mbs, seq)
-        out = self.gpt(inputs if self.is_first else None, position_ids, None,
-                       labels=labels if self.is_last else None)
+            position_ids = torch.arange(seq, device=self.device).unsqueeze(0).expand(mbs, seq)
+        kwargs = {"fp32_output": self.is_last} if self.module is not self.gpt else {}
+        out = self.module(inputs if self.is_first else None, position_ids, None,
+                          labels=labels if self.is_last else None, **kwargs)
         if self.is_last:
             # out: per-token losses [b, s]; this micro-batch's share of the global-batch mean.
             return out.float().mean() / self.total_micro_batches
@@ -259,7 +305,7 @@ class PipelineStrategy:
         if self.train.clip_grad > 0:
             coeff = self.train.clip_grad / (norm + 1e-6)
             if coeff < 1.0:
-                for p in self.params.values():
+                for p in self.opt_params.values():
                     p.grad.mul_(coeff)
         return norm
 
@@ -284,6 +330,9 @@ class PipelineStrategy:
         self.placement = RankPlacement(island={ranks[r]: i for r, i in old.island.items() if r in ranks},
                                        library={ranks[r]: lib for r, lib in old.library.items() if r in ranks})
         self.params = self.named_global_params()
+        if self.main is not None:  # same fp32 main parameters (and optimizer state) over the rebuilt model
+            self.main = self.main.rebind(self.params)
+            self.main.copy_to_model()
         self.optimizer = self._optimizer()
         self.optimizer.load_state_dict(opt_state)  # same parameter order: state moves by position
         self.sync = self._gradient_synchronizer()
@@ -297,14 +346,14 @@ class PipelineStrategy:
                                  tp_rank=self.role.tp_rank, tp_size=self.role.tp_size,
                                  main=(name, self.role.rank) in self.sync.owned,
                                  glu=is_glu(name, self.model_spec.swiglu))
-                for name, p in self.params.items()}
+                for name, p in self.opt_params.items()}  # fp32 main values in mixed precision
 
     def save_checkpoint(self, save: str, iteration: int, *, tokenizer_model: str | None = None) -> str:
         """Write model, optimizer, iteration and data position under ``save`` (collective)."""
         from megatron_het.checkpoint.dist_ckpt import model_common_state, save_checkpoint
 
         moments = {}
-        for name, p in self.params.items():
+        for name, p in self.opt_params.items():
             st = self.optimizer.state.get(p, {})
             moments[name] = {k: st.get(k, torch.zeros_like(p)).detach() for k in ("exp_avg", "exp_avg_sq")}
         common = {"model": model_common_state(self.model_spec), "padded_vocab": self.stage.vocab_size,
@@ -326,12 +375,14 @@ class PipelineStrategy:
                 f"builds {self.stage.vocab_size}. Fix: construct the trainer with padded_vocab="
                 f"{common.get('padded_vocab')} (pretrain_gpt.py does this when --load is given)")
         iteration = int(common["iteration"])
-        for name, p in self.params.items():
+        for name, p in self.opt_params.items():
             p.copy_(values[name])
             if with_optimizer:
-                self.optimizer.state[p] = {"step": torch.tensor(float(iteration)),
+                self.optimizer.state[p] = {"step": torch.tensor(float(iteration)),  # host scalar, as torch's Adam keeps it
                                            "exp_avg": moments[name]["exp_avg"].clone(),
                                            "exp_avg_sq": moments[name]["exp_avg_sq"].clone()}
+        if self.main is not None:
+            self.main.copy_to_model()
         return iteration
 
     def shards(self) -> dict[str, Shard]:
@@ -358,11 +409,12 @@ class PipelineStrategy:
 def HeteroTrainer(*, model: ModelSpec, plan: Plan, train: TrainConfig, batch_fn: BatchFn,  # noqa: N802
                   cluster: ClusterSpec | None = None, init_full_state: Mapping[str, torch.Tensor] | None = None,
                   padded_vocab: int | None = None, slowdown: float | None = None,
-                  clock: Callable[[], float] | None = None, hooks: TrainerHooks | None = None) -> Trainer:
+                  clock: Callable[[], float] | None = None, hooks: TrainerHooks | None = None,
+                  accelerator: Accelerator | None = None) -> Trainer:
     """The trainer over this rank's stage of ``plan`` (call on every rank). ``slowdown`` overrides the
     cluster's emulation factor of the rank's island; ``clock`` is the timer's (None: wall time)."""
     strategy = PipelineStrategy(model=model, plan=plan, train=train, batch_fn=batch_fn, cluster=cluster,
-                                init_full_state=init_full_state, padded_vocab=padded_vocab)
+                                init_full_state=init_full_state, padded_vocab=padded_vocab, accelerator=accelerator)
     timer = emulation_timer(cluster, strategy.role.island, slowdown=slowdown, clock=clock)
     if timer.slowdown != 1.0:
         logger.info("rank %d (%s): EMULATED device speed, compute slowed %.2fx", strategy.rank,

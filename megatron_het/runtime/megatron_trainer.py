@@ -18,6 +18,7 @@ from megatron_het.cluster import ModelSpec
 from megatron_het.model.gpt import StageModelSpec, build_gpt_stage, transformer_config
 from megatron_het.model.groups import BlockShape, block_process_groups
 from megatron_het.perf.flops import padded_vocab_size
+from megatron_het.runtime.mixed_precision import params_dtype, wrap_float16
 from megatron_het.train.config import TrainConfig
 from megatron_het.train.strategy import ActionHook, BatchFn, IterationLog, RunResult, StepResult
 from megatron_het.train.timer import EmulationTimer
@@ -38,11 +39,15 @@ def lm_loss_func(loss_mask: torch.Tensor):
     return loss_func
 
 
-def split_tokens(tokens: torch.Tensor):
-    """[b, s+1] tokens -> (inputs, labels, position_ids, loss_mask), each [b, s]."""
+def split_tokens(tokens: torch.Tensor, device: torch.device | None = None):
+    """[b, s+1] tokens -> (inputs, labels, position_ids, loss_mask), each [b, s], on ``device`` (the
+    accelerator's; None: where ``tokens`` are)."""
+    if device is not None:
+        tokens = tokens.to(device, non_blocking=True)
     inputs = tokens[:, :-1].contiguous()
     labels = tokens[:, 1:].contiguous()
-    position_ids = torch.arange(inputs.shape[1]).unsqueeze(0).expand_as(inputs).contiguous()
+    position_ids = torch.arange(inputs.shape[1], device=device if device is not None else tokens.device)
+    position_ids = position_ids.unsqueeze(0).expand_as(inputs).contiguous()
     return inputs, labels, position_ids, torch.ones_like(labels, dtype=torch.float)
 
 
@@ -73,7 +78,8 @@ class MegatronStrategy:
 
         self.stage = StageModelSpec(model=model, num_layers=model.num_layers, layer_offset=0, tp=shape.tp,
                                     pre_process=pp_rank == 0, post_process=pp_rank == shape.pp - 1,
-                                    vocab_size=padded_vocab or padded_vocab_size(model.vocab_size, tp=shape.tp))
+                                    vocab_size=padded_vocab or padded_vocab_size(model.vocab_size, tp=shape.tp),
+                                    params_dtype=params_dtype(train.precision))
         config = transformer_config(self.stage, pp=shape.pp)
         self.gpt = build_gpt_stage(self.stage, config, pgc)
         self.layer_offset = self.gpt.decoder.layers[0].layer_number - 1 if len(self.gpt.decoder.layers) else 0
@@ -81,12 +87,17 @@ class MegatronStrategy:
         if init_full_state is not None:
             load_full_state(self.gpt, init_full_state, layer_offset=self.layer_offset, tp_rank=self.tp_rank,
                             tp_size=shape.tp, tied=self.tied, gated=model.swiglu)
+        # Megatron-LM's --bf16/--fp16: Float16Module, fp32 gradient buffers, Float16OptimizerWithFloat16Params
+        module = wrap_float16(config, self.gpt) if train.precision != "fp32" else self.gpt
         self.ddp = DistributedDataParallel(config, DistributedDataParallelConfig(grad_reduce_in_fp32=True),
-                                           self.gpt, pg_collection=pgc)
+                                           module, pg_collection=pgc)
         self.optimizer = get_megatron_optimizer(
             OptimizerConfig(optimizer="adam", lr=train.lr, min_lr=train.min_lr, weight_decay=train.weight_decay,
                             adam_beta1=train.adam_beta1, adam_beta2=train.adam_beta2, adam_eps=train.adam_eps,
-                            clip_grad=train.clip_grad, params_dtype=torch.float32),
+                            clip_grad=train.clip_grad, params_dtype=params_dtype(train.precision),
+                            bf16=train.bf16, fp16=train.fp16, loss_scale=train.loss_scale,
+                            initial_loss_scale=train.initial_loss_scale, min_loss_scale=train.min_loss_scale,
+                            loss_scale_window=train.loss_scale_window, hysteresis=train.hysteresis),
             [self.ddp], pg_collection=pgc, use_gloo_process_groups=False)
         config.finalize_model_grads_func = (
             lambda models, num_tokens=None, **_: finalize_model_grads(models, num_tokens, pg_collection=pgc))
@@ -116,7 +127,7 @@ class MegatronStrategy:
                                         num_microbatches=per_replica // train.micro_batch_size,
                                         seq_length=self.model_spec.seq_length, micro_batch_size=train.micro_batch_size,
                                         forward_only=False, p2p_communicator=self.p2p, pg_collection=self.pgc)
-        _, grad_norm, _ = self.optimizer.step()
+        updated, grad_norm, _ = self.optimizer.step()
         loss = None
         if self.stage.post_process:
             # Megatron averages per-micro-batch means; report the same over all replicas.
@@ -124,7 +135,9 @@ class MegatronStrategy:
             mean = per_micro.mean().reshape(1)
             dist.all_reduce(mean, group=self.pgc.dp)
             loss = float(mean) / shape.dp
-        return StepResult(lm_loss=loss, grad_norm=float(grad_norm))
+        scaler = getattr(self.optimizer, "grad_scaler", None)
+        return StepResult(lm_loss=loss, grad_norm=float(grad_norm) if grad_norm is not None else float("nan"),
+                          skipped=not updated, loss_scale=float(scaler.scale) if scaler is not None else None)
 
     def shards(self) -> dict[str, Shard]:
         return local_shards(self.gpt, layer_offset=self.layer_offset, tp_rank=self.tp_rank, tp_size=self.shape.tp,

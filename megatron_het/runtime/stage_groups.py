@@ -10,6 +10,7 @@ gradients itself (``grad_sync.py``), because neither fits megatron's uniform gri
 from __future__ import annotations
 
 import datetime
+from collections.abc import Callable
 
 import torch.distributed as dist
 
@@ -29,10 +30,13 @@ def check_contiguous_stages(plan: Plan) -> None:
                     f"tools/plan.py writes plans this way")
 
 
-def build_stage_groups(plan: Plan, *, timeout: datetime.timedelta | None = None):
+def build_stage_groups(plan: Plan, *, timeout: datetime.timedelta | None = None,
+                       backend_of: Callable[[str], str] | None = None):
     """Create every stage's groups (collective over the world); return this rank's collection.
 
-    ``timeout``: the run's one timeout, given to every group (None: torch's 30-minute default)."""
+    ``timeout``: the run's one timeout, given to every group (None: torch's 30-minute default);
+    ``backend_of``: island name -> the accelerator's torch backend for that island's groups (None:
+    the world's default)."""
     from megatron.core.hyper_comm_grid import HyperCommGrid
     from megatron.core.process_groups_config import ProcessGroupCollection
 
@@ -42,7 +46,8 @@ def build_stage_groups(plan: Plan, *, timeout: datetime.timedelta | None = None)
     mine = None
     for replica in plan.replicas:
         for stage in replica.stages:
-            grid = HyperCommGrid([stage.tp, 1, 1, 1, 1], list(GRID_DIMS), rank_offset=stage.ranks[0])
+            grid = HyperCommGrid([stage.tp, 1, 1, 1, 1], list(GRID_DIMS), rank_offset=stage.ranks[0],
+                                 backend=None if backend_of is None else backend_of(stage.island))
             pgs = {name: grid.create_pg(dims, **options) for name, dims in (
                 ("tp", "tp"), ("pp", "pp"), ("dp", "dp"), ("cp", "cp"), ("ep", "ep"),
                 ("mp", ["tp", "pp"]), ("tp_cp", ["tp", "cp"]), ("dp_cp", ["cp", "dp"]),

@@ -57,7 +57,7 @@ def load_sharded(strategy, path: str, *, with_optimizer: bool = True) -> int:
         raise CheckpointError(
             f"{path}: padded_vocab: the checkpoint has {vocab} embedding rows, this strategy builds "
             f"{strategy.stage.vocab_size}. Fix: construct the trainer with padded_vocab={vocab}")
-    empty = {n: torch.empty(strategy.shapes[n]) for n in strategy.index.names}
+    empty = {n: torch.empty(strategy.shapes[n], device=strategy.device) for n in strategy.index.names}
     common, values, moments = load_checkpoint(path, params=_slots(strategy, empty), model=strategy.model_spec,
                                               with_optimizer=with_optimizer)
     start, stop = strategy.layout.range(strategy.rank)

@@ -50,18 +50,18 @@ def uneven_all_gather(shard: torch.Tensor, layout: ShardLayout, *, group: dist.P
         raise ValueError(f"shard: rank {me} must pass a 1-D tensor of {layout.sizes[me]} elements "
                          f"(got shape {tuple(shard.shape)}). Fix: pass this rank's flat shard")
     if method == "padded":
-        padded = torch.zeros(layout.max_size, dtype=shard.dtype)
+        padded = shard.new_zeros(layout.max_size)  # buffers follow the shard's device
         padded[:shard.numel()] = shard
         bufs = [torch.empty_like(padded) for _ in range(layout.world)]
         dist.all_gather(bufs, padded, group=group)
         return torch.cat([b[:n] for b, n in zip(bufs, layout.sizes)])
     if method == "broadcast":
-        full = torch.empty(layout.numel, dtype=shard.dtype)
+        full = shard.new_empty(layout.numel)
         for r in range(layout.world):
             start, stop = layout.range(r)
             if stop == start:
                 continue
-            piece = shard.clone() if r == me else torch.empty(stop - start, dtype=shard.dtype)
+            piece = shard.clone() if r == me else shard.new_empty(stop - start)
             dist.broadcast(piece, src=_global(group, r), group=group)
             full[start:stop] = piece
         return full

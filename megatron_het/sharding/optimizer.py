@@ -25,9 +25,10 @@ def decays(name: str, shape: tuple[int, ...]) -> bool:
     return not (len(shape) == 1 or name.endswith(".bias"))
 
 
-def decay_mask(index: FlatIndex, shapes: dict[str, tuple[int, ...]], start: int, stop: int) -> torch.Tensor:
-    """1.0 where the flat range [start, stop) holds a decayed parameter, else 0.0."""
-    mask = torch.zeros(stop - start)
+def decay_mask(index: FlatIndex, shapes: dict[str, tuple[int, ...]], start: int, stop: int, *,
+               device: torch.device | None = None) -> torch.Tensor:
+    """1.0 where the flat range [start, stop) holds a decayed parameter, else 0.0 (on ``device``)."""
+    mask = torch.zeros(stop - start, device=device)
     for seg in index.segments(start, stop):
         if decays(seg.name, shapes[seg.name]):
             mask[seg.shard_start:seg.shard_start + seg.numel] = 1.0

@@ -34,6 +34,7 @@ from megatron_het.model.gpt import StageModelSpec, build_gpt_stage, transformer_
 from megatron_het.perf.flops import padded_vocab_size
 from megatron_het.perf.sharded import sharded_rank_memory
 from megatron_het.plan import ShardedPlan
+from megatron_het.platform import Accelerator, detect_accelerator
 from megatron_het.runtime.megatron_trainer import split_tokens
 from megatron_het.sharding.budget import check_budget
 from megatron_het.sharding.checkpoint import load_sharded, save_sharded
@@ -55,7 +56,8 @@ class ShardedStrategy:
                  init_full_state: Mapping[str, torch.Tensor] | None = None, padded_vocab: int | None = None,
                  memory_budget_bytes: Sequence[int] | None = None,
                  gather_method: Literal["padded", "broadcast"] = "padded",
-                 reduce_scatter_method: Literal["reduce", "all_reduce"] = "reduce") -> None:
+                 reduce_scatter_method: Literal["reduce", "all_reduce"] = "reduce",
+                 accelerator: Accelerator | None = None) -> None:
         from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
         from megatron_het.model.groups import BlockShape, block_process_groups
@@ -74,7 +76,11 @@ class ShardedStrategy:
         self.rank, self.share = rank, plan.ranks[rank]
         self.reports_shards = rank == 0  # every rank gathers the same full tensors; one copy is enough
         self.gather_method, self.reduce_scatter_method = gather_method, reduce_scatter_method
-        _, self.pgc = block_process_groups(BlockShape(tp=1, pp=1, dp=world), timeout=train.group_timeout)
+        self.accelerator = acc = accelerator or detect_accelerator()
+        self.device = acc.device
+        acc.set_device()
+        _, self.pgc = block_process_groups(BlockShape(tp=1, pp=1, dp=world), timeout=train.group_timeout,
+                                           backend=acc.torch_backend)
 
         # Same seed on every rank: identical initial weights; each keeps only its shard as master.
         torch.manual_seed(train.seed)
@@ -83,8 +89,8 @@ class ShardedStrategy:
                                     pre_process=True, post_process=True,
                                     vocab_size=padded_vocab or padded_vocab_size(model.vocab_size, tp=1),
                                     recompute=self.share.recompute)
-        self.config = transformer_config(self.stage)
-        self.gpt = build_gpt_stage(self.stage, self.config, self.pgc)
+        self.config = transformer_config(self.stage, cpu_initialization=not acc.is_gpu)
+        self.gpt = build_gpt_stage(self.stage, self.config, self.pgc, device=self.device)
         self.tied = not model.untie_embeddings_and_output_weights
         if init_full_state is not None:
             load_full_state(self.gpt, init_full_state, layer_offset=0, tp_rank=0, tp_size=1, tied=self.tied)
@@ -95,14 +101,15 @@ class ShardedStrategy:
         self.index = FlatIndex(names=tuple(n for n, _ in named), numels=tuple(p.numel() for _, p in named))
         self.layout = ShardLayout.from_fractions(self.index.numel, plan.shard_fractions)
         # Working weights become views of one flat buffer, so a gather is one copy.
-        self.flat = torch.empty(self.index.numel, dtype=torch.float32)
+        self.flat = torch.empty(self.index.numel, dtype=torch.float32, device=self.device)
         for (name, p), off in zip(named, self.index.offsets().values()):
             view = self.flat[off:off + p.numel()]
             view.copy_(p.detach().reshape(-1))
             p.data = view.view_as(p)
         start, stop = self.layout.range(rank)
         self.optimizer = ShardedAdamW(master=self.flat[start:stop].clone(),
-                                      mask=decay_mask(self.index, self.shapes, start, stop), train=train)
+                                      mask=decay_mask(self.index, self.shapes, start, stop, device=self.device),
+                                      train=train)
         self.samples = sample_ranges(plan.samples_per_rank)[rank]
         self.memory = sharded_rank_memory(model, shard_fraction=plan.shard_fractions[rank],
                                           micro_batch_size=self.share.micro_batch_size,
@@ -127,14 +134,14 @@ class ShardedStrategy:
         for p in self.params.values():
             p.grad = None
         scale = 1.0 / (train.global_batch_size * self.model_spec.seq_length)
-        loss_sum = 0.0
+        loss_sum = torch.zeros(1, dtype=torch.float64, device=self.device)  # on the device: no sync per micro-batch
         for m in range(share.num_micro_batches):
             first = self.samples.start + m * share.micro_batch_size
             tokens = self.batch_fn(it, range(first, first + share.micro_batch_size))
-            inputs, labels, position_ids, _ = split_tokens(tokens)
+            inputs, labels, position_ids, _ = split_tokens(tokens, self.device)
             loss = timer.compute(lambda: self.gpt(inputs, position_ids, None, labels=labels).float().sum() * scale)
             timer.compute(lambda: loss.backward())
-            loss_sum += float(loss.detach())
+            loss_sum += loss.detach().double()
         t0 = time.perf_counter()
         grads = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1)
                            for p in self.params.values()])
@@ -151,9 +158,8 @@ class ShardedStrategy:
         t0 = time.perf_counter()
         self.optimizer.step(grad, lr)
         opt = time.perf_counter() - t0
-        report = torch.tensor([loss_sum], dtype=torch.float64)
-        dist.all_reduce(report)
-        return StepResult(lm_loss=float(report), grad_norm=norm, comm_s=comm, optimizer_s=opt)
+        dist.all_reduce(loss_sum)
+        return StepResult(lm_loss=float(loss_sum), grad_norm=norm, comm_s=comm, optimizer_s=opt)
 
     @torch.no_grad()
     def evaluate(self, batch_fn: BatchFn, iteration: int) -> float:
@@ -164,14 +170,13 @@ class ShardedStrategy:
         """
         self.flat.copy_(self.gather(self.optimizer.master))
         scale = 1.0 / (self.train.global_batch_size * self.model_spec.seq_length)
-        loss_sum, mbs = 0.0, self.share.micro_batch_size
+        loss_sum, mbs = torch.zeros(1, dtype=torch.float64, device=self.device), self.share.micro_batch_size
         for m in range(self.share.num_micro_batches):
             first = self.samples.start + m * mbs
-            inputs, labels, position_ids, _ = split_tokens(batch_fn(iteration, range(first, first + mbs)))
-            loss_sum += float(self.gpt(inputs, position_ids, None, labels=labels).float().sum()) * scale
-        report = torch.tensor([loss_sum], dtype=torch.float64)
-        dist.all_reduce(report)
-        return float(report)
+            inputs, labels, position_ids, _ = split_tokens(batch_fn(iteration, range(first, first + mbs)), self.device)
+            loss_sum += self.gpt(inputs, position_ids, None, labels=labels).double().sum() * scale
+        dist.all_reduce(loss_sum)
+        return float(loss_sum)
 
     # ---- checkpoints (sharding/checkpoint.py; the pipeline runtime's format) -------------------
     def save_checkpoint(self, save: str, iteration: int, *, tokenizer_model: str | None = None) -> str:
@@ -218,12 +223,13 @@ def ShardedTrainer(*, model: ModelSpec, plan: ShardedPlan, train: TrainConfig, b
                    padded_vocab: int | None = None, slowdown: float | None = None,
                    clock: Callable[[], float] | None = None, memory_budget_bytes: Sequence[int] | None = None,
                    gather_method: Literal["padded", "broadcast"] = "padded",
-                   reduce_scatter_method: Literal["reduce", "all_reduce"] = "reduce") -> Trainer:
+                   reduce_scatter_method: Literal["reduce", "all_reduce"] = "reduce",
+                   accelerator: Accelerator | None = None) -> Trainer:
     """The trainer over this rank's shard of ``plan`` (call on every rank); ``slowdown`` overrides the
     cluster's emulation factor of the rank's island."""
     strategy = ShardedStrategy(model=model, plan=plan, train=train, batch_fn=batch_fn,
                                init_full_state=init_full_state, padded_vocab=padded_vocab,
                                memory_budget_bytes=memory_budget_bytes, gather_method=gather_method,
-                               reduce_scatter_method=reduce_scatter_method)
+                               reduce_scatter_method=reduce_scatter_method, accelerator=accelerator)
     timer = emulation_timer(cluster, strategy.share.island, slowdown=slowdown, clock=clock)
     return Trainer(strategy=strategy, train=train, timer=timer)

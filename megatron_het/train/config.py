@@ -40,6 +40,21 @@ class TrainConfig:
     # Megatron's --distributed-timeout-minutes: timeout of every process group of the run (a hung peer
     # fails the collective after this long instead of blocking forever); fractions bound tests tighter
     distributed_timeout_minutes: float = 10
+    # Mixed precision as Megatron-LM does it: parameters and activations in bf16 (--bf16) or fp16
+    # (--fp16), fp32 main parameters in the optimizer, gradients accumulated and reduced in fp32
+    bf16: bool = False
+    fp16: bool = False
+    # fp16 loss scaling (Megatron's flags): a constant --loss-scale, or when None a dynamic scale
+    # starting at initial_loss_scale, halved on overflow after `hysteresis` overflows, doubled after
+    # loss_scale_window clean steps, never below min_loss_scale
+    loss_scale: float | None = None
+    initial_loss_scale: float = 2.0 ** 32
+    min_loss_scale: float = 1.0
+    loss_scale_window: int = 1000
+    hysteresis: int = 2
+    # Megatron's --accumulate-allreduce-grads-in-fp32 (forced on with --bf16 there); this runtime
+    # always accumulates and reduces gradients in fp32 main-gradient buffers, so the flag is accepted
+    accumulate_allreduce_grads_in_fp32: bool = False
 
     def __post_init__(self) -> None:
         for name in ("micro_batch_size", "global_batch_size", "train_iters", "log_interval"):
@@ -58,9 +73,25 @@ class TrainConfig:
                              f"(limit 1). Fix: leave it None for megatron-core's default")
         if self.clip_grad < 0:
             raise ValueError(f"clip_grad must be >= 0, got {self.clip_grad}")
+        if self.bf16 and self.fp16:
+            raise ValueError("bf16 and fp16: choose one precision (got both). Fix: pass --bf16 or --fp16")
+        if self.loss_scale is not None and not self.loss_scale > 0:
+            raise ValueError(f"loss_scale must be > 0 or None (dynamic), got {self.loss_scale}. "
+                             "Fix: omit --loss-scale for dynamic loss scaling")
+        if not (self.initial_loss_scale > 0 and 0 < self.min_loss_scale <= self.initial_loss_scale):
+            raise ValueError(f"initial_loss_scale {self.initial_loss_scale} / min_loss_scale {self.min_loss_scale}: "
+                             "need 0 < min <= initial. Fix: e.g. --initial-loss-scale 4294967296 --min-loss-scale 1")
+        if self.loss_scale_window < 1 or self.hysteresis < 1:
+            raise ValueError(f"loss_scale_window {self.loss_scale_window} and hysteresis {self.hysteresis} must be "
+                             ">= 1. Fix: Megatron's defaults are 1000 and 2")
         if not self.distributed_timeout_minutes > 0:
             raise ValueError(f"distributed_timeout_minutes must be > 0, got {self.distributed_timeout_minutes}. "
                              f"Fix: pass minutes, e.g. --distributed-timeout-minutes 10")
+
+    @property
+    def precision(self) -> str:
+        """"bf16", "fp16" or "fp32": the parameters' and activations' precision (Plan.precision's names)."""
+        return "bf16" if self.bf16 else "fp16" if self.fp16 else "fp32"
 
     @property
     def group_timeout(self) -> datetime.timedelta:

@@ -6,12 +6,12 @@ strategy) and hands it here. Log lines come from global rank 0 in Megatron-LM's 
 
 from __future__ import annotations
 
+import math
 import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-import torch
 import torch.distributed as dist
 
 from megatron_het.train.config import LoopConfig
@@ -27,12 +27,26 @@ def print_rank0(msg: str) -> None:
 
 
 def iteration_line(*, iteration: int, train_iters: int, global_batch_size: int, elapsed_s: float, lr: float,
-                   loss: float, grad_norm: float, tokens_per_s: float) -> str:
-    """Megatron-LM's per-iteration log line (``elapsed_s``: mean per iteration over the log window)."""
-    return (f" iteration {iteration:8d}/{train_iters:8d} | consumed samples: {iteration * global_batch_size:10d} "
+                   loss: float, grad_norm: float, tokens_per_s: float, loss_scale: float | None = None,
+                   skipped: int | None = None) -> str:
+    """Megatron-LM's per-iteration log line (``elapsed_s``: mean per iteration over the log window);
+    with fp16 loss scaling also the scale and the skipped iterations of the window, as Megatron."""
+    line = (f" iteration {iteration:8d}/{train_iters:8d} | consumed samples: {iteration * global_batch_size:10d} "
             f"| elapsed time per iteration (ms): {elapsed_s * 1000:.1f} | learning rate: {lr:.3E} "
-            f"| global batch size: {global_batch_size:5d} | lm loss: {loss:.6E} "
-            f"| grad norm: {grad_norm:.3f} | tokens/s: {tokens_per_s:.0f}")
+            f"| global batch size: {global_batch_size:5d} | lm loss: {loss:.6E} ")
+    if loss_scale is not None:
+        line += f"| loss scale: {loss_scale:.1f} "
+    line += f"| grad norm: {grad_norm:.3f} | tokens/s: {tokens_per_s:.0f}"
+    if skipped is not None:
+        line += f" | number of skipped iterations: {skipped:3d}"
+    return line
+
+
+def memory_line(rank: int, iteration: int, memory) -> str:
+    """Megatron-LM's memory report of one rank (``platform.MemoryStats``; CPU: resident set size)."""
+    mib = 1 << 20
+    return (f"[Rank {rank}] (after {iteration} iterations) memory (MB) | allocated: {memory.current / mib:.1f} "
+            f"| max allocated: {memory.max_allocated / mib:.1f} | max reserved: {memory.max_reserved / mib:.1f}")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -53,24 +67,33 @@ def train_loop(trainer: Trainer, *, loop: LoopConfig, seq_length: int, valid_fn:
     train = trainer.train
     validation = []
     window_start = time.perf_counter()
+    skipped = 0  # fp16: steps skipped on overflow in the current log window
+    memory_reported = False
 
     def after_step(entry: IterationLog) -> None:
-        nonlocal window_start
+        nonlocal window_start, skipped, memory_reported
         it = entry.iteration
+        skipped += int(entry.skipped)
         if it % train.log_interval == 0:
             elapsed = (time.perf_counter() - window_start) / train.log_interval
             window_start = time.perf_counter()
             print_rank0(iteration_line(iteration=it, train_iters=train.train_iters,
                                        global_batch_size=train.global_batch_size, elapsed_s=elapsed,
                                        lr=train.lr_at(it - 1), loss=entry.lm_loss, grad_norm=entry.grad_norm,
-                                       tokens_per_s=train.global_batch_size * seq_length / elapsed))
+                                       tokens_per_s=train.global_batch_size * seq_length / elapsed,
+                                       loss_scale=entry.loss_scale,
+                                       skipped=skipped if entry.loss_scale is not None else None))
+            skipped = 0
+            if not memory_reported and entry.memory is not None:  # once per rank, as Megatron
+                print(memory_line(dist.get_rank(), it, entry.memory), flush=True)
+                memory_reported = True
         if loop.eval_interval and loop.eval_iters and valid_fn is not None and it % loop.eval_interval == 0:
             loss = sum(trainer.evaluate(valid_fn, i) for i in range(loop.eval_iters)) / loop.eval_iters
             validation.append((it, loss))
             if on_validation is not None:
                 on_validation(it, loss)
             print_rank0(f" validation loss at iteration {it} | lm loss value: {loss:.6E} | "
-                        f"lm loss PPL: {torch.exp(torch.tensor(loss)).item():.3f}")
+                        f"lm loss PPL: {math.exp(min(loss, 700.0)):.3f}")
         if loop.save and loop.save_interval and it % loop.save_interval == 0 and it < train.train_iters:
             print_rank0(f"saved checkpoint {trainer.save_checkpoint(loop.save, tokenizer_model=tokenizer_model)}")
 

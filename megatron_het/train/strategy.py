@@ -16,6 +16,7 @@ import torch
 
 if TYPE_CHECKING:
     from megatron_het.cluster import ModelSpec
+    from megatron_het.platform import MemoryStats
     from megatron_het.train.timer import EmulationTimer
 
 # global parameter name -> checkpoint.full_state.Shard (this rank's piece of the full tensor)
@@ -35,6 +36,8 @@ class StepResult:
     grad_norm: float  # global gradient norm before clipping
     comm_s: float = 0.0  # collectives over the training state (sharded: gather, reduce-scatter, norm)
     optimizer_s: float = 0.0  # the optimizer step, where a strategy measures it apart
+    skipped: bool = False  # fp16: the step was skipped (gradients overflowed at this loss scale)
+    loss_scale: float | None = None  # fp16: the loss scale the step ran with (None: no scaling)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -50,6 +53,9 @@ class IterationLog:
     comm_s: float = 0.0  # StepResult.comm_s
     optimizer_s: float = 0.0  # StepResult.optimizer_s
     tokens_per_s: float = 0.0  # global batch tokens / elapsed_s
+    skipped: bool = False  # StepResult.skipped
+    loss_scale: float | None = None  # StepResult.loss_scale
+    memory: MemoryStats | None = None  # this rank's memory after the step (GPU: allocator; CPU: RSS)
 
     @property
     def idle_s(self) -> float:

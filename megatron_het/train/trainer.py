@@ -96,7 +96,12 @@ class Trainer:
         tokens = self.train.global_batch_size * self.strategy.model_spec.seq_length
         return IterationLog(iteration=self.iteration, lm_loss=result.lm_loss, grad_norm=result.grad_norm,
                             elapsed_s=elapsed, compute_s=self.timer.compute_s, emulated_s=self.timer.emulated_s,
-                            comm_s=result.comm_s, optimizer_s=result.optimizer_s, tokens_per_s=tokens / elapsed)
+                            comm_s=result.comm_s, optimizer_s=result.optimizer_s, tokens_per_s=tokens / elapsed,
+                            skipped=result.skipped, loss_scale=result.loss_scale, memory=self._memory())
+
+    def _memory(self):
+        acc = getattr(self.strategy, "accelerator", None)
+        return acc.memory() if acc is not None else None
 
     def use_strategy(self, strategy: Strategy, *, iteration: int) -> None:
         """Continue with another strategy (a re-plan) from ``iteration``; a checkpoint load may follow."""

@@ -11,6 +11,7 @@ from collections.abc import Iterable, Iterator
 from typing import TypeVar
 
 from megatron_het.checkpoint.convert.errors import ConvertError
+from megatron_het.platform import HOST_BACKEND
 from megatron_het.utils.progress import ProgressCallback
 
 T = TypeVar("T")
@@ -81,7 +82,7 @@ def single_process_group() -> Iterator[None]:
         return
     with tempfile.TemporaryDirectory(prefix="megatron-het-convert-") as tmp:
         store = dist.FileStore(os.path.join(tmp, "store"), 1)
-        dist.init_process_group("gloo", store=store, rank=0, world_size=1,
+        dist.init_process_group(HOST_BACKEND, store=store, rank=0, world_size=1,  # conversion runs on the host
                                 timeout=datetime.timedelta(minutes=30))
         try:
             yield

@@ -54,7 +54,9 @@ def test_stage_and_reduction_groups_take_the_run_timeout(world):
                             island="a", device_type="CPU")
     pgc, _ = build_stage_groups(plan, timeout=RUN)
     assert {_timeout(pgc.tp), _timeout(pgc.dp), _timeout(pgc.mp)} == {RUN}
-    group = new_reduction_group([0], rank_placement(plan, None), timeout=RUN)
+    from megatron_het.platform import detect_accelerator
+
+    group = new_reduction_group([0], rank_placement(plan, None), accelerator=detect_accelerator(), timeout=RUN)
     assert _timeout(group.group) == RUN
 
 
