@@ -5,8 +5,10 @@ rank 1 the AMD node (ROCm torch), two GPUs each; MEGATRON_HET_MIXED_RDZV=host:po
 (reachable from node 1) and MEGATRON_HET_MIXED_NODE_RANK this node's rank. The plan puts each
 replica's two stages on different vendors (boundaries cross) and the two replicas' copies of every
 layer on different vendors (gradient groups cross): everything across islands goes through the
-bridge, NCCL and RCCL stay inside their node. Node 0 compares the printed losses with its own
-one-GPU reference (1e-4 relative, fp32: cuBLAS and rocBLAS GEMMs round differently).
+bridge, NCCL and RCCL stay inside their node. Both nodes resume from a start checkpoint each makes on
+its CPU with the same command; node 0 compares the printed losses with its own one-GPU reference
+(1e-4 relative, fp32: cuBLAS and rocBLAS GEMMs round differently, and two CPUs may round the start
+checkpoint's one step differently in the last bit).
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import torch
 
 from megatron_het.plan import Plan, ReplicaPlan, StagePlan
 
-from support.gpu_run import assert_close, need_gpus, pretrain, reference_losses, write_cluster
+from support.gpu_run import assert_close, need_gpus, pretrain, reference_losses, start_checkpoint, write_cluster
 
 pytestmark = pytest.mark.gpu
 RDZV = os.environ.get("MEGATRON_HET_MIXED_RDZV")
@@ -35,7 +37,9 @@ def test_nvidia_and_amd_nodes_train_together(tmp_path_factory):
         pytest.skip(f"node rank {NODE_RANK} must be the {'AMD' if NODE_RANK else 'NVIDIA'} node, this one is "
                     f"{'AMD (ROCm)' if rocm else 'NVIDIA (CUDA)'}")
     tmp = tmp_path_factory.mktemp("mixed")
-    ref = reference_losses(tmp_path_factory.mktemp("reference"), "fp32") if NODE_RANK == 0 else None
+    shared = tmp_path_factory.mktemp("reference")
+    start = start_checkpoint(shared, "fp32")  # each node makes it on its CPU: the same state on both
+    ref = reference_losses(shared, "fp32") if NODE_RANK == 0 else None
 
     def s(ranks, layers):
         nv = ranks[0] < 2  # torchrun gives node 0 global ranks 0-1, node 1 ranks 2-3
@@ -46,7 +50,7 @@ def test_nvidia_and_amd_nodes_train_together(tmp_path_factory):
                    ReplicaPlan(stages=(s([3], (0, 2)), s([1], (2, 4))), num_micro_batches=1)),
          micro_batch_size=2, global_batch_size=8, precision="fp32").save(tmp / "plan.json")
     cluster = write_cluster(tmp / "cluster.json", [("nv", "A100-80GB", 2), ("amd", "MI250X", 2)])
-    run = pretrain(2, cluster, tmp / "plan.json", nnodes=2, node_rank=NODE_RANK, rdzv=RDZV)
+    run = pretrain(2, cluster, tmp / "plan.json", nnodes=2, node_rank=NODE_RANK, rdzv=RDZV, load=start)
     if NODE_RANK == 0:
         assert "groups across them use the het bridge" in run.output, run.output[-3000:]
         assert_close("NVIDIA + AMD nodes", run.losses, ref, 1e-4)

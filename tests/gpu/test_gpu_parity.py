@@ -2,8 +2,9 @@
 
 Each plan runs through ``torchrun pretrain_gpt.py`` on one island of this node's GPUs (NCCL, or RCCL
 through torch's ``nccl`` backend on ROCm): 1, 2, 4 and 8 GPUs as available, the 8-GPU plans being
-tests/multiproc/test_runtime_parity.py's. Every printed loss of 5 iterations must match the
-single-GPU reference (one stage, same global batch):
+tests/multiproc/test_runtime_parity.py's. Every run resumes from one checkpoint (made on the CPU
+after one iteration: a plan's own initial weights depend on its stage split) and trains 5 more
+iterations; each printed loss must match the single-GPU reference (one stage, same global batch):
 - fp32: 1e-5 relative, as on CPU (the same arithmetic up to reduction order; the log prints 7 digits);
 - bf16 (``--bf16``: bf16 weights and activations, fp32 main parameters and gradient reduction):
   2e-2 relative. bf16 keeps 8 significant bits (2^-8 = 3.9e-3 per rounding); a TP or PP split
@@ -16,19 +17,19 @@ kernels, and TF32 where a library turns it on, round differently).
 
 from __future__ import annotations
 
-import os
-
 import pytest
 
 from megatron_het.plan import Plan, ReplicaPlan, StagePlan
 
 from support.gpu_run import (
     assert_close,
+    cpu_only,
     native_device,
     need_gpus,
     precision_flags,
     pretrain,
     reference_losses,
+    start_checkpoint,
     write_cluster,
 )
 
@@ -63,10 +64,12 @@ def test_plan_matches_one_gpu(tmp_path_factory, name, precision):
     gpus, replicas = PLANS[name]
     need_gpus(gpus)
     tmp = tmp_path_factory.mktemp(f"{name}-{precision}")
-    ref = reference_losses(tmp_path_factory.mktemp("reference"), precision)
+    shared = tmp_path_factory.mktemp("reference")
+    ref = reference_losses(shared, precision)
     _plan(precision, *replicas).save(tmp / "plan.json")
     cluster = write_cluster(tmp / "cluster.json", [("gpu", native_device(), gpus)])
-    run = pretrain(gpus, cluster, tmp / "plan.json", *precision_flags(precision))
+    run = pretrain(gpus, cluster, tmp / "plan.json", *precision_flags(precision),
+                   load=start_checkpoint(shared, precision))
     assert "communication: one collective library" in run.output, run.output[-3000:]
     assert_close(f"{name} {precision} on {gpus} GPUs", run.losses, ref, TOLERANCE[precision])
 
@@ -75,19 +78,10 @@ def test_one_gpu_matches_cpu(tmp_path):
     need_gpus(1)
     ref = reference_losses(tmp_path, "fp32")
     # The same command with no GPU visible: the accelerator falls back to the CPU and gloo.
-    hide = ("CUDA_VISIBLE_DEVICES", "HIP_VISIBLE_DEVICES")
-    saved = {k: os.environ.get(k) for k in hide}
-    os.environ.update({k: "" for k in hide})
-    try:
+    with cpu_only():
         _plan("fp32", ([([0], (0, 4))], 4), dev="CPU").save(tmp_path / "plan.json")
         cluster = write_cluster(tmp_path / "cpu-cluster.json", [("gpu", "CPU", 1)])
-        cpu = pretrain(1, cluster, tmp_path / "plan.json")
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+        cpu = pretrain(1, cluster, tmp_path / "plan.json", load=start_checkpoint(tmp_path, "fp32"))
     assert "accelerator: cpu" in cpu.output, cpu.output[-3000:]
     assert_close("1 GPU vs CPU (fp32)", ref, cpu.losses, 1e-3)
 

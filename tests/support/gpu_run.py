@@ -4,6 +4,7 @@ launcher that runs pretrain_gpt.py under torchrun exactly as a user would, retur
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -54,8 +55,15 @@ def write_cluster(path: Path, islands: list[tuple[str, str, int]]) -> Path:
 
 
 def pretrain(nproc: int, cluster: Path, plan_path: Path, *extra: str, iters: int = 5, micro: int = 2,
-             global_batch: int = 8, nnodes: int = 1, node_rank: int = 0, rdzv: str | None = None) -> Run:
-    """torchrun pretrain_gpt.py on ``nproc`` local GPUs (per node); fails with the run's output tail."""
+             global_batch: int = 8, nnodes: int = 1, node_rank: int = 0, rdzv: str | None = None,
+             load: Path | None = None) -> Run:
+    """torchrun pretrain_gpt.py on ``nproc`` local GPUs (per node); fails with the run's output tail.
+
+    With ``load`` (a checkpoint of iteration 1), the run resumes from it and trains ``iters`` more.
+    """
+    if load is not None:
+        extra = (*extra, "--load", str(load))
+    total = iters + (1 if load is not None else 0)
     launcher = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}"]
     if nnodes == 1:
         launcher.append("--standalone")
@@ -63,7 +71,7 @@ def pretrain(nproc: int, cluster: Path, plan_path: Path, *extra: str, iters: int
         launcher += [f"--nnodes={nnodes}", f"--node-rank={node_rank}", f"--master-addr={rdzv.split(':')[0]}",
                      f"--master-port={rdzv.split(':')[1]}"]
     argv = ["--hetero-cluster", str(cluster), "--hetero-model", str(MODEL_FILE), "--hetero-plan", str(plan_path),
-            "--micro-batch-size", str(micro), "--global-batch-size", str(global_batch), "--train-iters", str(iters),
+            "--micro-batch-size", str(micro), "--global-batch-size", str(global_batch), "--train-iters", str(total),
             "--log-interval", "1", "--lr", "1e-3", "--mock-data", "--no-emulation", *extra]
     proc = subprocess.run([*launcher, str(PRETRAIN), *argv], cwd=REPO, capture_output=True, text=True,
                           timeout=TIMEOUT_S)
@@ -89,23 +97,62 @@ def native_device() -> str:
     return "MI250X" if torch.version.hip else "A100-80GB"
 
 
+@contextlib.contextmanager
+def cpu_only():
+    """Hide every GPU from the processes started inside (the accelerator then picks the CPU and gloo)."""
+    hide = ("CUDA_VISIBLE_DEVICES", "HIP_VISIBLE_DEVICES")
+    saved = {k: os.environ.get(k) for k in hide}
+    os.environ.update({k: "" for k in hide})
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def one_stage_plan(path: Path, precision: str, device: str) -> Path:
+    """One rank, one stage with every layer, 4 micro-batches of 2."""
+    from megatron_het.plan import Plan, ReplicaPlan, StagePlan
+
+    Plan(replicas=(ReplicaPlan(stages=(StagePlan(island="gpu", device_type=device, ranks=(0,), layers=(0, 4)),),
+                               num_micro_batches=4),),
+         micro_batch_size=2, global_batch_size=8, precision=precision).save(path)
+    return path
+
+
+_CHECKPOINTS: dict[str, Path] = {}
 _REFERENCES: dict[str, list[float]] = {}
 
 
-def reference_losses(tmp: Path, precision: str) -> list[float]:
-    """Losses of the single-process reference: one GPU, one stage with every layer, 4 micro-batches of 2
-    (computed once per precision per pytest process)."""
-    if precision not in _REFERENCES:
-        from megatron_het.plan import Plan, ReplicaPlan, StagePlan
+def start_checkpoint(tmp: Path, precision: str) -> Path:
+    """The state every compared run starts from: one CPU process, one iteration, saved.
 
+    A plan's initial weights depend on its stage split and TP sizes (each owner stage is seeded on its
+    own), so runs of different plans are compared from one loaded checkpoint (plan-independent) instead.
+    Made on the CPU, so two nodes of different vendors make the same one from the same command.
+    """
+    if precision not in _CHECKPOINTS:
+        plan = one_stage_plan(tmp / f"start-{precision}.json", precision, "CPU")
+        cluster = write_cluster(tmp / "start-cluster.json", [("gpu", "CPU", 1)])
+        with cpu_only():
+            pretrain(1, cluster, plan, *precision_flags(precision), "--save", str(tmp / f"start-{precision}"),
+                     iters=1)
+        _CHECKPOINTS[precision] = tmp / f"start-{precision}"
+    return _CHECKPOINTS[precision]
+
+
+def reference_losses(tmp: Path, precision: str) -> list[float]:
+    """Losses of the single-process reference from the start checkpoint: one GPU, one stage with every
+    layer (computed once per precision per pytest process)."""
+    if precision not in _REFERENCES:
         need_gpus(1)
-        plan = Plan(replicas=(ReplicaPlan(stages=(StagePlan(island="gpu", device_type=native_device(), ranks=(0,),
-                                                            layers=(0, 4)),), num_micro_batches=4),),
-                    micro_batch_size=2, global_batch_size=8, precision=precision)
-        plan.save(tmp / f"reference-{precision}.json")
+        plan = one_stage_plan(tmp / f"reference-{precision}.json", precision, native_device())
         cluster = write_cluster(tmp / "reference-cluster.json", [("gpu", native_device(), 1)])
-        _REFERENCES[precision] = pretrain(1, cluster, tmp / f"reference-{precision}.json",
-                                          *precision_flags(precision)).losses
+        _REFERENCES[precision] = pretrain(1, cluster, plan, *precision_flags(precision),
+                                          load=start_checkpoint(tmp, precision)).losses
     return _REFERENCES[precision]
 
 
