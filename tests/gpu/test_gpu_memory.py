@@ -28,7 +28,9 @@ from support.gpu_run import MODEL_FILE, native_device, need_gpus, write_cluster
 from workers.gpu_workers import pretrain_memory_worker
 
 pytestmark = pytest.mark.gpu
-SHAPE = dict(num_layers=4, hidden_size=1024, num_attention_heads=16, seq_length=1024, max_position_embeddings=1024)
+# every field the tiny model file sets or derives is overridden, so the run and the prediction agree
+SHAPE = dict(num_layers=4, hidden_size=1024, num_attention_heads=16, num_query_groups=16, ffn_hidden_size=4096,
+             seq_length=1024, max_position_embeddings=1024)
 VOCAB, MICRO, ITERS = 32000, 2, 3
 
 
