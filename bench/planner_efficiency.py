@@ -183,11 +183,23 @@ def pair_cases(models: list[ModelSpec]) -> list[dict]:
 
 
 def perf_commit() -> str:
-    out = subprocess.run(["git", "log", "-1", "--format=%h", "--", "megatron_het/perf"], cwd=ROOT,
-                         capture_output=True, text=True)
-    dirty = subprocess.run(["git", "status", "--short", "--", "megatron_het/perf"], cwd=ROOT,
-                           capture_output=True, text=True).stdout.strip()
-    return out.stdout.strip() + (" (+ uncommitted changes)" if dirty else "")
+    """Which commit of megatron_het/perf this run imported: the most recent of the last ten perf
+    commits whose files match the imported package, else the last one + "uncommitted changes"
+    (another engineer may be editing perf/ in the working tree)."""
+    import megatron_het.perf as perf_pkg
+
+    def git(*args: str) -> str:
+        return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True).stdout
+
+    here = Path(perf_pkg.__file__).parent
+    mine = {f.name: f.read_text() for f in here.glob("*.py")}
+    commits = git("log", "-10", "--format=%h", "--", "megatron_het/perf").split()
+    for commit in commits:
+        files = git("ls-tree", "--name-only", commit, "megatron_het/perf/").split()
+        theirs = {Path(p).name: git("show", f"{commit}:{p}") for p in files if p.endswith(".py")}
+        if theirs == mine:
+            return f"{commit} (as committed)"
+    return f"{commits[0] if commits else '?'} + uncommitted changes"
 
 
 def main(argv: list[str] | None = None) -> int:

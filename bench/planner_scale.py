@@ -16,6 +16,7 @@ import datetime
 import json
 import os
 import platform
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -28,6 +29,26 @@ from megatron_het.utils.atomic import write_text_atomic  # noqa: E402
 
 TYPES = ("A100-80GB", "H100-SXM", "MI250X")
 SIZES = (64, 1024, 4096, 16384)
+
+
+def perf_commit() -> str:
+    """Which commit of megatron_het/perf this run imported: the most recent of the last ten perf
+    commits whose files match the imported package, else the last one + "uncommitted changes"
+    (another engineer may be editing perf/ in the working tree)."""
+    import megatron_het.perf as perf_pkg
+
+    def git(*args: str) -> str:
+        return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True).stdout
+
+    here = Path(perf_pkg.__file__).parent
+    mine = {f.name: f.read_text() for f in here.glob("*.py")}
+    commits = git("log", "-10", "--format=%h", "--", "megatron_het/perf").split()
+    for commit in commits:
+        files = git("ls-tree", "--name-only", commit, "megatron_het/perf/").split()
+        theirs = {Path(p).name: git("show", f"{commit}:{p}") for p in files if p.endswith(".py")}
+        if theirs == mine:
+            return f"{commit} (as committed)"
+    return f"{commits[0] if commits else '?'} + uncommitted changes"
 
 
 def machine() -> dict:
@@ -73,7 +94,7 @@ def main() -> int:
                                "issue19_1024": issue["planning_time_s"] <= 10.0,
                                "16384": at[16384]["planning_time_s"] <= 60.0}},
            "command": "python bench/planner_scale.py",
-           "machine": {**machine(), "load_average": os.getloadavg()},
+           "machine": {**machine(), "load_average": os.getloadavg()}, "perf_commit": perf_commit(),
            "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")}
     write_text_atomic(ROOT / "bench/results/planner_scale.json", json.dumps(out, indent=2) + "\n")
     return 0

@@ -66,6 +66,11 @@ def _ranks(cluster: ClusterSpec, islands: Sequence[str] | None, capacity_bytes: 
     unknown = [n for n in names if n not in cluster.island_names]
     if unknown:
         raise InfeasibleError(f"islands: unknown island(s) {unknown}. Fix: use names from {list(cluster.island_names)}")
+    count = sum(isl.num_gpus for isl in cluster.islands if isl.name in names)
+    if count > MAX_SHARDED_RANKS:  # refuse before listing a million ranks (that alone takes seconds)
+        raise InfeasibleError(f"ranks: {count:,} GPUs exceed the sharded planner's bound of {MAX_SHARDED_RANKS:,} "
+                              "(a sharded plan lists, shards and prices every rank; beyond it planning takes minutes). "
+                              "Fix: use the pipeline planner (plan.py --mode pipeline) or plan for a subset of islands")
     out = [_Rank(island=isl.name, device_type=isl.device.name, capacity=int(isl.device.memory_gib * 2**30))
            for isl in cluster.islands if isl.name in names for _ in range(isl.num_gpus)]
     if capacity_bytes is not None:
@@ -240,11 +245,7 @@ def plan_sharded(model: ModelSpec, cluster: ClusterSpec, *, global_batch_size: i
         raise InfeasibleError(f"micro_batch_sizes/recompute_options: need at least one positive size and one "
                               f"option (got {tuple(micro_batch_sizes)}, {tuple(recompute_options)}). "
                               "Fix: pass e.g. (1, 2, 4) and (False, True)")
-    ranks = _ranks(cluster, islands, capacity_bytes)
-    if len(ranks) > MAX_SHARDED_RANKS:
-        raise InfeasibleError(f"ranks: {len(ranks):,} GPUs exceed the sharded planner's bound of {MAX_SHARDED_RANKS:,} "
-                              "(a sharded plan lists, shards and prices every rank; beyond it planning takes minutes). "
-                              "Fix: use the pipeline planner (plan.py --mode pipeline) or plan for a subset of islands")
+    ranks = _ranks(cluster, islands, capacity_bytes)  # refuses more than MAX_SHARDED_RANKS
     best: tuple[float, ShardedPlan, ShardedPrediction] | None = None
     reasons: list[str] = []
     policies = ("balanced", "memory", "equal") if shard_policy == "auto" else (shard_policy,)
