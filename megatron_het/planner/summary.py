@@ -4,10 +4,13 @@ island and share; short by default (a screenful for any cluster size), everythin
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING
 
 from megatron_het.perf.predict import Prediction
 from megatron_het.plan.types import Plan
-from megatron_het.sharding.plan import ShardedPlan
+
+if TYPE_CHECKING:  # annotations only: listing a sharded plan needs no import of the sharding package
+    from megatron_het.sharding.plan import ShardedPlan
 
 __all__ = ["candidates_table", "rank_ranges", "summarize_plan", "summarize_sharded"]
 
