@@ -82,8 +82,10 @@ fi
 
 # --- HIP (optional) -----------------------------------------------------------------------------
 HIPCC=${HIPCC:-$(command -v hipcc || true)}
+why="not installed, and MEGATRON_HET_NO_HIP_INSTALL=1, not root, or no apt-get"
 if [ -z "$HIPCC" ] && [ "${MEGATRON_HET_NO_HIP_INSTALL:-0}" != 1 ] && [ "$(id -u)" = 0 ] \
    && command -v apt-get >/dev/null; then
+  why="apt could not install it: see $OUT/apt.log"
   say "installing Debian's hipcc + libamdhip64-dev (once; ~80 MB)"
   export DEBIAN_FRONTEND=noninteractive
   apt_install() { apt-get install -y -qq --no-install-recommends hipcc libamdhip64-dev >"$OUT/apt.log" 2>&1; }
@@ -91,7 +93,7 @@ if [ -z "$HIPCC" ] && [ "${MEGATRON_HET_NO_HIP_INSTALL:-0}" != 1 ] && [ "$(id -u
   HIPCC=$(command -v hipcc || true)
 fi
 if [ -z "$HIPCC" ]; then
-  say "skipped: no hipcc (apt could not install it here; see $OUT/apt.log if present)"
+  say "skipped: no hipcc ($why)"
 else
   # hipify-perl's mapping for the names chunk_gemm.cu uses (runtime API only, by design).
   sed -e 's|#include <cuda_runtime.h>|#include <hip/hip_runtime.h>|' -e 's/\bcuda\([A-Z][A-Za-z]*\)/hip\1/g' \
