@@ -93,6 +93,7 @@ class Estimator:
         self.distributed_optimizer = distributed_optimizer
         self.overlap_grad_reduce = overlap_grad_reduce  # price stage 0's reduction as megatron's bucketed overlap
         self.precision = "bf16"  # what build_plan's plans train in (Plan.precision's default)
+        self._state_bytes = state_bytes(self.precision)[:2]  # (weight, gradient) bytes per parameter
         self._costs: dict[tuple[int, int, int, bool], StageCost] = {}
         self._mem: dict[tuple[object, ...], tuple[int, int, int, int]] = {}
         self._hops: dict[tuple[object, ...], float] = {}
@@ -176,8 +177,7 @@ class Estimator:
         with the distributed optimizer a reduce-scatter of the gradients (half an all-reduce) plus
         the updated weights' all-gather (the other half, hidden with overlap_grad_reduce); without it
         an all-reduce of the gradients."""
-        _, grad_bytes, _ = state_bytes(self.precision)
-        param_bytes = state_bytes(self.precision)[0]
+        param_bytes, grad_bytes = self._state_bytes
         if self.distributed_optimizer and replicas > 1:
             rs = 0.5 * self.reduction(counts, grad_bytes * params, ranks_per_node)
             return rs if self.overlap_grad_reduce else rs + 0.5 * self.reduction(counts, param_bytes * params,
