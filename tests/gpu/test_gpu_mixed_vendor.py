@@ -24,6 +24,19 @@ from support.gpu_run import assert_close, need_gpus, pretrain, reference_losses,
 
 pytestmark = pytest.mark.gpu
 RDZV = os.environ.get("MEGATRON_HET_MIXED_RDZV")
+ISLANDS = [("nv", "A100-80GB", 2), ("amd", "MI250X", 2)]
+
+
+def mixed_plan() -> Plan:
+    """Each replica's boundary crosses the vendors, and so does each layer's gradient group."""
+    def s(ranks, layers):
+        nv = ranks[0] < 2  # torchrun gives node 0 global ranks 0-1, node 1 ranks 2-3
+        return StagePlan(island="nv" if nv else "amd", device_type="A100-80GB" if nv else "MI250X",
+                         ranks=tuple(ranks), layers=layers)
+
+    return Plan(replicas=(ReplicaPlan(stages=(s([0], (0, 2)), s([2], (2, 4))), num_micro_batches=3),
+                          ReplicaPlan(stages=(s([3], (0, 2)), s([1], (2, 4))), num_micro_batches=1)),
+                micro_batch_size=2, global_batch_size=8, precision="fp32")
 NODE_RANK = int(os.environ.get("MEGATRON_HET_MIXED_NODE_RANK", "0"))
 
 
@@ -40,16 +53,8 @@ def test_nvidia_and_amd_nodes_train_together(tmp_path_factory):
     shared = tmp_path_factory.mktemp("reference")
     start = start_checkpoint(shared, "fp32")  # each node makes it on its CPU: the same state on both
     ref = reference_losses(shared, "fp32") if NODE_RANK == 0 else None
-
-    def s(ranks, layers):
-        nv = ranks[0] < 2  # torchrun gives node 0 global ranks 0-1, node 1 ranks 2-3
-        return StagePlan(island="nv" if nv else "amd", device_type="A100-80GB" if nv else "MI250X",
-                         ranks=tuple(ranks), layers=layers)
-
-    Plan(replicas=(ReplicaPlan(stages=(s([0], (0, 2)), s([2], (2, 4))), num_micro_batches=3),
-                   ReplicaPlan(stages=(s([3], (0, 2)), s([1], (2, 4))), num_micro_batches=1)),
-         micro_batch_size=2, global_batch_size=8, precision="fp32").save(tmp / "plan.json")
-    cluster = write_cluster(tmp / "cluster.json", [("nv", "A100-80GB", 2), ("amd", "MI250X", 2)])
+    mixed_plan().save(tmp / "plan.json")
+    cluster = write_cluster(tmp / "cluster.json", ISLANDS)
     run = pretrain(2, cluster, tmp / "plan.json", nnodes=2, node_rank=NODE_RANK, rdzv=RDZV, load=start)
     if NODE_RANK == 0:
         assert "groups across them use the het bridge" in run.output, run.output[-3000:]
