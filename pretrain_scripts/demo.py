@@ -5,6 +5,8 @@
    the latter emulated 2x slower) and the tiny model;
 3. train: torchrun starts 4 gloo processes running pretrain_gpt.py with that plan; loss goes down,
    a validation loss is reported, and a checkpoint is written to runs/demo/checkpoints.
+
+Extra arguments go to pretrain_gpt.py unchanged: ``python pretrain_scripts/demo.py --bf16``.
 """
 
 from __future__ import annotations
@@ -51,7 +53,7 @@ def main() -> int:
            "--micro-batch-size", "2", "--global-batch-size", "16", "--train-iters", "40",
            "--lr", "3e-3", "--lr-decay-style", "cosine", "--min-lr", "3e-4", "--lr-warmup-iters", "4",
            "--log-interval", "5", "--eval-interval", "20", "--eval-iters", "2",
-           "--save", os.path.join(RUN, "checkpoints")]
+           "--save", os.path.join(RUN, "checkpoints"), *sys.argv[1:]]  # extra flags pass through (e.g. --bf16)
     print("demo: " + " ".join(os.path.relpath(c, ROOT) if c.startswith(ROOT) else c for c in cmd[1:]), flush=True)
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
     return subprocess.call(cmd, env=env, cwd=ROOT)

@@ -31,8 +31,8 @@ from collections.abc import Mapping
 import torch
 
 import megatron_het.platform  # noqa: F401  (triton import guard before any megatron import)
-from megatron_het.platform import HOST_DEVICE
 from megatron_het.checkpoint.errors import CheckpointError
+from megatron_het.platform import HOST_DEVICE
 from megatron_het.utils.json_file import FileProblem, read_json_file
 
 METADATA = ".metadata"  # torch DCP's global metadata file (pickled)

@@ -134,6 +134,12 @@ def run(args: PretrainArgs, acc, *, plan: AnyPlan | None = None,
         print_rank0(enable_cpu_backend().describe())
     print_rank0(f"accelerator: {acc.kind} ({acc.device_name}, tensors on {acc.device}, island backend "
                 f"{acc.torch_backend}); {detect_optional_accelerators(acc).describe()}")
+    train = args.train
+    if train.precision != "fp32":
+        scaling = ("" if not train.fp16 else f"; loss scale {train.loss_scale}" if train.loss_scale is not None
+                   else f"; dynamic loss scale from {train.initial_loss_scale:g}")
+        print_rank0(f"precision: {train.precision} parameters and activations (megatron-core Float16Module), fp32 "
+                    f"main parameters and fp32 gradient accumulation/reduction{scaling}")
     if plan is None:
         plan = resolve_plan(args)
     else:

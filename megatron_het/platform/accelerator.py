@@ -45,6 +45,9 @@ class HostEvent:
     def record(self) -> None:
         self.t = time.perf_counter()
 
+    def synchronize(self) -> None:
+        """Host events are complete when recorded."""
+
     def elapsed_time(self, end: HostEvent) -> float:
         """Milliseconds from this event to ``end`` (as torch.cuda.Event.elapsed_time)."""
         return (end.t - self.t) * 1000.0
@@ -88,6 +91,12 @@ class Accelerator:
         """``init_process_group``'s backend: host objects on gloo, device tensors on the island's backend."""
         return HOST_BACKEND if not self.is_gpu else f"{HOST_DEVICE.type}:{HOST_BACKEND},{self.device.type}:{GPU_BACKEND}"
 
+    @property
+    def p2p_tags(self) -> bool:
+        """Whether point-to-point tags select messages (gloo: yes; NCCL/RCCL ignore them and match
+        sends and receives between a pair by issue order)."""
+        return self.torch_backend != GPU_BACKEND
+
     def backend_for(self, library: str) -> str:
         """torch backend of a group among ranks that share ``library`` (a catalog collective library):
         this process's native backend (NCCL on NVIDIA, RCCL through torch's ``nccl`` on ROCm, gloo on
@@ -121,6 +130,7 @@ class Accelerator:
                                max_reserved=int(torch.cuda.max_memory_reserved(self.device)),
                                current=int(torch.cuda.memory_allocated(self.device)))
         peak, current = _rss_bytes()
+        peak = max(peak, current)  # the OS peak may lag a current sample
         return MemoryStats(max_allocated=peak, max_reserved=peak, current=current)
 
 

@@ -22,7 +22,7 @@ point-to-point with tags per micro-batch instead, which needs no extra groups an
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -88,6 +88,9 @@ class Neighbour:
     ranks: tuple[int, ...]
     island: str | None = None  # island of that stage, named when a transfer with it fails
     stage: int | None = None  # its stage index in the replica, named when a transfer with it fails
+    # the het bridge group (comm.HetGroup) of the two stages when their collective libraries differ
+    # (NVIDIA beside AMD: no one communicator spans both); None: torch p2p on the default group
+    bridge: object | None = field(default=None, compare=False)
 
     def describe(self, rank: int) -> str:
         """``rank N (island X, stage S)`` for error messages (what is known of the peer)."""
@@ -141,32 +144,47 @@ class BoundaryLink:
     def recv_backward(self, shape, dtype, micro_batch: int) -> torch.Tensor:
         return self._recv(shape, dtype, self.next, tag(micro_batch, BACKWARD))
 
+    @staticmethod
+    def _isend(tensor: torch.Tensor, peer: Neighbour, dst: int, t: int):
+        if peer.bridge is not None:  # across collective libraries: the bridge stages through the host
+            return peer.bridge.isend(tensor, dst, tag=t)
+        return dist.isend(tensor, dst, tag=t)
+
+    @staticmethod
+    def _irecv(buf: torch.Tensor, peer: Neighbour, src: int, t: int):
+        if peer.bridge is not None:
+            return peer.bridge.irecv(buf, src, tag=t)
+        return dist.irecv(buf, src, tag=t)
+
     def _send(self, tensor: torch.Tensor, peer: Neighbour, t: int) -> None:
         if not self.sequence_parallel:
             for j in receivers_of(self.tp_rank, self.tp, peer.tp):
-                self._pending.append((dist.isend(tensor.contiguous(), peer.ranks[j], tag=t), peer, peer.ranks[j], t))
+                self._pending.append((self._isend(tensor.contiguous(), peer, peer.ranks[j], t), peer, peer.ranks[j], t))
             return
         seq = tensor.shape[0] * self.tp
         start = shard_rows(seq, self.tp, self.tp_rank)[0]
         for tr in sequence_transfers(seq, self.tp, peer.tp):
             if tr.sender == self.tp_rank:
                 piece = tensor[tr.rows[0] - start:tr.rows[1] - start].contiguous()
-                self._pending.append((dist.isend(piece, peer.ranks[tr.receiver], tag=t), peer, peer.ranks[tr.receiver],
-                                      t))
+                self._pending.append((self._isend(piece, peer, peer.ranks[tr.receiver], t), peer,
+                                      peer.ranks[tr.receiver], t))
 
     def _recv(self, shape, dtype, peer: Neighbour, t: int) -> torch.Tensor:
         if not self.sequence_parallel:
             buf = torch.empty(shape, dtype=dtype, device=self.device)
             src = peer.ranks[sender_for(self.tp_rank, peer.tp)]
             try:
-                dist.recv(buf, src, tag=t)
+                if peer.bridge is not None:  # across collective libraries: through the bridge
+                    peer.bridge.recv(buf, src, tag=t)
+                else:
+                    dist.recv(buf, src, tag=t)
             except RuntimeError as err:  # gloo names no peer: say which rank, island and stage
                 raise _failed("receive", peer, src, t // 2, err) from err
             return buf
         seq = shape[0]
         start, stop = shard_rows(seq, self.tp, self.tp_rank)
         buf = torch.empty((stop - start, *shape[1:]), dtype=dtype, device=self.device)
-        works = [(dist.irecv(buf[tr.rows[0] - start:tr.rows[1] - start], peer.ranks[tr.sender], tag=t),
+        works = [(self._irecv(buf[tr.rows[0] - start:tr.rows[1] - start], peer, peer.ranks[tr.sender], t),
                   peer.ranks[tr.sender])
                  for tr in sequence_transfers(seq, peer.tp, self.tp) if tr.receiver == self.tp_rank]
         for w, src in works:  # dim-0 slices of a contiguous buffer are contiguous: received in place
@@ -188,3 +206,27 @@ class BoundaryLink:
     def abandon(self) -> None:
         """Forget every posted send without waiting (a failed iteration's group is being torn down)."""
         self._pending.clear()
+
+
+def order_mismatches(actions_per_stage) -> list[str]:
+    """Where neighbour stages would post boundary transfers in different micro-batch orders (pure).
+
+    On backends without p2p tags (NCCL, RCCL) the n-th send between two ranks meets the n-th receive,
+    so stage s must send forward activations in the order stage s+1 receives them, and stage s+1
+    must send input gradients in the order stage s receives them. ``actions_per_stage``: one
+    replica's action lists (``schedule.Action``), stage order. Empty: matching by order is correct.
+    """
+    out = []
+
+    def order(actions, kinds):
+        return [a.micro_batch for a in actions if a.kind in kinds]
+
+    for s in range(len(actions_per_stage) - 1):
+        up, down = actions_per_stage[s], actions_per_stage[s + 1]
+        if order(up, ("F",)) != order(down, ("F",)):
+            out.append(f"stage {s} sends activations in order {order(up, ('F',))}, stage {s + 1} receives "
+                       f"{order(down, ('F',))}")
+        if order(down, ("B", "BW")) != order(up, ("B", "BW")):
+            out.append(f"stage {s + 1} sends gradients in order {order(down, ('B', 'BW'))}, stage {s} receives "
+                       f"{order(up, ('B', 'BW'))}")
+    return out

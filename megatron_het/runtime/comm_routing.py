@@ -79,13 +79,7 @@ def new_reduction_group(ranks: Sequence[int], placement: RankPlacement, *, accel
     torch's 30-minute default)."""
     ranks = sorted(ranks)
     if placement.spans_libraries(ranks):
-        from megatron_het.comm import IslandMembership, new_hierarchical_group
-
-        libraries = {placement.island[r]: placement.library[r] for r in ranks}
-        membership = IslandMembership(rank_to_island={r: placement.island[r] for r in ranks},
-                                      island_backend=accelerator.island_backends(libraries))
-        het = new_hierarchical_group(ranks, membership, host_backend=accelerator.host_backend,
-                                     **({} if timeout is None else {"timeout_s": timeout.total_seconds()}))
+        het = new_bridge_group(ranks, placement, accelerator=accelerator, timeout=timeout)
         return BridgedGroup(het) if het is not None else None
     backend = accelerator.backend_for(placement.library[ranks[0]])
     group = dist.new_group(ranks, **group_options(timeout, backend))
@@ -95,3 +89,36 @@ def new_reduction_group(ranks: Sequence[int], placement: RankPlacement, *, accel
 def rank_placement_of(ranks: Sequence[int]) -> RankPlacement:
     """Ranks of one collective library (no cluster file): every group is native."""
     return RankPlacement(island={r: "" for r in ranks}, library={r: HOST_LIBRARY for r in ranks})
+
+
+def new_bridge_group(ranks: Sequence[int], placement: RankPlacement, *, accelerator: Accelerator,
+                     timeout: datetime.timedelta | None = None):
+    """``megatron_het.comm``'s hierarchical (het bridge) group over ``ranks``: each island's native
+    backend inside, host-staged between islands. Collective over the world; None on non-members."""
+    from megatron_het.comm import IslandMembership, new_hierarchical_group
+
+    ranks = sorted(ranks)
+    libraries = {placement.island[r]: placement.library[r] for r in ranks}
+    membership = IslandMembership(rank_to_island={r: placement.island[r] for r in ranks},
+                                  island_backend=accelerator.island_backends(libraries))
+    return new_hierarchical_group(ranks, membership, host_backend=accelerator.host_backend,
+                                  **({} if timeout is None else {"timeout_s": timeout.total_seconds()}))
+
+
+def path_counts(groups: Sequence[Sequence[int]], placement: RankPlacement) -> dict[str, int]:
+    """How many of ``groups`` (rank lists) are native and how many go through the bridge (pure)."""
+    bridged = sum(1 for ranks in groups if placement.spans_libraries(ranks))
+    return {"native": len(groups) - bridged, "het-bridge": bridged}
+
+
+def all_reduce_world(tensor: torch.Tensor, op=dist.ReduceOp.SUM) -> torch.Tensor:
+    """All-reduce a small tensor (a loss, a squared norm, an overflow flag) over the whole world,
+    through the host: the world spans every island, and on a GPU cluster of several vendors no
+    device communicator does; the world's host backend does. In place; returns ``tensor``."""
+    from megatron_het.platform import HOST_DEVICE
+
+    host = tensor.to(HOST_DEVICE)
+    dist.all_reduce(host, op=op)
+    if host is not tensor:
+        tensor.copy_(host)
+    return tensor

@@ -24,7 +24,6 @@ import math
 from collections.abc import Callable, Mapping, Sequence
 
 import torch
-import torch.distributed as dist
 
 from megatron_het.checkpoint.full_state import (
     TIED_OUTPUT,
@@ -41,8 +40,14 @@ from megatron_het.perf.flops import padded_vocab_size
 from megatron_het.plan import Plan
 from megatron_het.plan.validate import check_tp_comm_overlap
 from megatron_het.platform import Accelerator, detect_accelerator
-from megatron_het.runtime.boundary import BoundaryLink, Neighbour
-from megatron_het.runtime.comm_routing import RankPlacement, rank_placement
+from megatron_het.runtime.boundary import BoundaryLink, Neighbour, order_mismatches
+from megatron_het.runtime.comm_routing import (
+    RankPlacement,
+    all_reduce_world,
+    new_bridge_group,
+    path_counts,
+    rank_placement,
+)
 from megatron_het.runtime.executor import ActionExecutor, globalise
 from megatron_het.runtime.grad_sync import GradientSynchronizer, Holding
 from megatron_het.runtime.megatron_trainer import split_tokens
@@ -143,17 +148,29 @@ class PipelineStrategy:
         self.optimizer = self._optimizer()
 
         stages = self.replica.stages
+        bridges = self._boundary_bridges()
+        self.paths = self._communication_paths()
+        if role.rank == 0:
+            logger.info("communication paths: %s", "; ".join(
+                f"{kind}: {c['native']} native ({acc.torch_backend}), {c['het-bridge']} het-bridge"
+                for kind, c in self.paths.items()))
 
         def neighbour(s: int) -> Neighbour | None:  # island and stage are named when a transfer fails
             if not 0 <= s < len(stages):
                 return None
-            return Neighbour(ranks=tuple(stages[s].ranks), island=stages[s].island, stage=s)
+            return Neighbour(ranks=tuple(stages[s].ranks), island=stages[s].island, stage=s,
+                             bridge=bridges.get((role.replica, min(s, role.stage))))
 
         prev, nxt = neighbour(role.stage - 1), neighbour(role.stage + 1)
         link = BoundaryLink(tp_rank=role.tp_rank, tp=role.tp_size, prev=prev, next=nxt,
                             sequence_parallel=plan.sequence_parallel, device=self.device)
         schedule = build_schedule(plan.schedule, len(stages), self.replica.num_micro_batches,
                                   plan.virtual_pipeline_size)
+        mismatches = order_mismatches(schedule.actions)
+        if mismatches and not acc.p2p_tags:
+            raise ConfigError(f"{mismatches[0]}; {acc.torch_backend} matches pipeline messages by order, not tags",
+                              field="schedule", value=plan.schedule, fix="use a schedule whose neighbour stages "
+                              "post transfers in the same micro-batch order (1f1b, gpipe)")
         first = replica_first_micro_batch(plan, role.replica)
         self.executor = self._executor(globalise(schedule.actions[role.stage], first),
                                        dict.fromkeys(range(first, first + self.replica.num_micro_batches), link),
@@ -162,6 +179,33 @@ class PipelineStrategy:
     @property
     def rank(self) -> int:
         return self.role.rank
+
+    def _boundary_bridges(self) -> dict:
+        """(replica, upstream stage) -> het bridge group of that boundary, for the boundaries whose two
+        stages use different collective libraries and that this rank is part of. Collective: every
+        rank creates every bridged boundary's group, in plan order."""
+        out = {}
+        for r, replica in enumerate(self.plan.replicas):
+            for s in range(len(replica.stages) - 1):
+                ranks = sorted({*replica.stages[s].ranks, *replica.stages[s + 1].ranks})
+                if not self.plan_placement.spans_libraries(ranks):
+                    continue
+                group = new_bridge_group(ranks, self.plan_placement, accelerator=self.accelerator,
+                                         timeout=self.train.group_timeout)
+                if group is not None:
+                    out[(r, s)] = group
+        self.boundary_bridges = out
+        return out
+
+    def _communication_paths(self) -> dict[str, dict[str, int]]:
+        """Per group kind of the whole plan: how many groups are native and how many bridged (pure)."""
+        stage_groups = [tuple(st.ranks) for rep in self.plan.replicas for st in rep.stages]
+        boundaries = [sorted({*rep.stages[s].ranks, *rep.stages[s + 1].ranks})
+                      for rep in self.plan.replicas for s in range(len(rep.stages) - 1)]
+        gradient = [b.ranks for b in self.sync.buckets]
+        return {"stage (TP) groups": path_counts(stage_groups, self.plan_placement),
+                "pipeline boundaries": path_counts(boundaries, self.plan_placement),
+                "gradient groups": path_counts(gradient, self.plan_placement)}
 
     # ---- building blocks (also used by rebind) -----------------------------------------------
     @property
@@ -278,8 +322,7 @@ class PipelineStrategy:
         """Sum of the last stages' loss sums over the world, on the device (one read per iteration)."""
         mine = self.is_last and self.role.tp_rank == 0
         report = loss_sum.reshape(1) if mine else torch.zeros(1, dtype=loss_sum.dtype, device=self.device)
-        dist.all_reduce(report)
-        return report
+        return all_reduce_world(report)
 
     def _forward(self, tokens: torch.Tensor | None, inp: torch.Tensor | None) -> torch.Tensor:
         if inp is not None:
@@ -299,8 +342,7 @@ class PipelineStrategy:
         return out
 
     def _clip(self) -> float:
-        sq = self.sync.grad_norm_sq_local()
-        dist.all_reduce(sq)
+        sq = all_reduce_world(self.sync.grad_norm_sq_local())
         norm = math.sqrt(float(sq))
         if self.train.clip_grad > 0:
             coeff = self.train.clip_grad / (norm + 1e-6)
@@ -393,7 +435,7 @@ class PipelineStrategy:
         """Every rank's compute/idle, gathered; rank 0 gets one line per stage (mean over its ranks)."""
         from megatron_het.runtime.tensorboard_log import gather_stage_times
 
-        stages = gather_stage_times(self.role, logs, group=None, dst=0)
+        stages = gather_stage_times(self.role, logs, group=None, dst=0, accelerator=self.accelerator)
         if stages is None:
             return []
         lines = ["per-stage time over the run (mean over the stage's ranks):"]
@@ -415,7 +457,8 @@ def HeteroTrainer(*, model: ModelSpec, plan: Plan, train: TrainConfig, batch_fn:
     cluster's emulation factor of the rank's island; ``clock`` is the timer's (None: wall time)."""
     strategy = PipelineStrategy(model=model, plan=plan, train=train, batch_fn=batch_fn, cluster=cluster,
                                 init_full_state=init_full_state, padded_vocab=padded_vocab, accelerator=accelerator)
-    timer = emulation_timer(cluster, strategy.role.island, slowdown=slowdown, clock=clock)
+    timer = emulation_timer(cluster, strategy.role.island, slowdown=slowdown, clock=clock,
+                            accelerator=strategy.accelerator)
     if timer.slowdown != 1.0:
         logger.info("rank %d (%s): EMULATED device speed, compute slowed %.2fx", strategy.rank,
                     strategy.role.island, timer.slowdown)

@@ -26,6 +26,8 @@ from collections.abc import Mapping
 import torch
 import torch.distributed as dist
 
+from megatron_het.runtime.comm_routing import all_reduce_world
+
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
@@ -112,7 +114,7 @@ class LossScaler:
         grads = [m.grad for m in mains.values()]
         if grads:
             torch._amp_foreach_non_finite_check_and_unscale_(grads, found, self.scaler.inv_scale.to(self.device))
-        dist.all_reduce(found, op=dist.ReduceOp.MAX)
+        all_reduce_world(found, op=dist.ReduceOp.MAX)
         overflow = bool(found.item() > 0)
         self.scaler.update(overflow)
         self.skipped += int(overflow)

@@ -96,11 +96,19 @@ def stage_times(samples: Sequence[tuple]) -> list[StageTime]:
 
 
 def gather_stage_times(role: RankRole, logs: Sequence[IterationLog], *, group: dist.ProcessGroup | None,
-                       dst: int) -> list[StageTime] | None:
-    """Collective over ``group``: every rank's compute/idle over ``logs``; the stages on global rank ``dst``, else None."""
-    current = current_memory_bytes()  # first: the OS peak may lag a sample taken after it
+                       dst: int, accelerator=None) -> list[StageTime] | None:
+    """Collective over ``group``: every rank's compute/idle over ``logs``; the stages on global rank ``dst``, else None.
+
+    Memory: the ``accelerator``'s figures (GPU: torch's max_memory_allocated / memory_allocated of the
+    rank's device; CPU: resident set size), or the process RSS without one."""
+    if accelerator is not None and accelerator.is_gpu:
+        stats = accelerator.memory()
+        peak, current = stats.max_allocated, stats.current
+    else:
+        current = current_memory_bytes()  # first: the OS peak may lag a sample taken after it
+        peak = max(peak_memory_bytes(), current)
     mine = (role.replica, role.stage, role.island, sum(l.compute_s for l in logs), sum(l.idle_s for l in logs),
-            len(logs), max(peak_memory_bytes(), current), current)
+            len(logs), peak, current)
     me = dist.get_rank()
     gathered = [None] * dist.get_world_size(group) if me == dst else None
     dist.gather_object(mine, gathered, dst=dst, group=group)
@@ -165,7 +173,8 @@ class TensorBoardHooks(TrainerHooks):
             return
         stages = None
         if self.config.log_timers or self.config.log_memory:
-            stages = gather_stage_times(trainer.strategy.role, [log], group=self.group, dst=self.writer_rank)
+            stages = gather_stage_times(trainer.strategy.role, [log], group=self.group, dst=self.writer_rank,
+                                        accelerator=getattr(trainer.strategy, "accelerator", None))
         if self.writer is None:
             return
         scalars = iteration_scalars(log, lr=trainer.train.lr_at(log.iteration - 1),

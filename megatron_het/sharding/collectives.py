@@ -13,6 +13,10 @@ uneven collectives nor a reduce-scatter at all, so two portable constructions ar
   keep the slice (simplest, twice the traffic).
 
 ``layout`` is indexed by rank *in the group*; every rank must call with the same layout.
+
+``bridge``: a ``comm.HetGroup`` over the whole world, for plans whose ranks span collective
+libraries (NVIDIA beside AMD): the padded all-gather and a padded reduce-scatter then run through
+the bridge (native inside each island, host-staged between them) instead of one torch group.
 """
 
 from __future__ import annotations
@@ -42,13 +46,26 @@ def _check(layout: ShardLayout, group: dist.ProcessGroup | None) -> int:
     return dist.get_rank(group)
 
 
+def _bridge_order(bridge) -> list[int]:
+    """Index in the bridge's tensor lists of each rank (the bridge orders ranks by island)."""
+    ranks = list(bridge.topology.ranks)
+    return [ranks.index(r) for r in range(len(ranks))]
+
+
 def uneven_all_gather(shard: torch.Tensor, layout: ShardLayout, *, group: dist.ProcessGroup | None = None,
-                      method: Literal["padded", "broadcast"] = "padded") -> torch.Tensor:
+                      method: Literal["padded", "broadcast"] = "padded", bridge=None) -> torch.Tensor:
     """Concatenate every rank's 1-D ``shard`` (rank ``r`` passes ``layout.sizes[r]`` elements)."""
     me = _check(layout, group)
     if shard.dim() != 1 or shard.numel() != layout.sizes[me]:
         raise ValueError(f"shard: rank {me} must pass a 1-D tensor of {layout.sizes[me]} elements "
                          f"(got shape {tuple(shard.shape)}). Fix: pass this rank's flat shard")
+    if bridge is not None:
+        padded = shard.new_zeros(layout.max_size)
+        padded[:shard.numel()] = shard
+        bufs = [torch.empty_like(padded) for _ in range(layout.world)]
+        bridge.all_gather(bufs, padded)
+        at = _bridge_order(bridge)
+        return torch.cat([bufs[at[r]][:n] for r, n in enumerate(layout.sizes)])
     if method == "padded":
         padded = shard.new_zeros(layout.max_size)  # buffers follow the shard's device
         padded[:shard.numel()] = shard
@@ -69,13 +86,21 @@ def uneven_all_gather(shard: torch.Tensor, layout: ShardLayout, *, group: dist.P
 
 
 def uneven_reduce_scatter(full: torch.Tensor, layout: ShardLayout, *, group: dist.ProcessGroup | None = None,
-                          method: Literal["reduce", "all_reduce"] = "reduce") -> torch.Tensor:
+                          method: Literal["reduce", "all_reduce"] = "reduce", bridge=None) -> torch.Tensor:
     """Sum of every rank's 1-D ``full`` over this rank's range (``full`` is left unchanged)."""
     me = _check(layout, group)
     if full.dim() != 1 or full.numel() != layout.numel:
         raise ValueError(f"full: must be a 1-D tensor of {layout.numel} elements (got shape {tuple(full.shape)}). "
                          "Fix: pass the flat buffer the layout was built for")
     start, stop = layout.range(me)
+    if bridge is not None:  # pieces padded to the largest shard, in the bridge's rank order
+        pieces = [full.new_zeros(layout.max_size) for _ in range(layout.world)]
+        for r, at in enumerate(_bridge_order(bridge)):
+            lo, hi = layout.range(r)
+            pieces[at][:hi - lo] = full[lo:hi]
+        out = full.new_empty(layout.max_size)
+        bridge.reduce_scatter(out, pieces)
+        return out[:stop - start].clone()
     if method == "reduce":
         mine = None
         for r in range(layout.world):

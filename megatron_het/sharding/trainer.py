@@ -20,6 +20,7 @@ the rank sleeps ``(slowdown - 1) x`` the measured time. Memory is emulated by a 
 
 from __future__ import annotations
 
+import logging
 import math
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -35,6 +36,7 @@ from megatron_het.perf.flops import padded_vocab_size
 from megatron_het.perf.sharded import sharded_rank_memory
 from megatron_het.plan import ShardedPlan
 from megatron_het.platform import Accelerator, detect_accelerator
+from megatron_het.runtime.comm_routing import all_reduce_world
 from megatron_het.runtime.megatron_trainer import split_tokens
 from megatron_het.sharding.budget import check_budget
 from megatron_het.sharding.checkpoint import load_sharded, save_sharded
@@ -48,11 +50,14 @@ from megatron_het.train.trainer import Trainer
 
 __all__ = ["ShardedStrategy", "ShardedTrainer"]
 
+logger = logging.getLogger(__name__)
+
 
 class ShardedStrategy:
     """This rank's model and state shard of a ShardedPlan. Construct on every rank."""
 
     def __init__(self, *, model: ModelSpec, plan: ShardedPlan, train: TrainConfig, batch_fn: BatchFn,
+                 cluster: ClusterSpec | None = None,
                  init_full_state: Mapping[str, torch.Tensor] | None = None, padded_vocab: int | None = None,
                  memory_budget_bytes: Sequence[int] | None = None,
                  gather_method: Literal["padded", "broadcast"] = "padded",
@@ -81,6 +86,21 @@ class ShardedStrategy:
         acc.set_device()
         _, self.pgc = block_process_groups(BlockShape(tp=1, pp=1, dp=world), timeout=train.group_timeout,
                                            backend=acc.torch_backend)
+        # ranks of different collective libraries (NVIDIA beside AMD): the state's collectives go
+        # through the het bridge (no one torch communicator spans both)
+        self.bridge = None
+        if cluster is not None:
+            from megatron_het.runtime.comm_routing import RankPlacement, new_bridge_group
+
+            placement = RankPlacement(island={s.rank: s.island for s in plan.ranks},
+                                      library={s.rank: cluster.island(s.island).device.collective_library
+                                               for s in plan.ranks})
+            if placement.spans_libraries(range(world)):
+                self.bridge = new_bridge_group(range(world), placement, accelerator=acc,
+                                               timeout=train.group_timeout)
+        if rank == 0:
+            logger.info("communication paths: state collectives (all-gather, reduce-scatter): %s",
+                        "het-bridge" if self.bridge is not None else f"native ({acc.torch_backend})")
 
         # Same seed on every rank: identical initial weights; each keeps only its shard as master.
         torch.manual_seed(train.seed)
@@ -122,7 +142,7 @@ class ShardedStrategy:
     # ---- collectives over the state ----------------------------------------------------------
     def gather(self, shard: torch.Tensor) -> torch.Tensor:
         """Full flat vector from every rank's slice (collective)."""
-        return uneven_all_gather(shard, self.layout, method=self.gather_method)
+        return uneven_all_gather(shard, self.layout, method=self.gather_method, bridge=self.bridge)
 
     # ---- one iteration -----------------------------------------------------------------------
     def step(self, iteration: int, *, lr: float, timer: EmulationTimer, on_action: ActionHook | None) -> StepResult:
@@ -145,10 +165,9 @@ class ShardedStrategy:
         t0 = time.perf_counter()
         grads = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1)
                            for p in self.params.values()])
-        grad = uneven_reduce_scatter(grads, self.layout, method=self.reduce_scatter_method)
+        grad = uneven_reduce_scatter(grads, self.layout, method=self.reduce_scatter_method, bridge=self.bridge)
         del grads
-        sq = grad.double().pow(2).sum().reshape(1)
-        dist.all_reduce(sq)
+        sq = all_reduce_world(grad.double().pow(2).sum().reshape(1))
         norm = math.sqrt(float(sq))
         comm += time.perf_counter() - t0
         if train.clip_grad > 0:
@@ -158,7 +177,7 @@ class ShardedStrategy:
         t0 = time.perf_counter()
         self.optimizer.step(grad, lr)
         opt = time.perf_counter() - t0
-        dist.all_reduce(loss_sum)
+        all_reduce_world(loss_sum)
         return StepResult(lm_loss=float(loss_sum), grad_norm=norm, comm_s=comm, optimizer_s=opt)
 
     @torch.no_grad()
@@ -175,7 +194,7 @@ class ShardedStrategy:
             first = self.samples.start + m * mbs
             inputs, labels, position_ids, _ = split_tokens(batch_fn(iteration, range(first, first + mbs)), self.device)
             loss_sum += self.gpt(inputs, position_ids, None, labels=labels).double().sum() * scale
-        dist.all_reduce(loss_sum)
+        all_reduce_world(loss_sum)
         return float(loss_sum)
 
     # ---- checkpoints (sharding/checkpoint.py; the pipeline runtime's format) -------------------
@@ -227,9 +246,10 @@ def ShardedTrainer(*, model: ModelSpec, plan: ShardedPlan, train: TrainConfig, b
                    accelerator: Accelerator | None = None) -> Trainer:
     """The trainer over this rank's shard of ``plan`` (call on every rank); ``slowdown`` overrides the
     cluster's emulation factor of the rank's island."""
-    strategy = ShardedStrategy(model=model, plan=plan, train=train, batch_fn=batch_fn,
+    strategy = ShardedStrategy(model=model, plan=plan, train=train, batch_fn=batch_fn, cluster=cluster,
                                init_full_state=init_full_state, padded_vocab=padded_vocab,
                                memory_budget_bytes=memory_budget_bytes, gather_method=gather_method,
                                reduce_scatter_method=reduce_scatter_method, accelerator=accelerator)
-    timer = emulation_timer(cluster, strategy.share.island, slowdown=slowdown, clock=clock)
+    timer = emulation_timer(cluster, strategy.share.island, slowdown=slowdown, clock=clock,
+                            accelerator=strategy.accelerator)
     return Trainer(strategy=strategy, train=train, timer=timer)

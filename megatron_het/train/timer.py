@@ -3,13 +3,18 @@
 On CPU a slower device type is emulated by waiting ``(slowdown - 1) x`` the measured time after
 each forward/backward (and after the optimizer step). Every strategy measures its compute through
 this object, so benches choose the clock here instead of patching a trainer.
+
+On a GPU the work is asynchronous: a host clock around a forward would measure its kernel launches.
+With ``events`` (the accelerator's ``event``: CUDA/HIP timing events) each forward/backward is
+bracketed by two recorded events and the elapsed times are read when ``compute_s`` is read (after
+the step, whose loss read has synchronised anyway): no synchronisation per micro-batch.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 if TYPE_CHECKING:
     from megatron_het.cluster import ClusterSpec
@@ -20,16 +25,30 @@ T = TypeVar("T")
 class EmulationTimer:
     """Accumulates one iteration's compute and emulated seconds (``reset`` starts the next)."""
 
-    def __init__(self, *, slowdown: float = 1.0, clock: Callable[[], float] | None = None) -> None:
+    def __init__(self, *, slowdown: float = 1.0, clock: Callable[[], float] | None = None,
+                 events: Callable[[], Any] | None = None) -> None:
         self.slowdown = slowdown  # how much slower this rank's device is than the host (1.0: not emulated)
         # the clock whose elapsed time x slowdown is the emulated duration; None: wall time. A bench
         # on shared cores passes time.thread_time, so other processes' load does not stretch it
         self.clock = clock
-        self.compute_s = 0.0  # forward + backward this iteration, emulated waiting included
+        # timing-event factory (Accelerator.event) for un-emulated compute; None: the host clock
+        self.events = events
+        self._compute_s = 0.0  # forward + backward this iteration measured so far, emulated waiting included
+        self._pending: list[tuple[Any, Any]] = []  # recorded (start, end) events not yet read
         self.emulated_s = 0.0  # waiting added to emulate the slower device (compute and optimizer)
 
+    @property
+    def compute_s(self) -> float:
+        """Forward + backward this iteration (reads the recorded events: waits for them)."""
+        if self._pending:
+            self._pending[-1][1].synchronize()
+            self._compute_s += sum(s.elapsed_time(e) for s, e in self._pending) / 1000.0
+            self._pending.clear()
+        return self._compute_s
+
     def reset(self) -> None:
-        self.compute_s = self.emulated_s = 0.0
+        self._compute_s = self.emulated_s = 0.0
+        self._pending.clear()
 
     def _run(self, fn: Callable[[], T]) -> tuple[T, float]:
         """Run ``fn``, wait what the emulated device would need on top; (result, wall time incl. wait)."""
@@ -47,8 +66,15 @@ class EmulationTimer:
 
     def compute(self, fn: Callable[[], T]) -> T:
         """A forward or backward: counted as compute, stretched to the emulated device's speed."""
+        if self.events is not None and self.slowdown <= 1.0 and self.clock is None:
+            start, end = self.events(), self.events()
+            start.record()
+            out = fn()
+            end.record()
+            self._pending.append((start, end))
+            return out
         out, dt = self._run(fn)
-        self.compute_s += dt
+        self._compute_s += dt
         return out
 
     def stretch(self, fn: Callable[[], T]) -> T:
@@ -57,9 +83,11 @@ class EmulationTimer:
 
 
 def emulation_timer(cluster: ClusterSpec | None, island: str, *, slowdown: float | None = None,
-                    clock: Callable[[], float] | None = None) -> EmulationTimer:
+                    clock: Callable[[], float] | None = None, accelerator=None) -> EmulationTimer:
     """The timer of a rank on ``island``: the cluster's emulated slowdown of that island (1.0 when the
-    cluster emulates nothing), unless ``slowdown`` is given (1.0 turns emulation off)."""
+    cluster emulates nothing), unless ``slowdown`` is given (1.0 turns emulation off); timed by the
+    ``accelerator``'s events when given (device events on GPUs)."""
     if slowdown is None:
         slowdown = cluster.slowdown(island) if cluster is not None and cluster.emulated else 1.0
-    return EmulationTimer(slowdown=slowdown, clock=clock)
+    return EmulationTimer(slowdown=slowdown, clock=clock,
+                          events=accelerator.event if accelerator is not None else None)

@@ -65,6 +65,9 @@ BRIDGED_CLUSTER = {
 }
 BRIDGED = plan(([stage([0, 1], (0, 3), "nv", "A100-80GB"), stage([2, 3], (3, 4), "nv", "A100-80GB")], 3),
                ([stage([4, 5, 6, 7], (0, 4), "amd", "MI250X")], 1))
+# every pipeline boundary crosses from NVIDIA to AMD (boundaries and gradient groups through the bridge)
+CROSS_VENDOR_BOUNDARIES = plan(([stage([0, 1], (0, 2), "nv", "A100-80GB"), stage([2, 3], (2, 4), "amd", "MI250X")], 2),
+                               ([stage([4, 5], (0, 3), "nv", "A100-80GB"), stage([6, 7], (3, 4), "amd", "MI250X")], 2))
 
 
 @pytest.fixture(scope="module")
@@ -73,12 +76,13 @@ def runs():
     init = assemble_full_state([ref.initial_shards])
     cases = [(name, p, BF16, None) for name, p in PLANS.items()]
     cases += [("bridged_nv_amd", BRIDGED, BF16, BRIDGED_CLUSTER),
+              ("cross_vendor_boundaries", CROSS_VENDOR_BOUNDARIES, BF16, BRIDGED_CLUSTER),
               ("fp16_pp2tp2x3_pp1tp4x1", PLANS["pp2tp2x3_pp1tp4x1"], FP16, None)]
     per_rank = run_local(8, precision_cases_worker, (MODEL, cases, init, PADDED_VOCAB))
     return ref, per_rank
 
 
-@pytest.mark.parametrize("name", [*PLANS, "bridged_nv_amd"])
+@pytest.mark.parametrize("name", [*PLANS, "bridged_nv_amd", "cross_vendor_boundaries"])
 def test_bf16_plans_match_megatron_core_bf16(runs, name):
     ref, per_rank = runs
     want = [log.lm_loss for log in ref.iterations]
@@ -94,6 +98,9 @@ def test_bridged_bf16_routes_gradient_groups_through_the_bridge(runs):
     _, per_rank = runs
     kinds = {kind for rank in per_rank for _, kind in rank["bridged_nv_amd"][1]}
     assert "het-bridge" in kinds
+    comm = [rank["cross_vendor_boundaries"][2] for rank in per_rank]
+    assert all(c["boundary_bridge_bytes"] > 0 for c in comm), [c["boundary_bridge_bytes"] for c in comm]
+    assert comm[0]["paths"]["pipeline boundaries"] == {"native": 0, "het-bridge": 2}
 
 
 def test_fp16_loss_scaling_trains_and_reports_skipped_steps(runs):

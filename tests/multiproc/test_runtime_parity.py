@@ -60,6 +60,17 @@ BRIDGED = Plan(replicas=(
                 num_micro_batches=1)),
     micro_batch_size=TRAIN.micro_batch_size, global_batch_size=TRAIN.global_batch_size)
 
+# (e) every pipeline boundary and the layers-0..2 gradient groups cross from NVIDIA to AMD: boundaries
+# and gradient groups through the bridge (two replicas, uneven layers, TP2 everywhere)
+CROSS_VENDOR_BOUNDARIES = Plan(replicas=(
+    ReplicaPlan(stages=(StagePlan(island="nv", device_type="A100-80GB", ranks=(0, 1), layers=(0, 2)),
+                        StagePlan(island="amd", device_type="MI250X", ranks=(2, 3), layers=(2, 4))),
+                num_micro_batches=2),
+    ReplicaPlan(stages=(StagePlan(island="nv", device_type="A100-80GB", ranks=(4, 5), layers=(0, 3)),
+                        StagePlan(island="amd", device_type="MI250X", ranks=(6, 7), layers=(3, 4))),
+                num_micro_batches=2)),
+    micro_batch_size=TRAIN.micro_batch_size, global_batch_size=TRAIN.global_batch_size)
+
 # (d) a homogeneous plan: our runtime and plain megatron-core on TP2 x PP2 x DP2
 HOMOGENEOUS = plan(([stage([0, 1], (0, 2)), stage([2, 3], (2, 4))], 2),
                    ([stage([4, 5], (0, 2)), stage([6, 7], (2, 4))], 2))
@@ -70,6 +81,7 @@ def runs():
     ref = run_local(1, megatron_block_worker, (MODEL, TRAIN, BlockShape(tp=1, pp=1, dp=1), None, PADDED_VOCAB))[0]
     init = assemble_full_state([ref.initial_shards])
     cases = list(CASES.items()) + [("bridged_nv_amd", BRIDGED, BRIDGED_CLUSTER),
+                                   ("cross_vendor_boundaries", CROSS_VENDOR_BOUNDARIES, BRIDGED_CLUSTER),
                                    ("homogeneous_runtime", HOMOGENEOUS),
                                    ("homogeneous_megatron", BlockShape(tp=2, pp=2, dp=2))]
     per_rank = run_local(8, hetero_cases_worker, (MODEL, cases, TRAIN, init, PADDED_VOCAB))
@@ -87,7 +99,8 @@ def _losses(per_rank, name):
 
 
 @pytest.mark.multiproc
-@pytest.mark.parametrize("name", list(CASES) + ["bridged_nv_amd", "homogeneous_runtime", "homogeneous_megatron"])
+@pytest.mark.parametrize("name", list(CASES) + ["bridged_nv_amd", "cross_vendor_boundaries", "homogeneous_runtime",
+                                                 "homogeneous_megatron"])
 def test_plan_matches_single_process(runs, name):
     ref, per_rank = runs
     ref_losses = [log.lm_loss for log in ref.iterations]
@@ -120,3 +133,20 @@ def test_cross_vendor_gradient_groups_use_the_bridge(runs):
     assert bridged and set(bridged) == {"het-bridge"}, bridged
     same_vendor = [kind for out in per_rank for _, kind in out["pp2tp2x3_pp1tp4x1"][0].routes]
     assert same_vendor and set(same_vendor) == {"native"}
+
+
+@pytest.mark.multiproc
+def test_cross_vendor_boundaries_go_through_the_bridge(runs):
+    """Asserted from the start-up log (rank 0 states each group kind's path) and the bridge's counters."""
+    _, per_rank = runs
+    comm = [out[("comm", "cross_vendor_boundaries")] for out in per_rank]
+    line = next(line for line in comm[0]["log"] if line.startswith("communication paths:"))
+    print(line)
+    assert "pipeline boundaries: 0 native (gloo), 2 het-bridge" in line, line
+    assert "stage (TP) groups: 4 native (gloo), 0 het-bridge" in line, line
+    assert comm[0]["paths"]["gradient groups"]["het-bridge"] > 0
+    for rank, c in enumerate(comm):  # every rank sent activations or gradients across the bridge
+        assert c["boundary_bridge_bytes"] > 0, f"rank {rank}: no bytes through the boundary bridge"
+        assert "het-bridge" in c["gradient_routes"], (rank, c["gradient_routes"])  # the tied embedding spans vendors
+    same_vendor = per_rank[0][("comm", "pp2tp2x3_pp1tp4x1")]["paths"]
+    assert all(c["het-bridge"] == 0 for c in same_vendor.values()), same_vendor

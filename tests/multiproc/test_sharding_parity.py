@@ -53,6 +53,17 @@ PLANS = {
     "uneven_batches": plan((1, 1, 2, 4), (1, 1, 1, 1), UNEVEN, (False, False, False, True)),
     "uneven_micro_counts": plan((1, 1, 1, 2), (2, 1, 1, 2), (0.4, 0.0, 0.35, 0.25)),
 }
+# uneven shards over an emulated A100 + MI250X pair of islands: the state's all-gather and
+# reduce-scatter span NCCL and RCCL ranks, so they go through the het bridge
+BRIDGED_CLUSTER = {
+    "islands": [{"name": "nv", "device": "A100-80GB", "nodes": 1, "gpus_per_node": 2},
+                {"name": "amd", "device": "MI250X", "nodes": 1, "gpus_per_node": 2}],
+    "links": [{"between": ["nv", "amd"], "bandwidth_gbps": 100}],
+}
+BRIDGED = ShardedPlan(ranks=tuple(RankShare(rank=i, island=("nv", "nv", "amd", "amd")[i],
+                                            device_type=("A100-80GB", "A100-80GB", "MI250X", "MI250X")[i],
+                                            micro_batch_size=2, num_micro_batches=1, shard_fraction=UNEVEN[i])
+                                  for i in range(4)), global_batch_size=TRAIN.global_batch_size)
 RESUME_FROM, RESUME_INTO = PLANS["uneven_batches"], plan((2, 2, 2, 2), (1, 1, 1, 1), (0.4, 0.3, 0.2, 0.1))
 EQUAL_STATE = plan((1, 1, 2, 4), (1, 1, 1, 1), (0.25,) * 4, (False, False, False, True))
 
@@ -75,6 +86,7 @@ def runs():
     cases = [{"name": "collectives", "kind": "collectives", "sizes": SIZES}]
     cases += [{"name": n, "kind": "train", "plan": p} for n, p in PLANS.items()]
     cases[-1].update(gather="broadcast", reduce_scatter="all_reduce")
+    cases += [{"name": "bridged_nv_amd", "kind": "train", "plan": BRIDGED, "cluster": BRIDGED_CLUSTER}]
     cases += [{"name": "resume", "kind": "resume", "plan": RESUME_FROM, "resume_plan": RESUME_INTO, "split": 3},
               {"name": "budget_uneven", "kind": "budget", "plan": RESUME_FROM, "budgets": budgets()},
               {"name": "budget_equal", "kind": "budget", "plan": EQUAL_STATE, "budgets": budgets()}]
@@ -117,7 +129,7 @@ def test_uneven_collectives(runs):
 
 
 @pytest.mark.multiproc
-@pytest.mark.parametrize("name", list(PLANS))
+@pytest.mark.parametrize("name", [*PLANS, "bridged_nv_amd"])
 def test_sharded_plan_matches_single_process(runs, name):
     ref, per_rank = runs
     res = per_rank[0][name]
@@ -149,3 +161,11 @@ def test_memory_budget_admits_the_uneven_plan_and_refuses_equal_shards(runs):
         assert equal[rank].startswith(f"memory_budget_bytes[{rank}]: rank {rank} needs ")
         assert f"budget is {budgets()[rank]} bytes" in equal[rank] and "shard_fraction 0.2500" in equal[rank]
         assert "Fix: lower this rank's shard_fraction" in equal[rank]
+
+
+@pytest.mark.multiproc
+def test_cross_vendor_sharded_collectives_go_through_the_bridge(runs):
+    _, per_rank = runs
+    sent = [out[("bridge_bytes", "bridged_nv_amd")] for out in per_rank]
+    assert all(b is not None for b in sent) and sum(b > 0 for b in sent) >= 2, sent  # each island's leader sent
+    assert all(out[("bridge_bytes", "uneven_shards")] is None for out in per_rank)  # one library: native

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from functools import partial
 
@@ -65,12 +66,43 @@ def hetero_cases_worker(rank, world_size, model: ModelSpec, cases, train: TrainC
                                        init_full_state=init_full_state, return_shards=True,
                                        padded_vocab=padded_vocab)
         else:
-            trainer = HeteroTrainer(model=model, plan=plan, train=train, batch_fn=batch_fn(model, train.seed),
-                                    init_full_state=init_full_state, padded_vocab=padded_vocab, cluster=cluster)
+            with captured_log("megatron_het.runtime.hetero_trainer") as lines:
+                trainer = HeteroTrainer(model=model, plan=plan, train=train, batch_fn=batch_fn(model, train.seed),
+                                        init_full_state=init_full_state, padded_vocab=padded_vocab, cluster=cluster)
             res = trainer.run(return_shards=True)
             res = dataclasses.replace(res, routes=tuple(trainer.strategy.sync.routes))
+            out[("comm", name)] = comm_report(trainer.strategy, lines)
         out[name] = (res, time.perf_counter() - start)
     return out
+
+
+def comm_report(strategy, log_lines) -> dict:
+    """What a test asserts about communication paths: the start-up log and the bridge counters."""
+    return {"log": list(log_lines), "paths": strategy.paths,
+            "boundary_bridge_bytes": sum(g.bridge_bytes() for g in strategy.boundary_bridges.values()),
+            "gradient_routes": tuple(kind for _, kind in strategy.sync.routes)}
+
+
+@contextlib.contextmanager
+def captured_log(name: str):
+    """INFO lines logged under ``name`` while the block runs."""
+    import logging
+
+    lines: list[str] = []
+
+    class Collect(logging.Handler):
+        def emit(self, record):
+            lines.append(record.getMessage())
+
+    logger, handler = logging.getLogger(name), Collect()
+    old = logger.level
+    logger.setLevel(logging.INFO)
+    logger.addHandler(handler)
+    try:
+        yield lines
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(old)
 
 
 def checkpoint_worker(rank, world_size, model: ModelSpec, steps, train: TrainConfig, init_full_state,

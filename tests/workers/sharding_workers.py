@@ -22,6 +22,7 @@ def sharded_cases_worker(rank, world_size, model: ModelSpec, cases, train: Train
     """
     import torch.distributed as dist
 
+    from megatron_het.cluster import cluster_from_dict
     from megatron_het.platform import enable_cpu_backend
     from megatron_het.sharding.budget import MemoryBudgetError
     from megatron_het.sharding.trainer import ShardedTrainer
@@ -37,8 +38,11 @@ def sharded_cases_worker(rank, world_size, model: ModelSpec, cases, train: Train
                                      init_full_state=init_full_state, padded_vocab=padded_vocab,
                                      slowdown=case.get("slowdown", [1.0] * world_size)[rank],
                                      gather_method=case.get("gather", "padded"),
-                                     reduce_scatter_method=case.get("reduce_scatter", "reduce"))
+                                     reduce_scatter_method=case.get("reduce_scatter", "reduce"),
+                                     cluster=cluster_from_dict(case["cluster"]) if "cluster" in case else None)
             out[name] = trainer.run(return_shards=True)
+            bridge = trainer.strategy.bridge
+            out[("bridge_bytes", name)] = bridge.bridge_bytes() if bridge is not None else None
         elif kind == "resume":
             first = ShardedTrainer(model=model, plan=case["plan"], train=train, batch_fn=fn,
                                    init_full_state=init_full_state, padded_vocab=padded_vocab)
