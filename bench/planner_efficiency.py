@@ -23,21 +23,19 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import os
-import platform
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 
+from bench_record import machine, perf_commit, write_result  # noqa: E402
+
 from megatron_het.cluster import CATALOG, ClusterSpec, IslandSpec, LinkSpec, ModelSpec, load_cluster, load_model  # noqa: E402
 from megatron_het.perf import predict  # noqa: E402
 from megatron_het.plan import PlanError, validate_plan  # noqa: E402
 from megatron_het.planner import InfeasibleError, Segment, Template, build_plan, plan_cluster, tp_options  # noqa: E402
-from megatron_het.utils.atomic import write_text_atomic  # noqa: E402
 
 PAIRS = (("A100-80GB", "H100-SXM"), ("A100-80GB", "MI250X"), ("H100-SXM", "MI300X"), ("V100-32GB", "A100-80GB"),
          ("A100-80GB", "L40S"), ("H100-SXM", "H200"))
@@ -49,8 +47,6 @@ MULTI = (("tangram-1024.yaml", 2048), ("mixed3-256.yaml", 1024), ("v100-a100-mi3
 TARGET = 0.95
 
 
-def machine() -> dict:
-    return {"cpu_count": os.cpu_count(), "python": platform.python_version(), "platform": platform.platform()}
 
 
 def cluster_of(a: str, b: str) -> ClusterSpec:
@@ -182,24 +178,6 @@ def pair_cases(models: list[ModelSpec]) -> list[dict]:
     return figures
 
 
-def perf_commit() -> str:
-    """Which commit of megatron_het/perf this run imported: the most recent of the last ten perf
-    commits whose files match the imported package, else the last one + "uncommitted changes"
-    (another engineer may be editing perf/ in the working tree)."""
-    import megatron_het.perf as perf_pkg
-
-    def git(*args: str) -> str:
-        return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True).stdout
-
-    here = Path(perf_pkg.__file__).parent
-    mine = {f.name: f.read_text() for f in here.glob("*.py")}
-    commits = git("log", "-10", "--format=%h", "--", "megatron_het/perf").split()
-    for commit in commits:
-        files = git("ls-tree", "--name-only", commit, "megatron_het/perf/").split()
-        theirs = {Path(p).name: git("show", f"{commit}:{p}") for p in files if p.endswith(".py")}
-        if theirs == mine:
-            return f"{commit} (as committed)"
-    return f"{commits[0] if commits else '?'} + uncommitted changes"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -232,7 +210,7 @@ def main(argv: list[str] | None = None) -> int:
            "bench_wall_s": round(time.perf_counter() - start, 1),
            "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")}
     name = "planner_efficiency_quick.json" if args.quick else "planner_efficiency.json"
-    write_text_atomic(ROOT / "bench/results" / name, json.dumps(out, indent=2) + "\n")
+    write_result(name, out)
     return 0
 
 

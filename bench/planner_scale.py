@@ -13,46 +13,24 @@ average before each case. Writes bench/results/planner_scale.json.
 from __future__ import annotations
 
 import datetime
-import json
 import os
-import platform
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 
+from bench_record import machine, perf_commit, write_result  # noqa: E402
+
 from megatron_het.cluster import CATALOG, ClusterSpec, IslandSpec, LinkSpec, load_cluster, load_model  # noqa: E402
 from megatron_het.planner import describe_plan, plan_cluster  # noqa: E402
-from megatron_het.utils.atomic import write_text_atomic  # noqa: E402
 
 TYPES = ("A100-80GB", "H100-SXM", "MI250X")
 SIZES = (64, 1024, 4096, 16384)
 
 
-def perf_commit() -> str:
-    """Which commit of megatron_het/perf this run imported: the most recent of the last ten perf
-    commits whose files match the imported package, else the last one + "uncommitted changes"
-    (another engineer may be editing perf/ in the working tree)."""
-    import megatron_het.perf as perf_pkg
-
-    def git(*args: str) -> str:
-        return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True).stdout
-
-    here = Path(perf_pkg.__file__).parent
-    mine = {f.name: f.read_text() for f in here.glob("*.py")}
-    commits = git("log", "-10", "--format=%h", "--", "megatron_het/perf").split()
-    for commit in commits:
-        files = git("ls-tree", "--name-only", commit, "megatron_het/perf/").split()
-        theirs = {Path(p).name: git("show", f"{commit}:{p}") for p in files if p.endswith(".py")}
-        if theirs == mine:
-            return f"{commit} (as committed)"
-    return f"{commits[0] if commits else '?'} + uncommitted changes"
 
 
-def machine() -> dict:
-    return {"cpu_count": os.cpu_count(), "python": platform.python_version(), "platform": platform.platform()}
 
 
 def cluster_of(gpus: int) -> ClusterSpec:
@@ -94,9 +72,9 @@ def main() -> int:
                                "issue19_1024": issue["planning_time_s"] <= 10.0,
                                "16384": at[16384]["planning_time_s"] <= 60.0}},
            "command": "python bench/planner_scale.py",
-           "machine": {**machine(), "load_average": os.getloadavg()}, "perf_commit": perf_commit(),
+           "machine": machine(), "perf_commit": perf_commit(),
            "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")}
-    write_text_atomic(ROOT / "bench/results/planner_scale.json", json.dumps(out, indent=2) + "\n")
+    write_result("planner_scale.json", out)
     return 0
 
 
