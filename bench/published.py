@@ -25,12 +25,11 @@ import platform
 import statistics
 import sys
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
+from megatron_het.perf import calibrated
+from megatron_het.perf import fit as fitting
+from megatron_het.perf.published import load_published
 
-from megatron_het.perf import calibrated  # noqa: E402
-from megatron_het.perf import fit as fitting  # noqa: E402
-from megatron_het.perf.published import load_published  # noqa: E402
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 OUT = os.path.join(ROOT, "bench", "results", "published.json")
 TIE = 0.05

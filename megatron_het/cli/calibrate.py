@@ -41,7 +41,7 @@ def render_defaults(result: fitting.FitResult, *, data: str) -> str:
                 "objective": round(result.objective, 4)}
     text = CALIBRATED_PY.read_text(encoding="utf-8")
     head = text[:text.index("# How the figures below were obtained")]
-    tail = text[text.index("\n\ndef calibrated_params"):]
+    tail = ""
     body = ("# How the figures below were obtained (rows, sources, objective).\n"
             f"FIT: dict[str, object] = {json.dumps(fit_info, indent=4)}\n\n"
             "# device type name -> precision class -> fitted figures.\n"

@@ -47,6 +47,7 @@ from typing import Any
 
 from megatron_het.cluster import ConfigError
 from megatron_het.cluster.fields import as_bool, as_float, as_int, as_list, as_mapping, as_str, check_keys, join
+from megatron_het.perf.kernels import PRECISION_CLASSES, ComputeParams
 from megatron_het.utils.atomic import write_text_atomic
 
 __all__ = [
@@ -263,8 +264,6 @@ def profile_from_dict(data: object, *, source: str | None = None) -> Profile:
 def _compute_model_from_dict(data: object) -> tuple[dict[str, Any], str]:
     if data is None:
         return {}, ""
-    from megatron_het.perf.compute import PRECISION_CLASSES, ComputeParams  # compute imports this module
-
     data = as_mapping(data, "compute_model", example='{"16bit": {"gemm_efficiency": 0.8, ...}}')
     check_keys(data, "compute_model", allowed=PRECISION_CLASSES + ("method",), required=())
     out = {}
