@@ -14,7 +14,7 @@ lint: env
 	$(VENV)/bin/ruff check .
 
 # Compile the GPU branches of csrc/ (USE_CUDA C++, nvcc kernels, hipcc where Debian's HIP installs)
-# without a GPU, so errors in them fail here; see scripts/check_gpu_build.sh. About 1-2 min.
+# without a GPU, so errors in them fail here; see scripts/check_gpu_build.sh (~1 min here).
 check-gpu-build: env
 	@PY=$(PY) bash scripts/check_gpu_build.sh
 
