@@ -16,7 +16,7 @@ from megatron_het.runtime.arguments import parse_args
 from megatron_het.train.loop import iteration_line
 
 from support import gpu_run
-from support.gpu_run import LOSS, MODEL_FILE, write_cluster
+from support.gpu_run import LOSS, MODEL_FILE, precision_flags, write_cluster
 
 
 def _validate(tmp_path, plan: Plan, islands, *extra):
@@ -40,7 +40,8 @@ def test_parity_and_bridge_plans_are_valid(tmp_path, monkeypatch, device):
     monkeypatch.setattr(bridge, "native_device", lambda: device)
     for name, (gpus, replicas) in parity.PLANS.items():
         for precision in ("fp32", "bf16"):
-            line = _validate(tmp_path, parity._plan(precision, *replicas), [("gpu", device, gpus)])
+            line = _validate(tmp_path, parity._plan(precision, *replicas), [("gpu", device, gpus)],
+                             *precision_flags(precision))
             assert "one collective library" in line, (name, line)
     for gpus in (2, 4):
         (n_native, n_forced), replicas = bridge._case(gpus)
@@ -50,7 +51,7 @@ def test_parity_and_bridge_plans_are_valid(tmp_path, monkeypatch, device):
         assert "the plan spans collective libraries ['nccl', 'rccl']" in line, line
     for precision in ("fp32", "bf16"):  # the references' plan
         _validate(tmp_path, Plan.load(gpu_run.one_stage_plan(tmp_path / "one.json", precision, device)),
-                  [("gpu", device, 1)])
+                  [("gpu", device, 1)], *precision_flags(precision))
 
 
 def test_mixed_vendor_plan_is_valid(tmp_path):
