@@ -7,10 +7,12 @@ after one iteration: a plan's own initial weights depend on its stage split) and
 iterations; each printed loss must match the single-GPU reference (one stage, same global batch):
 - fp32: 1e-5 relative, as on CPU (the same arithmetic up to reduction order; the log prints 7 digits);
 - bf16 (``--bf16``: bf16 weights and activations, fp32 main parameters and gradient reduction):
-  2e-2 relative. bf16 keeps 8 significant bits (2^-8 = 3.9e-3 per rounding); a TP or PP split
-  changes which partial sums are rounded to bf16 and in what order, and 5 Adam steps carry the
-  difference into the weights, so a few roundings' worth (~1e-2) is expected; 2e-2 still fails on
-  a wrong gradient scale, a skipped reduction or a bf16 optimizer (differences of 1e-1 and more).
+  1e-3 relative, as tests/multiproc/test_mixed_precision.py on CPU. bf16's epsilon is 2^-8 = 3.9e-3
+  (one rounding errs by up to half of it), but the loss is an fp32 mean over 512 tokens and the
+  weights move by fp32 Adam steps on fp32 main parameters, so a TP or PP split's different roundings
+  largely average out: the CPU dry run of this harness measured 5.6e-6 (pp2, dp2_uneven_3_1), the CPU
+  TP plans of test_mixed_precision 5.4e-5. 1e-3 keeps a 20x margin over those and is a quarter of
+  one bf16 epsilon.
 The 1-GPU case checks the GPU against the CPU run of the same command (fp32, 1e-3: other GEMM
 kernels, and TF32 where a library turns it on, round differently).
 """
@@ -55,7 +57,7 @@ PLANS = {
     "tp1_tp2_tied_x3": (8, [([([0], (0, 2)), ([1, 2], (2, 4))], 2), ([([3], (0, 1)), ([4, 5], (1, 4))], 1),
                             ([([6], (0, 3)), ([7], (3, 4))], 1)]),
 }
-TOLERANCE = {"fp32": 1e-5, "bf16": 2e-2}
+TOLERANCE = {"fp32": 1e-5, "bf16": 1e-3}
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
