@@ -4,8 +4,10 @@ The CPU catalog entry is nominal (1 TFLOP/s, 50 GB/s): a CPU rank's time is set 
 number of processes sharing its cores and per-operation overheads, so a CPU plan is priced from a
 measurement of this host. :func:`host_profile` measures what the predictor reads for one model
 shape (tools/profile_host.py's engine): the layers, the embedding and the output layer + loss, the
-AdamW step per parameter, on ``ranks`` processes at once with one thread each (as the training
-ranks share the cores), and the links between that many local gloo processes. It is cached in a
+AdamW step per parameter, on ``min(ranks, cores)`` processes at once with one thread each (the
+training ranks share the cores, but a pipeline's ranks take turns: at most one process per core
+computes at a time; measuring all ranks at once on fewer cores doubled the layer times here), and
+the links between ``ranks`` local gloo processes. It is cached in a
 JSON profile keyed by the host (processor, core count, torch version) and the shape, so the second
 run costs nothing; ``refresh=True`` measures again.
 
@@ -31,7 +33,7 @@ from megatron_het.perf.profile import Profile, load_profile, save_profile
 
 __all__ = ["HostPrediction", "host_key", "host_profile", "predict_on_this_host"]
 
-QUICK_REPEATS, QUICK_WARMUP = 5, 2
+QUICK_REPEATS, QUICK_WARMUP = 9, 2
 
 
 @dataclass(frozen=True)
@@ -45,6 +47,10 @@ class HostPrediction:
     measured_now: bool  # False when the cached profile was reused
 
 
+def _concurrency(ranks: int) -> int:
+    return max(1, min(ranks, os.cpu_count() or 1))
+
+
 def host_key(model: ModelSpec, *, micro_batch_sizes: Sequence[int], ranks: int, threads: int) -> str:
     """Cache key: this host (processor, cores, platform, torch) and what is measured."""
     import torch
@@ -53,14 +59,16 @@ def host_key(model: ModelSpec, *, micro_batch_sizes: Sequence[int], ranks: int, 
              "platform": platform.platform(), "torch": torch.__version__,
              "shape": [model.hidden_size, model.num_attention_heads, model.num_query_groups, model.ffn_hidden_size,
                        model.seq_length, padded_vocab_size(model.vocab_size), model.swiglu],
-             "micro_batch_sizes": sorted(set(micro_batch_sizes)), "ranks": ranks, "threads": threads}
+             "micro_batch_sizes": sorted(set(micro_batch_sizes)), "ranks": ranks, "threads": threads,
+             "concurrent": _concurrency(ranks)}
     return hashlib.sha256(json.dumps(facts, sort_keys=True).encode()).hexdigest()[:16]
 
 
 def host_profile(model: ModelSpec, *, micro_batch_sizes: Sequence[int], ranks: int, cache_dir: str | os.PathLike[str],
                  device: str = "CPU", threads: int = 1, refresh: bool = False) -> tuple[Profile, str, bool]:
     """(profile, its file, measured now?) for ``model``'s layer shape on this host, measured on
-    ``ranks`` processes at once (one thread each) with links among ``ranks`` processes; cached."""
+    ``min(ranks, cores)`` processes at once (one thread each) with links among ``ranks`` processes;
+    cached."""
     import torch
 
     from megatron_het.profiling.layers import profile_concurrent, profile_layers
@@ -78,7 +86,8 @@ def host_profile(model: ModelSpec, *, micro_batch_sizes: Sequence[int], ranks: i
     options = dict(num_layers=2, micro_batch_sizes=sorted(set(micro_batch_sizes)), device=device,
                    warmup=QUICK_WARMUP, repeats=QUICK_REPEATS, dtype=torch.float32, implementation="auto",
                    vocab_size=padded_vocab_size(model.vocab_size), optimizer=True)
-    if ranks == 1:
+    concurrent = _concurrency(ranks)
+    if concurrent == 1:
         old = torch.get_num_threads()
         torch.set_num_threads(threads)
         try:
@@ -86,7 +95,7 @@ def host_profile(model: ModelSpec, *, micro_batch_sizes: Sequence[int], ranks: i
         finally:
             torch.set_num_threads(old)
     else:
-        profile = profile_concurrent(model, processes=ranks, **options)
+        profile = profile_concurrent(model, processes=concurrent, **options)
     if ranks > 1:
         profile = replace(profile, link=measure_link(ranks))
     profile = replace(profile, method=profile.method + f"; quick host profile (megatron_het.profiling.host, key {key})")
