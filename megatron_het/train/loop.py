@@ -84,8 +84,11 @@ def train_loop(trainer: Trainer, *, loop: LoopConfig, seq_length: int, valid_fn:
                                        loss_scale=entry.loss_scale,
                                        skipped=skipped if entry.loss_scale is not None else None))
             skipped = 0
-            if not memory_reported and entry.memory is not None:  # once per rank, as Megatron
-                print(memory_line(dist.get_rank(), it, entry.memory), flush=True)
+            if not memory_reported and entry.memory is not None:  # once, every rank's line, as Megatron
+                gathered = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+                dist.gather_object(entry.memory, gathered, dst=0)  # collective: every rank logs this iteration
+                for rank, memory in enumerate(gathered or ()):
+                    print_rank0(memory_line(rank, it, memory))
                 memory_reported = True
         if loop.eval_interval and loop.eval_iters and valid_fn is not None and it % loop.eval_interval == 0:
             loss = sum(trainer.evaluate(valid_fn, i) for i in range(loop.eval_iters)) / loop.eval_iters
