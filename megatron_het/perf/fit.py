@@ -25,14 +25,13 @@ import statistics
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
-from megatron_het.cluster import CATALOG
 from megatron_het.perf.compute import PRIORS, ComputeParams
 from megatron_het.perf.predict import stage_cost
 from megatron_het.perf.profile import Profile
 from megatron_het.perf.published import PublishedRow, predict_row
 
 __all__ = ["PARAMETERS", "FAMILIES", "FitResult", "device_params", "profiles_for", "fit", "leave_one_source_out",
-           "row_errors"]
+           "row_errors", "summary"]
 
 # name -> (prior, what it is)
 PARAMETERS: dict[str, tuple[float, str]] = {
@@ -193,10 +192,3 @@ def leave_one_source_out(rows: Sequence[PublishedRow]) -> dict[str, tuple[FitRes
 def summary(errors: Sequence[float]) -> dict[str, float]:
     a = [abs(e) for e in errors]
     return {"median_abs": statistics.median(a), "worst_abs": max(a), "rows": len(a)}
-
-
-def catalog_check() -> None:
-    """Every fitted device type exists in the catalog (a renamed entry would silently drop its fit)."""
-    for names in FAMILIES.values():
-        for n in names:
-            assert n in CATALOG, n

@@ -39,6 +39,12 @@ def test_narayanan_hardware_flops_convert_to_iteration_time():
     assert one_t.published_iteration_s == pytest.approx(flops / (163e12 * 3072))
 
 
+def test_fitted_device_types_exist_in_the_catalog():
+    for names in fitting.FAMILIES.values():
+        for name in names:
+            assert name in CATALOG  # a renamed entry would silently lose its fit
+
+
 def test_shipped_defaults_are_a_fit_and_override_priors():
     assert calibrated.FIT["rows"] == len(ROWS)
     assert set(calibrated.FIT["sources"]) == {r.source for r in ROWS}
