@@ -17,6 +17,7 @@ import torch.nn.functional as F
 
 import megatron_het.platform  # noqa: F401  (installs the triton import guard before megatron imports)
 from megatron_het.cluster import ModelSpec
+from megatron_het.errors import UserError
 from megatron_het.platform import detect_optional_accelerators
 
 
@@ -34,6 +35,9 @@ class StageModelSpec:
     params_dtype: torch.dtype = torch.float32
     sequence_parallel: bool = False  # the plan's flag; megatron's config turns it on only where tp > 1
     recompute: bool = False  # full activation recomputation of every layer of the stage
+    # Megatron's --transformer-impl: "transformer_engine" or "local"; None: transformer-engine where
+    # it is importable on a GPU, else megatron-core's local spec (always local on CPU)
+    transformer_impl: str | None = None
 
 
 def transformer_config(spec: StageModelSpec, *, pp: int = 1, deterministic: bool = True,
@@ -70,13 +74,26 @@ def transformer_config(spec: StageModelSpec, *, pp: int = 1, deterministic: bool
     return TransformerConfig(**kwargs)
 
 
-def layer_spec(model: ModelSpec, *, sequence_parallel: bool = False, num_layers: int = 0):
-    """transformer-engine spec on a GPU where TE is importable, else megatron-core's local spec;
-    with ``sequence_parallel`` (the config's flag: TP > 1) the local spec with norms that accept it,
-    as a block spec of ``num_layers`` layers."""
+TRANSFORMER_IMPLS = ("local", "transformer_engine")
+
+
+class TransformerImplError(UserError):
+    """--transformer-impl names a layer implementation this process cannot build."""
+
+
+def layer_spec(model: ModelSpec, *, sequence_parallel: bool = False, num_layers: int = 0,
+               transformer_impl: str | None = None):
+    """transformer-engine spec (``transformer_impl`` "transformer_engine", or None where TE is
+    importable on a GPU), else megatron-core's local spec; with ``sequence_parallel`` (the config's
+    flag: TP > 1) the local spec with norms that accept it, as a block spec of ``num_layers`` layers."""
     from megatron.core.models.gpt import gpt_layer_specs
 
-    if detect_optional_accelerators().transformer_engine:
+    te = detect_optional_accelerators().transformer_engine
+    if transformer_impl == "transformer_engine" and not te:
+        raise TransformerImplError("--transformer-impl transformer_engine: transformer-engine is not importable on "
+                                   "a GPU in this process (got transformer_engine). Fix: pass --transformer-impl "
+                                   "local, or install transformer-engine on the GPU nodes")
+    if transformer_impl == "transformer_engine" or (transformer_impl is None and te):
         return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec()
     normalization = "RMSNorm" if model.swiglu else "LayerNorm"
     if sequence_parallel:
@@ -95,7 +112,7 @@ def build_gpt_stage(spec: StageModelSpec, config, pg_collection, *, device=None)
     gpt = GPTModel(
         config=config,
         transformer_layer_spec=layer_spec(m, sequence_parallel=config.sequence_parallel,
-                                          num_layers=spec.num_layers),
+                                          num_layers=spec.num_layers, transformer_impl=spec.transformer_impl),
         vocab_size=spec.vocab_size,
         max_sequence_length=m.max_position_embeddings or m.seq_length,
         pre_process=spec.pre_process,

@@ -55,6 +55,8 @@ FLAGS = (
     Flag("--hysteresis", "train.hysteresis", int, "overflows tolerated before the scale halves"),
     Flag("--accumulate-allreduce-grads-in-fp32", "train.accumulate_allreduce_grads_in_fp32", bool,
          "gradients accumulated and reduced in fp32 (always so in this runtime)"),
+    Flag("--transformer-impl", "train.transformer_impl", help="transformer_engine or local layer spec (default: "
+         "transformer_engine where importable on a GPU, else local)"),
     Flag("--distributed-timeout-minutes", "train.distributed_timeout_minutes", int,
          "timeout of the process groups: a hung peer fails a collective after this long"),
     Flag("--data-path", "data.data_path", tuple, "indexed dataset prefix (or weight prefix ... pairs)"),

@@ -117,7 +117,7 @@ class PipelineStrategy:
                                     layer_offset=role.layers[0], tp=role.tp_size, pre_process=self.is_first,
                                     post_process=self.is_last, vocab_size=padded_vocab or plan_padded_vocab(model, plan),
                                     recompute=self.stage_plan.recompute, sequence_parallel=plan.sequence_parallel,
-                                    params_dtype=params_dtype(train.precision))
+                                    params_dtype=params_dtype(train.precision), transformer_impl=train.transformer_impl)
         self.config = transformer_config(self.stage, cpu_initialization=not acc.is_gpu)
         self.tied = not model.untie_embeddings_and_output_weights
         self.overlap_report = None  # comm.overlap_megatron.OverlapReport when the stage overlaps

@@ -71,6 +71,9 @@ class ShardedStrategy:
         if plan.world_size != world:
             raise ValueError(f"plan.ranks: the plan has {plan.world_size} ranks, the world {world}. "
                              f"Fix: launch {plan.world_size} processes or re-plan for {world}")
+        if train.precision != "fp32":
+            raise ConfigError("sharded plans train in fp32 in this build", field="--bf16/--fp16",
+                              value=train.precision, fix="drop --bf16/--fp16, or use a pipeline plan for mixed precision")
         if plan.global_batch_size != train.global_batch_size:
             raise ConfigError(f"the plan has {plan.global_batch_size}", field="--global-batch-size",
                               value=train.global_batch_size, fix="pass the plan's global batch size")
@@ -108,7 +111,7 @@ class ShardedStrategy:
         self.stage = StageModelSpec(model=model, num_layers=model.num_layers, layer_offset=0, tp=1,
                                     pre_process=True, post_process=True,
                                     vocab_size=padded_vocab or padded_vocab_size(model.vocab_size, tp=1),
-                                    recompute=self.share.recompute)
+                                    recompute=self.share.recompute, transformer_impl=train.transformer_impl)
         self.config = transformer_config(self.stage, cpu_initialization=not acc.is_gpu)
         self.gpt = build_gpt_stage(self.stage, self.config, self.pgc, device=self.device)
         self.tied = not model.untie_embeddings_and_output_weights

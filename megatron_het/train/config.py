@@ -55,6 +55,9 @@ class TrainConfig:
     # Megatron's --accumulate-allreduce-grads-in-fp32 (forced on with --bf16 there); this runtime
     # always accumulates and reduces gradients in fp32 main-gradient buffers, so the flag is accepted
     accumulate_allreduce_grads_in_fp32: bool = False
+    # Megatron's --transformer-impl: "transformer_engine" or "local"; None: transformer-engine's layer
+    # spec where it is importable on a GPU, else megatron-core's local spec (model/gpt.py)
+    transformer_impl: str | None = None
 
     def __post_init__(self) -> None:
         for name in ("micro_batch_size", "global_batch_size", "train_iters", "log_interval"):
@@ -73,6 +76,9 @@ class TrainConfig:
                              f"(limit 1). Fix: leave it None for megatron-core's default")
         if self.clip_grad < 0:
             raise ValueError(f"clip_grad must be >= 0, got {self.clip_grad}")
+        if self.transformer_impl not in (None, "local", "transformer_engine"):
+            raise ValueError(f"transformer_impl must be local or transformer_engine, got {self.transformer_impl!r}. "
+                             "Fix: pass --transformer-impl local (CPU) or transformer_engine (GPU with TE)")
         if self.bf16 and self.fp16:
             raise ValueError("bf16 and fp16: choose one precision (got both). Fix: pass --bf16 or --fp16")
         if self.loss_scale is not None and not self.loss_scale > 0:
