@@ -18,6 +18,13 @@ EXPECTED = {  # file: (GPUs by device type, number of links, emulated)
     "a100-mi250x": ({"A100-80GB": 32, "MI250X": 16}, 1, False),
     "h100-mi300x": ({"H100-SXM": 32, "MI300X": 32}, 1, False),
     "v100-a100-l40s": ({"V100-32GB": 32, "A100-40GB-PCIe": 8, "L40S": 8}, 3, False),
+    # the planner benches' clusters of three or more types (bench/planner_efficiency.py, issue #19)
+    "tangram-1024": ({"H100-SXM": 512, "A100-80GB": 384, "MI250X": 128}, 3, False),
+    "v100-a100-mi300x": ({"V100-32GB": 64, "A100-80GB": 64, "MI300X": 32}, 3, False),
+    "h200-h100-mi300x": ({"H200": 64, "H100-SXM": 64, "MI300X": 64}, 3, False),
+    "mixed3-256": ({"H100-SXM": 128, "A100-80GB": 96, "MI250X": 32}, 3, False),
+    "four-types": ({"H100-SXM": 64, "A100-40GB": 64, "V100-32GB": 32, "MI300X": 32}, 6, False),
+    "a100-l40s-mi250x": ({"A100-80GB": 64, "L40S": 64, "MI250X": 64}, 3, False),
 }
 
 
