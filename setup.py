@@ -23,7 +23,7 @@ def _het_extension() -> dict:
         return {}
     try:
         import torch
-        from torch.utils.cpp_extension import BuildExtension, CppExtension
+        from torch.utils.cpp_extension import BuildExtension, CppExtension, CUDAExtension
     except ImportError:
         return {}
     macros = []
@@ -31,6 +31,8 @@ def _het_extension() -> dict:
         macros.append(("USE_ROCM", None))
     elif torch.cuda.is_available() and torch.version.cuda:
         macros.append(("USE_CUDA", None))
+    # CUDAExtension adds the CUDA (or, on ROCm builds, HIP) include and library paths the GPU branches need
+    extension = CUDAExtension if macros else CppExtension
 
     class OptionalBuild(BuildExtension):
         def build_extension(self, ext):
@@ -39,7 +41,7 @@ def _het_extension() -> dict:
             except Exception as exc:  # the Python twin takes over; say so
                 print(f"warning: skipping the C++ het backend ({exc}); the Python implementation will be used")
 
-    ext = CppExtension("megatron_het._het_C", ["csrc/het_backend.cpp"], define_macros=macros,
+    ext = extension("megatron_het._het_C", ["csrc/het_backend.cpp"], define_macros=macros,
                        extra_compile_args=["-O2"])
     return {"ext_modules": [ext], "cmdclass": {"build_ext": OptionalBuild.with_options(use_ninja=True)}}
 
