@@ -53,9 +53,12 @@ def _compile(verbose: bool) -> ModuleType:
 
     build_dir = jit_build_dir()
     build_dir.mkdir(parents=True, exist_ok=True)
+    macros = gpu_macros()
+    # with_cuda: CUDA (or, on ROCm builds, HIP) include and library paths for the GPU branches; torch
+    # infers it from .cu sources only, and csrc/ is all .cpp
     return cpp_extension.load(name=EXTENSION_NAME, sources=[str(s) for s in SOURCES],
-                              extra_cflags=["-O2", *gpu_macros()], build_directory=str(build_dir),
-                              verbose=verbose)
+                              extra_cflags=["-O2", *macros], build_directory=str(build_dir),
+                              with_cuda=bool(macros), verbose=verbose)
 
 
 def load_extension(*, allow_jit: bool = True, verbose: bool = False) -> tuple[ModuleType | None, str]:
