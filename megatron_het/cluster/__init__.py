@@ -3,7 +3,18 @@
 Format reference: docs/cluster-format.md. Everything here is pure (no process groups, no torch).
 """
 
-from megatron_het.cluster.catalog import CATALOG, COLLECTIVE_LIBRARIES, VENDORS, DeviceType
+from megatron_het.cluster.catalog import (
+    AMD,
+    CATALOG,
+    COLLECTIVE_LIBRARIES,
+    GLOO,
+    HOST,
+    NCCL,
+    NVIDIA,
+    RCCL,
+    VENDORS,
+    DeviceType,
+)
 from megatron_het.cluster.errors import ConfigError
 from megatron_het.cluster.loader import (
     cluster_from_dict,
@@ -29,8 +40,14 @@ from megatron_het.cluster.spec import (
 from megatron_het.cluster.summary import format_catalog, format_cluster, format_model
 
 __all__ = [
+    "AMD",
     "CATALOG",
     "COLLECTIVE_LIBRARIES",
+    "GLOO",
+    "HOST",
+    "NCCL",
+    "NVIDIA",
+    "RCCL",
     "VENDORS",
     "DEFAULT_INTER_NODE_BANDWIDTH_GBPS",
     "DEFAULT_LINK_LATENCY_US",

@@ -28,17 +28,23 @@ from dataclasses import dataclass
 from megatron_het.cluster.errors import ConfigError
 from megatron_het.cluster.fields import as_float, as_name, as_str
 
-__all__ = ["DeviceType", "CATALOG", "VENDORS", "COLLECTIVE_LIBRARIES", "DEFAULT_COLLECTIVE_LIBRARY", "PRECISIONS"]
+__all__ = ["AMD", "CATALOG", "COLLECTIVE_LIBRARIES", "DEFAULT_COLLECTIVE_LIBRARY", "GLOO", "HOST", "NCCL", "NVIDIA",
+           "PRECISIONS", "RCCL", "VENDORS", "DeviceType"]
 
 # Training precisions, as Megatron's flags name them: fp32 (default, no flag), tf32 (fp32 storage,
 # tensor-core matmuls: torch.backends.cuda.matmul.allow_tf32), --fp16, --bf16, --fp8-format
 # (Transformer Engine: fp8 GEMMs, bf16 everywhere else).
 PRECISIONS = ("fp32", "tf32", "fp16", "bf16", "fp8")
 
-VENDORS = ("nvidia", "amd", "cpu")
-COLLECTIVE_LIBRARIES = ("nccl", "rccl", "gloo")
+# Vendor and collective-library names as cluster files write them (data, never handed to torch: the
+# accelerator in platform/ picks devices and backends). Named once here so other packages compare
+# against these constants, or ask DeviceType.is_host, instead of repeating the strings.
+NVIDIA, AMD, HOST = "nvidia", "amd", "cpu"
+NCCL, RCCL, GLOO = "nccl", "rccl", "gloo"
+VENDORS = (NVIDIA, AMD, HOST)
+COLLECTIVE_LIBRARIES = (NCCL, RCCL, GLOO)
 # The library a vendor's ranks use among themselves; a custom type may choose another.
-DEFAULT_COLLECTIVE_LIBRARY = types.MappingProxyType({"nvidia": "nccl", "amd": "rccl", "cpu": "gloo"})
+DEFAULT_COLLECTIVE_LIBRARY = types.MappingProxyType({NVIDIA: NCCL, AMD: RCCL, HOST: GLOO})
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -57,6 +63,11 @@ class DeviceType:
     # (stored as sorted (precision, rate) pairs so the type stays hashable and copyable)
     tflops: Mapping[str, float] | tuple[tuple[str, float], ...] | None = None
     compute_units: int | None = None  # SMs / CUs per rank; None: no wave quantisation
+
+    @property
+    def is_host(self) -> bool:
+        """A host processor standing in for a GPU (emulation): no GPU kernels, no fused attention."""
+        return self.vendor == HOST
 
     def __post_init__(self) -> None:
         as_name(self.name, "name", example="'A100-80GB'")
@@ -118,7 +129,7 @@ class DeviceType:
 def _entries() -> tuple[DeviceType, ...]:
     return (
         DeviceType(
-            name="V100-32GB", vendor="nvidia", collective_library="nccl",
+            name="V100-32GB", vendor=NVIDIA, collective_library=NCCL,
             peak_tflops=125.0, memory_gib=32.0, memory_bandwidth_gbs=900.0,
             intra_node_bandwidth_gbps=1200.0,
             source="NVIDIA Tesla V100 GPU Datasheet (SXM2 32GB): 125 TFLOPS tensor (fp16), "
@@ -127,7 +138,7 @@ def _entries() -> tuple[DeviceType, ...]:
             tflops={"fp32": 15.7, "fp16": 125.0}, compute_units=80,
         ),
         DeviceType(
-            name="A100-40GB", vendor="nvidia", collective_library="nccl",
+            name="A100-40GB", vendor=NVIDIA, collective_library=NCCL,
             peak_tflops=312.0, memory_gib=40.0, memory_bandwidth_gbs=1555.0,
             intra_node_bandwidth_gbps=2400.0,
             source="NVIDIA A100 Tensor Core GPU Datasheet (SXM4 40GB): BF16 312 TFLOPS dense "
@@ -136,7 +147,7 @@ def _entries() -> tuple[DeviceType, ...]:
             tflops={"fp32": 19.5, "tf32": 156.0, "fp16": 312.0, "bf16": 312.0}, compute_units=108,
         ),
         DeviceType(
-            name="A100-80GB", vendor="nvidia", collective_library="nccl",
+            name="A100-80GB", vendor=NVIDIA, collective_library=NCCL,
             peak_tflops=312.0, memory_gib=80.0, memory_bandwidth_gbs=2039.0,
             intra_node_bandwidth_gbps=2400.0,
             source="NVIDIA A100 Tensor Core GPU Datasheet (SXM4 80GB): BF16 312 TFLOPS dense "
@@ -145,7 +156,7 @@ def _entries() -> tuple[DeviceType, ...]:
             tflops={"fp32": 19.5, "tf32": 156.0, "fp16": 312.0, "bf16": 312.0}, compute_units=108,
         ),
         DeviceType(
-            name="H100-SXM", vendor="nvidia", collective_library="nccl",
+            name="H100-SXM", vendor=NVIDIA, collective_library=NCCL,
             peak_tflops=989.4, memory_gib=80.0, memory_bandwidth_gbs=3350.0,
             intra_node_bandwidth_gbps=3600.0,
             source="NVIDIA H100 Tensor Core GPU Datasheet (SXM5): BF16 1,979 TFLOPS sparse "
@@ -155,7 +166,7 @@ def _entries() -> tuple[DeviceType, ...]:
             compute_units=132,
         ),
         DeviceType(
-            name="H200", vendor="nvidia", collective_library="nccl",
+            name="H200", vendor=NVIDIA, collective_library=NCCL,
             peak_tflops=989.4, memory_gib=141.0, memory_bandwidth_gbs=4800.0,
             intra_node_bandwidth_gbps=3600.0,
             source="NVIDIA H200 Tensor Core GPU Datasheet (H200 SXM): BF16 1,979 TFLOPS sparse "
@@ -165,7 +176,7 @@ def _entries() -> tuple[DeviceType, ...]:
             compute_units=132,
         ),
         DeviceType(
-            name="L40S", vendor="nvidia", collective_library="nccl",
+            name="L40S", vendor=NVIDIA, collective_library=NCCL,
             peak_tflops=362.05, memory_gib=48.0, memory_bandwidth_gbs=864.0,
             intra_node_bandwidth_gbps=256.0,
             source="NVIDIA L40S GPU Datasheet: BF16 362.05 TFLOPS dense (733 sparse), 48 GB GDDR6, "
@@ -175,7 +186,7 @@ def _entries() -> tuple[DeviceType, ...]:
             compute_units=142,
         ),
         DeviceType(
-            name="RTX-4090", vendor="nvidia", collective_library="nccl",
+            name="RTX-4090", vendor=NVIDIA, collective_library=NCCL,
             peak_tflops=165.2, memory_gib=24.0, memory_bandwidth_gbs=1008.0,
             intra_node_bandwidth_gbps=256.0,
             source="NVIDIA Ada GPU Architecture whitepaper, Appendix (GeForce RTX 4090): BF16 tensor "
@@ -185,7 +196,7 @@ def _entries() -> tuple[DeviceType, ...]:
             compute_units=128,
         ),
         DeviceType(
-            name="RTX-3080", vendor="nvidia", collective_library="nccl",
+            name="RTX-3080", vendor=NVIDIA, collective_library=NCCL,
             peak_tflops=59.5, memory_gib=10.0, memory_bandwidth_gbs=760.0,
             intra_node_bandwidth_gbps=256.0,
             source="NVIDIA Ampere GA102 GPU Architecture whitepaper (GeForce RTX 3080): BF16 tensor "
@@ -194,7 +205,7 @@ def _entries() -> tuple[DeviceType, ...]:
             tflops={"fp32": 29.8, "tf32": 29.8, "fp16": 59.5, "bf16": 59.5}, compute_units=68,
         ),
         DeviceType(
-            name="MI250X", vendor="amd", collective_library="rccl",
+            name="MI250X", vendor=AMD, collective_library=RCCL,
             peak_tflops=191.5, memory_gib=64.0, memory_bandwidth_gbs=1638.4,
             intra_node_bandwidth_gbps=1600.0,
             source="AMD Instinct MI250X Accelerator Datasheet: 383 TFLOPS FP16/BF16, 128 GB HBM2e, "
@@ -205,7 +216,7 @@ def _entries() -> tuple[DeviceType, ...]:
             tflops={"fp32": 23.95, "tf32": 47.85, "fp16": 191.5, "bf16": 191.5}, compute_units=110,
         ),
         DeviceType(
-            name="MI300X", vendor="amd", collective_library="rccl",
+            name="MI300X", vendor=AMD, collective_library=RCCL,
             peak_tflops=1307.4, memory_gib=192.0, memory_bandwidth_gbs=5300.0,
             intra_node_bandwidth_gbps=3584.0,
             source="AMD Instinct MI300X Accelerator Datasheet: BF16 1,307.4 TFLOPS dense "
@@ -216,7 +227,7 @@ def _entries() -> tuple[DeviceType, ...]:
             compute_units=304,
         ),
         DeviceType(
-            name="CPU", vendor="cpu", collective_library="gloo",
+            name="CPU", vendor=HOST, collective_library=GLOO,
             peak_tflops=1.0, memory_gib=16.0, memory_bandwidth_gbs=50.0,
             intra_node_bandwidth_gbps=100.0,
             source="Nominal figures, not a datasheet: one CPU process standing in for a GPU in "

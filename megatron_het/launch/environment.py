@@ -5,6 +5,7 @@ from __future__ import annotations
 import types
 from collections.abc import Mapping
 
+from megatron_het.cluster import AMD, HOST, NVIDIA
 from megatron_het.launch.errors import LaunchError
 
 # Settings every Megatron run on that vendor wants. Values stay comma-free: they travel in
@@ -22,7 +23,7 @@ _AMD = (
 )
 
 VENDOR_ENVIRONMENT: Mapping[str, tuple[tuple[str, str], ...]] = types.MappingProxyType(
-    {"nvidia": _NVIDIA, "amd": _AMD, "cpu": ()})
+    {NVIDIA: _NVIDIA, AMD: _AMD, HOST: ()})
 
 
 def island_environment(vendor: str, *, network_interface: str | None = None) -> tuple[tuple[str, str], ...]:

@@ -12,7 +12,7 @@ import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from megatron_het.cluster import ClusterSpec
+from megatron_het.cluster import HOST, ClusterSpec
 from megatron_het.launch.environment import island_environment
 from megatron_het.launch.errors import LaunchError
 from megatron_het.plan import AnyPlan
@@ -62,7 +62,7 @@ class HetComponent:
     @property
     def gpus_per_node(self) -> int:
         """GPUs to request per node (0 on CPU islands)."""
-        return 0 if self.vendor == "cpu" else self.procs_per_node
+        return 0 if self.vendor == HOST else self.procs_per_node
 
 
 def parse_assignments(values: Sequence[str], *, option: str) -> dict[str, str]:

@@ -46,7 +46,7 @@ def explain(plan: Plan, model: ModelSpec, cluster: ClusterSpec, *, profile: Prof
     device = island.device
     measured = profile_for(profile, device.name)
     flash = predict_kwargs.get("flash_attention")
-    flash = device.vendor != "cpu" if flash is None else flash
+    flash = not device.is_host if flash is None else flash
     mode = (predict_kwargs.get("recompute_mode") or "full") if st.recompute else "none"
     args = dict(micro_batch_size=plan.micro_batch_size, seq_length=predict_kwargs.get("seq_length"), tp=st.tp,
                 profile=measured, precision=plan.precision)

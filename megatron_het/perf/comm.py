@@ -203,7 +203,7 @@ def p2p_channel(cluster: ClusterSpec, *, src: str, dst: str, same_node: bool = F
                           fix=f"add a link between {src} and {dst} to the cluster file")
     copies = 0
     if a.device.vendor != b.device.vendor:
-        copies = sum(1 for isl in (a, b) if isl.device.vendor != "cpu")
+        copies = sum(1 for isl in (a, b) if not isl.device.is_host)
     return _staged(link.bandwidth_gbps, link.latency_us, copies)
 
 

@@ -35,7 +35,7 @@ import types
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 
-from megatron_het.cluster import ConfigError, DeviceType, ModelSpec
+from megatron_het.cluster import AMD, HOST, NVIDIA, ConfigError, DeviceType, ModelSpec
 from megatron_het.perf.calibrated import CALIBRATED
 from megatron_het.perf.flops import (
     BACKWARD_TO_FORWARD,
@@ -91,15 +91,15 @@ class EfficiencyCurve:
 
 
 DEFAULT_EFFICIENCY: Mapping[str, EfficiencyCurve] = types.MappingProxyType({
-    "nvidia": EfficiencyCurve(e_max=0.7, m_half=128.0),
-    "amd": EfficiencyCurve(e_max=0.6, m_half=256.0),
-    "cpu": EfficiencyCurve(e_max=0.5, m_half=32.0),
+    NVIDIA: EfficiencyCurve(e_max=0.7, m_half=128.0),
+    AMD: EfficiencyCurve(e_max=0.6, m_half=256.0),
+    HOST: EfficiencyCurve(e_max=0.5, m_half=32.0),
 })
 
 # Vendor priors: what the model assumes before any fit. Documented guesses, replaced per device type
 # by perf/calibrated.py (the fit of published runs) or a profile's compute_model.
 PRIORS: Mapping[str, Mapping[str, ComputeParams]] = types.MappingProxyType({
-    "nvidia": types.MappingProxyType({
+    NVIDIA: types.MappingProxyType({
         "16bit": ComputeParams(gemm_efficiency=0.8, attention_efficiency=0.5, kernel_overhead_us=6.0,
                                source="prior: cuBLAS large bf16 GEMMs ~80% of dense peak"),
         "fp8": ComputeParams(gemm_efficiency=0.6, attention_efficiency=0.5, kernel_overhead_us=6.0,
@@ -109,7 +109,7 @@ PRIORS: Mapping[str, Mapping[str, ComputeParams]] = types.MappingProxyType({
         "fp32": ComputeParams(gemm_efficiency=0.85, attention_efficiency=0.5, kernel_overhead_us=6.0,
                               source="prior"),
     }),
-    "amd": types.MappingProxyType({
+    AMD: types.MappingProxyType({
         "16bit": ComputeParams(gemm_efficiency=0.6, attention_efficiency=0.35, kernel_overhead_us=10.0,
                                source="prior: hipBLASLt saturates lower than cuBLAS"),
         "fp8": ComputeParams(gemm_efficiency=0.5, attention_efficiency=0.35, kernel_overhead_us=10.0,
@@ -119,7 +119,7 @@ PRIORS: Mapping[str, Mapping[str, ComputeParams]] = types.MappingProxyType({
         "fp32": ComputeParams(gemm_efficiency=0.7, attention_efficiency=0.35, kernel_overhead_us=10.0,
                               source="prior"),
     }),
-    "cpu": types.MappingProxyType({
+    HOST: types.MappingProxyType({
         c: ComputeParams(gemm_efficiency=0.5, attention_efficiency=0.3, kernel_overhead_us=0.0, memory_efficiency=1.0,
                          source="prior: nominal CPU, priced with the smallest-dimension curve (use a "
                                 "measured profile: tools/profile_host.py)")
@@ -314,7 +314,7 @@ def layer_times(model: ModelSpec, device: DeviceType, *, micro_batch_size: int, 
     """
     check_recompute(recompute)
     if flash_attention is None:
-        flash_attention = device.vendor != "cpu"
+        flash_attention = not device.is_host
     s = model.seq_length if seq_length is None else seq_length
     params = params or compute_params_for(device, precision, profile=profile)
     curve = curve or _cpu_curve(device, profile)
@@ -358,7 +358,7 @@ def layer_times(model: ModelSpec, device: DeviceType, *, micro_batch_size: int, 
 def _cpu_curve(device: DeviceType, profile: Profile | None) -> EfficiencyCurve | None:
     """CPUs have no tiles or waves: without a fitted compute_model they keep the smallest-dimension
     curve (and a measured profile is what prices them)."""
-    if device.vendor == "cpu" and not (profile is not None and profile.compute_model):
+    if device.is_host and not (profile is not None and profile.compute_model):
         return efficiency_curve_for(device)
     return None
 

@@ -156,7 +156,7 @@ def stage_cost(model: ModelSpec, island: IslandSpec, *, tp: int, micro_batch_siz
     or a mode ("none", "selective", "full"); ``flash_attention`` None means fused on GPUs."""
     mode = ("full" if recompute else "none") if isinstance(recompute, bool) else recompute
     device = island.device
-    flash = device.vendor != "cpu" if flash_attention is None else flash_attention
+    flash = not device.is_host if flash_attention is None else flash_attention
     lt = layer_times(model, device, micro_batch_size=micro_batch_size, seq_length=seq_length, tp=tp,
                      sequence_parallel=sequence_parallel, recompute=mode,
                      profile=profile_for(profile, device.name), precision=precision, flash_attention=flash)
@@ -497,7 +497,7 @@ def _replica(plan: Plan, r: ReplicaPlan, model: ModelSpec, cluster: ClusterSpec,
                            seq_length=seq_length, sequence_parallel=plan.sequence_parallel,
                            recompute=(recompute_mode or "full") if st.recompute else "none",
                            distributed_optimizer=dist_opt, precision=plan.precision,
-                           flash_attention=(cluster.island(st.island).device.vendor != "cpu"
+                           flash_attention=(not cluster.island(st.island).device.is_host
                                             if flash_attention is None else flash_attention),
                            virtual_stages=v)
         red, red_end, opt = reduce_and_step(st, is_first, is_last, bwd[i] / v)

@@ -116,7 +116,7 @@ class MegatronParallelizer:
     def candidates(self, slice_: LayerSlice, island_index: int, budget_bytes: int) -> list[IntraConfig]:
         out = []
         shard = slice_.data_parallel if self.distributed_optimizer and slice_.data_parallel > 1 else 1
-        flash = self.cluster.islands[island_index].device.vendor != "cpu"
+        flash = not self.cluster.islands[island_index].device.is_host
         for tp in self.tp_sizes(island_index):
             for rc in (False, True) if slice_.recompute_allowed else (False,):
                 # fused (flash) attention on GPUs, as perf.predict assumes megatron-core runs it

@@ -6,10 +6,11 @@ syntax trees (docstrings and comments are prose, not code, and are skipped) and 
 torch-backend name.
 
 Principled exception: *catalog data*. Vendors and collective libraries are names a cluster file
-uses (``vendor: cpu``, ``collective_library: nccl``); the catalog, the cluster/plan/launch data
-model and the performance model key their tables by them. They are never handed to torch, so the
-packages that only hold and price that data are listed in DATA_PACKAGES. The runtime reads those
-names through ``RankPlacement`` and asks the accelerator for a backend.
+uses (``vendor: cpu``, ``collective_library: nccl``). They are never handed to torch; the catalog
+(``cluster/catalog.py``) names them once (``NVIDIA``, ``HOST``, ``NCCL``, ...) and every other package
+compares against those constants or asks ``DeviceType.is_host``. The runtime reads them through
+``RankPlacement`` and asks the accelerator for a backend. ``plan/layout.py``'s default island name and
+a profile-format example remain in DATA_PACKAGES.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ PACKAGE = REPO / "megatron_het"
 FORBIDDEN = {"cpu", "gloo", "nccl", "cuda", "mps", "xpu"}  # torch device types and backends (lower case)
 FORBIDDEN_PREFIXES = ("cuda:", "cpu:")
 # catalog data: vendor / collective-library names from cluster files, never passed to torch
-DATA_PACKAGES = {"cluster", "perf", "planner", "plan", "launch"}
+DATA_PACKAGES = {"cluster", "perf", "plan"}
 EXEMPT = {
     "platform",  # the one place that names devices and backends
 }
