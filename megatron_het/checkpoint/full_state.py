@@ -5,10 +5,15 @@ A stage model holds a contiguous slice of layers, each tensor-parallel parameter
 Mapping a stage's local names to global ones and slicing/assembling TP shards is all that any two
 plans need to exchange weights, so parity tests, resharding and format conversion share this code.
 
-Names follow a single-stage GPTModel: ``embedding.word_embeddings.weight``,
-``decoder.layers.<global i>.<...>``, ``decoder.final_layernorm.*``, ``output_layer.weight``.
-With tied embeddings the full state has no ``output_layer.weight``: the last stage's output layer
-reads ``embedding.word_embeddings.weight``.
+Names follow a single-stage GPTModel with megatron-core's local layer spec:
+``embedding.word_embeddings.weight``, ``decoder.layers.<global i>.<...>``,
+``decoder.final_layernorm.*``, ``output_layer.weight``. With tied embeddings the full state has no
+``output_layer.weight``: the last stage's output layer reads ``embedding.word_embeddings.weight``.
+A stage built with the transformer-engine spec (``--transformer-impl transformer_engine``) fuses each
+layer norm into the linear layer after it (``self_attention.linear_qkv.layer_norm_weight``,
+``mlp.linear_fc1.layer_norm_weight``); ``global_name`` maps those to the local spec's names, so
+checkpoints, resharding and parity do not depend on which spec a stage was built with (the same
+correspondence megatron-core's ``sharded_state_dict_keys_map`` states in ``gpt_layer_specs.py``).
 """
 
 from __future__ import annotations
@@ -22,16 +27,25 @@ import torch
 from megatron_het.checkpoint.tp_layout import is_glu, join_shards, slice_full
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
+# transformer-engine spec's fused layer-norm parameters -> the local spec's layer norms
+_TE_LAYER_NORMS = {
+    "self_attention.linear_qkv.layer_norm_weight": "input_layernorm.weight",
+    "self_attention.linear_qkv.layer_norm_bias": "input_layernorm.bias",
+    "mlp.linear_fc1.layer_norm_weight": "pre_mlp_layernorm.weight",
+    "mlp.linear_fc1.layer_norm_bias": "pre_mlp_layernorm.bias",
+}
 TIED_OUTPUT = "output_layer.weight"
 WORD_EMBEDDING = "embedding.word_embeddings.weight"
 
 
 def global_name(local_name: str, layer_offset: int) -> str:
-    """``decoder.layers.<i>.x`` of a stage whose first layer is global ``layer_offset`` -> global."""
+    """``decoder.layers.<i>.x`` of a stage whose first layer is global ``layer_offset`` -> global
+    (transformer-engine's fused layer-norm names -> the local spec's)."""
     m = _LAYER.match(local_name)
     if m is None:
         return local_name
-    return f"decoder.layers.{int(m.group(1)) + layer_offset}.{m.group(2)}"
+    rest = _TE_LAYER_NORMS.get(m.group(2), m.group(2))
+    return f"decoder.layers.{int(m.group(1)) + layer_offset}.{rest}"
 
 
 def _partition_dim(param: torch.Tensor) -> int | None:
