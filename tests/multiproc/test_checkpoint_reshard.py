@@ -12,7 +12,6 @@ import dataclasses
 import os
 
 import pytest
-from test_runtime_parity import CASES, HOMOGENEOUS, MODEL, PADDED_VOCAB, TRAIN
 
 from megatron_het.checkpoint.dist_ckpt import (
     CheckpointError,
@@ -23,8 +22,12 @@ from megatron_het.checkpoint.dist_ckpt import (
 from megatron_het.checkpoint.full_state import assemble_full_state
 from megatron_het.model.groups import BlockShape
 from megatron_het.platform.local_launch import run_local
+from megatron_het.train.config import TrainConfig
 
+from support.parity_plans import CASES, GLOBAL_BATCH_SIZE, HOMOGENEOUS, MICRO_BATCH_SIZE, MODEL, PADDED_VOCAB
 from workers.megatron_workers import checkpoint_worker, megatron_block_worker
+
+TRAIN = TrainConfig(micro_batch_size=MICRO_BATCH_SIZE, global_batch_size=GLOBAL_BATCH_SIZE, train_iters=5, lr=1e-3)
 
 
 @pytest.mark.multiproc

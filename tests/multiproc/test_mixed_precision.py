@@ -23,66 +23,33 @@ import math
 import pytest
 
 from megatron_het.checkpoint.full_state import assemble_full_state
-from megatron_het.cluster import ModelSpec
 from megatron_het.model.groups import BlockShape
-from megatron_het.plan import Plan, ReplicaPlan, StagePlan
 from megatron_het.platform.local_launch import run_local
 from megatron_het.train.config import TrainConfig
 
+from support.parity_plans import BRIDGED, BRIDGED_CLUSTER, CASES, CROSS_VENDOR_BOUNDARIES, MODEL, PADDED_VOCAB
 from workers.megatron_workers import megatron_block_worker
 from workers.precision_workers import precision_cases_worker
 
-MODEL = ModelSpec(num_layers=4, hidden_size=64, num_attention_heads=4, seq_length=32, vocab_size=200)
 BF16 = TrainConfig(micro_batch_size=2, global_batch_size=8, train_iters=5, lr=1e-3, bf16=True)
 FP16 = TrainConfig(micro_batch_size=2, global_batch_size=8, train_iters=20, lr=1e-3, fp16=True,
                    initial_loss_scale=2.0 ** 24, loss_scale_window=5, hysteresis=1)
-PADDED_VOCAB = 512
 BF16_RTOL = 1e-3
-
-
-def stage(ranks, layers, island="fast", device="CPU"):
-    return StagePlan(island=island, device_type=device, ranks=tuple(ranks), layers=layers)
-
-
-def plan(*replicas):
-    return Plan(replicas=tuple(ReplicaPlan(stages=tuple(s), num_micro_batches=m) for s, m in replicas),
-                micro_batch_size=BF16.micro_batch_size, global_batch_size=BF16.global_batch_size)
-
-
-PLANS = {
-    "tp2pp1_tp4pp1_tp2pp1": plan(([stage([0, 1], (0, 1)), stage([2, 3, 4, 5], (1, 3), "slow"),
-                                   stage([6, 7], (3, 4))], 4)),
-    "pp2tp2x3_pp1tp4x1": plan(([stage([0, 1], (0, 3)), stage([2, 3], (3, 4))], 3),
-                              ([stage([4, 5, 6, 7], (0, 4), "slow")], 1)),
-    "tp1_tp2_tied_x3": plan(([stage([0], (0, 2)), stage([1, 2], (2, 4))], 2),
-                            ([stage([3], (0, 1)), stage([4, 5], (1, 4))], 1),
-                            ([stage([6], (0, 3)), stage([7], (3, 4))], 1)),
-}
-BRIDGED_CLUSTER = {
-    "islands": [{"name": "nv", "device": "A100-80GB", "nodes": 1, "gpus_per_node": 4},
-                {"name": "amd", "device": "MI250X", "nodes": 1, "gpus_per_node": 4}],
-    "links": [{"between": ["nv", "amd"], "bandwidth_gbps": 100}],
-}
-BRIDGED = plan(([stage([0, 1], (0, 3), "nv", "A100-80GB"), stage([2, 3], (3, 4), "nv", "A100-80GB")], 3),
-               ([stage([4, 5, 6, 7], (0, 4), "amd", "MI250X")], 1))
-# every pipeline boundary crosses from NVIDIA to AMD (boundaries and gradient groups through the bridge)
-CROSS_VENDOR_BOUNDARIES = plan(([stage([0, 1], (0, 2), "nv", "A100-80GB"), stage([2, 3], (2, 4), "amd", "MI250X")], 2),
-                               ([stage([4, 5], (0, 3), "nv", "A100-80GB"), stage([6, 7], (3, 4), "amd", "MI250X")], 2))
 
 
 @pytest.fixture(scope="module")
 def runs():
     ref = run_local(1, megatron_block_worker, (MODEL, BF16, BlockShape(tp=1, pp=1, dp=1), None, PADDED_VOCAB))[0]
     init = assemble_full_state([ref.initial_shards])
-    cases = [(name, p, BF16, None) for name, p in PLANS.items()]
+    cases = [(name, p, BF16, None) for name, p in CASES.items()]
     cases += [("bridged_nv_amd", BRIDGED, BF16, BRIDGED_CLUSTER),
               ("cross_vendor_boundaries", CROSS_VENDOR_BOUNDARIES, BF16, BRIDGED_CLUSTER),
-              ("fp16_pp2tp2x3_pp1tp4x1", PLANS["pp2tp2x3_pp1tp4x1"], FP16, None)]
+              ("fp16_pp2tp2x3_pp1tp4x1", CASES["pp2tp2x3_pp1tp4x1"], FP16, None)]
     per_rank = run_local(8, precision_cases_worker, (MODEL, cases, init, PADDED_VOCAB))
     return ref, per_rank
 
 
-@pytest.mark.parametrize("name", [*PLANS, "bridged_nv_amd", "cross_vendor_boundaries"])
+@pytest.mark.parametrize("name", [*CASES, "bridged_nv_amd", "cross_vendor_boundaries"])
 def test_bf16_plans_match_megatron_core_bf16(runs, name):
     ref, per_rank = runs
     want = [log.lm_loss for log in ref.iterations]

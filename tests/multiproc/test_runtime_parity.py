@@ -11,69 +11,24 @@ from __future__ import annotations
 import pytest
 
 from megatron_het.checkpoint.full_state import assemble_full_state
-from megatron_het.cluster import ModelSpec
 from megatron_het.model.groups import BlockShape
-from megatron_het.plan import Plan, ReplicaPlan, StagePlan
 from megatron_het.platform.local_launch import run_local
 from megatron_het.train.config import TrainConfig
 
+from support.parity_plans import (
+    BRIDGED,
+    BRIDGED_CLUSTER,
+    CASES,
+    CROSS_VENDOR_BOUNDARIES,
+    GLOBAL_BATCH_SIZE,
+    HOMOGENEOUS,
+    MICRO_BATCH_SIZE,
+    MODEL,
+    PADDED_VOCAB,
+)
 from workers.megatron_workers import hetero_cases_worker, megatron_block_worker
 
-MODEL = ModelSpec(num_layers=4, hidden_size=64, num_attention_heads=4, seq_length=32, vocab_size=200)
-TRAIN = TrainConfig(micro_batch_size=2, global_batch_size=8, train_iters=5, lr=1e-3)
-PADDED_VOCAB = 512  # 200 padded to a multiple of 128 x lcm(TP sizes = 1, 2, 4)
-
-
-def stage(ranks, layers, island="fast"):
-    return StagePlan(island=island, device_type="CPU", ranks=tuple(ranks), layers=layers)
-
-
-def plan(*replicas):
-    return Plan(replicas=tuple(ReplicaPlan(stages=tuple(s), num_micro_batches=m) for s, m in replicas),
-                micro_batch_size=TRAIN.micro_batch_size, global_batch_size=TRAIN.global_batch_size)
-
-
-CASES = {
-    # (a) three stages, TP 2 -> 4 -> 2, uneven layers 1/2/1
-    "tp2pp1_tp4pp1_tp2pp1": plan(([stage([0, 1], (0, 1)), stage([2, 3, 4, 5], (1, 3), "slow"),
-                                   stage([6, 7], (3, 4))], 4)),
-    # (b) two replicas of different layouts (PP2xTP2 vs PP1xTP4) with 3 vs 1 micro-batches
-    "pp2tp2x3_pp1tp4x1": plan(([stage([0, 1], (0, 3)), stage([2, 3], (3, 4))], 3),
-                              ([stage([4, 5, 6, 7], (0, 4), "slow")], 1)),
-    # (c) TP 1 -> 2 boundaries with tied embeddings (first stage TP1, last TP2), three replicas
-    "tp1_tp2_tied_x3": plan(([stage([0], (0, 2)), stage([1, 2], (2, 4))], 2),
-                            ([stage([3], (0, 1)), stage([4, 5], (1, 4))], 1),
-                            ([stage([6], (0, 3)), stage([7], (3, 4))], 1)),
-}
-# (b) again on an emulated A100 + MI250X cluster: every cross-replica gradient group spans NCCL and
-# RCCL islands, so it must go through megatron_het.comm's bridge (gloo underneath, here)
-BRIDGED_CLUSTER = {
-    "islands": [{"name": "nv", "device": "A100-80GB", "nodes": 1, "gpus_per_node": 4},
-                {"name": "amd", "device": "MI250X", "nodes": 1, "gpus_per_node": 4}],
-    "links": [{"between": ["nv", "amd"], "bandwidth_gbps": 100}],
-}
-BRIDGED = Plan(replicas=(
-    ReplicaPlan(stages=(StagePlan(island="nv", device_type="A100-80GB", ranks=(0, 1), layers=(0, 3)),
-                        StagePlan(island="nv", device_type="A100-80GB", ranks=(2, 3), layers=(3, 4))),
-                num_micro_batches=3),
-    ReplicaPlan(stages=(StagePlan(island="amd", device_type="MI250X", ranks=(4, 5, 6, 7), layers=(0, 4)),),
-                num_micro_batches=1)),
-    micro_batch_size=TRAIN.micro_batch_size, global_batch_size=TRAIN.global_batch_size)
-
-# (e) every pipeline boundary and the layers-0..2 gradient groups cross from NVIDIA to AMD: boundaries
-# and gradient groups through the bridge (two replicas, uneven layers, TP2 everywhere)
-CROSS_VENDOR_BOUNDARIES = Plan(replicas=(
-    ReplicaPlan(stages=(StagePlan(island="nv", device_type="A100-80GB", ranks=(0, 1), layers=(0, 2)),
-                        StagePlan(island="amd", device_type="MI250X", ranks=(2, 3), layers=(2, 4))),
-                num_micro_batches=2),
-    ReplicaPlan(stages=(StagePlan(island="nv", device_type="A100-80GB", ranks=(4, 5), layers=(0, 3)),
-                        StagePlan(island="amd", device_type="MI250X", ranks=(6, 7), layers=(3, 4))),
-                num_micro_batches=2)),
-    micro_batch_size=TRAIN.micro_batch_size, global_batch_size=TRAIN.global_batch_size)
-
-# (d) a homogeneous plan: our runtime and plain megatron-core on TP2 x PP2 x DP2
-HOMOGENEOUS = plan(([stage([0, 1], (0, 2)), stage([2, 3], (2, 4))], 2),
-                   ([stage([4, 5], (0, 2)), stage([6, 7], (2, 4))], 2))
+TRAIN = TrainConfig(micro_batch_size=MICRO_BATCH_SIZE, global_batch_size=GLOBAL_BATCH_SIZE, train_iters=5, lr=1e-3)
 
 
 @pytest.fixture(scope="module")
