@@ -8,8 +8,10 @@
 * output block ``Y[rows z, out-features y]`` (``[m/gz, ..., n/gy]``), identical on every x rank.
 
 forward:  ``W_blk = all_gather_z(W_shard)``; ``Y = all_reduce_x(X_blk @ W_blk^T)``.
-backward: ``dX = all_reduce_y(dY @ W_blk)`` — async, overlapped with ``dW_blk = dY^T X_blk``
-(AxoNN's "OAR"); ``dW_shard = reduce_scatter_z(dW_blk)``.
+backward: ``dX = all_reduce_y(dY @ W_blk)``; ``dW_shard = reduce_scatter_z(dY^T X_blk)``.
+All three (and the forward all-reduce) are chunked and, with ``overlap``, asynchronous: each
+chunk's collective runs while another chunk's GEMM computes (``_Linear3D``; AxoNN's OAG/OAR/ORS
+within a layer).
 
 ``transpose=True`` swaps the roles of x and y (input features over y, output over x), so a
 layer's output block is exactly the next transposed layer's input block: an MLP of a normal then a
@@ -24,6 +26,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from megatron_het.comm.overlap_chunks import effective_chunks
 from megatron_het.tp.groups import GridGroups
 
 __all__ = ["Linear3D", "linear3d", "linear3d_blocks", "rows_of"]
@@ -33,44 +36,108 @@ def _size(group: Any) -> int:
     return dist.get_world_size(group=group)
 
 
+def _chunk_rows(shard_rows: int, gz: int, chunks: int) -> list[torch.Tensor]:
+    """Row indices, in the gathered ``[shard_rows * gz, k]`` block, of each weight chunk.
+
+    Chunk ``j`` is rows ``[j*cs, (j+1)*cs)`` of every z rank's shard, so its all-gather is one
+    equal-size collective; gathered, it holds rows ``z*shard_rows + j*cs + r`` of the block (z-major).
+    """
+    c = effective_chunks(shard_rows, chunks)
+    cs = shard_rows // c
+    return [torch.cat([torch.arange(z * shard_rows + j * cs, z * shard_rows + (j + 1) * cs) for z in range(gz)])
+            for j in range(c)]
+
+
+def _wait(work: Any) -> None:
+    if work is not None:  # blocking collectives return None
+        work.wait()
+
+
 class _Linear3D(torch.autograd.Function):
+    """Every collective cut into ``chunks`` pieces; with ``overlap`` each piece is launched async
+    and waited only when its result is needed, so it runs while another piece's GEMM computes:
+
+    * forward: the all-gather of weight chunk ``j+1`` (z) || GEMM of chunk ``j``; the all-reduce of
+      output chunk ``j`` (input-feature axis) || GEMM of chunk ``j+1`` (AxoNN's OAG, chunked);
+    * backward: the all-reduce of input-gradient row chunk ``i`` (output-feature axis) || ``dX``
+      GEMM of chunk ``i+1`` and every ``dW`` GEMM (OAR); the reduce-scatter of weight-gradient
+      chunk ``j`` (z) || ``dW`` GEMM of chunk ``j+1`` (ORS).
+
+    ``overlap=False`` runs the same chunked collectives blocking (isolates the gain of overlap);
+    ``chunks=1, overlap=False`` is the plain layer. Only output columns / rows are split, never a
+    GEMM's reduction dim, so outputs and input gradients are the same per-element products.
+    """
+
     @staticmethod
     def forward(ctx, x: torch.Tensor, w_shard: torch.Tensor, in_group: Any, out_group: Any,
-                z_group: Any, overlap: bool) -> torch.Tensor:
-        gz = _size(z_group)
-        if gz > 1:
-            w = w_shard.new_empty((w_shard.shape[0] * gz, *w_shard.shape[1:]))
-            dist.all_gather_into_tensor(w, w_shard.contiguous(), group=z_group)
-        else:
-            w = w_shard
-        y = torch.matmul(x, w.t())
-        if _size(in_group) > 1:
-            dist.all_reduce(y, group=in_group)  # sum the partial products over input-feature blocks
+                z_group: Any, overlap: bool, chunks: int) -> torch.Tensor:
+        gz, g_in = _size(z_group), _size(in_group)
+        ns = w_shard.shape[0]
+        idx = _chunk_rows(ns, gz, chunks)
+        cs = len(idx[0]) // gz
+        w = w_shard.new_empty((ns * gz, *w_shard.shape[1:]))
+        gathered, ag_work = [], []
+        for j in range(len(idx)):  # every weight all-gather launched up front, waited in order
+            if gz > 1:
+                buf = w_shard.new_empty((cs * gz, *w_shard.shape[1:]))
+                ag_work.append(dist.all_gather_into_tensor(buf, w_shard[j * cs:(j + 1) * cs].contiguous(),
+                                                           group=z_group, async_op=overlap))
+            else:
+                buf = w_shard[j * cs:(j + 1) * cs]
+                ag_work.append(None)
+            gathered.append(buf)
+        y = x.new_empty((*x.shape[:-1], ns * gz))
+        parts, ar_work = [], []
+        for j, rows in enumerate(idx):
+            _wait(ag_work[j])
+            w[rows] = gathered[j]
+            part = torch.matmul(x, gathered[j].t())
+            if g_in > 1:  # sum the partial products over input-feature blocks
+                ar_work.append(dist.all_reduce(part, group=in_group, async_op=overlap))
+            parts.append(part)
+        for work in ar_work:
+            _wait(work)
+        for rows, part in zip(idx, parts, strict=True):
+            y[..., rows] = part
         ctx.save_for_backward(x, w)  # keeps the gathered block (AxoNN can re-gather instead)
-        ctx.groups, ctx.overlap, ctx.gz = (in_group, out_group, z_group), overlap, gz
+        ctx.groups, ctx.overlap, ctx.gz, ctx.idx = (in_group, out_group, z_group), overlap, gz, idx
         return y
 
     @staticmethod
     def backward(ctx, dy: torch.Tensor):
         x, w = ctx.saved_tensors
         _, out_group, z_group = ctx.groups
+        overlap, gz, idx = ctx.overlap, ctx.gz, ctx.idx
         dy = dy.contiguous()
-        dx = work = None
+        dy2, x2 = dy.reshape(-1, dy.shape[-1]), x.reshape(-1, x.shape[-1])
+        dx = None
+        ar_work: list[Any] = []
         if ctx.needs_input_grad[0]:
-            dx = torch.matmul(dy, w)
-            if _size(out_group) > 1:
-                work = dist.all_reduce(dx, group=out_group, async_op=ctx.overlap)
+            dx = dy.new_empty((*dy.shape[:-1], w.shape[1]))
+            dx2 = dx.view(-1, w.shape[1])
+            n_rows = dx2.shape[0]
+            c = effective_chunks(max(n_rows, 1), len(idx))
+            step = n_rows // c
+            for i in range(c):
+                piece = dx2[i * step:(i + 1) * step]
+                torch.matmul(dy2[i * step:(i + 1) * step], w, out=piece)
+                if _size(out_group) > 1:
+                    ar_work.append(dist.all_reduce(piece, group=out_group, async_op=overlap))
         dw_shard = None
+        rs_work: list[Any] = []
         if ctx.needs_input_grad[1]:  # runs while dX is being all-reduced
-            dw = dy.reshape(-1, dy.shape[-1]).t().matmul(x.reshape(-1, x.shape[-1]))
-            if ctx.gz > 1:
-                dw_shard = dw.new_empty((dw.shape[0] // ctx.gz, *dw.shape[1:]))
-                dist.reduce_scatter_tensor(dw_shard, dw, group=z_group)
-            else:
-                dw_shard = dw
-        if work is not None:
-            work.wait()
-        return dx, dw_shard, None, None, None, None
+            cs = len(idx[0]) // gz
+            dw_shard = w.new_empty((w.shape[0] // gz, w.shape[1]))
+            for j, rows in enumerate(idx):
+                dw = dy2[:, rows].t().matmul(x2)
+                if gz > 1:
+                    rs_work.append(dist.reduce_scatter_tensor(dw_shard[j * cs:(j + 1) * cs], dw, group=z_group,
+                                                              async_op=overlap))
+                else:
+                    dw_shard[rows] = dw
+        for work in (*ar_work, *rs_work):
+            _wait(work)
+        return dx, dw_shard, None, None, None, None, None
 
 
 def _axes(transpose: bool) -> tuple[str, str]:
@@ -79,10 +146,15 @@ def _axes(transpose: bool) -> tuple[str, str]:
 
 
 def linear3d(x: torch.Tensor, w_shard: torch.Tensor, groups: GridGroups, *, transpose: bool = False,
-             overlap: bool = True) -> torch.Tensor:
-    """The 3D-parallel matmul on this rank's blocks (see the module docstring for the layout)."""
+             overlap: bool = True, chunks: int = 4) -> torch.Tensor:
+    """The 3D-parallel matmul on this rank's blocks (see the module docstring for the layout).
+
+    ``chunks``: pieces per collective (the largest divisor of the shard's rows ``<= chunks``);
+    ``overlap``: launch them async and overlap them with the other pieces' GEMMs."""
+    if not isinstance(chunks, int) or isinstance(chunks, bool) or chunks < 1:
+        raise ValueError(f"chunks: must be an int >= 1, got {chunks!r} (limit 1). Fix: pass 1 for no chunking")
     in_axis, out_axis = _axes(transpose)
-    return _Linear3D.apply(x, w_shard, groups.group(in_axis), groups.group(out_axis), groups.z, overlap)
+    return _Linear3D.apply(x, w_shard, groups.group(in_axis), groups.group(out_axis), groups.z, overlap, chunks)
 
 
 def linear3d_blocks(in_features: int, out_features: int, groups: GridGroups, *,
@@ -129,11 +201,11 @@ class Linear3D(torch.nn.Module):
     """
 
     def __init__(self, in_features: int, out_features: int, *, groups: GridGroups, transpose: bool = False,
-                 overlap: bool = True, full_weight: torch.Tensor | None = None, seed: int = 0,
+                 overlap: bool = True, chunks: int = 4, full_weight: torch.Tensor | None = None, seed: int = 0,
                  dtype: torch.dtype = torch.float32) -> None:
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
-        self.groups, self.transpose, self.overlap = groups, transpose, overlap
+        self.groups, self.transpose, self.overlap, self.chunks = groups, transpose, overlap, chunks
         self.blocks = linear3d_blocks(in_features, out_features, groups, transpose=transpose)
         if full_weight is None:
             g = torch.Generator().manual_seed(seed)
@@ -146,4 +218,5 @@ class Linear3D(torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``x``: this rank's ``[rows/z, ..., in/g_in]`` block; returns ``[rows/z, ..., out/g_out]``."""
-        return linear3d(x, self.weight, self.groups, transpose=self.transpose, overlap=self.overlap)
+        return linear3d(x, self.weight, self.groups, transpose=self.transpose, overlap=self.overlap,
+                        chunks=self.chunks)

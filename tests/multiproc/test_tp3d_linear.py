@@ -5,7 +5,7 @@ import pytest
 
 from megatron_het.tp import Grid4D, GridGroups, linear3d_blocks, rows_of
 
-from workers.overlap_workers import GRIDS_3D, SHAPES_3D, pure_results
+from workers.overlap_workers import GRIDS_3D, SHAPES_3D, VARIANTS_3D, pure_results
 
 
 def test_grid_coords_and_groups():
@@ -59,21 +59,25 @@ def test_blocks_validation_messages():
 
 
 @pytest.mark.multiproc
+@pytest.mark.parametrize("variant", VARIANTS_3D, ids=lambda v: f"chunks{v[0]}-{'overlap' if v[1] else 'blocking'}")
 @pytest.mark.parametrize("transpose", [False, True])
 @pytest.mark.parametrize("shape", SHAPES_3D)
 @pytest.mark.parametrize("grid", GRIDS_3D)
-def test_linear3d_equals_single_process(grid, shape, transpose):
+def test_linear3d_equals_single_process(grid, shape, transpose, variant):
+    """Chunked async (all three collectives overlapped), chunked blocking and plain: all equal the
+    float64 single-process layer."""
     for rank, res in enumerate(pure_results()):
-        errs = res["linear3d"][(grid, shape, transpose)]
+        errs = res["linear3d"][(grid, shape, transpose, *variant)]
         assert set(errs) == {"y", "dx", "dw"}
         for what, err in errs.items():
             assert err < 1e-12, f"rank {rank} grid {grid} shape {shape} transpose={transpose}: {what} off by {err}"
 
 
 @pytest.mark.multiproc
+@pytest.mark.parametrize("variant", VARIANTS_3D, ids=lambda v: f"chunks{v[0]}-{'overlap' if v[1] else 'blocking'}")
 @pytest.mark.parametrize("grid", GRIDS_3D)
-def test_linear3d_mlp_chain_needs_no_redistribution(grid):
+def test_linear3d_mlp_chain_needs_no_redistribution(grid, variant):
     for rank, res in enumerate(pure_results()):
-        errs = res["linear3d"][("mlp", grid)]
+        errs = res["linear3d"][("mlp", grid, *variant)]
         assert set(errs) == {"y", "dx", "dw1", "dw2"}
         assert max(errs.values()) < 1e-12, (rank, grid, errs)

@@ -91,13 +91,14 @@ def overlap_layers_cases(rank: int, world: int) -> dict:
 # ---------------------------------------------------------------------------------------------
 # 3D tensor parallelism
 
-def _linear3d_case(groups, m, b, k, n, transpose, seed):
+def _linear3d_case(groups, m, b, k, n, transpose, seed, chunks=4, overlap=True):
     from megatron_het.tp import Linear3D, rows_of
 
     data = groups.coords["data"]
     x, w, g = _full(seed + data, m, b, k), _full(seed + 100, n, k), _full(seed + 200 + data, m, b, n)
     y, dx, dw = _reference(x, w, g)
-    layer = Linear3D(k, n, groups=groups, transpose=transpose, full_weight=w, dtype=torch.float64)
+    layer = Linear3D(k, n, groups=groups, transpose=transpose, full_weight=w, dtype=torch.float64, chunks=chunks,
+                     overlap=overlap)
     rows, fin, fout = rows_of(m, groups), layer.blocks["input_features"][0], layer.blocks["output_features"][0]
     xs = x[rows][..., fin].clone().requires_grad_(True)
     out = layer(xs)
@@ -106,7 +107,7 @@ def _linear3d_case(groups, m, b, k, n, transpose, seed):
             "dw": _err(layer.weight.grad, dw[layer.blocks["weight"]])}
 
 
-def _mlp3d_case(groups, m, k, f, seed):
+def _mlp3d_case(groups, m, k, f, seed, chunks=4, overlap=True):
     """Normal then transposed layer, no redistribution in between; against y = (x W1^T) W2^T."""
     from megatron_het.tp import Linear3D, rows_of
 
@@ -114,8 +115,9 @@ def _mlp3d_case(groups, m, k, f, seed):
     xr, w1r, w2r = (t.clone().requires_grad_(True) for t in (x, w1, w2))
     (F.linear(F.linear(xr, w1r), w2r) * g).sum().backward()
     y_ref = F.linear(F.linear(x, w1), w2)
-    l1 = Linear3D(k, f, groups=groups, full_weight=w1, dtype=torch.float64)
-    l2 = Linear3D(f, k, groups=groups, transpose=True, full_weight=w2, dtype=torch.float64)
+    kw = {"dtype": torch.float64, "chunks": chunks, "overlap": overlap}
+    l1 = Linear3D(k, f, groups=groups, full_weight=w1, **kw)
+    l2 = Linear3D(f, k, groups=groups, transpose=True, full_weight=w2, **kw)
     rows, fin, fout = rows_of(m, groups), l1.blocks["input_features"][0], l2.blocks["output_features"][0]
     xs = x[rows][..., fin].clone().requires_grad_(True)
     out = l2(l1(xs))
@@ -128,6 +130,8 @@ def _mlp3d_case(groups, m, k, f, seed):
 # (x, y, z, data)
 GRIDS_3D = ((2, 1, 1, 2), (1, 2, 1, 2), (2, 2, 1, 1), (2, 1, 2, 1), (1, 2, 2, 1), (1, 1, 4, 1), (4, 1, 1, 1))
 SHAPES_3D = ((8, 2, 12, 8), (4, 1, 4, 16))  # (rows, batch, in, out)
+# (chunks, overlap): overlapped chunked collectives, the same chunks blocking, the plain layer
+VARIANTS_3D = ((4, True), (4, False), (1, False))
 
 
 def linear3d_cases(rank: int, world: int) -> dict:
@@ -138,9 +142,11 @@ def linear3d_cases(rank: int, world: int) -> dict:
         grid = create_grid_groups(Grid4D(x=gx, y=gy, z=gz, data=gd))  # groups made once per grid
         for si, (m, b, k, n) in enumerate(SHAPES_3D):
             for transpose in (False, True):
-                out[((gx, gy, gz, gd), (m, b, k, n), transpose)] = _linear3d_case(
-                    grid, m, b, k, n, transpose, 1000 * gi + 10 * si)
-        out[("mlp", (gx, gy, gz, gd))] = _mlp3d_case(grid, 8, 8, 16, 7000 + gi)
+                for chunks, overlap in VARIANTS_3D:
+                    out[((gx, gy, gz, gd), (m, b, k, n), transpose, chunks, overlap)] = _linear3d_case(
+                        grid, m, b, k, n, transpose, 1000 * gi + 10 * si, chunks, overlap)
+        for chunks, overlap in VARIANTS_3D:
+            out[("mlp", (gx, gy, gz, gd), chunks, overlap)] = _mlp3d_case(grid, 8, 8, 16, 7000 + gi, chunks, overlap)
     return out
 
 
