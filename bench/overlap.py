@@ -14,6 +14,18 @@ Also measured alone: the collectives (comm_s) and the GEMMs (compute_s) of one f
 The model's prediction for the overlapped time is ``chunked_overlap_time(comm, compute, 4)``
 (perf/axonn.py) per phase; exposed communication = time - compute_s. Medians over repeats; the
 slowest rank counts in every sample.
+
+**3D stage** (AxoNN's ``Linear3D``, four gloo ranks, ``OVERLAP_BENCH_3D=0`` skips it):
+
+* overlap alone: an MLP (fc1, then the transposed fc2: no redistribution) on the grid
+  ``GRID_3D`` = [2, 1, 2] (weight all-gather and weight-gradient reduce-scatter over z, forward and
+  input-gradient all-reduces over x), plain (one blocking collective each) vs chunked blocking vs
+  chunked overlapped, interleaved; the gain from overlap alone is chunked-blocking / overlapped;
+* 4D model vs measurement: for each of the six 4-rank grids, the collectives one transformer
+  layer's four distributed GEMMs run (``perf/axonn.AXONN_GEMMS``: weight all-gather, forward
+  all-reduce, input-gradient all-reduce, weight-gradient reduce-scatter), each blocking and timed,
+  against ``grid_cost(...).comm_s`` summed (CPU catalog island, one node, fp32); Spearman rank
+  correlation of the two orders (target >= 0.8).
 """
 
 from __future__ import annotations
@@ -30,7 +42,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_het.comm.overlap import all_gather_linear, linear_reduce_scatter  # noqa: E402
-from megatron_het.perf.axonn import chunked_overlap_time  # noqa: E402
+from megatron_het.perf.axonn import AXONN_GEMMS, chunked_overlap_time, grid_cost  # noqa: E402
 from megatron_het.platform.local_launch import run_local  # noqa: E402
 
 WORLD = 2
@@ -38,6 +50,11 @@ CHUNKS = 4
 REPEATS = int(os.environ.get("OVERLAP_BENCH_REPEATS", "7"))
 SEQ, HIDDEN = 4096, 2048  # full sequence and hidden size; the shard is SEQ/2 rows
 TARGET_SPEEDUP = 1.3
+WORLD_3D = 4
+GRID_3D = (2, 1, 2)  # (x, y, z) of the overlap-alone measurement
+GRIDS_3D = ((4, 1, 1), (1, 4, 1), (1, 1, 4), (2, 2, 1), (2, 1, 2), (1, 2, 2))
+HIDDEN_3D, FFN_3D, TOKENS_3D = 512, 2048, 1024  # the ranking layer: h, MLP width, tokens
+TARGET_SPEARMAN = 0.8
 OUT = Path(__file__).resolve().parent / "results" / "overlap.json"
 
 
@@ -157,6 +174,228 @@ def _figures(res: dict) -> dict:
     return out
 
 
+# ---------------------------------------------------------------------------------------------
+# 3D tensor parallelism (AxoNN's Linear3D)
+
+def _mlp3d_step(groups, x, dy, w1, w2, chunks: int, overlap: bool):
+    from megatron_het.tp import linear3d
+
+    def step():
+        xi, a, b = (t.detach().requires_grad_(True) for t in (x, w1, w2))
+        h = linear3d(xi, a, groups, chunks=chunks, overlap=overlap)
+        linear3d(h, b, groups, transpose=True, chunks=chunks, overlap=overlap).backward(dy)
+
+    return step
+
+
+def _mlp3d_tensors(groups, tokens: int, hidden: int, ffn: int):
+    from megatron_het.tp import linear3d_blocks
+
+    gx, gy, gz = groups.grid.x, groups.grid.y, groups.grid.z
+    b1 = linear3d_blocks(hidden, ffn, groups)["weight"]
+    b2 = linear3d_blocks(ffn, hidden, groups, transpose=True)["weight"]
+    w1 = torch.randn(b1[0].stop - b1[0].start, hidden // gx) / hidden ** 0.5
+    w2 = torch.randn(b2[0].stop - b2[0].start, ffn // gy) / ffn ** 0.5
+    return torch.randn(tokens // gz, hidden // gx), torch.randn(tokens // gz, hidden // gx), w1, w2
+
+
+def _mlp3d_parts(groups, x, dy, w1, w2):
+    """(comm-only, compute-only) callables of one plain forward+backward of the MLP."""
+    gz = groups.grid.z
+    a1, a2 = w1.new_empty(w1.shape[0] * gz, w1.shape[1]), w2.new_empty(w2.shape[0] * gz, w2.shape[1])
+    h, o = torch.empty(x.shape[0], a1.shape[0]), torch.empty(x.shape[0], a2.shape[0])
+
+    def comm():
+        for full, shard, out, in_axis in ((a1, w1, h, "x"), (a2, w2, o, "y")):
+            out_axis = "y" if in_axis == "x" else "x"
+            if gz > 1:
+                dist.all_gather_into_tensor(full, shard, group=groups.z)
+                dist.reduce_scatter_tensor(shard.clone(), full, group=groups.z)
+            if getattr(groups.grid, in_axis) > 1:
+                dist.all_reduce(out, group=groups.group(in_axis))
+            if getattr(groups.grid, out_axis) > 1:
+                dist.all_reduce(torch.empty(x.shape[0], full.shape[1]), group=groups.group(out_axis))
+
+    def compute():
+        for full, out in ((a1, h), (a2, o)):
+            inp = torch.empty(x.shape[0], full.shape[1])
+            inp @ full.t()
+            out @ full
+            out.t() @ inp
+
+    return comm, compute
+
+
+def _calibrate_tokens(groups) -> int:
+    """Tokens at which the MLP's collectives take about as long as its GEMMs (trial at 512)."""
+    trial = 512
+    comm, compute = _mlp3d_parts(groups, *_mlp3d_tensors(groups, trial, HIDDEN_3D, FFN_3D))
+    c, g = _median(comm), _median(compute)
+    per = 8 * groups.grid.z * CHUNKS
+    t = torch.tensor([max(per, min(8192, int(trial * c / max(g, 1e-6)) // per * per))], dtype=torch.int64)
+    dist.broadcast(t, src=0)
+    return int(t)
+
+
+def _layer_collectives(groups, tokens: int):
+    """Blocking collectives of one transformer layer's four distributed GEMMs on this grid, with the
+    buffer sizes of perf/axonn.grid_cost (fp32)."""
+    grid, h, f = groups.grid, HIDDEN_3D, FFN_3D
+    dims = {"qkv": (3 * h, h), "projection": (h, h), "fc1": (f, h), "fc2": (h, f)}  # (n, k)
+    bufs = []
+    for name, transposed in AXONN_GEMMS.items():
+        n, k = dims[name]
+        a_in, a_out = ("y", "x") if transposed else ("x", "y")
+        g_in, g_out = getattr(grid, a_in), getattr(grid, a_out)
+        block = torch.empty(n // g_out, k // g_in)
+        bufs.append((block, torch.empty(block.shape[0] // grid.z, block.shape[1]),
+                     torch.empty(tokens // grid.z, n // g_out), a_in, torch.empty(tokens // grid.z, k // g_in), a_out))
+
+    def comm():
+        for block, shard, out, a_in, dx, a_out in bufs:
+            if grid.z > 1:
+                dist.all_gather_into_tensor(block, shard, group=groups.z)
+            if getattr(grid, a_in) > 1:
+                dist.all_reduce(out, group=groups.group(a_in))
+            if getattr(grid, a_out) > 1:
+                dist.all_reduce(dx, group=groups.group(a_out))
+            if grid.z > 1:
+                dist.reduce_scatter_tensor(shard, block, group=groups.z)
+
+    return comm
+
+
+def _fit_channel() -> tuple[float, float]:
+    """(latency_us, bandwidth_gbps) of this host's gloo link, fitted to the ring all-reduce formula
+    ``2(n-1)L + 2(n-1)/n * S/B`` (perf/comm.ring_all_reduce_time) from all-reduces of two sizes
+    over every rank: the figures a host profile would give the island."""
+    n = dist.get_world_size()
+    sizes, times = (2 ** 16, 2 ** 22), []  # fp32 elements: 256 KiB and 16 MiB
+    for e in sizes:
+        t = torch.randn(e)
+        dist.all_reduce(t)
+        times.append(statistics.median(_timed(lambda t=t: dist.all_reduce(t)) for _ in range(REPEATS)))
+    (s1, s2), (t1, t2) = (4 * e for e in sizes), times
+    per_byte = max((t2 - t1) / (s2 - s1), 1e-12)  # seconds per byte of 2(n-1)/n * S
+    per_byte /= 2 * (n - 1) / n
+    latency_s = max((t1 - 2 * (n - 1) / n * s1 * per_byte) / (2 * (n - 1)), 1e-7)
+    return latency_s * 1e6, 8 / per_byte / 1e9
+
+
+def bench3d_rank(rank: int, world: int) -> dict:
+    from megatron_het.tp import Grid4D, create_grid_groups
+
+    torch.manual_seed(rank)
+    gx, gy, gz = GRID_3D
+    groups = create_grid_groups(Grid4D(x=gx, y=gy, z=gz))
+    tokens = _calibrate_tokens(groups)
+    x, dy, w1, w2 = _mlp3d_tensors(groups, tokens, HIDDEN_3D, FFN_3D)
+    variants = {"plain": (1, False), "overlap": (CHUNKS, True), "chunked_blocking": (CHUNKS, False)}
+    steps = {name: _mlp3d_step(groups, x, dy, w1, w2, c, o) for name, (c, o) in variants.items()}
+    comm, compute = _mlp3d_parts(groups, x, dy, w1, w2)
+    samples: dict[str, list[float]] = {name: [] for name in (*steps, "comm", "compute")}
+    for fn in steps.values():
+        _timed(fn)
+    for _ in range(REPEATS):
+        for name, fn in steps.items():
+            samples[name].append(_timed(fn))
+        samples["comm"].append(_timed(comm))
+        samples["compute"].append(_timed(compute))
+    mlp = {name: statistics.median(v) for name, v in samples.items()}
+    mlp.update(samples=samples, tokens=tokens)
+    latency_us, gbps = _fit_channel()
+    ranking = {}
+    for grid in GRIDS_3D:
+        g = create_grid_groups(Grid4D(x=grid[0], y=grid[1], z=grid[2]))
+        fn = _layer_collectives(g, TOKENS_3D)
+        _timed(fn)
+        ranking[grid] = [_timed(fn) for _ in range(REPEATS)]
+    return {"mlp": mlp, "ranking": ranking, "channel": {"latency_us": latency_us, "bandwidth_gbps": gbps}}
+
+
+def _ranks(values: list[float]) -> list[float]:
+    """1-based ranks, ties get their average rank."""
+    order = sorted(range(len(values)), key=lambda i: values[i])
+    out = [0.0] * len(values)
+    i = 0
+    while i < len(order):
+        j = i
+        while j + 1 < len(order) and values[order[j + 1]] == values[order[i]]:
+            j += 1
+        for t in range(i, j + 1):
+            out[order[t]] = (i + j) / 2 + 1
+        i = j + 1
+    return out
+
+
+def spearman(a: list[float], b: list[float]) -> float:
+    """Spearman rank correlation (Pearson of the tie-averaged ranks)."""
+    ra, rb = _ranks(a), _ranks(b)
+    n = len(ra)
+    ma, mb = sum(ra) / n, sum(rb) / n
+    cov = sum((x - ma) * (y - mb) for x, y in zip(ra, rb, strict=True))
+    va = sum((x - ma) ** 2 for x in ra) ** 0.5
+    vb = sum((y - mb) ** 2 for y in rb) ** 0.5
+    return cov / (va * vb) if va and vb else 0.0
+
+
+def _figures_3d(res: dict) -> dict:
+    from megatron_het.cluster import CATALOG, IslandSpec, ModelSpec
+    from megatron_het.tp import Grid4D
+
+    m = res["mlp"]
+    mlp = {"grid": list(GRID_3D), "hidden": HIDDEN_3D, "ffn": FFN_3D, "tokens": m["tokens"], "chunks": CHUNKS,
+           "samples_s": m["samples"], "plain_s": m["plain"], "overlap_s": m["overlap"],
+           "chunked_blocking_s": m["chunked_blocking"], "comm_alone_s": m["comm"], "compute_alone_s": m["compute"],
+           "gain_overlap_alone": m["chunked_blocking"] / m["overlap"],
+           "gain_chunking_alone": m["plain"] / m["chunked_blocking"], "gain_total": m["plain"] / m["overlap"]}
+    ch = res["channel"]
+    islands = {"host_fitted": IslandSpec(name="host", device=CATALOG["CPU"], nodes=1, gpus_per_node=WORLD_3D,
+                                         intra_node_bandwidth_gbps=ch["bandwidth_gbps"],
+                                         intra_node_latency_us=ch["latency_us"]),
+               "catalog_nominal": IslandSpec(name="host", device=CATALOG["CPU"], nodes=1, gpus_per_node=WORLD_3D)}
+    model = ModelSpec(num_layers=1, hidden_size=HIDDEN_3D, num_attention_heads=8, ffn_hidden_size=FFN_3D,
+                      seq_length=TOKENS_3D, vocab_size=1024)
+    rows = []
+    for grid in GRIDS_3D:
+        row = {"grid": list(grid), "measured_s": statistics.median(res["ranking"][grid]),
+               "samples_s": res["ranking"][grid]}
+        for key, island in islands.items():
+            cost = grid_cost(model, island, Grid4D(x=grid[0], y=grid[1], z=grid[2]), batch_tokens=TOKENS_3D,
+                             bytes_per_element=4)
+            row[f"predicted_{key}_s"] = sum(cost.comm_s.values())
+            row["predicted_volume_bytes"] = cost.total_volume_bytes
+        rows.append(row)
+    measured = [r["measured_s"] for r in rows]
+    rho = {key: spearman([r[f"predicted_{key}_s"] for r in rows], measured) for key in islands}
+    return {"mlp": mlp, "ranking": {"tokens": TOKENS_3D, "hidden": HIDDEN_3D, "ffn": FFN_3D, "grids": rows,
+                                    "fitted_channel": ch, "spearman": rho["host_fitted"],
+                                    "spearman_catalog_nominal": rho["catalog_nominal"]}}
+
+
+def _print_3d(f3: dict) -> None:
+    m = f3["mlp"]
+    print(f"\n3D stage: Linear3D MLP on grid {m['grid']} (4 gloo ranks), h={m['hidden']}, ffn={m['ffn']}, "
+          f"calibrated tokens={m['tokens']}, chunks={m['chunks']} (medians, seconds, forward+backward)")
+    print(f"{'plain':>8} {'chunk-blk':>9} {'overlap':>8} {'comm':>8} {'compute':>8} "
+          f"{'overlap-alone':>13} {'chunking-alone':>14} {'total':>6}")
+    print(f"{m['plain_s']:8.4f} {m['chunked_blocking_s']:9.4f} {m['overlap_s']:8.4f} {m['comm_alone_s']:8.4f} "
+          f"{m['compute_alone_s']:8.4f} {m['gain_overlap_alone']:13.2f} {m['gain_chunking_alone']:14.2f} "
+          f"{m['gain_total']:6.2f}")
+    r = f3["ranking"]
+    print(f"\n4D model vs gloo: one layer's 3D-TP collectives, {r['tokens']} tokens, h={r['hidden']}, "
+          f"ffn={r['ffn']}, fp32")
+    ch = r["fitted_channel"]
+    print(f"model link: fitted to this host's gloo all-reduce ({ch['latency_us']:.0f} us, "
+          f"{ch['bandwidth_gbps']:.1f} Gbit/s) | nominal CPU catalog entry")
+    print(f"{'grid':<10} {'pred.fitted':>11} {'pred.nominal':>12} {'measured':>10}")
+    for row in r["grids"]:
+        print(f"{str(row['grid']):<10} {row['predicted_host_fitted_s']:11.4f} "
+              f"{row['predicted_catalog_nominal_s']:12.4f} {row['measured_s']:10.4f}")
+    print(f"Spearman rank correlation: fitted link {r['spearman']:.2f}, nominal catalog link "
+          f"{r['spearman_catalog_nominal']:.2f} (target >= {TARGET_SPEARMAN}, on the fitted link)")
+
+
 def main() -> None:
     start = time.time()
     res = run_local(WORLD, bench_rank, timeout_s=1800)[0]
@@ -173,10 +412,18 @@ def main() -> None:
               f"{f['measured_exposed_comm_s']['overlap']:9.4f} {f['predicted_exposed_comm_s']['overlap']:9.4f}")
     met = all(f["speedup"] >= TARGET_SPEEDUP for f in figures["layers"].values())
     print(f"target speedup >= {TARGET_SPEEDUP}: {'met' if met else 'NOT met'} ({time.time() - start:.0f} s)")
+    targets = {"speedup_min": TARGET_SPEEDUP, "met": met}
+    if os.environ.get("OVERLAP_BENCH_3D", "1") != "0":
+        figures["tp3d"] = _figures_3d(run_local(WORLD_3D, bench3d_rank, timeout_s=1800)[0])
+        _print_3d(figures["tp3d"])
+        rho = figures["tp3d"]["ranking"]["spearman"]
+        targets.update(spearman_min=TARGET_SPEARMAN, spearman_met=rho >= TARGET_SPEARMAN)
+        print(f"target Spearman >= {TARGET_SPEARMAN}: {'met' if rho >= TARGET_SPEARMAN else 'NOT met'} "
+              f"({time.time() - start:.0f} s)")
     OUT.parent.mkdir(parents=True, exist_ok=True)
     OUT.write_text(json.dumps({
         "figures": figures,
-        "targets": {"speedup_min": TARGET_SPEEDUP, "met": met},
+        "targets": targets,
         "command": "python bench/overlap.py",
         "machine": {"platform": platform.platform(), "processor": platform.processor(),
                     "cpus": os.cpu_count(), "torch": torch.__version__,

@@ -16,7 +16,11 @@ reduce-scatter wgrad    z       ``B*n*k/(x*y)``          backward
 all-reduce wgrad        data    ``B*n*k/(x*y*z)``        backward
 ======================  ======  =======================  ===========================
 
-Times are the ring collectives of ``perf/comm.py`` over each axis's link. Rank order is x fastest,
+Times are the ring collectives of ``perf/comm.py`` over each axis's link, except that on an island
+whose collective library is gloo a reduce-scatter is priced as an all-reduce of the whole buffer:
+torch's gloo backend implements ``reduce_scatter_tensor`` that way (``ProcessGroupGloo::
+reduce_scatter_tensor_coalesced`` clones the input, all-reduces it and copies out this rank's
+chunk), twice the ring reduce-scatter's volume plus its latency steps. Rank order is x fastest,
 then y, z, data: an axis whose group spans ``stride * size <= gpus_per_node`` ranks stays inside a
 node (intra-node link), otherwise it crosses nodes (the island's inter-node link per GPU).
 
@@ -33,7 +37,7 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass
 
-from megatron_het.cluster import IslandSpec, ModelSpec
+from megatron_het.cluster import GLOO, IslandSpec, ModelSpec
 from megatron_het.perf.comm import (
     Channel,
     ring_all_gather_time,
@@ -53,6 +57,7 @@ __all__ = [
     "chunked_overlap_time",
     "candidate_grids",
     "grid_cost",
+    "reduce_scatter_kind",
 ]
 
 # Layer GEMMs the 3D layer distributes (attention's batched per-head GEMMs stay local) and whether
@@ -102,6 +107,12 @@ class GridCost:
         return sum(self.volume_bytes.values())
 
 
+def reduce_scatter_kind(island: IslandSpec) -> str:
+    """How the island's collective library runs a reduce-scatter: ``"rs"`` (ring) or ``"ar"`` (gloo:
+    an all-reduce of the whole buffer, then a local copy of this rank's chunk)."""
+    return "ar" if island.device.collective_library == GLOO else "rs"
+
+
 def _ring_bytes(kind: str, nbytes: float, n: int) -> float:
     if n == 1:
         return 0.0
@@ -144,7 +155,7 @@ def grid_cost(model: ModelSpec, island: IslandSpec, grid: Grid4D, *, batch_token
             "ag_weight": ("ag", w_block, "z"),
             "ar_forward": ("ar", B * m * g.n / (grid.z * g_out), a_in),
             "ar_backward": ("ar", B * m * g.k / (grid.z * g_in), a_out),
-            "rs_wgrad": ("rs", w_block, "z"),
+            "rs_wgrad": (reduce_scatter_kind(island), w_block, "z"),
             "ar_data": ("ar", w_block / grid.z, "data"),
         }
         per_gemm = {}

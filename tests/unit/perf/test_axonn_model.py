@@ -81,3 +81,17 @@ def test_grid_cost_validation_messages():
         grid_cost(TINY, POD, Grid4D(x=8, y=8, z=1), batch_tokens=4096)
     with pytest.raises(ValueError, match=r"gpus: no grid of 1 ranks fits"):
         best_grid(BIG, POD, 1, batch_tokens=2048)
+
+
+def test_gloo_reduce_scatter_priced_as_whole_buffer_all_reduce():
+    """torch's gloo backend all-reduces the whole buffer for reduce_scatter_tensor: the model prices
+    the weight-gradient reduce-scatter on a gloo island as that all-reduce (2x the ring volume)."""
+    from megatron_het.perf.axonn import reduce_scatter_kind
+
+    host = IslandSpec(name="host", device=CATALOG["CPU"], nodes=1, gpus_per_node=4)
+    assert reduce_scatter_kind(host) == "ar" and reduce_scatter_kind(POD) == "rs"
+    grid = Grid4D(x=1, y=1, z=4)
+    gloo = grid_cost(TINY, host, grid, batch_tokens=4096, bytes_per_element=4)
+    assert gloo.volume_bytes["rs_wgrad"] == pytest.approx(2 * gloo.volume_bytes["ag_weight"])
+    ring = grid_cost(TINY, POD, grid, batch_tokens=4096, bytes_per_element=4)
+    assert ring.volume_bytes["rs_wgrad"] == pytest.approx(ring.volume_bytes["ag_weight"])
