@@ -21,8 +21,8 @@ slowest rank counts in every sample.
   ``GRID_3D`` = [2, 1, 2] (weight all-gather and weight-gradient reduce-scatter over z, forward and
   input-gradient all-reduces over x), plain (one blocking collective each) vs chunked blocking vs
   chunked overlapped, interleaved; the gain from overlap alone is chunked-blocking / overlapped;
-* 4D model vs measurement: for each of the six 4-rank grids, the collectives one transformer
-  layer's four distributed GEMMs run (``perf/axonn.AXONN_GEMMS``: weight all-gather, forward
+* 4D model vs measurement: for each of the six 4-rank grids (interleaved, medians of
+  ``RANKING_REPEATS``), the collectives one transformer layer's four distributed GEMMs run (``perf/axonn.AXONN_GEMMS``: weight all-gather, forward
   all-reduce, input-gradient all-reduce, weight-gradient reduce-scatter), each blocking and timed,
   against ``grid_cost(...).comm_s`` summed (CPU catalog island, one node, fp32); Spearman rank
   correlation of the two orders (target >= 0.8).
@@ -55,6 +55,7 @@ GRID_3D = (2, 1, 2)  # (x, y, z) of the overlap-alone measurement
 GRIDS_3D = ((4, 1, 1), (1, 4, 1), (1, 1, 4), (2, 2, 1), (2, 1, 2), (1, 2, 2))
 HIDDEN_3D, FFN_3D, TOKENS_3D = 512, 2048, 1024  # the ranking layer: h, MLP width, tokens
 TARGET_SPEARMAN = 0.8
+RANKING_REPEATS = 3 * REPEATS  # samples per grid of the ranking (each ~20-80 ms)
 OUT = Path(__file__).resolve().parent / "results" / "overlap.json"
 
 
@@ -304,12 +305,14 @@ def bench3d_rank(rank: int, world: int) -> dict:
     mlp = {name: statistics.median(v) for name, v in samples.items()}
     mlp.update(samples=samples, tokens=tokens)
     latency_us, gbps = _fit_channel()
-    ranking = {}
+    fns = {}
     for grid in GRIDS_3D:
-        g = create_grid_groups(Grid4D(x=grid[0], y=grid[1], z=grid[2]))
-        fn = _layer_collectives(g, TOKENS_3D)
-        _timed(fn)
-        ranking[grid] = [_timed(fn) for _ in range(REPEATS)]
+        fns[grid] = _layer_collectives(create_grid_groups(Grid4D(x=grid[0], y=grid[1], z=grid[2])), TOKENS_3D)
+        _timed(fns[grid])  # warm-up
+    ranking: dict[tuple[int, ...], list[float]] = {grid: [] for grid in GRIDS_3D}
+    for _ in range(RANKING_REPEATS):  # interleaved so drift hits every grid alike
+        for grid, fn in fns.items():
+            ranking[grid].append(_timed(fn))
     return {"mlp": mlp, "ranking": ranking, "channel": {"latency_us": latency_us, "bandwidth_gbps": gbps}}
 
 
