@@ -16,7 +16,7 @@ from megatron_het.schedule.generators import SCHEDULE_NAMES
 if TYPE_CHECKING:
     from megatron_het.cluster import ClusterSpec, ModelSpec
 
-__all__ = ["check_cluster", "check_pipeline", "check_tp_comm_overlap"]
+__all__ = ["check_cluster", "check_pipeline", "check_tp_comm_overlap", "check_tp_grid", "tp_grid_divisors"]
 
 Replicas = Sequence[ReplicaPlan]
 
@@ -150,6 +150,16 @@ def _check_tp(replicas: Replicas, model: ModelSpec, sequence_parallel: bool) -> 
     )
     for ri, r in enumerate(replicas):
         for si, s in enumerate(r.stages):
+            if s.tp_grid is not None:
+                check_tp_grid(s.tp_grid, len(s.ranks), model, f"replicas[{ri}].stages[{si}]")
+                if s.tp_comm_overlap:
+                    raise PlanError(
+                        field=f"replicas[{ri}].stages[{si}].tp_comm_overlap", value=True,
+                        problem="a 3D tensor-parallel stage (tp_grid) overlaps its own collectives; "
+                        "tp_comm_overlap is the 1D sequence-parallel overlap",
+                        fix='remove "tp_comm_overlap" from this stage, or remove "tp_grid"',
+                    )
+                continue
             for name, size in sizes:
                 if size % s.tp:
                     raise PlanError(
@@ -164,6 +174,40 @@ def _check_tp(replicas: Replicas, model: ModelSpec, sequence_parallel: bool) -> 
                     problem=f"sequence_parallel needs TP size {s.tp} to divide seq_length={model.seq_length}",
                     fix="use a TP size that divides seq_length, or turn sequence_parallel off",
                 )
+
+
+def tp_grid_divisors(grid: Sequence[int], model: ModelSpec) -> list[tuple[str, int, str, int]]:
+    """(model size name, size, what must divide it, its value) for a 3D grid ``(gx, gy, gz)``.
+
+    AxoNN's layout (tp/linear3d.py): the QKV and FC1 GEMMs split input features over x and output
+    features over y, each weight block sharded over z along its output features; the projection and
+    FC2 GEMMs are transposed (input over y, output over x, sharded over z). Attention heads and
+    key/value groups follow the QKV output block, so they split over y."""
+    gx, gy, gz = grid
+    qkv = (model.num_attention_heads + 2 * model.num_query_groups) * model.kv_channels
+    return [("hidden_size", model.hidden_size, "gx*gz", gx * gz),
+            ("ffn_hidden_size", model.ffn_hidden_size, "gy*gz", gy * gz),
+            ("num_attention_heads", model.num_attention_heads, "gy", gy),
+            ("num_query_groups", model.num_query_groups, "gy", gy),
+            ("qkv width", qkv, "gy*gz", gy * gz)]
+
+
+def check_tp_grid(grid: Sequence[int], ranks: int, model: ModelSpec, path: str) -> None:
+    """A stage's ``tp_grid``: the product is its rank count and the grid divides the layer's sizes."""
+    gx, gy, gz = grid
+    if gx * gy * gz != ranks:
+        raise PlanError(
+            field=f"{path}.tp_grid", value=list(grid),
+            problem=f"the grid's product gx*gy*gz = {gx * gy * gz} must equal the stage's {ranks} ranks",
+            fix=f"choose axis sizes whose product is {ranks}, or list {gx * gy * gz} ranks",
+        )
+    for name, size, what, div in tp_grid_divisors(grid, model):
+        if size % div:
+            raise PlanError(
+                field=f"{path}.tp_grid", value=list(grid),
+                problem=f"{what} = {div} does not divide {name}={size}",
+                fix=f"choose a grid whose {what} divides {size}: one of {_divisors(size)[:12]}",
+            )
 
 
 def check_tp_comm_overlap(replicas: Replicas, sequence_parallel: bool) -> None:

@@ -10,7 +10,7 @@ from megatron_het.plan.fields import as_bool, as_int, as_int_list, as_list, as_s
 __all__ = ["ReplicaPlan", "StagePlan"]
 
 _REPLICA_KEYS = ("num_micro_batches", "stages")
-_STAGE_KEYS = ("island", "device_type", "ranks", "layers", "recompute", "tp_comm_overlap")
+_STAGE_KEYS = ("island", "device_type", "ranks", "layers", "recompute", "tp_comm_overlap", "tp_grid")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -26,6 +26,10 @@ class StagePlan:
     layers: tuple[int, int]
     recompute: bool = False  # full activation recomputation on this stage
     tp_comm_overlap: bool = False  # chunked collective/GEMM overlap in this stage's TP layers
+    # AxoNN 3D tensor parallelism instead of 1D: (gx, gy, gz) axis sizes of the stage's grid
+    # (tp/grid.Grid4D: x splits input features, y output features, z tokens and the weight shards),
+    # product = len(ranks), ranks in grid order (x fastest). None: Megatron's 1D TP over the ranks.
+    tp_grid: tuple[int, int, int] | None = None
 
     @property
     def tp(self) -> int:
@@ -39,8 +43,11 @@ class StagePlan:
 
     def to_dict(self) -> dict:
         """JSON-ready dict (every field, defaults included)."""
-        return {"island": self.island, "device_type": self.device_type, "ranks": list(self.ranks),
-                "layers": list(self.layers), "recompute": self.recompute, "tp_comm_overlap": self.tp_comm_overlap}
+        d = {"island": self.island, "device_type": self.device_type, "ranks": list(self.ranks),
+             "layers": list(self.layers), "recompute": self.recompute, "tp_comm_overlap": self.tp_comm_overlap}
+        if self.tp_grid is not None:  # written only when set: 1D plans keep their JSON unchanged
+            d["tp_grid"] = list(self.tp_grid)
+        return d
 
     @classmethod
     def from_dict(cls, d: object, path: str, source: str | None) -> StagePlan:
@@ -53,6 +60,16 @@ class StagePlan:
                 problem=f"expected 2 numbers [first, stop), found {len(layers)}",
                 fix="write the layer range as [first, stop), e.g. [0, 4]",
             )
+        tp_grid = None
+        if d.get("tp_grid") is not None:
+            grid = as_int_list(d["tp_grid"], f"{path}.tp_grid", source)
+            if len(grid) != 3 or min(grid) < 1:
+                raise PlanError(
+                    file=source, field=f"{path}.tp_grid", value=list(grid),
+                    problem=f"expected 3 axis sizes >= 1 [gx, gy, gz], found {len(grid)} number(s)",
+                    fix="write the 3D tensor-parallel grid as [gx, gy, gz], e.g. [2, 2, 1], or remove the key",
+                )
+            tp_grid = (grid[0], grid[1], grid[2])
         return cls(
             island=as_str(required(d, "island", path, source), f"{path}.island", source),
             device_type=as_str(required(d, "device_type", path, source), f"{path}.device_type", source),
@@ -60,6 +77,7 @@ class StagePlan:
             layers=(layers[0], layers[1]),
             recompute=as_bool(d.get("recompute", False), f"{path}.recompute", source),
             tp_comm_overlap=as_bool(d.get("tp_comm_overlap", False), f"{path}.tp_comm_overlap", source),
+            tp_grid=tp_grid,
         )
 
 
