@@ -100,6 +100,15 @@ class GridCost:
     compute_s: float  # forward + backward GEMM seconds of the distributed GEMMs
     exposed_s: float  # communication on the critical path without overlap (= sum of comm_s)
     exposed_overlap_s: float  # with AxoNN's overlaps (module docstring)
+    exposed_forward_s: float  # the forward's share of exposed_s (weight all-gathers + forward all-reduces)
+    exposed_overlap_forward_s: float  # the forward's share of exposed_overlap_s
+    # What tp/linear3d.Linear3D runs: each GEMM's collectives cut into ``chunks`` pieces overlapped
+    # with that GEMM's own pieces only (no prefetch across layers), each piece paying the collective's
+    # latency steps again: per GEMM, forward
+    # ``chunked_overlap_time(ag + ar_fwd, gemm, chunks) - gemm``, backward the same with
+    # ``ar_bwd + rs (+ ar_data)`` against the input- and weight-gradient GEMMs.
+    exposed_chunked_s: float
+    exposed_chunked_forward_s: float  # its forward share
     state_bytes_per_gpu: float  # weights + grads + optimizer state of the distributed GEMMs per rank
 
     @property
@@ -121,7 +130,7 @@ def _ring_bytes(kind: str, nbytes: float, n: int) -> float:
 
 
 def grid_cost(model: ModelSpec, island: IslandSpec, grid: Grid4D, *, batch_tokens: int,
-              bytes_per_element: int = 2) -> GridCost:
+              bytes_per_element: int = 2, chunks: int = 4) -> GridCost:
     """Communication and GEMM time per iteration of ``model`` on ``grid`` inside ``island``.
 
     ``batch_tokens``: tokens of the global batch (global batch size * sequence length); each data
@@ -138,7 +147,7 @@ def grid_cost(model: ModelSpec, island: IslandSpec, grid: Grid4D, *, batch_token
     gemms = {g.name: g for g in layer_gemms(model, micro_batch_size=1, seq_length=model.seq_length)}
     vol = dict.fromkeys(("ag_weight", "ar_forward", "ar_backward", "rs_wgrad", "ar_data"), 0.0)
     t = dict(vol)
-    compute = forward = hidden_oar = 0.0
+    compute = forward = hidden_oar = chunked_fwd = chunked_bwd = 0.0
     params = 0.0
     B = bytes_per_element
     for name, transposed in AXONN_GEMMS.items():
@@ -159,12 +168,16 @@ def grid_cost(model: ModelSpec, island: IslandSpec, grid: Grid4D, *, batch_token
             "ar_data": ("ar", w_block / grid.z, "data"),
         }
         per_gemm = {}
+        per_chunked = {}
         for key, (kind, nbytes, axis) in items.items():
             n = getattr(grid, axis)
             fn = {"ag": ring_all_gather_time, "ar": ring_all_reduce_time, "rs": ring_reduce_scatter_time}[kind]
             c = ch[axis]
             per_gemm[key] = model.num_layers * fn(nbytes, n=n, bandwidth_gbps=c.bandwidth_gbps,
                                                   latency_us=c.latency_us)
+            # cut into `chunks` collectives: the same bytes, `chunks` times the latency steps
+            per_chunked[key] = model.num_layers * chunks * fn(nbytes / chunks, n=n, bandwidth_gbps=c.bandwidth_gbps,
+                                                              latency_us=c.latency_us)
             vol[key] += model.num_layers * _ring_bytes(kind, nbytes, n)
             t[key] += per_gemm[key]
         local = Gemm(name=name, m=m // grid.z, n=g.n // g_out, k=g.k // g_in)
@@ -172,13 +185,19 @@ def grid_cost(model: ModelSpec, island: IslandSpec, grid: Grid4D, *, batch_token
         forward += f
         compute += 3 * f  # forward, input-gradient and weight-gradient GEMMs cost the same
         hidden_oar += min(per_gemm["ar_backward"], f)  # hidden behind this GEMM's weight gradient
+        chunked_fwd += chunked_overlap_time(per_chunked["ag_weight"] + per_chunked["ar_forward"], f, chunks) - f
+        bwd_comm = per_chunked["ar_backward"] + per_chunked["rs_wgrad"] + per_gemm["ar_data"]
+        chunked_bwd += chunked_overlap_time(bwd_comm, 2 * f, chunks) - 2 * f
         params += model.num_layers * g.n * g.k / grid.tensor_parallel
     exposed = sum(t.values())
     backward = compute - forward
     overlapped = (t["ar_forward"] + (t["ar_backward"] - hidden_oar) + max(0.0, t["ag_weight"] - forward)
                   + max(0.0, t["rs_wgrad"] + t["ar_data"] - backward))
+    overlapped_forward = t["ar_forward"] + max(0.0, t["ag_weight"] - forward)
     return GridCost(grid=grid, volume_bytes=vol, comm_s=t, compute_s=compute, exposed_s=exposed,
-                    exposed_overlap_s=overlapped,
+                    exposed_overlap_s=overlapped, exposed_forward_s=t["ag_weight"] + t["ar_forward"],
+                    exposed_overlap_forward_s=overlapped_forward,
+                    exposed_chunked_s=chunked_fwd + chunked_bwd, exposed_chunked_forward_s=chunked_fwd,
                     state_bytes_per_gpu=params * (PARAM_BYTES + GRAD_BYTES + OPTIMIZER_BYTES))
 
 

@@ -52,14 +52,15 @@ def island_infeasibility(est: Estimator, isl: int, *, max_tp: int, micro_batch_s
 
 def describe_plan(plan: Plan) -> str:
     """One line per distinct replica layout: "2 x [a100 TP=2 L0-9 | h100 TP=1 L10-31 RC] m=8,8"
-    (RC: the stage recomputes activations)."""
+    (RC: the stage recomputes activations; "TP=4 grid [1, 1, 4]": a 3D tensor-parallel stage)."""
     groups: dict[tuple[object, ...], list[int]] = {}
     for r in plan.replicas:
-        key = tuple((s.island, s.tp, s.layers, s.recompute) for s in r.stages)
+        key = tuple((s.island, s.tp, s.layers, s.recompute, s.tp_grid) for s in r.stages)
         groups.setdefault(key, []).append(r.num_micro_batches)
     lines = []
     for key, ms in groups.items():
-        stages = " | ".join(f"{isl} TP={tp} L{a}-{b - 1}{' RC' if rc else ''}" for isl, tp, (a, b), rc in key)
+        stages = " | ".join(f"{isl} TP={tp}{f' grid {list(g)}' if g else ''} L{a}-{b - 1}{' RC' if rc else ''}"
+                            for isl, tp, (a, b), rc, g in key)
         lines.append(f"{len(ms)} x [{stages}] micro-batches {sorted(set(ms), reverse=True)}")
     return "\n".join(lines)
 

@@ -17,17 +17,23 @@ parallelizer whose configurations the runtime cannot run must also teach the pre
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Protocol
 
-from megatron_het.cluster import ClusterSpec, ModelSpec
+from megatron_het.cluster import ClusterSpec, IslandSpec, ModelSpec
+from megatron_het.perf.axonn import GridCost, grid_cost
 from megatron_het.perf.memory import stage_memory
 from megatron_het.perf.predict import StageCost, stage_cost
 from megatron_het.perf.profile import Profile
+from megatron_het.plan import Plan, validate_plan
+from megatron_het.plan.checks import tp_grid_divisors
 from megatron_het.planner.space import tp_options
+from megatron_het.tp.grid import Grid4D
 
-__all__ = ["IntraConfig", "LayerSlice", "MegatronParallelizer", "Parallelizer"]
+__all__ = ["AxonnParallelizer", "GridChoice", "IntraConfig", "LayerSlice", "MegatronParallelizer", "Parallelizer",
+           "tp_grid_choice"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -52,6 +58,7 @@ class IntraConfig:
     cost: StageCost  # seconds per micro-batch, split so that any layer count can be priced
     memory_bytes: int  # peak bytes per rank for the slice as asked
     memory_per_layer_bytes: float  # extra bytes per rank for each further layer
+    tp_grid: tuple[int, int, int] | None = None  # AxoNN 3D grid (gx, gy, gz) of the tp ranks; None: 1D TP
 
 
 class Parallelizer(Protocol):
@@ -129,3 +136,136 @@ class MegatronParallelizer:
                 out.append(IntraConfig(tp=tp, recompute=rc, cost=self._cost(island_index, tp, slice_.micro_batch_size, rc),
                                        memory_bytes=total, memory_per_layer_bytes=slope))
         return out
+
+
+# ---------------------------------------------------------------------------------------------
+# AxoNN 3D tensor parallelism as an intra-island option (perf/axonn.py prices it)
+
+@dataclass(frozen=True, kw_only=True)
+class GridChoice:
+    """The 4D communication model's verdict on one stage's tensor-parallel group: the cheapest 3D
+    grid against Megatron's 1D TP, per transformer layer and micro-batch."""
+
+    tp: int  # ranks of the stage
+    grid: tuple[int, int, int] | None  # the 3D grid to run, None when 1D TP is at least as cheap
+    best_3d: tuple[int, int, int] | None  # the cheapest 3D grid (also when it loses); None: none divides
+    exposed_1d_s: float  # exposed TP communication of 1D TP (grid [1, tp, 1], Megatron, no overlap)
+    exposed_3d_s: float  # of ``best_3d``, chunked and overlapped as Linear3D runs it (inf when none)
+    forward_delta_s: float  # 3D minus 1D exposed seconds in the forward (0 when 1D is kept)
+    backward_delta_s: float  # the same for the backward
+
+    def describe(self, island: str) -> str:
+        ms_1d, ms_3d = self.exposed_1d_s * 1e3, self.exposed_3d_s * 1e3
+        if self.grid is not None:
+            return (f"{island} TP={self.tp}: 3D grid {list(self.grid)} (AxoNN), exposed TP communication "
+                    f"{ms_3d:.3f} ms vs {ms_1d:.3f} ms for 1D TP per layer and micro-batch (4D model)")
+        if self.best_3d is None:
+            return f"{island} TP={self.tp}: 1D TP, no 3D grid of {self.tp} ranks divides the model"
+        return (f"{island} TP={self.tp}: 1D TP, cheaper than the best 3D grid {list(self.best_3d)} "
+                f"({ms_1d:.3f} ms vs {ms_3d:.3f} ms exposed per layer and micro-batch, 4D model)")
+
+
+def _grids(tp: int) -> list[tuple[int, int, int]]:
+    divs = [d for d in range(1, tp + 1) if tp % d == 0]
+    return [(a, b, tp // (a * b)) for a, b in itertools.product(divs, repeat=2) if tp % (a * b) == 0]
+
+
+def tp_grid_choice(model: ModelSpec, island: IslandSpec, tp: int, *, micro_batch_size: int,
+                   bytes_per_element: int = 2) -> GridChoice:
+    """Price every 3D grid of ``tp`` ranks (``perf/axonn.grid_cost``, one layer, one micro-batch of
+    ``micro_batch_size * seq_length`` tokens) against 1D TP, the grid ``[1, tp, 1]``, which is exactly
+    Megatron's layout (two all-reduces of the activations forward, two backward). A 3D grid is
+    priced as ``tp/linear3d.Linear3D`` runs it: each GEMM's collectives chunked and overlapped with
+    that GEMM's pieces (``exposed_chunked_s``; not AxoNN's cross-layer prefetch credit), 1D TP
+    without overlap; 3D wins only when strictly cheaper."""
+    one_layer = replace(model, num_layers=1)
+    tokens = micro_batch_size * model.seq_length
+
+    def cost(g: tuple[int, int, int]) -> GridCost | None:
+        if any(size % div for _, size, _, div in tp_grid_divisors(g, model)):
+            return None
+        try:
+            return grid_cost(one_layer, island, Grid4D(x=g[0], y=g[1], z=g[2]), batch_tokens=tokens,
+                             bytes_per_element=bytes_per_element)
+        except ValueError:  # the token count or a GEMM does not split over this grid
+            return None
+
+    one = cost((1, tp, 1))
+    if one is None:
+        raise ValueError(f"tp: {tp} ranks do not split {model.name or 'the model'} as 1D TP (grid [1, {tp}, 1]). "
+                         f"Fix: ask only for TP sizes the Megatron parallelizer offers")
+    priced = [(c.exposed_chunked_s, g, c) for g in _grids(tp) if g != (1, tp, 1) and (c := cost(g)) is not None]
+    if not priced:
+        return GridChoice(tp=tp, grid=None, best_3d=None, exposed_1d_s=one.exposed_s, exposed_3d_s=float("inf"),
+                          forward_delta_s=0.0, backward_delta_s=0.0)
+    exposed, g, best = min(priced, key=lambda p: (p[0], p[2].total_volume_bytes, p[1]))
+    if exposed >= one.exposed_s:
+        return GridChoice(tp=tp, grid=None, best_3d=g, exposed_1d_s=one.exposed_s, exposed_3d_s=exposed,
+                          forward_delta_s=0.0, backward_delta_s=0.0)
+    fwd = best.exposed_chunked_forward_s - one.exposed_forward_s
+    bwd = (best.exposed_chunked_s - best.exposed_chunked_forward_s) - (one.exposed_s - one.exposed_forward_s)
+    return GridChoice(tp=tp, grid=g, best_3d=g, exposed_1d_s=one.exposed_s, exposed_3d_s=exposed,
+                      forward_delta_s=fwd, backward_delta_s=bwd)
+
+
+class AxonnParallelizer(MegatronParallelizer):
+    """Megatron's configurations plus, for each TP size > 1, AxoNN's 3D grid of those ranks when the
+    4D model (``tp_grid_choice``) says it exposes less TP communication: that configuration comes
+    first for its TP size, priced as the Megatron one with the per-layer exposed communication
+    replaced (the 3D minus 1D difference, scaled by the island's emulation slowdown). Memory is
+    Megatron's 1D figure (a 3D grid holds no more: the same weights per rank, fewer activations
+    with z > 1).
+
+    Opt-in (``plan_cluster(..., parallelizer=AxonnParallelizer(...))``): the pipeline runtime does
+    not build 3D stages yet and refuses plans with ``tp_grid`` (plan/validate.check_runtime_tp_grid),
+    and ``perf.predict`` ranks the final plans with 1D TP communication (the 3D saving is the
+    parallelizer's; the explanation states it)."""
+
+    name = "megatron+axonn-3d"
+
+    def __init__(self, model: ModelSpec, cluster: ClusterSpec, **kw) -> None:
+        super().__init__(model, cluster, **kw)
+        self._choices: dict[tuple[int, int, int], GridChoice] = {}
+
+    def grid_choice(self, island_index: int, tp: int, micro_batch_size: int) -> GridChoice:
+        key = (island_index, tp, micro_batch_size)
+        if key not in self._choices:
+            self._choices[key] = tp_grid_choice(self.model, self.cluster.islands[island_index], tp,
+                                                micro_batch_size=micro_batch_size)
+        return self._choices[key]
+
+    def candidates(self, slice_: LayerSlice, island_index: int, budget_bytes: int) -> list[IntraConfig]:
+        out = []
+        k = self.cluster.slowdown(self.cluster.islands[island_index].name)
+        for c in super().candidates(slice_, island_index, budget_bytes):
+            choice = self.grid_choice(island_index, c.tp, slice_.micro_batch_size) if c.tp > 1 else None
+            if choice is not None and choice.grid is not None:
+                cost = replace(c.cost,
+                               layer_forward_s=max(0.0, c.cost.layer_forward_s + k * choice.forward_delta_s),
+                               layer_backward_s=max(0.0, c.cost.layer_backward_s + k * choice.backward_delta_s))
+                out.append(replace(c, cost=cost, tp_grid=choice.grid))  # first: the faster one for this TP
+            out.append(c)
+        return out
+
+    def assign_tp_grids(self, plan: Plan) -> tuple[Plan, list[str]]:
+        """``plan`` with ``tp_grid`` set on every stage whose TP group the 4D model runs faster as a 3D
+        grid, and one explanation line per distinct (island, TP size)."""
+        index = {isl.name: i for i, isl in enumerate(self.cluster.islands)}
+        lines: dict[str, None] = {}
+        replicas = []
+        for r in plan.replicas:
+            stages = []
+            for s in r.stages:
+                if s.tp > 1:
+                    choice = self.grid_choice(index[s.island], s.tp, plan.micro_batch_size)
+                    lines[choice.describe(s.island)] = None
+                    if choice.grid is not None:
+                        s = replace(s, tp_grid=choice.grid)
+                stages.append(s)
+            replicas.append(replace(r, stages=tuple(stages)))
+        out = replace(plan, replicas=tuple(replicas))
+        validate_plan(out, self.model, self.cluster)
+        if any(s.tp_grid for r in out.replicas for s in r.stages):
+            lines["(the predicted iteration time prices 1D TP communication; the 3D saving above is the "
+                  "4D model's, and the runtime does not build 3D stages yet)"] = None
+        return out, list(lines)

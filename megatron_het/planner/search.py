@@ -380,8 +380,14 @@ def plan_cluster(model: ModelSpec, cluster: ClusterSpec, *, global_batch_size: i
                                                           overlap_grad_reduce=overlap_grad_reduce))
     counter.finish()
     explanation = explain_choice(model, cluster, ranked, evaluated, evaluated - len(estimates))
-    return PlannerResult(best=ranked[0][0], candidates=ranked[:top_k],
-                         explanation="\n".join([explanation, *idle]), infeasible=list(reasons), idle=tuple(idle))
+    best, grid_lines = ranked[0][0], []
+    assign_tp_grids = getattr(est.parallelizer, "assign_tp_grids", None)  # a parallelizer offering 3D TP
+    if assign_tp_grids is not None:
+        best, grid_lines = assign_tp_grids(best)
+        ranked[0] = (best, ranked[0][1])
+    return PlannerResult(best=best, candidates=ranked[:top_k],
+                         explanation="\n".join([explanation, *grid_lines, *idle]), infeasible=list(reasons),
+                         idle=tuple(idle))
 
 
 @dataclass(frozen=True, kw_only=True)
