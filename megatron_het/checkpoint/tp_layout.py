@@ -11,7 +11,14 @@ from __future__ import annotations
 
 import torch
 
+from megatron_het.tp.grid import Grid4D
+from megatron_het.tp.linear3d import weight_block
+
 GLU_MARK = ".mlp.linear_fc1."
+# A 3D tensor-parallel stage (plan tp_grid, AxoNN's layout): the transformer layer's four linear
+# weights, by name suffix, and whether each runs transposed (input features over y, output over x).
+GRID_LINEARS = {".self_attention.linear_qkv.weight": False, ".self_attention.linear_proj.weight": True,
+                ".mlp.linear_fc1.weight": False, ".mlp.linear_fc2.weight": True}
 
 
 def is_glu(name: str, gated: bool) -> bool:
@@ -47,3 +54,33 @@ def join_shards(shards: list[torch.Tensor], dim: int, glu: bool) -> torch.Tensor
         return torch.cat(shards, dim=dim)
     halves = [local_pieces(s, dim, True) for s in shards]
     return torch.cat([torch.cat([h[0] for h in halves], dim=dim), torch.cat([h[1] for h in halves], dim=dim)], dim=dim)
+
+
+def grid_transposed(name: str) -> bool | None:
+    """For a parameter of a 3D stage: whether its linear runs transposed, None when it is not one of
+    the four distributed linear weights (norms and biases are replicated on every rank of the grid)."""
+    for suffix, transposed in GRID_LINEARS.items():
+        if name.endswith(suffix):
+            return transposed
+    return None
+
+
+def grid_view(full: torch.Tensor, name: str, grid: tuple[int, int, int], rank: int, gated: bool) -> torch.Tensor:
+    """The view of the full (global, plan-independent) tensor ``name`` that rank ``rank`` (grid order,
+    x fastest) of a 3D stage holds: its z shard of the (y, x) block for the four linear weights
+    (tp/linear3d.weight_block), the whole tensor for everything else."""
+    transposed = grid_transposed(name)
+    if transposed is None:
+        return full
+    if is_glu(name, gated):
+        raise ValueError(f"{name}: the gated MLP's fused [gate; up] weight has no 3D layout yet. "
+                         f"Fix: use 1D tensor parallelism (no tp_grid) for gated (SwiGLU) models")
+    g = Grid4D(x=grid[0], y=grid[1], z=grid[2])
+    rows, cols = weight_block(full.shape[1], full.shape[0], g, g.coords(rank), transpose=transposed)["weight"]
+    return full[rows, cols]
+
+
+def write_grid_local(full: torch.Tensor, local: torch.Tensor, name: str, grid: tuple[int, int, int], rank: int,
+                     gated: bool) -> None:
+    """Write rank ``rank``'s local tensor of a 3D stage into its place in ``full``."""
+    grid_view(full, name, grid, rank, gated).copy_(local)

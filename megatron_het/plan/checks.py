@@ -201,6 +201,12 @@ def check_tp_grid(grid: Sequence[int], ranks: int, model: ModelSpec, path: str) 
             problem=f"the grid's product gx*gy*gz = {gx * gy * gz} must equal the stage's {ranks} ranks",
             fix=f"choose axis sizes whose product is {ranks}, or list {gx * gy * gz} ranks",
         )
+    if model.swiglu:
+        raise PlanError(
+            field=f"{path}.tp_grid", value=list(grid),
+            problem="the gated (SwiGLU) MLP's fused [gate; up] weight has no 3D tensor-parallel layout yet",
+            fix='remove "tp_grid" (1D tensor parallelism) for gated models',
+        )
     for name, size, what, div in tp_grid_divisors(grid, model):
         if size % div:
             raise PlanError(

@@ -160,7 +160,8 @@ class GridChoice:
             return (f"{island} TP={self.tp}: 3D grid {list(self.grid)} (AxoNN), exposed TP communication "
                     f"{ms_3d:.3f} ms vs {ms_1d:.3f} ms for 1D TP per layer and micro-batch (4D model)")
         if self.best_3d is None:
-            return f"{island} TP={self.tp}: 1D TP, no 3D grid of {self.tp} ranks divides the model"
+            return (f"{island} TP={self.tp}: 1D TP, no 3D grid of {self.tp} ranks divides the model "
+                    f"(or its gated MLP has no 3D layout)")
         return (f"{island} TP={self.tp}: 1D TP, cheaper than the best 3D grid {list(self.best_3d)} "
                 f"({ms_1d:.3f} ms vs {ms_3d:.3f} ms exposed per layer and micro-batch, 4D model)")
 
@@ -194,7 +195,9 @@ def tp_grid_choice(model: ModelSpec, island: IslandSpec, tp: int, *, micro_batch
     if one is None:
         raise ValueError(f"tp: {tp} ranks do not split {model.name or 'the model'} as 1D TP (grid [1, {tp}, 1]). "
                          f"Fix: ask only for TP sizes the Megatron parallelizer offers")
-    priced = [(c.exposed_chunked_s, g, c) for g in _grids(tp) if g != (1, tp, 1) and (c := cost(g)) is not None]
+    # a gated MLP's fused [gate; up] weight has no 3D layout yet (plan/checks.check_tp_grid refuses it)
+    priced = [] if model.swiglu else [(c.exposed_chunked_s, g, c) for g in _grids(tp)
+                                      if g != (1, tp, 1) and (c := cost(g)) is not None]
     if not priced:
         return GridChoice(tp=tp, grid=None, best_3d=None, exposed_1d_s=one.exposed_s, exposed_3d_s=float("inf"),
                           forward_delta_s=0.0, backward_delta_s=0.0)

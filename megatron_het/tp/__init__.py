@@ -5,7 +5,7 @@ Reference: docs/overlap.md. The grid (``Grid4D``) is pure; ``create_grid_groups`
 
 from megatron_het.tp.grid import AXES, Grid4D
 from megatron_het.tp.groups import GridGroups, create_grid_groups
-from megatron_het.tp.linear3d import Linear3D, linear3d, linear3d_blocks, rows_of
+from megatron_het.tp.linear3d import Linear3D, linear3d, linear3d_blocks, rows_of, weight_block
 
 __all__ = ["AXES", "Grid4D", "GridGroups", "Linear3D", "create_grid_groups", "linear3d", "linear3d_blocks",
-           "rows_of"]
+           "rows_of", "weight_block"]

@@ -27,9 +27,10 @@ import torch
 import torch.distributed as dist
 
 from megatron_het.comm.overlap_chunks import effective_chunks
+from megatron_het.tp.grid import Grid4D
 from megatron_het.tp.groups import GridGroups
 
-__all__ = ["Linear3D", "linear3d", "linear3d_blocks", "rows_of"]
+__all__ = ["Linear3D", "linear3d", "linear3d_blocks", "rows_of", "weight_block"]
 
 
 def _size(group: Any) -> int:
@@ -157,21 +158,20 @@ def linear3d(x: torch.Tensor, w_shard: torch.Tensor, groups: GridGroups, *, tran
     return _Linear3D.apply(x, w_shard, groups.group(in_axis), groups.group(out_axis), groups.z, overlap, chunks)
 
 
-def linear3d_blocks(in_features: int, out_features: int, groups: GridGroups, *,
-                    transpose: bool = False) -> dict[str, tuple[slice, ...]]:
-    """Which slices of the full tensors this rank holds: ``weight`` (its z shard of the block, as
-    ``(rows, cols)`` of the full ``[out, in]`` weight), ``input_features``, ``output_features``.
-
-    Rows of the input (dim 0) are split over z: ``input_rows(m)`` is ``slice`` of ``m`` rows."""
+def weight_block(in_features: int, out_features: int, grid: Grid4D, coords: dict[str, int], *,
+                 transpose: bool = False) -> dict[str, tuple[slice, ...]]:
+    """Pure: which slices of the full tensors the rank at ``coords`` of ``grid`` holds: ``weight`` (its
+    z shard of the block, as ``(rows, cols)`` of the full ``[out, in]`` weight), ``input_features``,
+    ``output_features``. Checkpoints and cross-layout gradient reduction use it without groups."""
     in_axis, out_axis = _axes(transpose)
-    g_in, g_out, gz = (getattr(groups.grid, in_axis), getattr(groups.grid, out_axis), groups.grid.z)
+    g_in, g_out, gz = (getattr(grid, in_axis), getattr(grid, out_axis), grid.z)
     if in_features % g_in:
         raise ValueError(f"in_features: {in_features} must be a multiple of the {in_axis} axis size {g_in}. "
                          f"Fix: choose a grid whose {in_axis} divides {in_features}")
     if out_features % (g_out * gz):
         raise ValueError(f"out_features: {out_features} must be a multiple of {out_axis}*z = {g_out}*{gz} = "
                          f"{g_out * gz} (the weight block is sharded over z). Fix: choose a grid that divides it")
-    c = groups.coords
+    c = coords
     ki, no = in_features // g_in, out_features // g_out
     ns = no // gz
     row0 = c[out_axis] * no + c["z"] * ns
@@ -180,6 +180,14 @@ def linear3d_blocks(in_features: int, out_features: int, groups: GridGroups, *,
         "input_features": (slice(c[in_axis] * ki, (c[in_axis] + 1) * ki),),
         "output_features": (slice(c[out_axis] * no, (c[out_axis] + 1) * no),),
     }
+
+
+def linear3d_blocks(in_features: int, out_features: int, groups: GridGroups, *,
+                    transpose: bool = False) -> dict[str, tuple[slice, ...]]:
+    """``weight_block`` for this rank's groups.
+
+    Rows of the input (dim 0) are split over z: ``rows_of(m)`` is the ``slice`` of ``m`` rows."""
+    return weight_block(in_features, out_features, groups.grid, groups.coords, transpose=transpose)
 
 
 def rows_of(rows: int, groups: GridGroups) -> slice:

@@ -67,6 +67,11 @@ def test_grid_must_divide_hidden_ffn_and_heads(grid, model_kw, needle):
     assert "replicas[0].stages[0].tp_grid" in msg and needle in msg and "choose a grid whose" in msg
 
 
+def test_tp_grid_refuses_gated_mlps():
+    msg = _err(_plan((2, 2, 1)), _model(swiglu=True))
+    assert "replicas[0].stages[0].tp_grid" in msg and "SwiGLU" in msg and 'remove "tp_grid"' in msg
+
+
 def test_tp_grid_excludes_the_1d_overlap_flag():
     msg = _err(_plan((2, 2, 1), tp_comm_overlap=True))
     assert "replicas[0].stages[0].tp_comm_overlap" in msg and 'remove "tp_comm_overlap"' in msg

@@ -79,3 +79,11 @@ def test_assign_keeps_1d_and_says_why_over_a_slow_link():
     slice_ = LayerSlice(num_layers=1, is_first=False, is_last=False, micro_batch_size=1, in_flight=1,
                         data_parallel=1, recompute_allowed=False)
     assert all(c.tp_grid is None for c in par.candidates(slice_, 0, 2**62))
+
+
+def test_gated_models_are_never_offered_a_grid():
+    island = IslandSpec(name="a100", device=CATALOG["A100-80GB"], nodes=1, gpus_per_node=8)
+    gated = ModelSpec(num_layers=40, hidden_size=5120, num_attention_heads=40, seq_length=2048, vocab_size=50304,
+                      swiglu=True)
+    choice = tp_grid_choice(gated, island, 2, micro_batch_size=1)
+    assert choice.grid is None and choice.best_3d is None and "gated MLP" in choice.describe("a100")
