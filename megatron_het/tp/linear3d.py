@@ -76,7 +76,7 @@ class _Linear3D(torch.autograd.Function):
         ns = w_shard.shape[0]
         idx = _chunk_rows(ns, gz, chunks)
         cs = len(idx[0]) // gz
-        w = w_shard.new_empty((ns * gz, *w_shard.shape[1:]))
+        w = w_shard.new_empty((ns * gz, *w_shard.shape[1:])) if gz > 1 else w_shard  # the gathered block
         gathered, ag_work = [], []
         for j in range(len(idx)):  # every weight all-gather launched up front, waited in order
             if gz > 1:
@@ -91,7 +91,8 @@ class _Linear3D(torch.autograd.Function):
         parts, ar_work = [], []
         for j, rows in enumerate(idx):
             _wait(ag_work[j])
-            w[rows] = gathered[j]
+            if gz > 1:
+                w[rows] = gathered[j]
             part = torch.matmul(x, gathered[j].t())
             if g_in > 1:  # sum the partial products over input-feature blocks
                 ar_work.append(dist.all_reduce(part, group=in_group, async_op=overlap))
