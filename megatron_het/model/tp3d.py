@@ -13,9 +13,10 @@ needs whole sequences), x the hidden features — replicated over y. In each lay
 * ``linear_fc1`` (normal) ``[.., h/gx] -> [.., ffn/gy]``, activation, ``linear_fc2`` (transposed)
   ``-> [.., h/gx]``.
 
-Bias-free linears only (``add_bias_linear=False``); not for gated MLPs. The norms' parameters are
-replicated over y and z: each z rank's gradient covers only its batch rows, so they are summed
-over z (``sum_norm_grads_over_z``), as the runtime's gradient reduction would do.
+Not for gated MLPs. The norms' parameters and the linears' biases are replicated over z (and over
+y, resp. the linear's input-feature axis): each z rank's gradient covers only its batch rows, so
+they are summed over z (``sum_replicated_grads_over_z``), as the runtime's gradient reduction
+would do.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ import torch.distributed as dist
 from megatron_het.tp.groups import GridGroups
 from megatron_het.tp.linear3d import Linear3D
 
-__all__ = ["GridLinear", "XSplitLayerNorm", "grid_layer_spec", "sum_norm_grads_over_z"]
+__all__ = ["GridLinear", "XSplitLayerNorm", "grid_layer_spec", "sum_replicated_grads_over_z"]
 
 
 class _AllReduceSum(torch.autograd.Function):
@@ -81,23 +82,29 @@ class GridLinear(torch.nn.Module):
 
     The full ``[output_size, input_size]`` weight is drawn with ``init_method`` on the host (the same
     values on every rank given the same seed, as megatron-core's CPU initialisation) and the rank
-    keeps its block (tp/linear3d.weight_block)."""
+    keeps its block (tp/linear3d.weight_block). A bias is the output block's slice of the full bias
+    (zeros at init, as megatron-core), replicated over the input-feature axis and z; with
+    ``skip_bias_add`` it is returned for megatron-core to add (bias-dropout-add, bias-GeLU)."""
 
     def __init__(self, input_size: int, output_size: int, *, config: Any, init_method: Any, bias: bool,
-                 grid_groups: GridGroups, transpose: bool, chunks: int = 4, overlap: bool = True,
-                 **_unused: Any) -> None:
+                 grid_groups: GridGroups, transpose: bool, skip_bias_add: bool = False, chunks: int = 4,
+                 overlap: bool = True, **_unused: Any) -> None:
         super().__init__()
-        if bias:
-            raise ValueError("bias: a 3D tensor-parallel linear layer has no bias (AxoNN's layers are bias-free). "
-                             "Fix: set add_bias_linear=False for a 3D stage")
         full = torch.empty(output_size, input_size, dtype=config.params_dtype)
         init_method(full)
         self.inner = Linear3D(input_size, output_size, groups=grid_groups, transpose=transpose, chunks=chunks,
                               overlap=overlap, full_weight=full, dtype=config.params_dtype)
         self.weight = self.inner.weight
+        self.skip_bias_add = skip_bias_add
+        out_block = self.inner.blocks["output_features"][0]
+        self.bias = torch.nn.Parameter(torch.zeros(out_block.stop - out_block.start, dtype=config.params_dtype)) \
+            if bias else None
 
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return self.inner(x), None
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        y = self.inner(x)
+        if self.bias is None or self.skip_bias_add:
+            return y, self.bias
+        return y + self.bias, None
 
 
 def grid_layer_spec(grid_groups: GridGroups, *, chunks: int = 4, overlap: bool = True):
@@ -119,12 +126,13 @@ def grid_layer_spec(grid_groups: GridGroups, *, chunks: int = 4, overlap: bool =
     return spec
 
 
-def sum_norm_grads_over_z(module: torch.nn.Module, grid_groups: GridGroups) -> None:
-    """Sum every ``XSplitLayerNorm`` parameter's gradient over z (each z rank saw its batch rows)."""
+def sum_replicated_grads_over_z(module: torch.nn.Module, grid_groups: GridGroups) -> None:
+    """Sum the gradient of every norm parameter and linear bias over z (each z rank saw its rows)."""
     if grid_groups.grid.z == 1:
         return
     for m in module.modules():
-        if isinstance(m, XSplitLayerNorm):
-            for p in m.parameters():
-                if p.grad is not None:
-                    dist.all_reduce(p.grad, group=grid_groups.z)
+        params = list(m.parameters()) if isinstance(m, XSplitLayerNorm) else \
+            [m.bias] if isinstance(m, GridLinear) and m.bias is not None else []
+        for p in params:
+            if p.grad is not None:
+                dist.all_reduce(p.grad, group=grid_groups.z)
