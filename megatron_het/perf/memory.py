@@ -47,6 +47,7 @@ __all__ = [
     "microbatches_in_flight",
     "stage_memory",
     "device_capacity_bytes",
+    "optimizer_shard_weights",
 ]
 
 PARAM_BYTES = 2  # bf16 model weights
@@ -261,3 +262,31 @@ def stage_memory(model: ModelSpec, *, num_layers: int, is_first: bool, is_last: 
         activations_bytes=activations,
         overhead_bytes=overhead_bytes,
     )
+
+
+def optimizer_shard_weights(model: ModelSpec, plan, *, precision: str = "fp32") -> dict[int, float]:
+    """Rank -> memory left for optimizer state (the distributed optimizer's share weights).
+
+    Free memory is the rank's device capacity (catalog, by the stage's ``device_type``) minus what
+    :func:`stage_memory` predicts for everything but the optimizer state (weights, gradients,
+    activations at the 1F1B peak, overhead), floored at 1% of the capacity so every holder keeps
+    a share. Pure: every rank computes the same weights from the same plan.
+    """
+    from megatron_het.cluster.catalog import CATALOG
+
+    out: dict[int, float] = {}
+    for replica in plan.replicas:
+        p = len(replica.stages)
+        for i, st in enumerate(replica.stages):
+            capacity = device_capacity_bytes(CATALOG[st.device_type])
+            in_flight = (replica.num_micro_batches if plan.schedule == "gpipe" else microbatches_in_flight(
+                stage=i, pipeline_size=p, num_microbatches=replica.num_micro_batches))
+            mem = stage_memory(model, num_layers=st.num_layers, is_first=i == 0, is_last=i == p - 1,
+                               micro_batch_size=plan.micro_batch_size, microbatches_in_flight=in_flight,
+                               tp=st.tp, sequence_parallel=plan.sequence_parallel,
+                               recompute="full" if st.recompute else "none", distributed_optimizer=False,
+                               precision=precision)
+            free = capacity - (mem.total_bytes - mem.optimizer_bytes)
+            for r in st.ranks:
+                out[r] = float(max(free, capacity // 100))
+    return out

@@ -31,7 +31,10 @@ import torch.distributed as dist
 
 from megatron_het.checkpoint.full_state import Shard, global_name, load_full_state
 from megatron_het.cluster import ClusterSpec, ConfigError, ModelSpec
+from megatron_het.comm.uneven import uneven_all_gather, uneven_reduce_scatter
 from megatron_het.model.gpt import StageModelSpec, build_gpt_stage, transformer_config
+from megatron_het.optim.adamw import ShardedAdamW, decay_mask
+from megatron_het.optim.layout import FlatIndex, ShardLayout, sample_ranges
 from megatron_het.perf.flops import padded_vocab_size
 from megatron_het.perf.sharded import sharded_rank_memory
 from megatron_het.plan import ShardedPlan
@@ -40,9 +43,6 @@ from megatron_het.runtime.comm_routing import all_reduce_world
 from megatron_het.runtime.megatron_trainer import split_tokens
 from megatron_het.sharding.budget import check_budget
 from megatron_het.sharding.checkpoint import load_sharded, save_sharded
-from megatron_het.sharding.collectives import uneven_all_gather, uneven_reduce_scatter
-from megatron_het.sharding.layout import FlatIndex, ShardLayout, sample_ranges
-from megatron_het.sharding.optimizer import ShardedAdamW, decay_mask
 from megatron_het.train.config import TrainConfig
 from megatron_het.train.strategy import ActionHook, BatchFn, IterationLog, StepResult
 from megatron_het.train.timer import EmulationTimer, emulation_timer
