@@ -31,7 +31,8 @@ from typing import Literal
 import torch
 import torch.distributed as dist
 
-__all__ = ["uneven_all_gather", "uneven_reduce_scatter", "GATHER_METHODS", "REDUCE_SCATTER_METHODS"]
+__all__ = ["uneven_all_gather", "uneven_all_gather_start", "uneven_reduce_scatter", "GATHER_METHODS",
+           "REDUCE_SCATTER_METHODS", "PendingGather"]
 
 GATHER_METHODS = ("padded", "broadcast")
 REDUCE_SCATTER_METHODS = ("reduce", "all_reduce")
@@ -124,3 +125,37 @@ def uneven_reduce_scatter(full: torch.Tensor, layout, *, group: dist.ProcessGrou
         dist.all_reduce(total, group=group)
         return total[start:stop].clone()
     raise ValueError(f"method: unknown reduce-scatter method {method!r}. Fix: use one of {REDUCE_SCATTER_METHODS}")
+
+
+class PendingGather:
+    """An uneven all-gather in flight (``uneven_all_gather_start``); ``wait()`` returns the full vector."""
+
+    def __init__(self, *, work, bufs: list[torch.Tensor] | None, sizes: tuple[int, ...],
+                 done: torch.Tensor | None = None) -> None:
+        self._work, self._bufs, self._sizes, self._done = work, bufs, sizes, done
+
+    def wait(self) -> torch.Tensor:
+        if self._done is None:
+            if self._work is not None:
+                self._work.wait()
+            self._done = torch.cat([b[:n] for b, n in zip(self._bufs, self._sizes)])
+            self._bufs = self._work = None
+        return self._done
+
+
+def uneven_all_gather_start(shard: torch.Tensor, layout, *, group: dist.ProcessGroup | None = None,
+                            bridge=None) -> PendingGather:
+    """``uneven_all_gather`` (padded) started asynchronously on a torch group; a bridged group has
+    no async form here, so it completes before returning (still correct, nothing overlapped)."""
+    if bridge is not None:
+        return PendingGather(work=None, bufs=None, sizes=layout.sizes,
+                             done=uneven_all_gather(shard, layout, bridge=bridge))
+    me = _check(layout, group)
+    if shard.dim() != 1 or shard.numel() != layout.sizes[me]:
+        raise ValueError(f"shard: rank {me} must pass a 1-D tensor of {layout.sizes[me]} elements "
+                         f"(got shape {tuple(shard.shape)}). Fix: pass this rank's flat shard")
+    padded = shard.new_zeros(layout.max_size)
+    padded[:shard.numel()] = shard
+    bufs = [torch.empty_like(padded) for _ in range(layout.world)]
+    work = dist.all_gather(bufs, padded, group=group, async_op=True)
+    return PendingGather(work=work, bufs=bufs, sizes=layout.sizes)

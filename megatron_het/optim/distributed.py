@@ -33,7 +33,7 @@ from collections.abc import Callable, Mapping, Sequence
 import torch
 import torch.distributed as dist
 
-from megatron_het.comm.uneven import uneven_all_gather, uneven_reduce_scatter
+from megatron_het.comm.uneven import uneven_all_gather, uneven_all_gather_start, uneven_reduce_scatter
 from megatron_het.optim.adamw import ShardedAdamW, decays
 from megatron_het.optim.holders import ShardBucket, block, canonical_flat, plan_shard_buckets, write_canonical
 from megatron_het.optim.layout import ShardLayout
@@ -47,13 +47,16 @@ class DistributedOptimizer:
     def __init__(self, local: Sequence, params: Mapping[str, torch.nn.Parameter], *, train,
                  new_group: Callable[[tuple[int, ...]], object | None], owned: Callable[[list], set] | None = None,
                  main_grads: Mapping[str, torch.Tensor] | None = None, weights: Mapping[int, float] | None = None,
-                 device: torch.device) -> None:
+                 device: torch.device, overlap_param_gather_in: torch.nn.Module | None = None) -> None:
         """``local``: this rank's holdings (``runtime.grad_sync.Holding``); ``params``: the model's
         parameters by global name; ``new_group(ranks)``: creates a group over ``ranks`` (collective
         over the world, None on non-members; runtime.comm_routing routes it natively or through the
         bridge); ``owned(all_holdings)``: the (name, rank) pairs that count once (the checkpoint's
         main replicas); ``main_grads``: fp32 gradient buffers in mixed precision (None: the
-        parameters' own ``.grad``); ``weights``: rank -> free memory (None: equal shares)."""
+        parameters' own ``.grad``); ``weights``: rank -> free memory (None: equal shares);
+        ``overlap_param_gather_in``: the stage's module: ``step()`` then only starts each bucket's
+        all-gather, and a forward pre-hook on every sub-module that owns parameters finishes the
+        buckets of its parameters just before it runs (Megatron's ``--overlap-param-gather``)."""
         self.device, self.train = device, train
         self.rank = dist.get_rank()
         gathered: list = [None] * dist.get_world_size()
@@ -95,6 +98,15 @@ class DistributedOptimizer:
             self.adam.master = self._empty()
         self.shard_grad = self._empty()  # reduced gradient pieces, from reduce() to step()
         self.param_groups = [{"lr": train.lr}]  # the strategy sets the learning rate here each step
+        self._pending: dict[int, object] = {}  # bucket index -> gather in flight (overlap_param_gather)
+        self._hooks = []
+        if overlap_param_gather_in is not None:
+            by_param = {id(self.params[n]): [i for i in self._mine if n in self.buckets[i].names] for n in self.local}
+            for module in overlap_param_gather_in.modules():
+                owned_here = sorted({i for p in module.parameters(recurse=False) for i in by_param.get(id(p), ())})
+                if owned_here:
+                    self._hooks.append(module.register_forward_pre_hook(self._finish_hook(owned_here)))
+        self.overlap_param_gather = overlap_param_gather_in is not None
 
     # ---- layout helpers -----------------------------------------------------------------------
     def _empty(self) -> torch.Tensor:
@@ -183,16 +195,50 @@ class DistributedOptimizer:
             else:
                 kw = {"bridge": group.het} if group.kind != "native" else {"group": group.group}
                 gathered = uneven_all_gather(piece.contiguous(), ShardLayout(sizes=b.sizes()), **kw)
-            buf = torch.empty(b.numel, dtype=torch.float32, device=self.device)
-            pos = 0
-            for a, z, _ in b.owner_order():
-                buf[a:z] = gathered[pos:pos + z - a]
-                pos += z - a
-            offsets = b.buffer_offsets()
-            for name, (lo, _hi) in zip(b.names, b.spans):
-                bs, be = self._block(name)
-                at = offsets[name] + bs - lo
-                sink(name, buf[at:at + be - bs])
+            self._scatter_gathered(i, gathered, sink)
+
+    def _finish_hook(self, buckets: list[int]):
+        def hook(_module, _args) -> None:
+            for i in buckets:
+                self._finish(i)
+        return hook
+
+    @torch.no_grad()
+    def _finish(self, i: int) -> None:
+        """Wait for bucket ``i``'s gather (if in flight) and write its parameters."""
+        pending = self._pending.pop(i, None)
+        if pending is None:
+            return
+        self._scatter_gathered(i, pending.wait(), self._write_params)
+
+    def finish_param_gather(self) -> None:
+        """Complete every gather still in flight (before reading parameters outside a forward)."""
+        for i in list(self._pending):
+            self._finish(i)
+
+    def _start_gathers(self, shard: torch.Tensor) -> None:
+        for i in self._mine:
+            b, group = self.buckets[i], self._groups[i]
+            n = sum(p.stop - p.start for p in self._pieces[i])
+            piece = shard[self._start[i]:self._start[i] + n].clone()
+            if group is None:
+                self._scatter_gathered(i, piece, self._write_params)
+                continue
+            kw = {"bridge": group.het} if group.kind != "native" else {"group": group.group}
+            self._pending[i] = uneven_all_gather_start(piece, ShardLayout(sizes=b.sizes()), **kw)
+
+    def _scatter_gathered(self, i: int, gathered: torch.Tensor, sink: Callable[[str, torch.Tensor], None]) -> None:
+        b = self.buckets[i]
+        buf = torch.empty(b.numel, dtype=torch.float32, device=self.device)
+        pos = 0
+        for a, z, _ in b.owner_order():
+            buf[a:z] = gathered[pos:pos + z - a]
+            pos += z - a
+        offsets = b.buffer_offsets()
+        for name, (lo, _hi) in zip(b.names, b.spans):
+            bs, be = self._block(name)
+            at = offsets[name] + bs - lo
+            sink(name, buf[at:at + be - bs])
 
     def _write_params(self, name: str, flat: torch.Tensor) -> None:
         h = self.local[name]
@@ -201,6 +247,7 @@ class DistributedOptimizer:
     # ---- synchronizer interface -----------------------------------------------------------------
     def reduce(self) -> None:
         """Reduce-scatter every gradient over its holders into this rank's pieces."""
+        self.finish_param_gather()  # a stage whose forward never touched a bucket (none today): finish here
         self.shard_grad = self._reduce_scatter(lambda n: self._grad(n) if self._contributes(n) else None)
 
     def grad_norm_sq_local(self) -> torch.Tensor:
@@ -230,9 +277,13 @@ class DistributedOptimizer:
     @torch.no_grad()
     def step(self) -> None:
         """AdamW on this rank's pieces, then the updated values all-gathered into every holder's model."""
+        self.finish_param_gather()
         self._master()
         self.adam.step(self.shard_grad, float(self.param_groups[0]["lr"]))
-        self._all_gather_into(self.adam.master, self._write_params)
+        if self.overlap_param_gather:  # finished by the next forward's pre-hooks, bucket by bucket
+            self._start_gathers(self.adam.master)
+        else:
+            self._all_gather_into(self.adam.master, self._write_params)
         self._release_master()
         self.shard_grad = self._empty()  # the reduced pieces live from reduce() to here
 
@@ -246,6 +297,7 @@ class DistributedOptimizer:
     def local_state(self) -> tuple[dict[str, torch.Tensor], dict[str, dict[str, torch.Tensor]]]:
         """fp32 main values and Adam moments as full local blocks (the parameters' shapes): the form
         the checkpoint writes, identical to what a run without the distributed optimizer holds."""
+        self.finish_param_gather()
         values: dict[str, torch.Tensor] = {}
         moments: dict[str, dict[str, torch.Tensor]] = {n: {} for n in self.local}
 
@@ -272,6 +324,7 @@ class DistributedOptimizer:
     def load_local_state(self, values: Mapping[str, torch.Tensor],
                          moments: Mapping[str, Mapping[str, torch.Tensor]] | None, *, step: int) -> None:
         """Take this rank's pieces of local-form values (and moments) and write the model."""
+        self.finish_param_gather()
         if self.keeps_master:
             self.adam.master = self._my_pieces(lambda n: values[n])
         if moments is not None:

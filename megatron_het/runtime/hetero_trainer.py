@@ -247,6 +247,7 @@ class PipelineStrategy:
         return DistributedOptimizer(
             self.holdings(), self.params, train=train, device=self.device, owned=owned_norm_holdings,
             main_grads=self.main.grads if self.main is not None else None, weights=weights,
+            overlap_param_gather_in=self.gpt if train.overlap_param_gather else None,
             new_group=lambda ranks: new_reduction_group(ranks, self.placement, accelerator=self.accelerator,
                                                         timeout=train.group_timeout))
 
@@ -287,6 +288,10 @@ class PipelineStrategy:
         synchronizer and optimizer in one."""
         if self.plan.use_distributed_optimizer:
             return self._distributed_optimizer()
+        if self.train.overlap_param_gather:
+            raise ConfigError("the parameter all-gather exists only with the distributed optimizer",
+                              field="--overlap-param-gather", value=True,
+                              fix="add --use-distributed-optimizer (or set the plan's use_distributed_optimizer)")
         if not self.train.overlap_grad_reduce:
             return GradientSynchronizer(self.holdings(), self.opt_params, placement=self.placement,
                                         timeout=self.train.group_timeout, accelerator=self.accelerator)
@@ -473,6 +478,8 @@ class PipelineStrategy:
         return iteration
 
     def shards(self) -> dict[str, Shard]:
+        if hasattr(self.sync, "finish_param_gather"):  # --overlap-param-gather: the last step's gathers
+            self.sync.finish_param_gather()
         return local_shards(self.gpt, layer_offset=self.role.layers[0], tp_rank=self.role.tp_rank,
                             tp_size=self.role.tp_size, tied=self.tied, gated=self.model_spec.swiglu)
 

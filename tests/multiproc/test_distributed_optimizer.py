@@ -2,7 +2,7 @@
 
 One 8-process spawn runs, from the same initial weights as a single-process megatron-core run,
 the plain runtime and the distributed optimizer on: (homogeneous) TP2xPP2 x 2 replicas, (b) two
-replicas of different TP sizes (PP2xTP2 / PP1xTP4), and (bridged) the same layout on an emulated
+replicas of different TP sizes (PP2xTP2 / PP1xTP4) (also with --overlap-param-gather), and (bridged) the same layout on an emulated
 A100-80GB + MI250X cluster, where shards are uneven (proportional to each rank's free memory) and
 the collectives go through the het bridge. Each of 3 losses within 1e-5 relative of the
 single-process run, final parameters within 1e-4 (fp32; the runtime parity test's tolerances);
@@ -44,15 +44,19 @@ def _on(plan, on=True):
     return dataclasses.replace(plan, use_distributed_optimizer=on)
 
 
-DIST_CASES = {"homogeneous": (_on(HOMOGENEOUS), None), "different_tp": (_on(CASES["pp2tp2x3_pp1tp4x1"]), None),
-              "uneven_bridged": (_on(BRIDGED), BRIDGED_CLUSTER)}
+DIST_CASES = {"homogeneous": (_on(HOMOGENEOUS), None, None),
+              "different_tp": (_on(CASES["pp2tp2x3_pp1tp4x1"]), None, None),
+              "uneven_bridged": (_on(BRIDGED), BRIDGED_CLUSTER, None),
+              # --overlap-param-gather: the gathers finish in the next forward's pre-hooks
+              "different_tp_overlap_param_gather": (_on(CASES["pp2tp2x3_pp1tp4x1"]), None,
+                                                    {"overlap_param_gather": True})}
 
 
 @pytest.fixture(scope="module")
 def runs():
     ref = run_local(1, megatron_block_worker, (MODEL, TRAIN, BlockShape(tp=1, pp=1, dp=1), None, PADDED_VOCAB))[0]
     init = assemble_full_state([ref.initial_shards])
-    cases = [("plain_homogeneous", HOMOGENEOUS, None)] + [(n, p, c) for n, (p, c) in DIST_CASES.items()]
+    cases = [("plain_homogeneous", HOMOGENEOUS, None, None)] + [(n, *case) for n, case in DIST_CASES.items()]
     per_rank = run_local(8, dist_opt_cases_worker, (MODEL, cases, TRAIN, init, PADDED_VOCAB))
     return ref, per_rank
 

@@ -10,7 +10,10 @@ from workers.megatron_workers import batch_fn
 
 def dist_opt_cases_worker(rank, world_size, model: ModelSpec, cases, train: TrainConfig, init_full_state=None,
                           padded_vocab=None):
-    """cases: [(name, plan, cluster dict | None)]: (RunResult, MemoryReport) per case."""
+    """cases: [(name, plan, cluster dict | None, TrainConfig overrides | None)]: (RunResult, MemoryReport)
+    per case."""
+    import dataclasses
+
     import torch.distributed as dist
 
     from megatron_het.cluster import cluster_from_dict
@@ -20,10 +23,10 @@ def dist_opt_cases_worker(rank, world_size, model: ModelSpec, cases, train: Trai
 
     enable_cpu_backend()
     out = {}
-    for name, plan, cluster in cases:
+    for name, plan, cluster, overrides in cases:
         dist.barrier()
         probe = MemoryProbe()
-        trainer = HeteroTrainer(model=model, plan=plan, train=train, batch_fn=batch_fn(model, train.seed),
+        trainer = HeteroTrainer(model=model, plan=plan, train=dataclasses.replace(train, **(overrides or {})), batch_fn=batch_fn(model, train.seed),
                                 init_full_state=init_full_state, padded_vocab=padded_vocab, hooks=probe,
                                 cluster=cluster_from_dict(cluster) if cluster else None)
         res = trainer.run(return_shards=True)
