@@ -125,7 +125,7 @@ def _check_sp(model: ModelSpec, seq_length: int, tp: int, sequence_parallel: boo
 def activation_bytes_per_layer(model: ModelSpec, *, micro_batch_size: int, seq_length: int | None = None,
                                tp: int = 1, sequence_parallel: bool = False,
                                recompute: Recompute = "none", flash_attention: bool = False,
-                               precision: str = "bf16", dropout: bool = True) -> int:
+                               precision: str = "bf16", dropout: bool = True, fused_softmax: bool = True) -> int:
     """Activation bytes one layer keeps for backward, per micro-batch, on one TP rank.
 
     Terms (Korthikanti et al. 2022, sec. 4.1; ``x`` = s*b*h elements, 2 bytes each unless a mask):
@@ -139,6 +139,9 @@ def activation_bytes_per_layer(model: ModelSpec, *, micro_batch_size: int, seq_l
     element but the dropout masks takes 4 bytes instead of 2. ``dropout=False`` (hidden and attention
     dropout 0, what the pipeline runtime builds: ``model/gpt.transformer_config``) stores neither the
     two masks nor the attention-dropout mask and output: torch's dropout at p=0 returns its input.
+    ``fused_softmax=False`` is megatron-core's torch fallback (no fused kernel: CPU): in 16-bit runs it
+    computes the softmax in fp32 (``attention_softmax_in_fp32``) and keeps that fp32 output for its
+    backward besides the 16-bit copy the next matmul saves, ``4*a*s^2*b`` bytes more.
     """
     check_tp(model, tp)
     check_recompute(recompute)
@@ -166,6 +169,8 @@ def activation_bytes_per_layer(model: ModelSpec, *, micro_batch_size: int, seq_l
         core = 4 * heads * s * b
     else:
         core = ((2 * e + 1) if dropout else e) * heads * s * s * b  # softmax output, dropout output, dropout mask
+        if not fused_softmax and e == 2:
+            core += 4 * heads * s * s * b  # the fallback's fp32 softmax output
     return outside + attention + mlp + core
 
 
@@ -219,7 +224,7 @@ def stage_memory(model: ModelSpec, *, num_layers: int, is_first: bool, is_last: 
                  sequence_parallel: bool = False, recompute: Recompute = "none",
                  distributed_optimizer: bool = True, virtual_stages: int = 1, flash_attention: bool = False,
                  overhead_bytes: int = DEFAULT_OVERHEAD_BYTES, precision: str = "bf16",
-                 dropout: bool = True) -> StageMemory:
+                 dropout: bool = True, fused_softmax: bool = True) -> StageMemory:
     """Peak bytes on one rank of a stage of ``num_layers`` layers.
 
     ``microbatches_in_flight`` comes from :func:`microbatches_in_flight` (chunk micro-batches when
@@ -245,7 +250,8 @@ def stage_memory(model: ModelSpec, *, num_layers: int, is_first: bool, is_last: 
     shard = dp if distributed_optimizer else 1
     per_layer = activation_bytes_per_layer(model, micro_batch_size=micro_batch_size, seq_length=seq_length, tp=tp,
                                            sequence_parallel=sequence_parallel, recompute=recompute,
-                                           flash_attention=flash_attention, precision=precision, dropout=dropout)
+                                           flash_attention=flash_attention, precision=precision, dropout=dropout,
+                                           fused_softmax=fused_softmax)
     # Layer-micro-batches alive at the peak: chunk micro-batches x layers per chunk.
     activations = microbatches_in_flight * (num_layers // virtual_stages) * per_layer
     whole_stage_mbs = math.ceil(microbatches_in_flight / virtual_stages)
@@ -253,15 +259,18 @@ def stage_memory(model: ModelSpec, *, num_layers: int, is_first: bool, is_last: 
                   sequence_parallel=sequence_parallel, precision=precision)
     if is_first and dropout:  # the embedding dropout mask
         activations += whole_stage_mbs * first_stage_extra_activation_bytes(**extras)
-    if is_last:
-        activations += whole_stage_mbs * last_stage_extra_activation_bytes(**extras)
+    last_extra = last_stage_extra_activation_bytes(**extras) if is_last else 0
+    activations += whole_stage_mbs * last_extra
     if recompute != "none":
         # Backward re-runs one layer's forward at a time, so one layer's stored activations
-        # (without recomputation) are alive on top of what the stage keeps.
-        activations += activation_bytes_per_layer(model, micro_batch_size=micro_batch_size, seq_length=seq_length,
-                                                  tp=tp, sequence_parallel=sequence_parallel,
-                                                  flash_attention=flash_attention, precision=precision,
-                                                  dropout=dropout) - per_layer
+        # (without recomputation) are alive on top of what the stage keeps; by then the micro-batch's
+        # output-layer activations (last stage) have been freed by its backward: the peak is the larger
+        # of the forward's and this.
+        full = activation_bytes_per_layer(model, micro_batch_size=micro_batch_size, seq_length=seq_length,
+                                          tp=tp, sequence_parallel=sequence_parallel,
+                                          flash_attention=flash_attention, precision=precision,
+                                          dropout=dropout, fused_softmax=fused_softmax)
+        activations += max(0, full - per_layer - last_extra)
     return StageMemory(
         parameters_bytes=weight_b * params,
         gradients_bytes=grad_b * params,
@@ -363,10 +372,12 @@ def rank_memory(model: ModelSpec, plan, rank: int, *, precision: str | None = No
     when the plan's ``use_distributed_optimizer`` is on (``weights``: the runtime's
     :func:`optimizer_shard_weights` unless given); activations from :func:`stage_memory` with the
     schedule's in-flight micro-batches (GPipe: all of the replica's; 1F1B: ``min(p - i, m)``) and the
-    stage's recompute setting; ``dropout`` False is what the runtime builds. No overhead term.
+    stage's recompute setting; ``dropout`` False is what the runtime builds; a host device type (CPU)
+    runs megatron-core's unfused softmax. No overhead term.
     """
     import dataclasses as _dc
 
+    from megatron_het.cluster.catalog import CATALOG
     from megatron_het.perf.flops import (
         _has_linear_bias,
         _learned_positions,
@@ -409,6 +420,6 @@ def rank_memory(model: ModelSpec, plan, rank: int, *, precision: str | None = No
                        micro_batch_size=plan.micro_batch_size, microbatches_in_flight=in_flight, tp=tp,
                        sequence_parallel=plan.sequence_parallel, recompute="full" if st.recompute else "none",
                        virtual_stages=plan.virtual_pipeline_size, precision=precision, overhead_bytes=0,
-                       dropout=dropout).activations_bytes
+                       dropout=dropout, fused_softmax=not CATALOG[st.device_type].is_host).activations_bytes
     return StageMemory(parameters_bytes=weight_b * params, gradients_bytes=grad_b * params,
                        optimizer_bytes=int(round(optimizer)), activations_bytes=act, overhead_bytes=0)
