@@ -16,13 +16,8 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
-import os
 import sys
 import time
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
-sys.path.insert(0, os.path.join(ROOT, "bench"))
 
 from bench_record import machine, perf_commit, write_result  # noqa: E402
 
