@@ -185,15 +185,26 @@ def run(args: PretrainArgs, acc, *, plan: AnyPlan | None = None,
                                                global_batch_size=args.train.global_batch_size,
                                                seq_length=args.model.seq_length, writer_rank=0)
                 print_rank0(f"tensorboard: rank 0 writes to {args.tensorboard.log_dir}")
+            from megatron_het.runtime.memory_report import MemoryProbe
+            from megatron_het.train.trainer import ChainedHooks
+
+            probe = MemoryProbe()  # what each rank holds, beside the memory model's prediction (end of run)
             trainer = HeteroTrainer(model=args.model, plan=plan, train=args.train, batch_fn=batch_fn,
-                                    cluster=cluster, padded_vocab=padded_vocab,
-                                    slowdown=None if emulate else 1.0, hooks=tensorboard, accelerator=acc)
+                                    cluster=cluster, padded_vocab=padded_vocab, slowdown=None if emulate else 1.0,
+                                    hooks=ChainedHooks(tensorboard, probe) if tensorboard is not None else probe,
+                                    accelerator=acc)
         if load_path:
             start = trainer.load_checkpoint(load_path)
             print_rank0(f"loaded checkpoint {load_path} (iteration {start}, written under another plan is fine)")
-        return train_loop(trainer, loop=args.loop, seq_length=args.model.seq_length, valid_fn=valid_fn,
-                          on_validation=tensorboard.log_validation if tensorboard is not None else None,
-                          tokenizer_model=None if args.data.mock_data else args.data.tokenizer_model)
+        result = train_loop(trainer, loop=args.loop, seq_length=args.model.seq_length, valid_fn=valid_fn,
+                            on_validation=tensorboard.log_validation if tensorboard is not None else None,
+                            tokenizer_model=None if args.data.mock_data else args.data.tokenizer_model)
+        if not sharded and trainer.iteration > 0:
+            from megatron_het.runtime.memory_report import gathered_report_lines
+
+            for line in gathered_report_lines(probe, args.model, plan):
+                print_rank0(line)
+        return result
     finally:  # the event file is complete even when training fails
         if tensorboard is not None:
             tensorboard.close()

@@ -30,7 +30,7 @@ import torch
 
 from megatron_het.train.trainer import TrainerHooks
 
-__all__ = ["MemoryProbe", "MemoryReport", "owned_state_bytes"]
+__all__ = ["MemoryProbe", "MemoryReport", "owned_state_bytes", "gathered_report_lines"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -187,3 +187,26 @@ class MemoryProbe(TrainerHooks):
         return MemoryReport(rank=self._strategy.rank, parameters_bytes=parameters, gradients_bytes=gradients,
                             optimizer_bytes=optimizer, activations_bytes=self.peak_bytes,
                             activations_per_microbatch_bytes=self.per_microbatch_bytes)
+
+
+def gathered_report_lines(probe: MemoryProbe, model, plan) -> list[str]:
+    """Every rank's report beside ``perf.memory.rank_memory``'s prediction for it, gathered (collective);
+    rank 0 gets one line per rank, the others an empty list."""
+    import torch.distributed as dist
+
+    from megatron_het.perf.memory import rank_memory
+
+    mine = probe.report()
+    gathered: list = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, mine)
+    if dist.get_rank() != 0:
+        return []
+    vocab = probe._strategy.stage.vocab_size
+    lines = ["memory held per rank, measured / predicted by perf.memory.rank_memory (MiB):"]
+    mib = 2.0 ** 20
+    for rep in gathered:
+        pred = rank_memory(model, plan, rep.rank, padded_vocab=vocab)
+        cells = " | ".join(f"{k}: {v / mib:.2f} / {getattr(pred, f'{k}_bytes') / mib:.2f}"
+                           for k, v in rep.parts().items())
+        lines.append(f"  [Rank {rep.rank}] {cells}")
+    return lines
