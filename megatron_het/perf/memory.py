@@ -371,8 +371,9 @@ def rank_memory(model: ModelSpec, plan, rank: int, *, precision: str | None = No
     ``padded_vocab`` or the model's own), optimizer state split as ``optim/holders.py`` splits it
     when the plan's ``use_distributed_optimizer`` is on (``weights``: the runtime's
     :func:`optimizer_shard_weights` unless given); activations from :func:`stage_memory` with the
-    schedule's in-flight micro-batches (GPipe: all of the replica's; 1F1B: ``min(p - i, m)``) and the
-    stage's recompute setting; ``dropout`` False is what the runtime builds; a host device type (CPU)
+    in-flight micro-batches of the schedule the runtime executes (``Schedule.peak_in_flight``: GPipe
+    all of the replica's, 1F1B ``min(p - i, m)``, interleaved and zero-bubble from their action lists)
+    and the stage's recompute setting; ``dropout`` False is what the runtime builds; a host device type (CPU)
     runs megatron-core's unfused softmax. No overhead term.
     """
     import dataclasses as _dc
@@ -385,6 +386,7 @@ def rank_memory(model: ModelSpec, plan, rank: int, *, precision: str | None = No
         layer_parameters_per_rank,
     )
     from megatron_het.plan import rank_roles
+    from megatron_het.schedule import build_schedule
 
     precision = precision or plan.precision
     role = rank_roles(plan)[rank]
@@ -414,8 +416,8 @@ def rank_memory(model: ModelSpec, plan, rank: int, *, precision: str | None = No
         optimizer = sum(opt_b * n * shares[k] for k, n in classes.items())
     else:
         optimizer = opt_b * params
-    in_flight = m if plan.schedule == "gpipe" else microbatches_in_flight(
-        stage=i, pipeline_size=p, num_microbatches=m, virtual_stages=plan.virtual_pipeline_size)
+    # in-flight (chunk) micro-batches from the schedule the runtime executes (the same data)
+    in_flight = build_schedule(plan.schedule, p, m, plan.virtual_pipeline_size).peak_in_flight()[i]
     act = stage_memory(vmodel, num_layers=n_layers, is_first=is_first, is_last=is_last,
                        micro_batch_size=plan.micro_batch_size, microbatches_in_flight=in_flight, tp=tp,
                        sequence_parallel=plan.sequence_parallel, recompute="full" if st.recompute else "none",
