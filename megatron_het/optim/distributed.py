@@ -47,7 +47,8 @@ class DistributedOptimizer:
     def __init__(self, local: Sequence, params: Mapping[str, torch.nn.Parameter], *, train,
                  new_group: Callable[[tuple[int, ...]], object | None], owned: Callable[[list], set] | None = None,
                  main_grads: Mapping[str, torch.Tensor] | None = None, weights: Mapping[int, float] | None = None,
-                 device: torch.device, overlap_param_gather_in: torch.nn.Module | None = None) -> None:
+                 device: torch.device, overlap_param_gather_in: torch.nn.Module | None = None,
+                 gather_method: str = "padded", reduce_scatter_method: str = "reduce") -> None:
         """``local``: this rank's holdings (``runtime.grad_sync.Holding``); ``params``: the model's
         parameters by global name; ``new_group(ranks)``: creates a group over ``ranks`` (collective
         over the world, None on non-members; runtime.comm_routing routes it natively or through the
@@ -56,7 +57,10 @@ class DistributedOptimizer:
         parameters' own ``.grad``); ``weights``: rank -> free memory (None: equal shares);
         ``overlap_param_gather_in``: the stage's module: ``step()`` then only starts each bucket's
         all-gather, and a forward pre-hook on every sub-module that owns parameters finishes the
-        buckets of its parameters just before it runs (Megatron's ``--overlap-param-gather``)."""
+        buckets of its parameters just before it runs (Megatron's ``--overlap-param-gather``);
+        ``gather_method`` / ``reduce_scatter_method``: the comm layer's constructions on torch groups
+        (``comm/uneven.py``)."""
+        self._methods = {"gather": gather_method, "reduce_scatter": reduce_scatter_method}
         self.device, self.train = device, train
         self.rank = dist.get_rank()
         gathered: list = [None] * dist.get_world_size()
@@ -179,7 +183,8 @@ class DistributedOptimizer:
             if group is None:
                 mine = inp
             else:
-                kw = {"bridge": group.het} if group.kind != "native" else {"group": group.group}
+                kw = ({"bridge": group.het} if group.kind != "native"
+                      else {"group": group.group, "method": self._methods["reduce_scatter"]})
                 mine = uneven_reduce_scatter(inp, ShardLayout(sizes=b.sizes()), **kw)
             out[self._start[i]:self._start[i] + n] = mine
         return out
@@ -193,7 +198,8 @@ class DistributedOptimizer:
             if group is None:
                 gathered = piece
             else:
-                kw = {"bridge": group.het} if group.kind != "native" else {"group": group.group}
+                kw = ({"bridge": group.het} if group.kind != "native"
+                      else {"group": group.group, "method": self._methods["gather"]})
                 gathered = uneven_all_gather(piece.contiguous(), ShardLayout(sizes=b.sizes()), **kw)
             self._scatter_gathered(i, gathered, sink)
 

@@ -151,13 +151,14 @@ def plan_shard_buckets(holdings: Iterable, *, weights: Mapping[int, float] | Non
                        bucket_numel: int | None = None) -> list[ShardBucket]:
     """Buckets and ownership for every parameter of every rank (deterministic: every rank gets the
     same list). ``holdings``: ``runtime.grad_sync.Holding``-like records of the whole world;
-    ``weights``: rank -> share weight (free memory; None: equal); ``bucket_numel``: close a bucket
+    ``weights``: rank -> share weight (free memory, or a sharded plan's fraction; 0: owns nothing,
+    but every element needs one holder of weight > 0; None: equal); ``bucket_numel``: close a bucket
     once it carries that many elements (None: one bucket per group)."""
     weights = dict(weights or {})
     for r, w in weights.items():
-        if not (isinstance(w, (int, float)) and math.isfinite(w) and w > 0):
-            raise ValueError(f"weights[{r}]: must be a finite number > 0 (got {w!r}). "
-                             "Fix: pass each rank's free memory in bytes (positive)")
+        if not (isinstance(w, (int, float)) and math.isfinite(w) and w >= 0):
+            raise ValueError(f"weights[{r}]: must be a finite number >= 0 (got {w!r}). "
+                             "Fix: pass each rank's free memory in bytes (or its shard fraction)")
     holdings = list(holdings)
     by_name: dict[str, list] = {}
     first_seen: dict[str, int] = {}
