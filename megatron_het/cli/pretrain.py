@@ -55,6 +55,8 @@ def resolve_plan(args: PretrainArgs) -> AnyPlan:
             print_rank0(f"planner: {choice.pipeline_result.explanation}")
         print_rank0(f"planner: {choice.explanation}")
         plan = choice.plan
+        if not isinstance(plan, ShardedPlan):  # no plan file: the flags are the record (none = fp32)
+            plan = dataclasses.replace(plan, precision=args.train.precision)
     else:
         plan = load_any_plan(args.plan_source)
     if isinstance(plan, ShardedPlan):

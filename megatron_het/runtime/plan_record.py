@@ -8,6 +8,8 @@ command line may add to the record but not contradict it (pure function, applied
 - precision: no ``--bf16``/``--fp16`` flag means "what the plan says" (fp32 and tf32 plans train in
   fp32 storage); a flag that names another precision than the plan's is refused, naming both;
   fp8 plans are refused (this runtime has no fp8 path);
+- ``--hetero-plan auto`` has no plan file: the flags are the record (no flag = fp32, Megatron's
+  default) and the chosen plan records them (``cli/pretrain.resolve_plan``);
 - ``--use-distributed-optimizer`` turns the plan's ``use_distributed_optimizer`` on (and the run's
   plan records it, so the memory prediction the run prints counts sharded state).
 """
