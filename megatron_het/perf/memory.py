@@ -286,10 +286,14 @@ def optimizer_shard_weights(model: ModelSpec, plan, *, precision: str = "fp32") 
     Free memory is the rank's device capacity (catalog, by the stage's ``device_type``) minus what
     :func:`stage_memory` predicts for everything but the optimizer state (weights, gradients,
     activations at the 1F1B peak, overhead), floored at 1% of the capacity so every holder keeps
-    a share. Pure: every rank computes the same weights from the same plan.
+    a share. Pure: every rank computes the same weights from the same plan. A plan naming a device
+    type the catalog does not have (a cluster file's own ``device_types:``) gets equal weights: the
+    runtime does not read the cluster file's definitions here.
     """
     from megatron_het.cluster.catalog import CATALOG
 
+    if any(st.device_type not in CATALOG for r in plan.replicas for st in r.stages):
+        return {rank: 1.0 for r in plan.replicas for rank in r.ranks}
     out: dict[int, float] = {}
     for replica in plan.replicas:
         p = len(replica.stages)
@@ -422,6 +426,7 @@ def rank_memory(model: ModelSpec, plan, rank: int, *, precision: str | None = No
                        micro_batch_size=plan.micro_batch_size, microbatches_in_flight=in_flight, tp=tp,
                        sequence_parallel=plan.sequence_parallel, recompute="full" if st.recompute else "none",
                        virtual_stages=plan.virtual_pipeline_size, precision=precision, overhead_bytes=0,
-                       dropout=dropout, fused_softmax=not CATALOG[st.device_type].is_host).activations_bytes
+                       dropout=dropout, fused_softmax=not (st.device_type in CATALOG and CATALOG[st.device_type].is_host)
+                       ).activations_bytes
     return StageMemory(parameters_bytes=weight_b * params, gradients_bytes=grad_b * params,
                        optimizer_bytes=int(round(optimizer)), activations_bytes=act, overhead_bytes=0)
