@@ -57,7 +57,10 @@ def choose_plan(model, cluster, *, micro: int, global_batch: int) -> str:
                        pipeline_options={"top_k": 3})
     print(f"demo: planner: {choice.explanation}", flush=True)
     path = os.path.join(RUN, "plan.json")
-    save_plan(choice.plan, path)
+    # the plan records the precision this demo trains in (extra --bf16/--fp16 pass through), so the
+    # prediction below and the run agree (pretrain_gpt.py runs what the plan records)
+    precision = "bf16" if "--bf16" in sys.argv[1:] else "fp16" if "--fp16" in sys.argv[1:] else "fp32"
+    save_plan(dataclasses.replace(choice.plan, precision=precision), path)
     return path
 
 

@@ -105,14 +105,17 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {err}", file=sys.stderr)
         return 2
     if args.json:
-        print(json.dumps(dict(pred.to_json_dict(), precision=plan.precision, breakdown_s=parts), indent=2))
+        print(json.dumps(dict(pred.to_json_dict(), precision=plan.precision,
+                              use_distributed_optimizer=plan.use_distributed_optimizer, breakdown_s=parts), indent=2))
         return 0
     print(f"iteration time  {pred.iteration_time_s:.4g} s (pipeline {pred.pipeline_time_s:.4g}, synchronization "
           f"{pred.synchronization_s:.4g}, gradient reduction "
           f"{pred.gradient_reduction_s:.4g}, optimizer {pred.optimizer_s:.4g})")
     print(f"throughput      {pred.tokens_per_s:.4g} tokens/s, {pred.tflops_per_gpu:.4g} TFLOP/s per GPU "
           f"({pred.num_gpus} GPUs)")
-    print(f"memory          max {pred.memory_gib_per_rank_max:.2f} GiB per rank, fits: {pred.fits}")
+    print(f"memory          max {pred.memory_gib_per_rank_max:.2f} GiB per rank, fits: {pred.fits} ({plan.precision}, "
+          f"optimizer state {'sharded over the replicas' if plan.use_distributed_optimizer else 'full on every holder'}"
+          f"; pretrain_gpt.py runs what the plan records: runtime/plan_record.py)")
     print("replica stage island        device      TP  layers   fwd_ms    bwd_ms    idle_s    mem_GiB / cap")
     seen = set()
     for ri, r in enumerate(pred.replicas):

@@ -55,6 +55,8 @@ def resolve_plan(args: PretrainArgs) -> AnyPlan:
             print_rank0(f"planner: {choice.pipeline_result.explanation}")
         print_rank0(f"planner: {choice.explanation}")
         plan = choice.plan
+        if not isinstance(plan, ShardedPlan):  # no plan file: the flags are the record (none = fp32)
+            plan = dataclasses.replace(plan, precision=args.train.precision)
     else:
         plan = load_any_plan(args.plan_source)
     if isinstance(plan, ShardedPlan):
@@ -64,6 +66,8 @@ def resolve_plan(args: PretrainArgs) -> AnyPlan:
                               fix="drop the flags or use a pipeline/TP plan")
     else:
         plan = apply_overlap_flags(plan, args)
+        if args.use_distributed_optimizer:
+            plan = dataclasses.replace(plan, use_distributed_optimizer=True)
     plan.validate(args.model, args.cluster)
     return plan
 
@@ -134,16 +138,20 @@ def run(args: PretrainArgs, acc, *, plan: AnyPlan | None = None,
         print_rank0(enable_cpu_backend().describe())
     print_rank0(f"accelerator: {acc.kind} ({acc.device_name}, tensors on {acc.device}, island backend "
                 f"{acc.torch_backend}); {detect_optional_accelerators(acc).describe()}")
+    if plan is None:
+        plan = resolve_plan(args)
+    if not isinstance(plan, ShardedPlan):  # the plan is the one record of precision and optimizer sharding
+        from megatron_het.runtime.plan_record import reconcile_plan
+
+        plan, reconciled = reconcile_plan(plan, args.train, use_distributed_optimizer=args.use_distributed_optimizer)
+        args = dataclasses.replace(args, train=reconciled)
     train = args.train
     if train.precision != "fp32":
         scaling = ("" if not train.fp16 else f"; loss scale {train.loss_scale}" if train.loss_scale is not None
                    else f"; dynamic loss scale from {train.initial_loss_scale:g}")
         print_rank0(f"precision: {train.precision} parameters and activations (megatron-core Float16Module), fp32 "
                     f"main parameters and fp32 gradient accumulation/reduction{scaling}")
-    if plan is None:
-        plan = resolve_plan(args)
-    else:
-        plan.validate(args.model, args.cluster)
+    plan.validate(args.model, args.cluster)
     check_world_size(plan.world_size)
     cluster = args.cluster
     sharded = isinstance(plan, ShardedPlan)
@@ -154,8 +162,8 @@ def run(args: PretrainArgs, acc, *, plan: AnyPlan | None = None,
         print_rank0(f"note: --micro-batch-size {args.train.micro_batch_size} is ignored: each rank uses its plan's "
                     "micro-batch size")
     if not sharded and plan.use_distributed_optimizer:
-        print_rank0("note: plan.use_distributed_optimizer is used by the memory prediction; this runtime keeps "
-                    "full optimizer state on every holder of a parameter")
+        print_rank0("optimizer: distributed (fp32 main parameters and Adam moments sharded over every holder of "
+                    "each parameter, in proportion to free memory; the plan's memory prediction counts the same)")
     emulate = announce_emulation(cluster, no_emulation=args.no_emulation)
     print_rank0(communication_line(plan, cluster))
     if sharded and args.tensorboard is not None:
@@ -179,15 +187,26 @@ def run(args: PretrainArgs, acc, *, plan: AnyPlan | None = None,
                                                global_batch_size=args.train.global_batch_size,
                                                seq_length=args.model.seq_length, writer_rank=0)
                 print_rank0(f"tensorboard: rank 0 writes to {args.tensorboard.log_dir}")
+            from megatron_het.runtime.memory_report import MemoryProbe
+            from megatron_het.train.trainer import ChainedHooks
+
+            probe = MemoryProbe()  # what each rank holds, beside the memory model's prediction (end of run)
             trainer = HeteroTrainer(model=args.model, plan=plan, train=args.train, batch_fn=batch_fn,
-                                    cluster=cluster, padded_vocab=padded_vocab,
-                                    slowdown=None if emulate else 1.0, hooks=tensorboard, accelerator=acc)
+                                    cluster=cluster, padded_vocab=padded_vocab, slowdown=None if emulate else 1.0,
+                                    hooks=ChainedHooks(tensorboard, probe) if tensorboard is not None else probe,
+                                    accelerator=acc)
         if load_path:
             start = trainer.load_checkpoint(load_path)
             print_rank0(f"loaded checkpoint {load_path} (iteration {start}, written under another plan is fine)")
-        return train_loop(trainer, loop=args.loop, seq_length=args.model.seq_length, valid_fn=valid_fn,
-                          on_validation=tensorboard.log_validation if tensorboard is not None else None,
-                          tokenizer_model=None if args.data.mock_data else args.data.tokenizer_model)
+        result = train_loop(trainer, loop=args.loop, seq_length=args.model.seq_length, valid_fn=valid_fn,
+                            on_validation=tensorboard.log_validation if tensorboard is not None else None,
+                            tokenizer_model=None if args.data.mock_data else args.data.tokenizer_model)
+        if not sharded and trainer.iteration > 0:
+            from megatron_het.runtime.memory_report import gathered_report_lines
+
+            for line in gathered_report_lines(probe, args.model, plan):
+                print_rank0(line)
+        return result
     finally:  # the event file is complete even when training fails
         if tensorboard is not None:
             tensorboard.close()

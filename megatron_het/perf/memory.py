@@ -47,6 +47,9 @@ __all__ = [
     "microbatches_in_flight",
     "stage_memory",
     "device_capacity_bytes",
+    "optimizer_shard_weights",
+    "runtime_state_bytes",
+    "rank_memory",
 ]
 
 PARAM_BYTES = 2  # bf16 model weights
@@ -122,7 +125,7 @@ def _check_sp(model: ModelSpec, seq_length: int, tp: int, sequence_parallel: boo
 def activation_bytes_per_layer(model: ModelSpec, *, micro_batch_size: int, seq_length: int | None = None,
                                tp: int = 1, sequence_parallel: bool = False,
                                recompute: Recompute = "none", flash_attention: bool = False,
-                               precision: str = "bf16") -> int:
+                               precision: str = "bf16", dropout: bool = True, fused_softmax: bool = True) -> int:
     """Activation bytes one layer keeps for backward, per micro-batch, on one TP rank.
 
     Terms (Korthikanti et al. 2022, sec. 4.1; ``x`` = s*b*h elements, 2 bytes each unless a mask):
@@ -133,7 +136,12 @@ def activation_bytes_per_layer(model: ModelSpec, *, micro_batch_size: int, seq_l
     dropout output 2), which selective recomputation does not store. A fused (flash) attention
     kernel stores no ``s x s`` tensors either, only fp32 softmax statistics, ``4*a*s*b`` bytes
     (megatron-core's local spec, what runs on CPU, uses the unfused path). In fp32/tf32 every
-    element but the dropout masks takes 4 bytes instead of 2.
+    element but the dropout masks takes 4 bytes instead of 2. ``dropout=False`` (hidden and attention
+    dropout 0, what the pipeline runtime builds: ``model/gpt.transformer_config``) stores neither the
+    two masks nor the attention-dropout mask and output: torch's dropout at p=0 returns its input.
+    ``fused_softmax=False`` is megatron-core's torch fallback (no fused kernel: CPU): in 16-bit runs it
+    computes the softmax in fp32 (``attention_softmax_in_fp32``) and keeps that fp32 output for its
+    backward besides the 16-bit copy the next matmul saves, ``4*a*s^2*b`` bytes more.
     """
     check_tp(model, tp)
     check_recompute(recompute)
@@ -151,7 +159,8 @@ def activation_bytes_per_layer(model: ModelSpec, *, micro_batch_size: int, seq_l
     heads = model.num_attention_heads // tp
     groups = model.num_query_groups // tp
     f = model.ffn_hidden_size // tp
-    outside = (4 * e + 2) * s_local * b * h  # 4 tensors (2 norm inputs, QKV and fc1 inputs) + 2 masks
+    masks = 2 if dropout else 0
+    outside = (4 * e + masks) * s_local * b * h  # 4 tensors (2 norm inputs, QKV and fc1 inputs) + 2 masks
     attention = e * s * b * (2 * heads * d + 2 * groups * d)  # Q and projection input; K and V
     mlp = e * s * b * (f * (2 if model.swiglu else 1) + f)  # activation input; fc2 input
     if recompute == "selective":
@@ -159,7 +168,9 @@ def activation_bytes_per_layer(model: ModelSpec, *, micro_batch_size: int, seq_l
     elif flash_attention:
         core = 4 * heads * s * b
     else:
-        core = (2 * e + 1) * heads * s * s * b  # softmax output, dropout output, dropout mask
+        core = ((2 * e + 1) if dropout else e) * heads * s * s * b  # softmax output, dropout output, dropout mask
+        if not fused_softmax and e == 2:
+            core += 4 * heads * s * s * b  # the fallback's fp32 softmax output
     return outside + attention + mlp + core
 
 
@@ -212,7 +223,8 @@ def stage_memory(model: ModelSpec, *, num_layers: int, is_first: bool, is_last: 
                  microbatches_in_flight: int, tp: int = 1, dp: int = 1, seq_length: int | None = None,
                  sequence_parallel: bool = False, recompute: Recompute = "none",
                  distributed_optimizer: bool = True, virtual_stages: int = 1, flash_attention: bool = False,
-                 overhead_bytes: int = DEFAULT_OVERHEAD_BYTES, precision: str = "bf16") -> StageMemory:
+                 overhead_bytes: int = DEFAULT_OVERHEAD_BYTES, precision: str = "bf16",
+                 dropout: bool = True, fused_softmax: bool = True) -> StageMemory:
     """Peak bytes on one rank of a stage of ``num_layers`` layers.
 
     ``microbatches_in_flight`` comes from :func:`microbatches_in_flight` (chunk micro-batches when
@@ -238,22 +250,27 @@ def stage_memory(model: ModelSpec, *, num_layers: int, is_first: bool, is_last: 
     shard = dp if distributed_optimizer else 1
     per_layer = activation_bytes_per_layer(model, micro_batch_size=micro_batch_size, seq_length=seq_length, tp=tp,
                                            sequence_parallel=sequence_parallel, recompute=recompute,
-                                           flash_attention=flash_attention, precision=precision)
+                                           flash_attention=flash_attention, precision=precision, dropout=dropout,
+                                           fused_softmax=fused_softmax)
     # Layer-micro-batches alive at the peak: chunk micro-batches x layers per chunk.
     activations = microbatches_in_flight * (num_layers // virtual_stages) * per_layer
     whole_stage_mbs = math.ceil(microbatches_in_flight / virtual_stages)
     extras = dict(model=model, micro_batch_size=micro_batch_size, seq_length=seq_length, tp=tp,
                   sequence_parallel=sequence_parallel, precision=precision)
-    if is_first:
+    if is_first and dropout:  # the embedding dropout mask
         activations += whole_stage_mbs * first_stage_extra_activation_bytes(**extras)
-    if is_last:
-        activations += whole_stage_mbs * last_stage_extra_activation_bytes(**extras)
+    last_extra = last_stage_extra_activation_bytes(**extras) if is_last else 0
+    activations += whole_stage_mbs * last_extra
     if recompute != "none":
         # Backward re-runs one layer's forward at a time, so one layer's stored activations
-        # (without recomputation) are alive on top of what the stage keeps.
-        activations += activation_bytes_per_layer(model, micro_batch_size=micro_batch_size, seq_length=seq_length,
-                                                  tp=tp, sequence_parallel=sequence_parallel,
-                                                  flash_attention=flash_attention, precision=precision) - per_layer
+        # (without recomputation) are alive on top of what the stage keeps; by then the micro-batch's
+        # output-layer activations (last stage) have been freed by its backward: the peak is the larger
+        # of the forward's and this.
+        full = activation_bytes_per_layer(model, micro_batch_size=micro_batch_size, seq_length=seq_length,
+                                          tp=tp, sequence_parallel=sequence_parallel,
+                                          flash_attention=flash_attention, precision=precision,
+                                          dropout=dropout, fused_softmax=fused_softmax)
+        activations += max(0, full - per_layer - last_extra)
     return StageMemory(
         parameters_bytes=weight_b * params,
         gradients_bytes=grad_b * params,
@@ -261,3 +278,155 @@ def stage_memory(model: ModelSpec, *, num_layers: int, is_first: bool, is_last: 
         activations_bytes=activations,
         overhead_bytes=overhead_bytes,
     )
+
+
+def optimizer_shard_weights(model: ModelSpec, plan, *, precision: str = "fp32") -> dict[int, float]:
+    """Rank -> memory left for optimizer state (the distributed optimizer's share weights).
+
+    Free memory is the rank's device capacity (catalog, by the stage's ``device_type``) minus what
+    :func:`stage_memory` predicts for everything but the optimizer state (weights, gradients,
+    activations at the 1F1B peak, overhead), floored at 1% of the capacity so every holder keeps
+    a share. Pure: every rank computes the same weights from the same plan. A plan naming a device
+    type the catalog does not have (a cluster file's own ``device_types:``) gets equal weights: the
+    runtime does not read the cluster file's definitions here.
+    """
+    from megatron_het.cluster.catalog import CATALOG
+
+    if any(st.device_type not in CATALOG for r in plan.replicas for st in r.stages):
+        return {rank: 1.0 for r in plan.replicas for rank in r.ranks}
+    out: dict[int, float] = {}
+    for replica in plan.replicas:
+        p = len(replica.stages)
+        for i, st in enumerate(replica.stages):
+            capacity = device_capacity_bytes(CATALOG[st.device_type])
+            in_flight = (replica.num_micro_batches if plan.schedule == "gpipe" else microbatches_in_flight(
+                stage=i, pipeline_size=p, num_microbatches=replica.num_micro_batches))
+            mem = stage_memory(model, num_layers=st.num_layers, is_first=i == 0, is_last=i == p - 1,
+                               micro_batch_size=plan.micro_batch_size, microbatches_in_flight=in_flight,
+                               tp=st.tp, sequence_parallel=plan.sequence_parallel,
+                               recompute="full" if st.recompute else "none", distributed_optimizer=False,
+                               precision=precision)
+            free = capacity - (mem.total_bytes - mem.optimizer_bytes)
+            for r in st.ranks:
+                out[r] = float(max(free, capacity // 100))
+    return out
+
+
+def runtime_state_bytes(precision: str, *, distributed_optimizer: bool) -> tuple[int, int, int]:
+    """(weight, gradient, optimizer) bytes per parameter the *pipeline runtime* keeps, optimizer bytes
+    before sharding (divide by the holders' share with the distributed optimizer).
+
+    fp32/tf32: weights 4, ``.grad`` 4, Adam moments 8 (with the distributed optimizer the parameters
+    are the main values: Megatron's ``8 + 8/d``). bf16 and fp16 (the runtime treats both alike:
+    ``MainParams`` / ``MainGrads``): weights 2, fp32 main gradients 4, fp32 main values + moments 12
+    (Megatron's bf16 ``6 + 12/d``; its fp16 row keeps fp16 gradients too, this runtime does not).
+    """
+    state_bytes(precision)
+    if precision in ("fp32", "tf32"):
+        return 4, 4, 8
+    if precision == "fp8":
+        raise ConfigError("the pipeline runtime has no fp8 path", field="precision", value=precision,
+                          fix="use fp32, bf16 or fp16")
+    return 2, 4, 12
+
+
+def _holder_shares(model: ModelSpec, plan, rank: int, weights: dict[int, float]) -> dict[str, float]:
+    """Fraction of each parameter class's local elements rank ``rank`` owns with the distributed
+    optimizer (``optim/holders.py``: every element split among its holders by weight)."""
+    from megatron_het.plan import rank_roles
+
+    role = rank_roles(plan)[rank]
+    w = weights[rank]
+    first, stop = role.layers
+
+    def stage_of(replica, layer):
+        for st in replica.stages:
+            if st.layers[0] <= layer < st.layers[1]:
+                return st
+        raise ValueError(f"layer {layer}: no stage of the replica holds it")
+
+    def share(stages, replicated: bool) -> float:
+        total = sum(weights[st.ranks[0]] * (st.tp if replicated else 1) for st in stages)
+        return w / total
+
+    out = {}
+    layers = range(first, stop)
+    out["layer_partitioned"] = sum(share([stage_of(r, l) for r in plan.replicas], False) for l in layers) / max(
+        len(layers), 1)
+    out["layer_replicated"] = sum(share([stage_of(r, l) for r in plan.replicas], True) for l in layers) / max(
+        len(layers), 1)
+    firsts = [r.stages[0] for r in plan.replicas]
+    lasts = [r.stages[-1] for r in plan.replicas]
+    tied = not model.untie_embeddings_and_output_weights
+    word = firsts + ([r.stages[-1] for r in plan.replicas if len(r.stages) > 1] if tied else [])
+    out["word_embedding"] = share(word, False)
+    out["position_embedding"] = share(firsts, True)
+    out["final_norm"] = share(lasts, True)
+    out["output_layer"] = share(lasts, False)
+    return out
+
+
+def rank_memory(model: ModelSpec, plan, rank: int, *, precision: str | None = None, padded_vocab: int | None = None,
+                dropout: bool = False, weights: dict[int, float] | None = None) -> StageMemory:
+    """What the pipeline runtime holds on ``rank`` of ``plan``, by component, at its peak.
+
+    The same components ``runtime/memory_report.py`` measures: parameters, gradients and optimizer
+    state from :func:`runtime_state_bytes` over the rank's parameters (padded vocabulary:
+    ``padded_vocab`` or the model's own), optimizer state split as ``optim/holders.py`` splits it
+    when the plan's ``use_distributed_optimizer`` is on (``weights``: the runtime's
+    :func:`optimizer_shard_weights` unless given); activations from :func:`stage_memory` with the
+    in-flight micro-batches of the schedule the runtime executes (``Schedule.peak_in_flight``: GPipe
+    all of the replica's, 1F1B ``min(p - i, m)``, interleaved and zero-bubble from their action lists)
+    and the stage's recompute setting; ``dropout`` False is what the runtime builds; a host device type (CPU)
+    runs megatron-core's unfused softmax. No overhead term.
+    """
+    import dataclasses as _dc
+
+    from megatron_het.cluster.catalog import CATALOG
+    from megatron_het.perf.flops import (
+        _has_linear_bias,
+        _learned_positions,
+        _norm_params,
+        layer_parameters_per_rank,
+    )
+    from megatron_het.plan import rank_roles
+    from megatron_het.schedule import build_schedule
+
+    precision = precision or plan.precision
+    role = rank_roles(plan)[rank]
+    replica = plan.replicas[role.replica]
+    st = replica.stages[role.stage]
+    p, i, m = len(replica.stages), role.stage, replica.num_micro_batches
+    is_first, is_last = i == 0, i == p - 1
+    vmodel = _dc.replace(model, vocab_size=padded_vocab) if padded_vocab else model
+    tp, h = st.tp, model.hidden_size
+    weight_b, grad_b, opt_b = runtime_state_bytes(precision, distributed_optimizer=plan.use_distributed_optimizer)
+    replicated_per_layer = (2 * h if _has_linear_bias(model) else 0) + 2 * _norm_params(model)
+    per_layer = layer_parameters_per_rank(vmodel, tp=tp)
+    n_layers = st.num_layers
+    classes = {"layer_partitioned": n_layers * (per_layer - replicated_per_layer),
+               "layer_replicated": n_layers * replicated_per_layer,
+               "word_embedding": (vmodel.vocab_size // tp) * h if (is_first or (is_last and not
+                                                                   model.untie_embeddings_and_output_weights)) else 0,
+               "position_embedding": (model.max_position_embeddings or model.seq_length) * h
+               if is_first and _learned_positions(model) else 0,
+               "final_norm": _norm_params(model) if is_last else 0,
+               "output_layer": (vmodel.vocab_size // tp) * h if is_last and model.untie_embeddings_and_output_weights
+               else 0}
+    params = sum(classes.values())
+    if plan.use_distributed_optimizer:
+        shares = _holder_shares(model, plan, rank, weights or optimizer_shard_weights(model, plan,
+                                                                                     precision=precision))
+        optimizer = sum(opt_b * n * shares[k] for k, n in classes.items())
+    else:
+        optimizer = opt_b * params
+    # in-flight (chunk) micro-batches from the schedule the runtime executes (the same data)
+    in_flight = build_schedule(plan.schedule, p, m, plan.virtual_pipeline_size).peak_in_flight()[i]
+    act = stage_memory(vmodel, num_layers=n_layers, is_first=is_first, is_last=is_last,
+                       micro_batch_size=plan.micro_batch_size, microbatches_in_flight=in_flight, tp=tp,
+                       sequence_parallel=plan.sequence_parallel, recompute="full" if st.recompute else "none",
+                       virtual_stages=plan.virtual_pipeline_size, precision=precision, overhead_bytes=0,
+                       dropout=dropout, fused_softmax=not (st.device_type in CATALOG and CATALOG[st.device_type].is_host)
+                       ).activations_bytes
+    return StageMemory(parameters_bytes=weight_b * params, gradients_bytes=grad_b * params,
+                       optimizer_bytes=int(round(optimizer)), activations_bytes=act, overhead_bytes=0)

@@ -12,7 +12,7 @@ from megatron_het.plan.types import Plan
 from megatron_het.planner.estimate import Estimator
 from megatron_het.planner.space import tp_options
 
-__all__ = ["island_infeasibility", "describe_plan", "explain_choice"]
+__all__ = ["island_infeasibility", "describe_plan", "explain_choice", "optimizer_sharding_note"]
 
 _GIB = 2**30
 
@@ -84,7 +84,37 @@ def explain_choice(model: ModelSpec, cluster: ClusterSpec, ranked: Sequence[tupl
         "Layers are split so stages take equal time per micro-batch (faster devices get more layers, "
         "within memory); micro-batches go to replicas in proportion to their throughput.",
     ]
+    note = optimizer_sharding_note(best, pred)
+    if note:
+        text.append(note)
     if len(ranked) > 1:
         gap = ranked[1][1].iteration_time_s / pred.iteration_time_s - 1
         text.append(f"Runner-up is {100 * gap:.2f}% slower.")
     return "\n".join(text)
+
+
+def optimizer_sharding_note(plan: Plan, pred: Prediction) -> str | None:
+    """With the plan's distributed optimizer on: which stage fits only because optimizer state is
+    sharded over the replicas (the runtime shards it the same way, ``optim/``), else how much it
+    saves. None when the plan does not shard optimizer state."""
+    if not plan.use_distributed_optimizer:
+        return None
+    dp = len(plan.replicas)
+    worst = None  # (excess bytes without sharding, stage, its prediction)
+    saved = 0
+    for r, rp in enumerate(pred.replicas):
+        for s, st in enumerate(rp.stages):
+            full = st.memory.optimizer_bytes * dp  # stage_memory shards the optimizer part over dp
+            plain = st.memory.total_bytes - st.memory.optimizer_bytes + full
+            saved = max(saved, full - st.memory.optimizer_bytes)
+            excess = plain - st.capacity_gib * _GIB
+            if excess > 0 and (worst is None or excess > worst[0]):
+                worst = (excess, (r, s), st, plain)
+    if worst is None:
+        return (f"Distributed optimizer: optimizer state sharded over {dp} replicas, up to "
+                f"{saved / _GIB:.2f} GiB less per rank; the plan would also fit without it.")
+    _, (r, s), st, plain = worst
+    return (f"Fits only with the distributed optimizer: without it replica {r} stage {s} ({st.island}, TP={st.tp}) "
+            f"would need {plain / _GIB:.1f} GiB > {st.capacity_gib:g} GiB (optimizer state "
+            f"{st.memory.optimizer_bytes * dp / _GIB:.1f} GiB unsharded); sharded over {dp} replicas it needs "
+            f"{st.memory_gib:.1f} GiB.")

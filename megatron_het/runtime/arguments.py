@@ -79,6 +79,10 @@ FLAGS = (
     Flag("--overlap-grad-reduce", "train.overlap_grad_reduce", bool, "reduce gradient buckets during the backward"),
     Flag("--ddp-bucket-size", "train.ddp_bucket_size", int, "parameters per gradient bucket (default: "
          "megatron-core's max(40M, 1M x replicas))"),
+    Flag("--use-distributed-optimizer", "run.use_distributed_optimizer", bool, "shard fp32 main parameters and "
+         "Adam moments over every holder of each parameter (the plan records it)"),
+    Flag("--overlap-param-gather", "train.overlap_param_gather", bool, "with the distributed optimizer: all-gather "
+         "the updated parameters while the next forward runs"),
     Flag("--hetero-cluster", "run.cluster_file", help="CLUSTER.yaml", required=True),
     Flag("--hetero-plan", "run.plan_source", help="a plan file (tools/plan.py writes one) or 'auto' to run the "
          "planner at start-up", required=True),
@@ -122,6 +126,7 @@ class PretrainArgs:
     sequence_parallel: bool  # turn on the plan's sequence parallelism
     tp_comm_overlap: bool  # overlap TP communication on every stage with TP > 1
     tensorboard: TensorBoardConfig | None  # None: no --tensorboard-dir
+    use_distributed_optimizer: bool = False  # turn on the plan's distributed optimizer (runtime/plan_record.py)
 
 
 def _sections(ns: argparse.Namespace) -> dict[str, dict[str, object]]:
@@ -191,7 +196,7 @@ def parse_args(argv: list[str] | None = None) -> PretrainArgs:
     return PretrainArgs(model=model, train=train, data=data_config, loop=loop, cluster=cluster,
                         plan_source=run["plan_source"], profile=run["profile"], no_emulation=bool(run["no_emulation"]),
                         sequence_parallel=bool(run["sequence_parallel"]), tp_comm_overlap=bool(run["tp_comm_overlap"]),
-                        tensorboard=tensorboard)
+                        tensorboard=tensorboard, use_distributed_optimizer=bool(run["use_distributed_optimizer"]))
 
 
 def tensorboard_from_args(values: dict[str, object]) -> TensorBoardConfig | None:

@@ -233,6 +233,11 @@ class GradientSynchronizer:
             p.copy_(p.grad)
             p.grad = saved[name]
 
+    def scale_grads(self, coeff: float) -> None:
+        """Clipping: scale every gradient the optimizer will read."""
+        for name in self.local:
+            self._grad(name).mul_(coeff)
+
     def grad_norm_sq_local(self) -> torch.Tensor:
         """This rank's share of the squared global gradient norm (sum it over the world)."""
         total = torch.zeros((), dtype=torch.float64, device=self.device)

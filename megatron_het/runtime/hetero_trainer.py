@@ -225,8 +225,38 @@ class PipelineStrategy:
             self.overlap_report = apply_tp_comm_overlap(gpt, chunks=self.train.tp_comm_overlap_chunks)
         return gpt
 
+    def _distributed_optimizer(self):
+        """fp32 main values and Adam moments sharded over every parameter's holders, in proportion to
+        each rank's free memory (``perf.memory.optimizer_shard_weights``); in mixed precision the
+        model keeps fp32 main gradients only (``MainGrads``), no full fp32 parameter copy."""
+        from megatron_het.optim.distributed import DistributedOptimizer
+        from megatron_het.perf.memory import optimizer_shard_weights
+        from megatron_het.runtime.comm_routing import new_reduction_group
+        from megatron_het.runtime.grad_sync import owned_norm_holdings
+        from megatron_het.runtime.mixed_precision import MainGrads
+
+        train = self.train
+        if train.fp16 or train.overlap_grad_reduce:
+            raise ConfigError("the distributed optimizer reduce-scatters after the backward and unscales its "
+                              "shards only with bf16/fp32", field="--use-distributed-optimizer",
+                              value="--fp16" if train.fp16 else "--overlap-grad-reduce",
+                              fix="use --bf16 (or fp32), without --overlap-grad-reduce, with the distributed optimizer")
+        if self.main is not None:  # no full fp32 copy: the optimizer keeps main values as shards
+            self.main.remove_hooks()
+            self.main = MainGrads(self.params)
+        weights = optimizer_shard_weights(self.model_spec, self.plan, precision=train.precision)
+        return DistributedOptimizer(
+            self.holdings(), self.params, train=train, device=self.device, owned=owned_norm_holdings,
+            main_grads=self.main.grads if self.main is not None else None, weights=weights,
+            overlap_param_gather_in=self.gpt if train.overlap_param_gather else None,
+            new_group=lambda ranks: new_reduction_group(ranks, self.placement, accelerator=self.accelerator,
+                                                        timeout=train.group_timeout))
+
     def _optimizer(self) -> torch.optim.AdamW:
-        """AdamW with Megatron-LM's groups: no weight decay on biases and 1-D parameters."""
+        """AdamW with Megatron-LM's groups: no weight decay on biases and 1-D parameters (with the
+        distributed optimizer: the synchronizer, which also steps the shards)."""
+        if self.plan.use_distributed_optimizer:
+            return self.sync
         train = self.train
         decay = [p for n, p in self.opt_params.items() if not (p.dim() == 1 or n.endswith(".bias"))]
         no_decay = [p for n, p in self.opt_params.items() if p.dim() == 1 or n.endswith(".bias")]
@@ -254,7 +284,15 @@ class PipelineStrategy:
 
     def _gradient_synchronizer(self) -> GradientSynchronizer:
         """The plain synchronizer, or with ``overlap_grad_reduce`` the hook-driven one in buckets of
-        ``ddp_bucket_size`` parameters (megatron-core's default size when None)."""
+        ``ddp_bucket_size`` parameters (megatron-core's default size when None), or with the plan's
+        ``use_distributed_optimizer`` the sharded optimizer (``optim/distributed.py``), which is
+        synchronizer and optimizer in one."""
+        if self.plan.use_distributed_optimizer:
+            return self._distributed_optimizer()
+        if self.train.overlap_param_gather:
+            raise ConfigError("the parameter all-gather exists only with the distributed optimizer",
+                              field="--overlap-param-gather", value=True,
+                              fix="add --use-distributed-optimizer (or set the plan's use_distributed_optimizer)")
         if not self.train.overlap_grad_reduce:
             return GradientSynchronizer(self.holdings(), self.opt_params, placement=self.placement,
                                         timeout=self.train.group_timeout, accelerator=self.accelerator)
@@ -348,8 +386,7 @@ class PipelineStrategy:
         if self.train.clip_grad > 0:
             coeff = self.train.clip_grad / (norm + 1e-6)
             if coeff < 1.0:
-                for p in self.opt_params.values():
-                    p.grad.mul_(coeff)
+                self.sync.scale_grads(coeff)
         return norm
 
     # ---- after a group change (resilience) -----------------------------------------------------
@@ -382,27 +419,37 @@ class PipelineStrategy:
         self.executor = self._executor(actions, links, split_backward=split_backward)
 
     # ---- checkpoints ------------------------------------------------------------------------
-    def _slots(self):
+    def _slots(self, values: Mapping[str, torch.Tensor] | None = None):
+        """Checkpoint slots of this rank's parameters: ``values`` (fp32 main values in local form from
+        the distributed optimizer), else the optimizer's parameters (fp32 main values in mixed
+        precision). The form is the same with and without the distributed optimizer."""
         from megatron_het.checkpoint.dist_ckpt import TensorSlot
 
-        return {name: TensorSlot(tensor=p.detach(), partition_dim=self.sync.local[name].partition_dim,
+        if values is None:
+            values = ({n: p.detach().float() for n, p in self.params.items()} if self.plan.use_distributed_optimizer
+                      else {n: p.detach() for n, p in self.opt_params.items()})
+        return {name: TensorSlot(tensor=t, partition_dim=self.sync.local[name].partition_dim,
                                  tp_rank=self.role.tp_rank, tp_size=self.role.tp_size,
                                  main=(name, self.role.rank) in self.sync.owned,
                                  glu=is_glu(name, self.model_spec.swiglu))
-                for name, p in self.opt_params.items()}  # fp32 main values in mixed precision
+                for name, t in values.items()}
 
     def save_checkpoint(self, save: str, iteration: int, *, tokenizer_model: str | None = None) -> str:
         """Write model, optimizer, iteration and data position under ``save`` (collective)."""
         from megatron_het.checkpoint.dist_ckpt import model_common_state, save_checkpoint
 
-        moments = {}
-        for name, p in self.opt_params.items():
-            st = self.optimizer.state.get(p, {})
-            moments[name] = {k: st.get(k, torch.zeros_like(p)).detach() for k in ("exp_avg", "exp_avg_sq")}
+        values = None
+        if self.plan.use_distributed_optimizer:  # shards gathered into the plain run's local form
+            values, moments = self.sync.local_state()
+        else:
+            moments = {}
+            for name, p in self.opt_params.items():
+                st = self.optimizer.state.get(p, {})
+                moments[name] = {k: st.get(k, torch.zeros_like(p)).detach() for k in ("exp_avg", "exp_avg_sq")}
         common = {"model": model_common_state(self.model_spec), "padded_vocab": self.stage.vocab_size,
                   "consumed_samples": iteration * self.train.global_batch_size,
                   "plan": self.plan.to_dict(), "seed": self.train.seed}
-        return save_checkpoint(save, iteration, params=self._slots(), optimizer_state=moments, common=common,
+        return save_checkpoint(save, iteration, params=self._slots(values), optimizer_state=moments, common=common,
                                tokenizer_model=tokenizer_model)
 
     @torch.no_grad()
@@ -418,6 +465,9 @@ class PipelineStrategy:
                 f"builds {self.stage.vocab_size}. Fix: construct the trainer with padded_vocab="
                 f"{common.get('padded_vocab')} (pretrain_gpt.py does this when --load is given)")
         iteration = int(common["iteration"])
+        if self.plan.use_distributed_optimizer:  # this rank's pieces of the plan-independent form
+            self.sync.load_local_state(values, moments if with_optimizer else None, step=iteration)
+            return iteration
         for name, p in self.opt_params.items():
             p.copy_(values[name])
             if with_optimizer:
@@ -429,6 +479,8 @@ class PipelineStrategy:
         return iteration
 
     def shards(self) -> dict[str, Shard]:
+        if hasattr(self.sync, "finish_param_gather"):  # --overlap-param-gather: the last step's gathers
+            self.sync.finish_param_gather()
         return local_shards(self.gpt, layer_offset=self.role.layers[0], tp_rank=self.role.tp_rank,
                             tp_size=self.role.tp_size, tied=self.tied, gated=self.model_spec.swiglu)
 

@@ -67,6 +67,13 @@ class MainParams:
             p.grad = None
         return hook
 
+    @staticmethod
+    def _accumulate_into(buffer: torch.Tensor):
+        def hook(p: torch.Tensor) -> None:
+            buffer.add_(p.grad)
+            p.grad = None
+        return hook
+
     def rebind(self, model: Mapping[str, torch.nn.Parameter]) -> MainParams:
         """The same main parameters (and optimizer state keyed by them) over a rebuilt model."""
         self.remove_hooks()
@@ -87,6 +94,38 @@ class MainParams:
     def copy_to_model(self) -> None:
         for n, p in self.model.items():
             p.copy_(self.main[n])
+
+
+class MainGrads:
+    """fp32 main gradients only, for the distributed optimizer (``optim/distributed.py``), which keeps
+    the fp32 main values as shards: no full fp32 copy of the parameters exists on any rank.
+
+    Same hooks as ``MainParams`` (each half-precision gradient added into its fp32 buffer as autograd
+    produces it, then freed). ``main`` is empty (no full main parameters for the norm, the scaler or
+    the checkpoint to walk); ``copy_to_model`` is a no-op because the optimizer's all-gather writes
+    the model parameters.
+    """
+
+    def __init__(self, model: Mapping[str, torch.nn.Parameter]):
+        self.model = dict(model)
+        self.main: dict[str, torch.nn.Parameter] = {}
+        self.grads = {n: torch.zeros(p.shape, dtype=torch.float32, device=p.device) for n, p in self.model.items()}
+        self._hooks = [p.register_post_accumulate_grad_hook(MainParams._accumulate_into(self.grads[n]))
+                       for n, p in self.model.items()]
+
+    def remove_hooks(self) -> None:
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
+
+    def zero_grad(self) -> None:
+        for g in self.grads.values():
+            g.zero_()
+        for p in self.model.values():
+            p.grad = None
+
+    def copy_to_model(self) -> None:
+        """Nothing to copy: the distributed optimizer writes the model parameters itself."""
 
 
 class LossScaler:

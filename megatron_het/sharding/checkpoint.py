@@ -1,10 +1,10 @@
 """Checkpoints of uneven shards in the project's one checkpoint format (``checkpoint/dist_ckpt.py``).
 
-Save (collective): the master weights and both Adam moments are all-gathered (uneven) into full
-tensors named by global parameter name; rank 0 is the main replica of every tensor and writes it
+Save (collective): the fp32 values and both Adam moments (``optim.DistributedOptimizer.local_state``)
+as full tensors named by global parameter name; rank 0 is the main replica of every tensor and writes it
 through megatron-core ``dist_checkpointing`` (``SAVE/iter_XXXXXXX/`` + tracker file, atomic).
-The file does not depend on the flat order or on the fractions: loading reads the full tensors
-and keeps the loader's own range. Because the format is the pipeline runtime's, a sharded run's
+The file does not depend on the shard layout or on the fractions: loading reads the full tensors
+and keeps the loader's own pieces. Because the format is the pipeline runtime's, a sharded run's
 checkpoint resumes under any pipeline Plan (``HeteroTrainer.load_checkpoint``) and a pipeline
 run's checkpoint resumes under any ShardedPlan.
 """
@@ -35,11 +35,7 @@ def save_sharded(strategy, save: str, iteration: int, *, tokenizer_model: str | 
     Returns the iteration directory."""
     from megatron_het.checkpoint.dist_ckpt import save_checkpoint
 
-    opt = strategy.optimizer
-    model = strategy.full_tensors(strategy.gather(opt.master))
-    exp_avg = strategy.full_tensors(strategy.gather(opt.exp_avg))
-    exp_avg_sq = strategy.full_tensors(strategy.gather(opt.exp_avg_sq))
-    moments = {n: {"exp_avg": exp_avg[n], "exp_avg_sq": exp_avg_sq[n]} for n in model}
+    model, moments = strategy.optimizer.local_state()  # full tensors: every rank holds every parameter
     common = {"model": model_common_state(strategy.model_spec), "padded_vocab": strategy.stage.vocab_size,
               "consumed_samples": iteration * strategy.train.global_batch_size,
               "plan": strategy.plan.to_dict(), "seed": strategy.train.seed}
@@ -60,17 +56,6 @@ def load_sharded(strategy, path: str, *, with_optimizer: bool = True) -> int:
     empty = {n: torch.empty(strategy.shapes[n], device=strategy.device) for n in strategy.index.names}
     common, values, moments = load_checkpoint(path, params=_slots(strategy, empty), model=strategy.model_spec,
                                               with_optimizer=with_optimizer)
-    start, stop = strategy.layout.range(strategy.rank)
-
-    def flat(tensors: dict[str, torch.Tensor]) -> torch.Tensor:
-        return torch.cat([tensors[n].reshape(-1).float() for n in strategy.index.names])[start:stop]
-
-    opt = strategy.optimizer
-    opt.master.copy_(flat(values))
     iteration = int(common["iteration"])
-    if with_optimizer:
-        opt.exp_avg.copy_(flat({n: m["exp_avg"] for n, m in moments.items()}))
-        opt.exp_avg_sq.copy_(flat({n: m["exp_avg_sq"] for n, m in moments.items()}))
-        opt.step_count = iteration  # one optimizer step per iteration, as the pipeline strategy assumes
+    strategy.optimizer.load_local_state(values, moments if with_optimizer else None, step=iteration)
     return iteration
-

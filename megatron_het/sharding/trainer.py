@@ -1,18 +1,21 @@
 """Sharded strategy: one GPT with uneven sharded data parallelism (compute share by speed, state by memory).
 
 Each rank builds the whole model (megatron-core GPTModel, TP=1, PP=1, explicit process groups)
-and owns one contiguous slice of the flat training state, sized by ``plan.shard_fraction``.
+and owns a share of every parameter's fp32 optimizer state sized by ``plan.shard_fraction``: the
+state is the pipeline runtime's distributed optimizer (``optim/distributed.py``; every rank is a
+holder of every parameter, weights = the fractions), one implementation for both modes.
 One iteration:
 
-1. all-gather the fp32 master shards (uneven) into the model's working weights;
-2. run the rank's ``num_micro_batches`` micro-batches of ``micro_batch_size`` samples (its
+1. run the rank's ``num_micro_batches`` micro-batches of ``micro_batch_size`` samples (its
    consecutive slice of the global batch), gradients accumulating in a full-size buffer. Each
    micro-batch's loss is its *sum* of token losses divided by ``global_batch_size x seq_length``,
    so every sample weighs the same whatever micro-batch it is in, and the sum over ranks is the
    mean token loss of the global batch (= the single-device loss when all samples have equal
    length, as here);
-3. reduce-scatter the gradient buffer (uneven): each rank gets the summed gradient of its slice;
-4. global-norm clipping (squared norms summed over shards) and AdamW on the shard.
+2. reduce-scatter the gradients (uneven, ``comm/uneven.py``): each rank gets the summed gradient of
+   its pieces;
+3. global-norm clipping (squared norms summed over pieces) and AdamW on the pieces;
+4. all-gather the updated pieces (uneven) into every rank's working weights.
 
 Speed is emulated on CPU by the trainer's timer (``train/timer.py``): after each forward/backward
 the rank sleeps ``(slowdown - 1) x`` the measured time. Memory is emulated by a per-rank byte budget.
@@ -32,6 +35,7 @@ import torch.distributed as dist
 from megatron_het.checkpoint.full_state import Shard, global_name, load_full_state
 from megatron_het.cluster import ClusterSpec, ConfigError, ModelSpec
 from megatron_het.model.gpt import StageModelSpec, build_gpt_stage, transformer_config
+from megatron_het.optim.layout import FlatIndex, sample_ranges
 from megatron_het.perf.flops import padded_vocab_size
 from megatron_het.perf.sharded import sharded_rank_memory
 from megatron_het.plan import ShardedPlan
@@ -40,9 +44,6 @@ from megatron_het.runtime.comm_routing import all_reduce_world
 from megatron_het.runtime.megatron_trainer import split_tokens
 from megatron_het.sharding.budget import check_budget
 from megatron_het.sharding.checkpoint import load_sharded, save_sharded
-from megatron_het.sharding.collectives import uneven_all_gather, uneven_reduce_scatter
-from megatron_het.sharding.layout import FlatIndex, ShardLayout, sample_ranges
-from megatron_het.sharding.optimizer import ShardedAdamW, decay_mask
 from megatron_het.train.config import TrainConfig
 from megatron_het.train.strategy import ActionHook, BatchFn, IterationLog, StepResult
 from megatron_het.train.timer import EmulationTimer, emulation_timer
@@ -105,7 +106,7 @@ class ShardedStrategy:
             logger.info("communication paths: state collectives (all-gather, reduce-scatter): %s",
                         "het-bridge" if self.bridge is not None else f"native ({acc.torch_backend})")
 
-        # Same seed on every rank: identical initial weights; each keeps only its shard as master.
+        # Same seed on every rank: identical initial weights; each keeps only its share of the state.
         torch.manual_seed(train.seed)
         model_parallel_cuda_manual_seed(train.seed, tp_rank=0, ep_rank=0, etp_rank=0, force_reset_rng=True)
         self.stage = StageModelSpec(model=model, num_layers=model.num_layers, layer_offset=0, tp=1,
@@ -122,17 +123,10 @@ class ShardedStrategy:
         self.params = dict(named)
         self.shapes = {n: tuple(p.shape) for n, p in named}
         self.index = FlatIndex(names=tuple(n for n, _ in named), numels=tuple(p.numel() for _, p in named))
-        self.layout = ShardLayout.from_fractions(self.index.numel, plan.shard_fractions)
-        # Working weights become views of one flat buffer, so a gather is one copy.
-        self.flat = torch.empty(self.index.numel, dtype=torch.float32, device=self.device)
-        for (name, p), off in zip(named, self.index.offsets().values()):
-            view = self.flat[off:off + p.numel()]
-            view.copy_(p.detach().reshape(-1))
-            p.data = view.view_as(p)
-        start, stop = self.layout.range(rank)
-        self.optimizer = ShardedAdamW(master=self.flat[start:stop].clone(),
-                                      mask=decay_mask(self.index, self.shapes, start, stop, device=self.device),
-                                      train=train)
+        # The state is sharded by the pipeline runtime's distributed optimizer (one implementation,
+        # optim/distributed.py): every rank holds every parameter (TP=1), so one group over the world
+        # splits each parameter in proportion to the plan's shard fractions.
+        self.optimizer = self._distributed_optimizer(world, rank)
         self.samples = sample_ranges(plan.samples_per_rank)[rank]
         self.memory = sharded_rank_memory(model, shard_fraction=plan.shard_fractions[rank],
                                           micro_batch_size=self.share.micro_batch_size,
@@ -142,18 +136,24 @@ class ShardedStrategy:
             check_budget(self.memory, rank=rank, budget_bytes=int(memory_budget_bytes[rank]),
                          shard_fraction=plan.shard_fractions[rank])
 
-    # ---- collectives over the state ----------------------------------------------------------
-    def gather(self, shard: torch.Tensor) -> torch.Tensor:
-        """Full flat vector from every rank's slice (collective)."""
-        return uneven_all_gather(shard, self.layout, method=self.gather_method, bridge=self.bridge)
+    def _distributed_optimizer(self, world: int, rank: int):
+        """The sharded state: ``optim.DistributedOptimizer`` over holders that all hold every full parameter."""
+        from megatron_het.optim.distributed import DistributedOptimizer
+        from megatron_het.runtime.comm_routing import BridgedGroup, NativeGroup
+        from megatron_het.runtime.grad_sync import Holding, owned_norm_holdings
+
+        local = [Holding(name=n, rank=rank, stage_key=(rank, 0), tp_rank=0, tp_size=1, partition_dim=None,
+                         full_shape=tuple(p.shape)) for n, p in self.params.items()]
+        group = BridgedGroup(self.bridge) if self.bridge is not None else NativeGroup(None)  # the whole world
+        return DistributedOptimizer(local, self.params, train=self.train, device=self.device,
+                                    owned=owned_norm_holdings, new_group=lambda ranks: group,
+                                    weights={r: float(f) for r, f in enumerate(self.plan.shard_fractions)},
+                                    gather_method=self.gather_method, reduce_scatter_method=self.reduce_scatter_method)
 
     # ---- one iteration -----------------------------------------------------------------------
     def step(self, iteration: int, *, lr: float, timer: EmulationTimer, on_action: ActionHook | None) -> StepResult:
         it, share, train = iteration, self.share, self.train
-        t0 = time.perf_counter()
-        with torch.no_grad():
-            self.flat.copy_(self.gather(self.optimizer.master))
-        comm = time.perf_counter() - t0
+        comm = 0.0
         for p in self.params.values():
             p.grad = None
         scale = 1.0 / (train.global_batch_size * self.model_spec.seq_length)
@@ -166,31 +166,29 @@ class ShardedStrategy:
             timer.compute(lambda: loss.backward())
             loss_sum += loss.detach().double()
         t0 = time.perf_counter()
-        grads = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1)
-                           for p in self.params.values()])
-        grad = uneven_reduce_scatter(grads, self.layout, method=self.reduce_scatter_method, bridge=self.bridge)
-        del grads
-        sq = all_reduce_world(grad.double().pow(2).sum().reshape(1))
+        opt = self.optimizer
+        opt.reduce()  # uneven reduce-scatter: this rank's pieces of the summed gradient
+        sq = all_reduce_world(opt.grad_norm_sq_local().reshape(1))
         norm = math.sqrt(float(sq))
         comm += time.perf_counter() - t0
         if train.clip_grad > 0:
             coeff = train.clip_grad / (norm + 1e-6)  # megatron's clip_grad_by_total_norm_fp32
             if coeff < 1.0:
-                grad.mul_(coeff)
+                opt.scale_grads(coeff)
         t0 = time.perf_counter()
-        self.optimizer.step(grad, lr)
-        opt = time.perf_counter() - t0
+        opt.param_groups[0]["lr"] = lr
+        opt.step()  # AdamW on the pieces, then the uneven all-gather into the working weights
+        opt_s = time.perf_counter() - t0
         all_reduce_world(loss_sum)
-        return StepResult(lm_loss=float(loss_sum), grad_norm=norm, comm_s=comm, optimizer_s=opt)
+        return StepResult(lm_loss=float(loss_sum), grad_norm=norm, comm_s=comm, optimizer_s=opt_s)
 
     @torch.no_grad()
     def evaluate(self, batch_fn: BatchFn, iteration: int) -> float:
         """Forward-only mean token loss of one global batch from ``batch_fn`` (collective).
 
-        The working weights are refreshed from the master shards first (after a step they hold the
-        pre-step values); each rank evaluates its own samples, as in training.
+        The working weights hold the last step's gathered values; each rank evaluates its own samples,
+        as in training.
         """
-        self.flat.copy_(self.gather(self.optimizer.master))
         scale = 1.0 / (self.train.global_batch_size * self.model_spec.seq_length)
         loss_sum, mbs = torch.zeros(1, dtype=torch.float64, device=self.device), self.share.micro_batch_size
         for m in range(self.share.num_micro_batches):
@@ -210,18 +208,10 @@ class ShardedStrategy:
         return load_sharded(self, path, with_optimizer=with_optimizer)
 
     # ---- state as global-named full tensors ---------------------------------------------------
-    def full_tensors(self, flat: torch.Tensor) -> dict[str, torch.Tensor]:
-        """Split a full flat vector into named tensors of the parameters' shapes."""
-        out = {}
-        for name, off in self.index.offsets().items():
-            n = math.prod(self.shapes[name])
-            out[name] = flat[off:off + n].view(self.shapes[name]).clone()
-        return out
-
     def shards(self) -> dict[str, Shard]:
-        """Current master weights as full global-named tensors (collective; every rank gets them)."""
-        full = self.full_tensors(self.gather(self.optimizer.master))
-        return {n: Shard(tensor=t, partition_dim=None, tp_rank=0, tp_size=1) for n, t in full.items()}
+        """Current weights as full global-named tensors (every rank holds them whole)."""
+        return {n: Shard(tensor=p.detach().clone(), partition_dim=None, tp_rank=0, tp_size=1)
+                for n, p in self.params.items()}
 
     def summary_lines(self, logs: Sequence[IterationLog]) -> list[str]:
         """Every rank's time split, gathered; one line per rank (ms per iteration) on rank 0."""

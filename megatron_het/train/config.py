@@ -34,6 +34,9 @@ class TrainConfig:
     # Megatron's --overlap-grad-reduce: cross-replica gradient buckets are reduced from gradient
     # hooks during each stage's last backward (runtime/overlap_grad.py) instead of after the schedule
     overlap_grad_reduce: bool = False
+    # Megatron's --overlap-param-gather (with the plan's use_distributed_optimizer): the updated
+    # parameters' all-gather runs while the next forward starts (optim/distributed.py)
+    overlap_param_gather: bool = False
     # Megatron's --ddp-bucket-size: parameters per gradient bucket with overlap_grad_reduce; None:
     # megatron-core's default max(40M, 1M x replicas). Without overlap a bucket is one holder group
     ddp_bucket_size: int | None = None

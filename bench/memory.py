@@ -1,0 +1,156 @@
+"""Predicted vs measured bytes per rank, by component (issue #15): the memory model equals what the
+pipeline runtime holds.
+
+Each case is a 4-rank plan of a small GPT trained for 2 iterations on CPU (gloo); every rank
+reports what it holds (``runtime/memory_report.py``: parameters, gradients, optimizer state by
+walking its tensors; activations saved for backward by saved-tensor hooks, peak over the
+iteration) and ``perf.memory.rank_memory`` predicts the same components for the same plan,
+precision, recompute setting and schedule. Rows are distinct (case, stage) configurations.
+Targets: every component within 5%, per-rank peak (sum) within 10%.
+
+    python bench/memory.py            # ~3 min on 2 shared cores
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import sys
+import time
+
+from bench_record import machine, perf_commit, write_result  # noqa: E402
+
+from megatron_het.cluster import ModelSpec  # noqa: E402
+from megatron_het.plan import Plan, ReplicaPlan, StagePlan  # noqa: E402
+from megatron_het.platform.local_launch import run_local  # noqa: E402
+from megatron_het.train.config import TrainConfig  # noqa: E402
+
+MODEL = ModelSpec(num_layers=4, hidden_size=128, num_attention_heads=4, seq_length=128, vocab_size=512,
+                  max_position_embeddings=128)
+PADDED_VOCAB = 512  # a multiple of 128 x every TP size used: no padding rows
+MICRO, MICRO_BATCHES = 2, 4
+TARGET_COMPONENT, TARGET_PEAK = 0.05, 0.10
+
+
+def _stage(ranks, layers, recompute=False) -> StagePlan:
+    return StagePlan(island="cpu", device_type="CPU", ranks=tuple(ranks), layers=layers, recompute=recompute)
+
+
+def _plan(*replicas, schedule="1f1b", precision="fp32", dist=False) -> Plan:
+    n = sum(m for _, m in replicas)
+    return Plan(replicas=tuple(ReplicaPlan(stages=tuple(s), num_micro_batches=m) for s, m in replicas),
+                micro_batch_size=MICRO, global_batch_size=MICRO * n, schedule=schedule, precision=precision,
+                use_distributed_optimizer=dist)
+
+
+def cases() -> list[tuple[str, Plan]]:
+    pp3 = [_stage([0], (0, 1)), _stage([1, 2], (1, 3)), _stage([3], (3, 4))]  # first TP1, middle TP2, last TP1
+    pp3_rc = [_stage([0], (0, 1)), _stage([1, 2], (1, 3), recompute=True), _stage([3], (3, 4), recompute=True)]
+    dp2 = ([_stage([0], (0, 2)), _stage([1], (2, 4))], 2), ([_stage([2, 3], (0, 4))], 2)
+    return [
+        ("pp3 fp32 1f1b", _plan((pp3, MICRO_BATCHES))),
+        ("pp3 bf16 1f1b", _plan((pp3, MICRO_BATCHES), precision="bf16")),
+        ("pp3 fp32 recompute 1f1b", _plan((pp3_rc, MICRO_BATCHES))),
+        ("pp3 fp32 gpipe", _plan((pp3, MICRO_BATCHES), schedule="gpipe")),
+        ("tp4 bf16", _plan(([_stage([0, 1, 2, 3], (0, 4))], MICRO_BATCHES), precision="bf16")),
+        ("dp2 fp32 plain", _plan(*dp2)),
+        ("dp2 fp32 distopt", _plan(*dp2, dist=True)),
+        ("dp2 bf16 distopt", _plan(*dp2, precision="bf16", dist=True)),
+    ]
+
+
+def _rank(rank, world_size, plans, iters):
+    import torch.distributed as dist
+
+    from megatron_het.data.synthetic import synthetic_batch
+    from megatron_het.platform import enable_cpu_backend
+    from megatron_het.runtime.hetero_trainer import HeteroTrainer
+    from megatron_het.runtime.memory_report import MemoryProbe
+
+    enable_cpu_backend()
+
+    def batch(iteration, indices):
+        return synthetic_batch(seed=1, iteration=iteration, indices=indices, seq_length=MODEL.seq_length,
+                               vocab_size=MODEL.vocab_size)
+
+    out = {}
+    for name, plan in plans:
+        dist.barrier()
+        train = TrainConfig(micro_batch_size=MICRO, global_batch_size=plan.global_batch_size, train_iters=iters,
+                            lr=1e-3, bf16=plan.precision == "bf16")
+        probe = MemoryProbe()
+        trainer = HeteroTrainer(model=MODEL, plan=plan, train=train, batch_fn=batch, padded_vocab=PADDED_VOCAB,
+                                hooks=probe)
+        trainer.run()
+        out[name] = probe.report()
+    return out
+
+
+def _err(pred: int, meas: int) -> float:
+    if meas == 0:
+        return 0.0 if pred == 0 else float("inf")
+    return (pred - meas) / meas
+
+
+def main(argv=None) -> int:
+    from megatron_het.perf.memory import rank_memory
+    from megatron_het.plan import rank_roles
+
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--iters", type=int, default=2)
+    args = parser.parse_args(argv)
+    plans = cases()
+    start = time.time()
+    per_rank = run_local(4, _rank, (plans, args.iters), timeout_s=3600)
+    rows, seen = [], set()
+    for name, plan in plans:
+        roles = rank_roles(plan)
+        for rank in range(4):
+            role = roles[rank]
+            key = (name, role.replica, role.stage)
+            if key in seen:
+                continue  # TP peers and identical ranks: one row per stage
+            seen.add(key)
+            meas = per_rank[rank][name]
+            pred = rank_memory(MODEL, plan, rank, padded_vocab=PADDED_VOCAB)
+            stage = plan.replicas[role.replica].stages[role.stage]
+            where = "first" if role.stage == 0 else "last" if role.stage == role.num_stages - 1 else "middle"
+            if role.num_stages == 1:
+                where = "first+last"
+            parts = {}
+            for comp in ("parameters", "gradients", "optimizer", "activations"):
+                pv, mv = getattr(pred, f"{comp}_bytes"), getattr(meas, f"{comp}_bytes")
+                parts[comp] = {"predicted": pv, "measured": mv, "error": _err(pv, mv)}
+            ptot = sum(v["predicted"] for v in parts.values())
+            mtot = sum(v["measured"] for v in parts.values())
+            rows.append({"case": name, "rank": rank, "replica": role.replica, "stage": where, "tp": stage.tp,
+                         "precision": plan.precision, "recompute": stage.recompute,
+                         "distributed_optimizer": plan.use_distributed_optimizer, "schedule": plan.schedule,
+                         "components": parts, "peak": {"predicted": ptot, "measured": mtot, "error": _err(ptot, mtot)},
+                         "activations_per_microbatch_measured": meas.activations_per_microbatch_bytes})
+    worst_comp = max(abs(v["error"]) for r in rows for v in r["components"].values())
+    worst_peak = max(abs(r["peak"]["error"]) for r in rows)
+    kib = 1024
+    print(f"{'case':26} {'rank':>4} {'stage':>10} {'tp':>2} | " + " | ".join(
+        f"{c[:5]} pred/meas KiB (err)" for c in ("param", "grads", "optim", "activ")) + " | peak err")
+    for r in rows:
+        cells = " | ".join(f"{v['predicted'] / kib:8.1f}/{v['measured'] / kib:8.1f} ({100 * v['error']:+5.1f}%)"
+                           for v in r["components"].values())
+        print(f"{r['case']:26} {r['rank']:>4} {r['stage']:>10} {r['tp']:>2} | {cells} | {100 * r['peak']['error']:+5.1f}%")
+    met_c, met_p = worst_comp <= TARGET_COMPONENT, worst_peak <= TARGET_PEAK
+    print(f"{len(rows)} configurations; worst component error {100 * worst_comp:.2f}% (target 5%: "
+          f"{'met' if met_c else 'NOT met'}), worst peak error {100 * worst_peak:.2f}% (target 10%: "
+          f"{'met' if met_p else 'NOT met'}); {time.time() - start:.0f} s")
+    write_result("memory.json", {
+        "benchmark": "memory", "command": "python bench/memory.py" + (f" --iters {args.iters}" if args.iters != 2 else ""),
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "machine": machine(), "perf_commit": perf_commit(), "model": dataclasses.asdict(MODEL),
+        "micro_batch_size": MICRO, "targets": {"component": TARGET_COMPONENT, "peak": TARGET_PEAK},
+        "worst_component_error": worst_comp, "worst_peak_error": worst_peak, "component_target_met": met_c,
+        "peak_target_met": met_p, "rows": rows})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,347 @@
+"""The pipeline runtime's distributed optimizer (``--use-distributed-optimizer``).
+
+megatron-core's ``DistributedOptimizer`` is not used: it shards one flat gradient buffer laid out
+identically on every DP rank, which replicas with different TP sizes (or stages of different
+layer ranges) do not have. Here (layout: ``optim/holders.py``) each full parameter's fp32 main
+values and Adam moments are split among all its holders, each owning a slice of what it holds,
+uneven in proportion to free memory; the arithmetic is the sharded strategy's ``ShardedAdamW``
+(one implementation for both modes).
+
+Per iteration, for every bucket (one group of holders):
+
+1. reduce-scatter: each member writes its fp32 gradient block (a replicated parameter once per
+   stage, all TP ranks for a sequence-parallel one) into a zero buffer of the bucket's span,
+   reorders it so each owner's pieces are contiguous and calls the comm layer's uneven
+   reduce-scatter (``comm/uneven.py``: gloo has none), getting the summed gradient of its pieces;
+2. norm and clipping on the pieces (every element is owned once, so the squared norm is the sum
+   of the owners' pieces over the world);
+3. AdamW on the pieces (``ShardedAdamW``); fp32 main values are kept as pieces in mixed precision
+   only (in fp32 the model parameters are the main values, taken for the step and dropped, as
+   Megatron's fp32 distributed optimizer keeps ``8 + 8/d`` bytes per parameter);
+4. all-gather: the owners' updated fp32 values are gathered (uneven all-gather) and every holder
+   writes its block into its model parameter (cast to bf16/fp16 in mixed precision).
+
+The object plays the parts of both the runtime's gradient synchronizer and its torch optimizer
+(``reduce``, ``grad_norm_sq_local``, ``scale_grads``, ``synchronize_values``, ``owned``, ``local``;
+``param_groups``, ``zero_grad``, ``step``), so the strategy's iteration is unchanged.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+
+import torch
+import torch.distributed as dist
+
+from megatron_het.comm.uneven import uneven_all_gather, uneven_all_gather_start, uneven_reduce_scatter
+from megatron_het.optim.adamw import ShardedAdamW, decays
+from megatron_het.optim.holders import ShardBucket, block, canonical_flat, plan_shard_buckets, write_canonical
+from megatron_het.optim.layout import ShardLayout
+
+__all__ = ["DistributedOptimizer"]
+
+
+class DistributedOptimizer:
+    """Sharded fp32 main values + Adam moments over each parameter's holders (construct on every rank)."""
+
+    def __init__(self, local: Sequence, params: Mapping[str, torch.nn.Parameter], *, train,
+                 new_group: Callable[[tuple[int, ...]], object | None], owned: Callable[[list], set] | None = None,
+                 main_grads: Mapping[str, torch.Tensor] | None = None, weights: Mapping[int, float] | None = None,
+                 device: torch.device, overlap_param_gather_in: torch.nn.Module | None = None,
+                 gather_method: str = "padded", reduce_scatter_method: str = "reduce") -> None:
+        """``local``: this rank's holdings (``runtime.grad_sync.Holding``); ``params``: the model's
+        parameters by global name; ``new_group(ranks)``: creates a group over ``ranks`` (collective
+        over the world, None on non-members; runtime.comm_routing routes it natively or through the
+        bridge); ``owned(all_holdings)``: the (name, rank) pairs that count once (the checkpoint's
+        main replicas); ``main_grads``: fp32 gradient buffers in mixed precision (None: the
+        parameters' own ``.grad``); ``weights``: rank -> free memory (None: equal shares);
+        ``overlap_param_gather_in``: the stage's module: ``step()`` then only starts each bucket's
+        all-gather, and a forward pre-hook on every sub-module that owns parameters finishes the
+        buckets of its parameters just before it runs (Megatron's ``--overlap-param-gather``);
+        ``gather_method`` / ``reduce_scatter_method``: the comm layer's constructions on torch groups
+        (``comm/uneven.py``)."""
+        self._methods = {"gather": gather_method, "reduce_scatter": reduce_scatter_method}
+        self.device, self.train = device, train
+        self.rank = dist.get_rank()
+        gathered: list = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, list(local))
+        self.all_holdings = [h for hs in gathered for h in hs]
+        self.local = {h.name: h for h in local}
+        self.params = dict(params)
+        self.main_grads = dict(main_grads) if main_grads is not None else None
+        self.buckets: list[ShardBucket] = plan_shard_buckets(self.all_holdings, weights=weights)
+        self.owned = owned(self.all_holdings) if owned is not None else set()
+        self._groups: list = []
+        self.routes: list[tuple[tuple[int, ...], str]] = []
+        for b in self.buckets:  # every rank creates every multi-rank group, in the same order
+            g = new_group(b.ranks) if len(b.ranks) > 1 else None
+            self._groups.append(g)
+            if g is not None:
+                self.routes.append((b.ranks, g.kind))
+        self._mine = [i for i, b in enumerate(self.buckets) if self.rank in b.ranks]
+        # this rank's pieces, in (bucket, owner order) order: the layout of its flat shard
+        self._pieces = {i: self.buckets[i].pieces_of(self.rank) for i in self._mine}
+        self._start = {}  # bucket index -> offset of its pieces in the flat shard
+        pos = 0
+        for i in self._mine:
+            self._start[i] = pos
+            pos += sum(p.stop - p.start for p in self._pieces[i])
+        self.shard_numel = pos
+        mask = torch.zeros(pos, device=device)
+        for i in self._mine:
+            at = self._start[i]
+            for p in self._pieces[i]:
+                if decays(p.name, tuple(self.local[p.name].full_shape)):
+                    mask[at:at + p.stop - p.start] = 1.0
+                at += p.stop - p.start
+        self.adam = ShardedAdamW(master=self._my_pieces(lambda n: self.params[n].detach()), mask=mask, train=train)
+        # fp32: the model parameters are the main values (as in Megatron's fp32 distributed optimizer),
+        # so the fp32 pieces exist only during a step; mixed precision keeps them (the only fp32 copy)
+        self.keeps_master = self.main_grads is not None
+        if not self.keeps_master:
+            self.adam.master = self._empty()
+        self.shard_grad = self._empty()  # reduced gradient pieces, from reduce() to step()
+        self.param_groups = [{"lr": train.lr}]  # the strategy sets the learning rate here each step
+        self._pending: dict[int, object] = {}  # bucket index -> gather in flight (overlap_param_gather)
+        self._hooks = []
+        if overlap_param_gather_in is not None:
+            by_param = {id(self.params[n]): [i for i in self._mine if n in self.buckets[i].names] for n in self.local}
+            for module in overlap_param_gather_in.modules():
+                owned_here = sorted({i for p in module.parameters(recurse=False) for i in by_param.get(id(p), ())})
+                if owned_here:
+                    self._hooks.append(module.register_forward_pre_hook(self._finish_hook(owned_here)))
+        self.overlap_param_gather = overlap_param_gather_in is not None
+
+    # ---- layout helpers -----------------------------------------------------------------------
+    def _empty(self) -> torch.Tensor:
+        return torch.empty(0, dtype=torch.float32, device=self.device)
+
+    def _master(self) -> torch.Tensor:
+        """The fp32 pieces of the main values (fp32: taken from the parameters for this step)."""
+        if not self.keeps_master:
+            self.adam.master = self._my_pieces(lambda n: self.params[n].detach())
+        return self.adam.master
+
+    def _release_master(self) -> None:
+        if not self.keeps_master:
+            self.adam.master = self._empty()
+
+    def _block(self, name: str) -> tuple[int, int]:
+        h = self.local[name]
+        return block(h, int(torch.Size(h.full_shape).numel()))
+
+    def _canonical(self, name: str, t: torch.Tensor) -> torch.Tensor:
+        h = self.local[name]
+        return canonical_flat(t, h.partition_dim, h.glu)
+
+    def _my_pieces(self, source: Callable[[str], torch.Tensor]) -> torch.Tensor:
+        """This rank's flat shard taken from local full-block tensors ``source(name)`` (fp32)."""
+        out = torch.empty(self.shard_numel, dtype=torch.float32, device=self.device)
+        cache: dict[str, torch.Tensor] = {}
+        for i in self._mine:
+            at = self._start[i]
+            for p in self._pieces[i]:
+                if p.name not in cache:
+                    cache[p.name] = self._canonical(p.name, source(p.name)).float()
+                lo = self._block(p.name)[0]
+                n = p.stop - p.start
+                out[at:at + n] = cache[p.name][p.start - lo:p.stop - lo]
+                at += n
+        return out
+
+    def _grad(self, name: str) -> torch.Tensor:
+        if self.main_grads is not None:
+            return self.main_grads[name]
+        p = self.params[name]
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+        return p.grad
+
+    def _contributes(self, name: str) -> bool:
+        h = self.local[name]
+        return h.partition_dim is not None or h.tp_rank == 0 or h.sequence_parallel
+
+    # ---- collectives --------------------------------------------------------------------------
+    def _reduce_scatter(self, source: Callable[[str], torch.Tensor | None]) -> torch.Tensor:
+        """Summed ``source`` over holders, for this rank's pieces (flat, shard layout)."""
+        out = torch.empty(self.shard_numel, dtype=torch.float32, device=self.device)
+        for i in self._mine:
+            b, group = self.buckets[i], self._groups[i]
+            buf = torch.zeros(b.numel, dtype=torch.float32, device=self.device)
+            offsets = b.buffer_offsets()
+            for name, (lo, _hi) in zip(b.names, b.spans):
+                t = source(name)
+                if t is None:
+                    continue
+                bs, be = self._block(name)
+                at = offsets[name] + bs - lo
+                buf[at:at + be - bs] = self._canonical(name, t)
+            order = b.owner_order()
+            inp = torch.cat([buf[a:z] for a, z, _ in order]) if order else buf[:0]
+            del buf
+            n = sum(p.stop - p.start for p in self._pieces[i])
+            if group is None:
+                mine = inp
+            else:
+                kw = ({"bridge": group.het} if group.kind != "native"
+                      else {"group": group.group, "method": self._methods["reduce_scatter"]})
+                mine = uneven_reduce_scatter(inp, ShardLayout(sizes=b.sizes()), **kw)
+            out[self._start[i]:self._start[i] + n] = mine
+        return out
+
+    def _all_gather_into(self, shard: torch.Tensor, sink: Callable[[str, torch.Tensor], None]) -> None:
+        """Every owner's ``shard`` pieces gathered; ``sink(name, canonical block)`` per local parameter."""
+        for i in self._mine:
+            b, group = self.buckets[i], self._groups[i]
+            n = sum(p.stop - p.start for p in self._pieces[i])
+            piece = shard[self._start[i]:self._start[i] + n]
+            if group is None:
+                gathered = piece
+            else:
+                kw = ({"bridge": group.het} if group.kind != "native"
+                      else {"group": group.group, "method": self._methods["gather"]})
+                gathered = uneven_all_gather(piece.contiguous(), ShardLayout(sizes=b.sizes()), **kw)
+            self._scatter_gathered(i, gathered, sink)
+
+    def _finish_hook(self, buckets: list[int]):
+        def hook(_module, _args) -> None:
+            for i in buckets:
+                self._finish(i)
+        return hook
+
+    @torch.no_grad()
+    def _finish(self, i: int) -> None:
+        """Wait for bucket ``i``'s gather (if in flight) and write its parameters."""
+        pending = self._pending.pop(i, None)
+        if pending is None:
+            return
+        self._scatter_gathered(i, pending.wait(), self._write_params)
+
+    def finish_param_gather(self) -> None:
+        """Complete every gather still in flight (before reading parameters outside a forward)."""
+        for i in list(self._pending):
+            self._finish(i)
+
+    def _start_gathers(self, shard: torch.Tensor) -> None:
+        for i in self._mine:
+            b, group = self.buckets[i], self._groups[i]
+            n = sum(p.stop - p.start for p in self._pieces[i])
+            piece = shard[self._start[i]:self._start[i] + n].clone()
+            if group is None:
+                self._scatter_gathered(i, piece, self._write_params)
+                continue
+            kw = {"bridge": group.het} if group.kind != "native" else {"group": group.group}
+            self._pending[i] = uneven_all_gather_start(piece, ShardLayout(sizes=b.sizes()), **kw)
+
+    def _scatter_gathered(self, i: int, gathered: torch.Tensor, sink: Callable[[str, torch.Tensor], None]) -> None:
+        b = self.buckets[i]
+        buf = torch.empty(b.numel, dtype=torch.float32, device=self.device)
+        pos = 0
+        for a, z, _ in b.owner_order():
+            buf[a:z] = gathered[pos:pos + z - a]
+            pos += z - a
+        offsets = b.buffer_offsets()
+        for name, (lo, _hi) in zip(b.names, b.spans):
+            bs, be = self._block(name)
+            at = offsets[name] + bs - lo
+            sink(name, buf[at:at + be - bs])
+
+    def _write_params(self, name: str, flat: torch.Tensor) -> None:
+        h = self.local[name]
+        write_canonical(self.params[name].data, flat, h.partition_dim, h.glu)
+
+    # ---- synchronizer interface -----------------------------------------------------------------
+    def reduce(self) -> None:
+        """Reduce-scatter every gradient over its holders into this rank's pieces."""
+        self.finish_param_gather()  # a stage whose forward never touched a bucket (none today): finish here
+        self.shard_grad = self._reduce_scatter(lambda n: self._grad(n) if self._contributes(n) else None)
+
+    def grad_norm_sq_local(self) -> torch.Tensor:
+        """This rank's share of the squared global norm (each element is owned exactly once)."""
+        return self.shard_grad.double().pow(2).sum()
+
+    def scale_grads(self, coeff: float) -> None:
+        """Clipping: scale the reduced gradient pieces."""
+        self.shard_grad.mul_(coeff)
+
+    @torch.no_grad()
+    def synchronize_values(self) -> None:
+        """Every holder takes the owners' values (the norm's owners), and the fp32 pieces start from them."""
+        self.adam.master = self._reduce_scatter(
+            lambda n: self.params[n].detach() if (n, self.rank) in self.owned else None)
+        self._all_gather_into(self.adam.master, self._write_params)
+        self._release_master()
+
+    # ---- optimizer interface ------------------------------------------------------------------
+    def zero_grad(self, set_to_none: bool = False) -> None:
+        for name in self.local:
+            if self.main_grads is not None:
+                self.main_grads[name].zero_()
+            elif self.params[name].grad is not None:
+                self.params[name].grad.zero_()
+
+    @torch.no_grad()
+    def step(self) -> None:
+        """AdamW on this rank's pieces, then the updated values all-gathered into every holder's model."""
+        self.finish_param_gather()
+        self._master()
+        self.adam.step(self.shard_grad, float(self.param_groups[0]["lr"]))
+        if self.overlap_param_gather:  # finished by the next forward's pre-hooks, bucket by bucket
+            self._start_gathers(self.adam.master)
+        else:
+            self._all_gather_into(self.adam.master, self._write_params)
+        self._release_master()
+        self.shard_grad = self._empty()  # the reduced pieces live from reduce() to here
+
+    def state_dict(self):
+        raise NotImplementedError("the distributed optimizer's state moves through checkpoints "
+                                  "(save_checkpoint / load_checkpoint), not state_dict(); rebuilding groups "
+                                  "after a failure needs a checkpoint reload with --use-distributed-optimizer")
+
+    # ---- checkpoints: layout-independent local form --------------------------------------------
+    @torch.no_grad()
+    def local_state(self) -> tuple[dict[str, torch.Tensor], dict[str, dict[str, torch.Tensor]]]:
+        """fp32 main values and Adam moments as full local blocks (the parameters' shapes): the form
+        the checkpoint writes, identical to what a run without the distributed optimizer holds."""
+        self.finish_param_gather()
+        values: dict[str, torch.Tensor] = {}
+        moments: dict[str, dict[str, torch.Tensor]] = {n: {} for n in self.local}
+
+        def into(target: dict, key: str | None):
+            def sink(name: str, flat: torch.Tensor) -> None:
+                h = self.local[name]
+                t = torch.empty(self.params[name].shape, dtype=torch.float32, device=self.device)
+                write_canonical(t, flat, h.partition_dim, h.glu)
+                if key is None:
+                    target[name] = t
+                else:
+                    target[name][key] = t
+            return sink
+
+        if self.keeps_master:
+            self._all_gather_into(self.adam.master, into(values, None))
+        else:  # fp32: every holder's parameters are the main values
+            values = {n: self.params[n].detach().float().clone() for n in self.local}
+        self._all_gather_into(self.adam.exp_avg, into(moments, "exp_avg"))
+        self._all_gather_into(self.adam.exp_avg_sq, into(moments, "exp_avg_sq"))
+        return values, moments
+
+    @torch.no_grad()
+    def load_local_state(self, values: Mapping[str, torch.Tensor],
+                         moments: Mapping[str, Mapping[str, torch.Tensor]] | None, *, step: int) -> None:
+        """Take this rank's pieces of local-form values (and moments) and write the model."""
+        self.finish_param_gather()
+        if self.keeps_master:
+            self.adam.master = self._my_pieces(lambda n: values[n])
+        if moments is not None:
+            self.adam.exp_avg.copy_(self._my_pieces(lambda n: moments[n]["exp_avg"]))
+            self.adam.exp_avg_sq.copy_(self._my_pieces(lambda n: moments[n]["exp_avg_sq"]))
+            self.adam.step_count = int(step)
+        for name in self.local:
+            self.params[name].data.copy_(values[name])
+
+    def state_bytes(self) -> int:
+        """Bytes of optimizer state this rank keeps between steps: two moments (+ fp32 main pieces in
+        mixed precision)."""
+        a = self.adam
+        return sum(t.numel() * t.element_size() for t in (a.master, a.exp_avg, a.exp_avg_sq))

@@ -1,0 +1,46 @@
+"""The plan is the one record of what a run prices and runs: precision and optimizer sharding.
+
+The planner prices a plan at ``Plan.precision`` with ``Plan.use_distributed_optimizer``;
+``tools/predict.py`` reads both from the plan; the pipeline runtime runs exactly them. The
+command line may add to the record but not contradict it (pure function, applied in
+``cli/pretrain.py`` before anything is built):
+
+- precision: no ``--bf16``/``--fp16`` flag means "what the plan says" (fp32 and tf32 plans train in
+  fp32 storage); a flag that names another precision than the plan's is refused, naming both;
+  fp8 plans are refused (this runtime has no fp8 path);
+- ``--hetero-plan auto`` has no plan file: the flags are the record (no flag = fp32, Megatron's
+  default) and the chosen plan records them (``cli/pretrain.resolve_plan``);
+- ``--use-distributed-optimizer`` turns the plan's ``use_distributed_optimizer`` on (and the run's
+  plan records it, so the memory prediction the run prints counts sharded state).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from megatron_het.cluster import ConfigError
+from megatron_het.plan import Plan
+from megatron_het.train.config import TrainConfig
+
+__all__ = ["reconcile_plan"]
+
+_RUNTIME_PRECISION = {"fp32": "fp32", "tf32": "fp32", "bf16": "bf16", "fp16": "fp16"}
+
+
+def reconcile_plan(plan: Plan, train: TrainConfig, *, use_distributed_optimizer: bool = False
+                   ) -> tuple[Plan, TrainConfig]:
+    """(plan, train) that agree on precision and optimizer sharding; raises ConfigError on a conflict."""
+    if plan.precision not in _RUNTIME_PRECISION:
+        raise ConfigError(f"the plan was priced at {plan.precision}, which this runtime does not train in",
+                          field="plan.precision", value=plan.precision,
+                          fix="re-plan with precision fp32, bf16 or fp16")
+    runs = _RUNTIME_PRECISION[plan.precision]
+    if train.precision != "fp32" and train.precision != runs:
+        raise ConfigError(f"the plan was priced at {plan.precision}, the flag asks for {train.precision}",
+                          field=f"--{train.precision}", value=train.precision,
+                          fix=f"drop --{train.precision} (the plan's {plan.precision} is used) or re-plan at "
+                              f"{train.precision}")
+    train = dataclasses.replace(train, bf16=runs == "bf16", fp16=runs == "fp16")
+    if use_distributed_optimizer and not plan.use_distributed_optimizer:
+        plan = dataclasses.replace(plan, use_distributed_optimizer=True)
+    return plan, train

@@ -1,0 +1,57 @@
+"""perf.memory.rank_memory and optimizer_shard_weights against independent figures (#15)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from megatron_het.cluster import ModelSpec
+from megatron_het.perf.flops import stage_parameters
+from megatron_het.perf.memory import optimizer_shard_weights, rank_memory
+from megatron_het.plan import Plan, ReplicaPlan, StagePlan
+
+MODEL = ModelSpec(num_layers=4, hidden_size=64, num_attention_heads=4, seq_length=32, vocab_size=512,
+                  untie_embeddings_and_output_weights=True)
+
+
+def _plan(device_b="CPU", dist=False, precision="fp32") -> Plan:
+    def replica(first, device):
+        return ReplicaPlan(stages=(StagePlan(island="a", device_type=device, ranks=(first, first + 1), layers=(0, 2)),
+                                   StagePlan(island="a", device_type=device, ranks=(first + 2, first + 3),
+                                             layers=(2, 4))), num_micro_batches=2)
+    return Plan(replicas=(replica(0, "CPU"), replica(4, device_b)), micro_batch_size=1, global_batch_size=4,
+                use_distributed_optimizer=dist, precision=precision)
+
+
+def test_state_bytes_follow_the_runtimes_bytes_per_parameter():
+    for rank, first, last in ((0, True, False), (2, False, True)):
+        params = stage_parameters(MODEL, num_layers=2, is_first=first, is_last=last, tp=2)
+        fp32 = rank_memory(MODEL, _plan(), rank)
+        assert (fp32.parameters_bytes, fp32.gradients_bytes, fp32.optimizer_bytes) == (4 * params, 4 * params,
+                                                                                      8 * params)
+        bf16 = rank_memory(MODEL, _plan(precision="bf16"), rank)
+        assert (bf16.parameters_bytes, bf16.gradients_bytes, bf16.optimizer_bytes) == (2 * params, 4 * params,
+                                                                                      12 * params)
+
+
+def test_distributed_optimizer_splits_state_over_every_holder():
+    """Two equal replicas of TP2 stages: a TP-partitioned element has 2 holders, a replicated one
+    (norms, row-parallel biases, position embeddings, final norm) 4 (both TP ranks of both replicas)."""
+    h = MODEL.hidden_size
+    per_layer_replicated = 2 * h + 2 * (2 * h)  # proj and fc2 biases; two LayerNorms (weight + bias)
+    replicated = {0: 2 * per_layer_replicated + MODEL.seq_length * h,  # + position embeddings
+                  2: 2 * per_layer_replicated + 2 * h}  # + final LayerNorm
+    for rank in (0, 2):
+        plain, dist = rank_memory(MODEL, _plan(), rank), rank_memory(MODEL, _plan(dist=True), rank)
+        params = plain.optimizer_bytes // 8
+        expected = 8 * ((params - replicated[rank]) / 2 + replicated[rank] / 4)
+        assert abs(dist.optimizer_bytes - expected) <= 1, (rank, dist.optimizer_bytes, expected)
+
+
+def test_weights_follow_device_memory_and_fall_back_to_equal_for_unknown_types():
+    w = optimizer_shard_weights(MODEL, _plan(device_b="A100-80GB"))
+    assert w[4] > w[0]  # 80 GiB beside the 16 GiB CPU entry
+    uneven = rank_memory(MODEL, _plan(device_b="A100-80GB", dist=True), 4)
+    even = rank_memory(MODEL, _plan(dist=True), 4)
+    assert uneven.optimizer_bytes > even.optimizer_bytes  # the bigger device takes the larger share
+    custom = optimizer_shard_weights(MODEL, dataclasses.replace(_plan(device_b="MY-GPU")))
+    assert set(custom.values()) == {1.0}

@@ -1,0 +1,57 @@
+"""Rank functions of the distributed-optimizer tests (module-level so spawn can import them)."""
+
+from __future__ import annotations
+
+from megatron_het.cluster import ModelSpec
+from megatron_het.train.config import TrainConfig
+
+from workers.megatron_workers import batch_fn
+
+
+def dist_opt_cases_worker(rank, world_size, model: ModelSpec, cases, train: TrainConfig, init_full_state=None,
+                          padded_vocab=None):
+    """cases: [(name, plan, cluster dict | None, TrainConfig overrides | None)]: (RunResult, MemoryReport)
+    per case."""
+    import dataclasses
+
+    import torch.distributed as dist
+
+    from megatron_het.cluster import cluster_from_dict
+    from megatron_het.platform import enable_cpu_backend
+    from megatron_het.runtime.hetero_trainer import HeteroTrainer
+    from megatron_het.runtime.memory_report import MemoryProbe
+
+    enable_cpu_backend()
+    out = {}
+    for name, plan, cluster, overrides in cases:
+        dist.barrier()
+        probe = MemoryProbe()
+        trainer = HeteroTrainer(model=model, plan=plan, train=dataclasses.replace(train, **(overrides or {})), batch_fn=batch_fn(model, train.seed),
+                                init_full_state=init_full_state, padded_vocab=padded_vocab, hooks=probe,
+                                cluster=cluster_from_dict(cluster) if cluster else None)
+        res = trainer.run(return_shards=True)
+        out[name] = (res, probe.report())
+    return out
+
+
+def dist_opt_checkpoint_worker(rank, world_size, model: ModelSpec, steps, train: TrainConfig, init_full_state,
+                               padded_vocab, save_dir):
+    """steps: [(plan, iterations, load_iteration | None, save: bool)]; the plans say whether the
+    distributed optimizer is on."""
+    from megatron_het.checkpoint.dist_ckpt import iteration_dir
+    from megatron_het.platform import enable_cpu_backend
+    from megatron_het.runtime.hetero_trainer import HeteroTrainer
+
+    enable_cpu_backend()
+    out = []
+    for plan, iterations, load_iteration, save in steps:
+        trainer = HeteroTrainer(model=model, plan=plan, train=train, batch_fn=batch_fn(model, train.seed),
+                                init_full_state=init_full_state if load_iteration is None else None,
+                                padded_vocab=padded_vocab)
+        if load_iteration is not None:
+            trainer.load_checkpoint(iteration_dir(save_dir, load_iteration))
+        res = trainer.run(iterations, return_shards=False)
+        if save:
+            trainer.save_checkpoint(save_dir)
+        out.append([log.lm_loss for log in res.iterations])
+    return out
