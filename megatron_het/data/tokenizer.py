@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import megatron_het.platform  # noqa: F401  (triton import guard before the lazy megatron.core imports below)
 from megatron_het.data.jsonl import DataInputError, read_jsonl_texts, require_file
 from megatron_het.utils.atomic import write_bytes_atomic
 
@@ -164,8 +165,6 @@ def load_tokenizer(model_path: Path | str, *, tokenizer_type: str = "SentencePie
                             "(train one with tools/train_tokenizer.py).")
     check_sentencepiece_model(path)
     from megatron.core.tokenizers import MegatronTokenizer
-
-    import megatron_het.platform  # noqa: F401  (triton import guard before megatron.core)
 
     # metadata as a dict: no tokenizer_metadata.json is written next to the model file.
     return MegatronTokenizer.from_pretrained(tokenizer_path=str(path.resolve()),
