@@ -124,8 +124,8 @@ def _check_schedule(replicas: Replicas, schedule: str, vp: int, num_layers: int)
         if vp != 1:
             raise PlanError(
                 field="virtual_pipeline_size", value=vp,
-                problem=f"schedule {schedule!r} with virtual_pipeline_size={vp}: the runtime runs {schedule!r} with "
-                "1 model chunk per stage only",
+                problem=f"schedule {schedule!r} runs 1 model chunk per stage, not {vp} (the runtime implements "
+                f"virtual_pipeline_size > 1 for 'interleaved' only)",
                 fix='set virtual_pipeline_size to 1, or use schedule "interleaved"',
             )
         for ri, r in enumerate(replicas):

@@ -24,7 +24,7 @@ from collections.abc import Hashable, Iterator
 import torch
 import torch.distributed as dist
 
-__all__ = ["WeightGradStore", "install_split_linears"]
+__all__ = ["WeightGradStore", "deferred_linear", "install_split_linears"]
 
 
 class WeightGradStore:
@@ -35,6 +35,7 @@ class WeightGradStore:
         self.key: Hashable | None = None  # key of the backward running now (None: compute dW at once)
         # key -> [(weight, bias or None, input [n, in], output gradient [n, out])]
         self.pending: dict[Hashable, list[tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor]]] = {}
+        self.flushed = 0  # linears whose weight gradient W actions computed (all time): proof the split ran
 
     @contextlib.contextmanager
     def deferring(self, key: Hashable) -> Iterator[None]:
@@ -45,9 +46,6 @@ class WeightGradStore:
             yield
         finally:
             self.key = None
-
-    def put(self, weight: torch.Tensor, bias: torch.Tensor | None, inp: torch.Tensor, grad: torch.Tensor) -> None:
-        self.pending[self.key].append((weight, bias, inp, grad))
 
     def flush(self, key: Hashable) -> int:
         """W: compute and accumulate the weight gradients kept under ``key``; returns how many linears."""
@@ -67,6 +65,7 @@ class WeightGradStore:
         if grads:
             params, values = zip(*grads.values())
             torch.autograd.backward(list(params), grad_tensors=list(values))  # accumulate: hooks fire
+        self.flushed += len(entries)
         return len(entries)
 
     def discard(self) -> None:
@@ -76,16 +75,16 @@ class WeightGradStore:
 
 
 class _DeferredWeightLinear(torch.autograd.Function):
-    """``y = x W^T + b`` whose backward returns dX now and leaves dW, db to the store (when deferring)."""
+    """``y = x W^T + b`` with no autograd edge to W and b: backward returns dX and hands (x, dY) to the
+    store (W computes dW, db later); outside ``store.deferring`` they are accumulated at once."""
 
     @staticmethod
-    def forward(ctx, inp, weight, bias, store, allreduce_dgrad, tp_group):  # noqa: ANN001
-        ctx.save_for_backward(inp, weight)
+    def forward(ctx, inp, weight_data, bias_data, params, store, allreduce_dgrad, tp_group):  # noqa: ANN001
+        ctx.save_for_backward(inp, weight_data)
+        ctx.weight, ctx.bias = params  # the parameters, in a tuple: not inputs, so no edge and no hook in B
         ctx.store, ctx.allreduce_dgrad, ctx.tp_group = store, allreduce_dgrad, tp_group
-        ctx.use_bias = bias is not None
-        ctx.bias = bias
-        out = torch.matmul(inp, weight.t())
-        return out + bias if bias is not None else out
+        out = torch.matmul(inp, weight_data.t())
+        return out + bias_data if bias_data is not None else out
 
     @staticmethod
     def backward(ctx, grad_output):  # noqa: ANN001
@@ -94,17 +93,22 @@ class _DeferredWeightLinear(torch.autograd.Function):
         handle = None
         if ctx.allreduce_dgrad:
             handle = dist.all_reduce(grad_input, group=ctx.tp_group, async_op=True)
-        g2 = grad_output.reshape(-1, grad_output.shape[-1])
-        x2 = inp.reshape(-1, inp.shape[-1])
-        grad_weight = grad_bias = None
-        if ctx.store.key is not None:
-            ctx.store.put(weight, ctx.bias if ctx.use_bias else None, x2, g2)
-        else:
-            grad_weight = g2.t().matmul(x2)
-            grad_bias = g2.sum(dim=0) if ctx.use_bias else None
+        store, key = ctx.store, ctx.store.key
+        store.pending.setdefault(key, []).append(
+            (ctx.weight, ctx.bias, inp.reshape(-1, inp.shape[-1]), grad_output.reshape(-1, grad_output.shape[-1])))
+        if key is None:  # a backward outside B (e.g. a test's plain .backward()): weight gradients now
+            store.flush(None)
         if handle is not None:
             handle.wait()
-        return grad_input, grad_weight, grad_bias, None, None, None
+        return grad_input, None, None, None, None, None, None
+
+
+def deferred_linear(inp: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, store: WeightGradStore, *,
+                    allreduce_dgrad: bool = False, tp_group=None) -> torch.Tensor:  # noqa: ANN001
+    """``inp @ weight^T + bias`` whose weight/bias gradients go to ``store`` when a backward runs under
+    ``store.deferring(key)`` (else into ``.grad`` as usual); ``allreduce_dgrad``: all-reduce dX over ``tp_group``."""
+    return _DeferredWeightLinear.apply(inp, weight.detach(), None if bias is None else bias.detach(), (weight, bias),
+                                       store, allreduce_dgrad, tp_group)
 
 
 def _split_forward_impl(original, store: WeightGradStore, input, weight, bias=None,  # noqa: A002, ANN001
@@ -126,7 +130,7 @@ def _split_forward_impl(original, store: WeightGradStore, input, weight, bias=No
     if sequence_parallel:  # the gather's own backward reduce-scatters dX, as megatron's fused node does
         input = gather_from_sequence_parallel_region(input, tensor_parallel_output_grad=True,  # noqa: A001
                                                      group=tp_group)
-    return _DeferredWeightLinear.apply(input, weight, bias, store, allreduce_dgrad, tp_group)
+    return deferred_linear(input, weight, bias, store, allreduce_dgrad=allreduce_dgrad, tp_group=tp_group)
 
 
 def install_split_linears(model: torch.nn.Module, store: WeightGradStore) -> list[str]:
