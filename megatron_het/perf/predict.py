@@ -58,6 +58,7 @@ from megatron_het.perf.memory import (
     state_bytes,
 )
 from megatron_het.perf.profile import Profile
+from megatron_het.plan.layout import chunk_layers
 from megatron_het.plan.types import Plan, ReplicaPlan, StagePlan
 from megatron_het.schedule import Action
 from megatron_het.schedule.generators import SPLIT_BACKWARD_SCHEDULES
@@ -457,11 +458,13 @@ def _simulate(plan: Plan, r: ReplicaPlan, model: ModelSpec, cluster: ClusterSpec
         fwd.append(c.forward_s(st.num_layers, is_first=i == 0, is_last=i == p - 1))
         bwd.append(c.backward_s(st.num_layers, is_first=i == 0, is_last=i == p - 1))
     split = plan.schedule in SPLIT_BACKWARD_SCHEDULES
+    # each chunk's share of its stage's time: its layers (the plan's chunk_layers may be uneven)
+    share = [[(b - a) / st.num_layers for a, b in ch] for st, ch in zip(r.stages, chunk_layers(r, v))]
 
     def duration(stage: int, action: Action) -> float:
         if action.kind == "F":
-            return fwd[stage] / v
-        return bwd[stage] / v / (2 if split else 1)
+            return fwd[stage] * share[stage][action.chunk]
+        return bwd[stage] * share[stage][action.chunk] / (2 if split else 1)
 
     hop: dict[tuple[int, int], float] = {}
     for a in range(p):
