@@ -2,8 +2,9 @@
 
 The search ranks layouts under 1F1B; the chosen layout is then priced under ZB-H1 (split backward:
 W fills the cool-down bubble) and interleaved 1F1B with two model chunks per stage (each stage's
-layers split into two uneven chunks, the larger first; needs >= 2 stages, >= 2 layers per stage and
-micro-batch counts that are multiples of the stage count). A variant must validate and fit memory;
+layers in two equal chunks, so chunks differ across stages as the stages' layer counts do; needs >= 2
+stages, an even layer count per stage, which the memory model prices, and micro-batch counts that are
+multiples of the stage count). A variant must validate and fit memory;
 the fastest wins, 1F1B on ties. The sentence returned says what was chosen and the alternatives' times.
 """
 
@@ -39,10 +40,11 @@ def schedule_variants(plan: Plan) -> dict[str, Plan | str]:
         if r.num_micro_batches % p:
             out[label] = f"a replica's {r.num_micro_batches} micro-batches are not a multiple of its {p} stages"
             return out
-        if min(st.num_layers for st in r.stages) < v:
-            out[label] = f"a stage has fewer than {v} layers"
+        odd = next((st for st in r.stages if st.num_layers % v), None)
+        if odd is not None:  # perf/memory.stage_memory prices equal chunks within a stage
+            out[label] = f"a stage's {odd.num_layers} layers do not split into {v} equal chunks"
             return out
-        counts = [[st.num_layers - st.num_layers // v * (v - 1)] + [st.num_layers // v] * (v - 1) for st in r.stages]
+        counts = [[st.num_layers // v] * v for st in r.stages]
         chunks = uneven_chunk_layers(counts)
         replicas.append(replace(r, stages=tuple(replace(st, chunk_layers=c) for st, c in zip(r.stages, chunks))))
     out[label] = replace(plan, schedule="interleaved", virtual_pipeline_size=v, replicas=tuple(replicas))

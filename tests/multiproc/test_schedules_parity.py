@@ -15,6 +15,9 @@ import pytest
 from megatron_het.checkpoint.full_state import assemble_full_state
 from megatron_het.model.groups import BlockShape
 from megatron_het.platform.local_launch import run_local
+from megatron_het.runtime.executor import globalise
+from megatron_het.runtime.hetero_trainer import replica_first_micro_batch
+from megatron_het.schedule import build_schedule
 from megatron_het.train.config import TrainConfig
 
 from support.parity_plans import MICRO_BATCH_SIZE
@@ -57,6 +60,10 @@ def test_schedule_matches_single_process_through_a_checkpoint(runs, name):
     plan = SCHEDULE_CASES[name]
     for out in per_rank:
         ran = out[name][2]
+        ri, si = ran["role"]  # what ran is what the simulator prices: the plan's build_schedule lists
+        rep = plan.replicas[ri]
+        want = build_schedule(plan.schedule, len(rep.stages), rep.num_micro_batches, plan.virtual_pipeline_size)
+        assert ran["actions"] == [str(a) for a in globalise(want.actions[si], replica_first_micro_batch(plan, ri))]
         if plan.schedule == "interleaved":
             assert ran["models"] == 2 and ran["chunks"] == [0, 1], ran
         else:

@@ -33,6 +33,7 @@ def schedule_cases_worker(rank, world_size, model: ModelSpec, cases, train: Trai
         ex = second.strategy.executor
         ran = {"chunks": sorted({a.chunk for a in ex.actions}), "w_actions": sum(a.kind == "W" for a in ex.actions),
                "linears_deferred": second.strategy.wgrad_store.flushed,
-               "models": len(second.strategy.gpts)}
+               "models": len(second.strategy.gpts), "actions": [str(a) for a in ex.actions],
+               "role": (second.strategy.role.replica, second.strategy.role.stage)}
         out[name] = (list(head.iterations) + list(tail.iterations), tail.shards, ran)
     return out

@@ -18,15 +18,15 @@ def _plan(layers=((0, 3), (3, 4)), m=4) -> Plan:
 
 
 def test_variants_split_each_stage_into_uneven_chunks_or_say_why_not():
-    v = schedule_variants(_plan(layers=((0, 3), (3, 8)), m=4))
+    v = schedule_variants(_plan(layers=((0, 2), (2, 8)), m=4))
     inter = v["interleaved v=2"]
     assert inter.schedule == "interleaved" and inter.virtual_pipeline_size == 2
-    assert [st.chunk_layers for st in inter.replicas[0].stages] == [((0, 2), (5, 6)), ((2, 5), (6, 8))]
+    assert [st.chunk_layers for st in inter.replicas[0].stages] == [((0, 1), (4, 5)), ((1, 4), (5, 8))]
     validate_plan(inter, replace(TINY, num_layers=8))
     assert v["zb-h1"].schedule == "zb-h1"
     assert schedule_variants(_plan(m=3))["interleaved v=2"] == ("a replica's 3 micro-batches are not a multiple "
                                                                 "of its 2 stages")
-    assert schedule_variants(_plan())["interleaved v=2"] == "a stage has fewer than 2 layers"
+    assert schedule_variants(_plan())["interleaved v=2"] == "a stage's 3 layers do not split into 2 equal chunks"
 
 
 class _Pred:
