@@ -16,7 +16,7 @@ from megatron_het.schedule.generators import SCHEDULE_NAMES
 if TYPE_CHECKING:
     from megatron_het.cluster import ClusterSpec, ModelSpec
 
-__all__ = ["check_cluster", "check_pipeline", "check_tp_comm_overlap"]
+__all__ = ["check_cluster", "check_pipeline", "check_schedule", "check_tp_comm_overlap"]
 
 Replicas = Sequence[ReplicaPlan]
 
@@ -95,7 +95,7 @@ def _check_chunk_layers(replicas: Replicas, vp: int, num_layers: int) -> None:
                                 f"{st.num_layers}", fix=f"make layers span {n} layers, or fix the chunks")
 
 
-def _check_schedule(replicas: Replicas, schedule: str, vp: int, num_layers: int) -> None:
+def check_schedule(replicas: Replicas, schedule: str, vp: int, num_layers: int) -> None:
     """The schedule and virtual size must be one the runtime runs (RUNTIME_SCHEDULES): never run as another."""
     if schedule not in SCHEDULE_NAMES:
         raise PlanError(field="schedule", value=schedule, problem="unknown schedule name",
@@ -278,7 +278,7 @@ def check_pipeline(*, replicas: Replicas, micro_batch_size: int, global_batch_si
     _check_ranks(replicas)
     _check_layers(replicas, model.num_layers)
     _check_batch(replicas, micro_batch_size, global_batch_size)
-    _check_schedule(replicas, schedule, virtual_pipeline_size, model.num_layers)
+    check_schedule(replicas, schedule, virtual_pipeline_size, model.num_layers)
     _check_tp(replicas, model, sequence_parallel)
     check_tp_comm_overlap(replicas, sequence_parallel)
     if cluster is not None:

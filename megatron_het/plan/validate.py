@@ -15,7 +15,7 @@ from megatron_het.plan.types import Plan
 if TYPE_CHECKING:
     from megatron_het.cluster import ClusterSpec, ModelSpec
 
-__all__ = ["MemoryCheck", "check_tp_comm_overlap", "validate_plan"]
+__all__ = ["MemoryCheck", "check_schedule", "check_tp_comm_overlap", "validate_plan"]
 
 
 def validate_plan(plan: AnyPlan, model: ModelSpec, cluster: ClusterSpec | None = None, *,
@@ -27,3 +27,8 @@ def validate_plan(plan: AnyPlan, model: ModelSpec, cluster: ClusterSpec | None =
 def check_tp_comm_overlap(plan: Plan) -> None:
     """``tp_comm_overlap`` chunks the all-gather/reduce-scatter of sequence parallelism: it needs it."""
     checks.check_tp_comm_overlap(plan.replicas, plan.sequence_parallel)
+
+
+def check_schedule(plan: Plan, model: ModelSpec) -> None:
+    """The plan's schedule and virtual pipeline size are ones the runtime implements (PlanError naming them)."""
+    checks.check_schedule(plan.replicas, plan.schedule, plan.virtual_pipeline_size, model.num_layers)

@@ -38,7 +38,7 @@ from megatron_het.cluster import ClusterSpec, ConfigError, ModelSpec
 from megatron_het.model.gpt import StageModelSpec, build_gpt_stage, transformer_config
 from megatron_het.perf.flops import padded_vocab_size
 from megatron_het.plan import Plan, chunk_layers
-from megatron_het.plan.validate import check_tp_comm_overlap
+from megatron_het.plan.validate import check_schedule, check_tp_comm_overlap
 from megatron_het.platform import Accelerator, detect_accelerator
 from megatron_het.runtime.boundary import BoundaryLink, Neighbour, order_mismatches
 from megatron_het.runtime.comm_routing import (
@@ -88,6 +88,7 @@ class PipelineStrategy:
         from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
         check_tp_comm_overlap(plan)
+        check_schedule(plan, model)  # never run a schedule / virtual size the executor does not implement
         if train.precision != "fp32" and train.overlap_grad_reduce:
             raise ConfigError("overlapped gradient reduction hooks the model's parameters, while mixed precision "
                               "reduces fp32 main gradients", field="--overlap-grad-reduce", value=train.precision,
