@@ -1,6 +1,6 @@
 """Predict iteration time, throughput and memory of a plan (or a homogeneous Megatron configuration).
 
-    python tools/predict.py --cluster C.yaml --model M.yaml --plan plan.json [--json]
+    python tools/predict.py --cluster C.yaml --model M.yaml --plan plan.json [--json] [--trace]
     python tools/predict.py --cluster C.yaml --model M.yaml --tp 2 --pp 2 --dp 2 \
         --micro-batch-size 1 --global-batch-size 32 [--virtual-pipeline-size 2] [--recompute-activations] \
         [--bf16 | --fp16 | --fp32 | --tf32 | --fp8]
@@ -10,7 +10,10 @@ The second form needs a one-island cluster; the two forms do not mix. Precision:
 --tf32 the same with tensor-core matmuls); this tool prices bf16 when none is given, as plans written
 before precision was recorded were. A plan carries its own precision. After the headline figures the
 tool prints where the iteration goes (GEMMs by kind, fixed per-kernel costs, exposed communication,
-bubble, optimizer; megatron_het/perf/breakdown.py). Errors are one line on stderr with exit code 2.
+bubble, optimizer; megatron_het/perf/breakdown.py). ``--trace`` then draws each distinct replica's
+simulated timeline, one row per stage: the action lists the runtime executes for the plan's schedule
+(F/B/W per micro-batch, ``.c`` for model chunk c), timed by the model. Errors are one line on stderr
+with exit code 2.
 """
 
 from __future__ import annotations
@@ -74,6 +77,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--profile", action="append", default=[],
                         help="profile JSON (repeatable): measured layers, or a tools/calibrate.py compute model")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.add_argument("--trace", action="store_true",
+                        help="also draw each replica's simulated schedule (the runtime's action lists) as a grid")
     args = parser.parse_args(argv)
     homog = ("tp", "pp", "dp", "micro_batch_size", "global_batch_size")
     if args.plan is None and any(getattr(args, k) is None for k in homog):
@@ -131,7 +136,28 @@ def main(argv: list[str] | None = None) -> int:
     for name, sec in sorted(parts.items(), key=lambda kv: -kv[1]):
         if sec > 0:
             print(f"  {PART_LABELS.get(name, name):52s} {sec:10.4g} s  {100 * sec / total:5.1f}%")
+    if args.trace:
+        _print_trace(plan, model, cluster, pred)
     return 0
+
+
+def _print_trace(plan: Plan, model, cluster, pred) -> None:
+    """Per distinct replica: the simulated grid of the schedule the runtime runs (megatron_het/perf/predict.py
+    replica_trace), its time step and bubble."""
+    from megatron_het.perf.predict import replica_trace
+    from megatron_het.schedule import render_grid
+
+    seen = set()
+    for ri, r in enumerate(plan.replicas):
+        key = (tuple((s.island, s.tp, s.layers, s.chunk_layers, s.recompute) for s in r.stages), r.num_micro_batches)
+        if key in seen:
+            continue
+        seen.add(key)
+        sim = replica_trace(plan, ri, model, cluster, pred)
+        v = f", {plan.virtual_pipeline_size} chunks per stage" if plan.virtual_pipeline_size > 1 else ""
+        print(f"replica {ri}: schedule {plan.schedule}{v}, {r.num_micro_batches} micro-batches, pipeline "
+              f"{sim.iteration_time:.4g} s, bubble {sim.bubble_fraction:.1%}")
+        print(render_grid(sim.schedule, sim))
 
 
 def _print_sharded(pred, as_json: bool) -> int:

@@ -58,6 +58,7 @@ from megatron_het.perf.memory import (
     state_bytes,
 )
 from megatron_het.perf.profile import Profile
+from megatron_het.plan.layout import chunk_layers
 from megatron_het.plan.types import Plan, ReplicaPlan, StagePlan
 from megatron_het.schedule import Action
 from megatron_het.schedule.generators import SPLIT_BACKWARD_SCHEDULES
@@ -73,6 +74,7 @@ __all__ = [
     "profile_for",
     "optimizer_step_s",
     "predict",
+    "replica_trace",
     "bucket_parameters",
     "overlapped_reduction_tail_s",
     "stage_gradient_chunks",
@@ -450,19 +452,37 @@ def predict(plan: Plan, model: ModelSpec, cluster: ClusterSpec, *, profile: Prof
 def _simulate(plan: Plan, r: ReplicaPlan, model: ModelSpec, cluster: ClusterSpec, cost, *,
               seq_length: int) -> tuple[list[float], list[float], PipelineTimes]:
     """Per-stage forward and backward seconds per micro-batch and the simulated schedule."""
-    p, m, v, mbs = len(r.stages), r.num_micro_batches, plan.virtual_pipeline_size, plan.micro_batch_size
+    p, m, v = len(r.stages), r.num_micro_batches, plan.virtual_pipeline_size
     fwd, bwd = [], []
     for i, st in enumerate(r.stages):
         c = cost(st)
         fwd.append(c.forward_s(st.num_layers, is_first=i == 0, is_last=i == p - 1))
         bwd.append(c.backward_s(st.num_layers, is_first=i == 0, is_last=i == p - 1))
+    duration = action_duration(plan, r, fwd, bwd)
+    p2p = hop_time(plan, r, model, cluster, seq_length=seq_length)
+
+    # duration and p2p depend on the stage and the action kind only: any micro-batch count costs the same
+    return fwd, bwd, pipeline_times(plan.schedule, p, m, v, duration, p2p)
+
+
+def action_duration(plan: Plan, r: ReplicaPlan, fwd: list[float], bwd: list[float]):
+    """(stage, action) -> seconds: a chunk's share of its stage's forward/backward time is its share of the
+    stage's layers; with a split backward B and W take half the backward each. Shared by the prediction
+    and ``replica_trace`` (what ``predict --trace`` renders)."""
     split = plan.schedule in SPLIT_BACKWARD_SCHEDULES
+    share = [[(b - a) / st.num_layers for a, b in ch] for st, ch in zip(r.stages, chunk_layers(r, plan.virtual_pipeline_size))]
 
     def duration(stage: int, action: Action) -> float:
         if action.kind == "F":
-            return fwd[stage] / v
-        return bwd[stage] / v / (2 if split else 1)
+            return fwd[stage] * share[stage][action.chunk]
+        return bwd[stage] * share[stage][action.chunk] / (2 if split else 1)
 
+    return duration
+
+
+def hop_time(plan: Plan, r: ReplicaPlan, model: ModelSpec, cluster: ClusterSpec, *, seq_length: int):
+    """(src stage, dst stage, action) -> seconds of the boundary transfer (either direction, wrap-around included)."""
+    p, mbs = len(r.stages), plan.micro_batch_size
     hop: dict[tuple[int, int], float] = {}
     for a in range(p):
         for b in ((a + 1) % p, (a - 1) % p):
@@ -478,8 +498,21 @@ def _simulate(plan: Plan, r: ReplicaPlan, model: ModelSpec, cluster: ClusterSpec
     def p2p(src: int, dst: int, action: Action) -> float:
         return hop.get((src, dst), 0.0)
 
-    # duration and p2p depend on the stage and the action kind only: any micro-batch count costs the same
-    return fwd, bwd, pipeline_times(plan.schedule, p, m, v, duration, p2p)
+    return p2p
+
+
+def replica_trace(plan: Plan, replica: int, model: ModelSpec, cluster: ClusterSpec, prediction: Prediction, *,
+                  seq_length: int | None = None):
+    """The simulated timeline (schedule.SimResult) of one replica: the action lists the runtime executes
+    (``build_schedule`` of the plan's schedule), timed with the prediction's per-stage costs."""
+    from megatron_het.schedule import build_schedule, simulate
+
+    r = plan.replicas[replica]
+    stages = prediction.replicas[replica].stages
+    duration = action_duration(plan, r, [s.forward_s for s in stages], [s.backward_s for s in stages])
+    p2p = hop_time(plan, r, model, cluster, seq_length=model.seq_length if seq_length is None else seq_length)
+    return simulate(build_schedule(plan.schedule, len(r.stages), r.num_micro_batches, plan.virtual_pipeline_size),
+                    duration, p2p)
 
 
 def _replica(plan: Plan, r: ReplicaPlan, model: ModelSpec, cluster: ClusterSpec,

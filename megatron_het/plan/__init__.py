@@ -10,6 +10,7 @@ from megatron_het.plan.layout import (
     layer_split,
     rank_roles,
     role_of,
+    uneven_chunk_layers,
 )
 from megatron_het.plan.serialize import (
     any_plan_from_dict,
@@ -39,6 +40,7 @@ __all__ = [
     "chunk_layers",
     "homogeneous_plan",
     "layer_split",
+    "uneven_chunk_layers",
     "load_any_plan",
     "plan_to_json",
     "rank_roles",

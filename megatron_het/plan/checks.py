@@ -16,7 +16,8 @@ from megatron_het.schedule.generators import SCHEDULE_NAMES
 if TYPE_CHECKING:
     from megatron_het.cluster import ClusterSpec, ModelSpec
 
-__all__ = ["check_cluster", "check_pipeline", "check_tp_comm_overlap", "check_tp_grid", "tp_grid_divisors"]
+__all__ = ["check_cluster", "check_pipeline", "check_schedule", "check_tp_comm_overlap", "check_tp_grid",
+           "tp_grid_divisors"]
 
 Replicas = Sequence[ReplicaPlan]
 
@@ -47,7 +48,56 @@ def _check_batch(replicas: Replicas, micro_batch_size: int, global_batch_size: i
         )
 
 
-def _check_schedule(replicas: Replicas, schedule: str, vp: int) -> None:
+def _check_chunk_layers(replicas: Replicas, vp: int, num_layers: int) -> None:
+    """Explicit chunk_layers: on every stage or none, V chunks each, covering [0, L) in virtual-stage order."""
+    for ri, r in enumerate(replicas):
+        given = [bool(st.chunk_layers) for st in r.stages]
+        if not any(given):
+            for si, st in enumerate(r.stages):
+                if st.num_layers % vp:
+                    raise PlanError(
+                        field=f"replicas[{ri}].stages[{si}].layers", value=list(st.layers),
+                        problem=f"{st.num_layers} layers do not split into virtual_pipeline_size={vp} "
+                        "equal chunks",
+                        fix=f"give this stage a multiple of {vp} layers, or list its chunk_layers",
+                    )
+            continue
+        if not all(given):
+            si = given.index(False)
+            raise PlanError(field=f"replicas[{ri}].stages[{si}].chunk_layers", value=[],
+                            problem="chunk_layers are listed on some stages of the replica but not on this one",
+                            fix="list chunk_layers on every stage of the replica, or on none")
+        expect = 0
+        for c in range(vp):
+            for si, st in enumerate(r.stages):
+                path = f"replicas[{ri}].stages[{si}].chunk_layers"
+                if len(st.chunk_layers) != vp:
+                    raise PlanError(field=path, value=[list(x) for x in st.chunk_layers],
+                                    problem=f"{len(st.chunk_layers)} chunks listed, virtual_pipeline_size is {vp}",
+                                    fix=f"list exactly {vp} [first, stop) ranges")
+                first, stop = st.chunk_layers[c]
+                if first != expect or stop <= first:
+                    raise PlanError(
+                        field=f"{path}[{c}]", value=[first, stop],
+                        problem=f"virtual stage {c * len(r.stages) + si} (chunk {c} of stage {si}) must start at "
+                        f"layer {expect} and hold >= 1 layer, got [{first}, {stop})",
+                        fix="chunks cover the model in virtual-stage order: chunk 0 of every stage, then chunk 1, ...",
+                    )
+                expect = stop
+        if expect != num_layers:
+            raise PlanError(field=f"replicas[{ri}].stages[{len(r.stages) - 1}].chunk_layers", value=expect,
+                            problem=f"the chunks stop at layer {expect}, the model has num_layers={num_layers}",
+                            fix=f"end the last stage's last chunk at {num_layers}")
+        for si, st in enumerate(r.stages):
+            n = sum(b - a for a, b in st.chunk_layers)
+            if n != st.num_layers:
+                raise PlanError(field=f"replicas[{ri}].stages[{si}].chunk_layers", value=n,
+                                problem=f"the chunks hold {n} layers, the stage's layers {list(st.layers)} say "
+                                f"{st.num_layers}", fix=f"make layers span {n} layers, or fix the chunks")
+
+
+def check_schedule(replicas: Replicas, schedule: str, vp: int, num_layers: int) -> None:
+    """The schedule and virtual size must be one the runtime runs (RUNTIME_SCHEDULES): never run as another."""
     if schedule not in SCHEDULE_NAMES:
         raise PlanError(field="schedule", value=schedule, problem="unknown schedule name",
                         fix="use one of " + ", ".join(SCHEDULE_NAMES))
@@ -58,26 +108,34 @@ def _check_schedule(replicas: Replicas, schedule: str, vp: int) -> None:
                             fix='set virtual_pipeline_size >= 2, or use schedule "1f1b"')
         for ri, r in enumerate(replicas):
             p = len(r.stages)
+            if p < 2:
+                raise PlanError(
+                    field=f"replicas[{ri}].stages", value=p,
+                    problem=f"the runtime runs interleaved (virtual_pipeline_size={vp}) only with >= 2 stages per "
+                    f"replica, this replica has {p} (as megatron-core)",
+                    fix='use schedule "1f1b" with virtual_pipeline_size 1 for one-stage replicas')
             if r.num_micro_batches % p:
                 raise PlanError(
                     field=f"replicas[{ri}].num_micro_batches", value=r.num_micro_batches,
                     problem=f"the interleaved schedule needs a multiple of the replica's {p} stages",
                     fix=f"use a multiple of {p} micro-batches for this replica",
                 )
-            for si, s in enumerate(r.stages):
-                if s.num_layers % vp:
-                    raise PlanError(
-                        field=f"replicas[{ri}].stages[{si}].layers", value=list(s.layers),
-                        problem=f"{s.num_layers} layers do not split into virtual_pipeline_size={vp} "
-                        "equal chunks",
-                        fix=f"give this stage a multiple of {vp} layers",
-                    )
-    elif vp != 1:
-        raise PlanError(
-            field="virtual_pipeline_size", value=vp,
-            problem=f"schedule {schedule!r} runs 1 model chunk per stage, not {vp}",
-            fix='set virtual_pipeline_size to 1, or use schedule "interleaved"',
-        )
+        _check_chunk_layers(replicas, vp, num_layers)
+    else:
+        if vp != 1:
+            raise PlanError(
+                field="virtual_pipeline_size", value=vp,
+                problem=f"schedule {schedule!r} runs 1 model chunk per stage, not {vp} (the runtime implements "
+                f"virtual_pipeline_size > 1 for 'interleaved' only)",
+                fix='set virtual_pipeline_size to 1, or use schedule "interleaved"',
+            )
+        for ri, r in enumerate(replicas):
+            for si, st in enumerate(r.stages):
+                if st.chunk_layers:
+                    raise PlanError(field=f"replicas[{ri}].stages[{si}].chunk_layers",
+                                    value=[list(x) for x in st.chunk_layers],
+                                    problem=f"model chunks need schedule 'interleaved', the plan has {schedule!r}",
+                                    fix='remove chunk_layers, or use schedule "interleaved"')
 
 
 def _check_ranks(replicas: Replicas) -> None:
@@ -271,7 +329,7 @@ def check_pipeline(*, replicas: Replicas, micro_batch_size: int, global_batch_si
     _check_ranks(replicas)
     _check_layers(replicas, model.num_layers)
     _check_batch(replicas, micro_batch_size, global_batch_size)
-    _check_schedule(replicas, schedule, virtual_pipeline_size)
+    check_schedule(replicas, schedule, virtual_pipeline_size, model.num_layers)
     _check_tp(replicas, model, sequence_parallel)
     check_tp_comm_overlap(replicas, sequence_parallel)
     if cluster is not None:

@@ -113,18 +113,24 @@ def chunk_layers(
 ) -> tuple[tuple[tuple[int, int], ...], ...]:
     """Per stage, per model chunk, the [first, stop) layers it holds (Megatron's interleaved order).
 
-    Chunk c covers layers [c*L/V, (c+1)*L/V) of the L-layer model (V = virtual_pipeline_size),
-    shared across the stages in pipeline order, stage s taking num_layers(s)/V of them. With V=1
-    this is each stage's own range. Needs every stage's layer count divisible by V.
+    A stage's explicit ``chunk_layers`` (uneven chunks, the planner's choice on mixed devices) are
+    taken as given. Otherwise chunk c covers layers [c*L/V, (c+1)*L/V) of the L-layer model (V =
+    virtual_pipeline_size), shared across the stages in pipeline order, stage s taking
+    num_layers(s)/V of them. With V=1 this is each stage's own range. The even split needs every
+    stage's layer count divisible by V.
     """
     v = virtual_pipeline_size
+    if v == 1:
+        return tuple((s.layers,) for s in replica.stages)
+    if all(s.chunk_layers for s in replica.stages):
+        return tuple(tuple(s.chunk_layers) for s in replica.stages)
     counts = [s.num_layers for s in replica.stages]
     for si, c in enumerate(counts):
         if v < 1 or c % v:
             raise PlanError(
                 field=f"stages[{si}].layers", value=list(replica.stages[si].layers),
                 problem=f"{c} layers cannot be split into virtual_pipeline_size={v} equal chunks",
-                fix=f"give each stage a multiple of {v} layers",
+                fix=f"give each stage a multiple of {v} layers, or list its chunk_layers",
             )
     per_chunk = sum(counts) // v
     first_layer = replica.stages[0].layers[0]
@@ -138,6 +144,21 @@ def chunk_layers(
             )
         )
     return tuple(out)
+
+
+def uneven_chunk_layers(stage_chunk_counts: Sequence[Sequence[int]]) -> tuple[tuple[tuple[int, int], ...], ...]:
+    """Per stage, per chunk, [first, stop) from layer counts ``[stage][chunk]`` laid out in virtual-stage
+    order (chunk 0 of every stage, then chunk 1, ...): the explicit ``chunk_layers`` of a plan."""
+    p = len(stage_chunk_counts)
+    v = len(stage_chunk_counts[0]) if p else 0
+    out: list[list[tuple[int, int]]] = [[] for _ in range(p)]
+    first = 0
+    for c in range(v):
+        for s in range(p):
+            n = stage_chunk_counts[s][c]
+            out[s].append((first, first + n))
+            first += n
+    return tuple(tuple(x) for x in out)
 
 
 def homogeneous_plan(

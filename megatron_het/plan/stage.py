@@ -10,7 +10,8 @@ from megatron_het.plan.fields import as_bool, as_int, as_int_list, as_list, as_s
 __all__ = ["ReplicaPlan", "StagePlan"]
 
 _REPLICA_KEYS = ("num_micro_batches", "stages")
-_STAGE_KEYS = ("island", "device_type", "ranks", "layers", "recompute", "tp_comm_overlap", "tp_grid")
+_STAGE_KEYS = ("island", "device_type", "ranks", "layers", "recompute", "tp_comm_overlap", "tp_grid",
+               "chunk_layers")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -30,6 +31,10 @@ class StagePlan:
     # (tp/grid.Grid4D: x splits input features, y output features, z tokens and the weight shards),
     # product = len(ranks), ranks in grid order (x fastest). None: Megatron's 1D TP over the ranks.
     tp_grid: tuple[int, int, int] | None = None
+    # With virtual_pipeline_size V > 1: the [first, stop) global layers of each of the stage's V model
+    # chunks, chunk order (uneven where device speeds differ; their sizes sum to num_layers). Empty:
+    # Megatron's even split (layout.chunk_layers). Written to JSON only when given.
+    chunk_layers: tuple[tuple[int, int], ...] = ()
 
     @property
     def tp(self) -> int:
@@ -43,11 +48,13 @@ class StagePlan:
 
     def to_dict(self) -> dict:
         """JSON-ready dict (every field, defaults included)."""
-        d = {"island": self.island, "device_type": self.device_type, "ranks": list(self.ranks),
-             "layers": list(self.layers), "recompute": self.recompute, "tp_comm_overlap": self.tp_comm_overlap}
+        out = {"island": self.island, "device_type": self.device_type, "ranks": list(self.ranks),
+               "layers": list(self.layers), "recompute": self.recompute, "tp_comm_overlap": self.tp_comm_overlap}
         if self.tp_grid is not None:  # written only when set: 1D plans keep their JSON unchanged
-            d["tp_grid"] = list(self.tp_grid)
-        return d
+            out["tp_grid"] = list(self.tp_grid)
+        if self.chunk_layers:
+            out["chunk_layers"] = [list(c) for c in self.chunk_layers]
+        return out
 
     @classmethod
     def from_dict(cls, d: object, path: str, source: str | None) -> StagePlan:
@@ -70,7 +77,17 @@ class StagePlan:
                     fix="write the 3D tensor-parallel grid as [gx, gy, gz], e.g. [2, 2, 1], or remove the key",
                 )
             tp_grid = (grid[0], grid[1], grid[2])
+        chunks = []
+        given = d.get("chunk_layers")
+        for ci, c in enumerate(as_list(given, f"{path}.chunk_layers", source, what="chunks") if given is not None else []):
+            rng = as_int_list(c, f"{path}.chunk_layers[{ci}]", source)
+            if len(rng) != 2:
+                raise PlanError(file=source, field=f"{path}.chunk_layers[{ci}]", value=list(rng),
+                                problem=f"expected 2 numbers [first, stop), found {len(rng)}",
+                                fix="write each chunk's layer range as [first, stop), e.g. [0, 2]")
+            chunks.append((rng[0], rng[1]))
         return cls(
+            chunk_layers=tuple(chunks),
             island=as_str(required(d, "island", path, source), f"{path}.island", source),
             device_type=as_str(required(d, "device_type", path, source), f"{path}.device_type", source),
             ranks=as_int_list(required(d, "ranks", path, source), f"{path}.ranks", source),

@@ -16,7 +16,7 @@ from megatron_het.plan.types import Plan
 if TYPE_CHECKING:
     from megatron_het.cluster import ClusterSpec, ModelSpec
 
-__all__ = ["MemoryCheck", "check_runtime_tp_grid", "check_tp_comm_overlap", "validate_plan"]
+__all__ = ["MemoryCheck", "check_runtime_tp_grid", "check_schedule", "check_tp_comm_overlap", "validate_plan"]
 
 
 def validate_plan(plan: AnyPlan, model: ModelSpec, cluster: ClusterSpec | None = None, *,
@@ -45,3 +45,8 @@ def check_runtime_tp_grid(plan: Plan) -> None:
                     fix=f'remove "tp_grid" to run this stage as 1D tensor parallelism over its {len(s.ranks)} '
                     "ranks, or plan with the Megatron parallelizer",
                 )
+
+
+def check_schedule(plan: Plan, model: ModelSpec) -> None:
+    """The plan's schedule and virtual pipeline size are ones the runtime implements (PlanError naming them)."""
+    checks.check_schedule(plan.replicas, plan.schedule, plan.virtual_pipeline_size, model.num_layers)

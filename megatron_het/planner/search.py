@@ -37,6 +37,7 @@ from megatron_het.planner.explain import explain_choice, island_infeasibility
 from megatron_het.planner.idle import explain_idle
 from megatron_het.planner.parallelizer import Parallelizer
 from megatron_het.planner.refine import hill_climb
+from megatron_het.planner.schedule_choice import choose_schedule
 from megatron_het.planner.space import Segment, Template, build_plan
 
 __all__ = ["PlannerResult", "plan_cluster", "with_seq_length"]
@@ -364,6 +365,8 @@ def plan_cluster(model: ModelSpec, cluster: ClusterSpec, *, global_batch_size: i
         raise InfeasibleError(_infeasible_text(est, active, sizes, recompute_options, max_tp, reasons),
                               reasons=tuple(reasons))
     ranked.sort(key=lambda x: x[1].iteration_time_s)
+    ranked[0], schedule_note = choose_schedule(ranked[0], model, cluster, predict_plan=lambda plan: predict(
+        plan, model, cluster, profile=profile, overlap_grad_reduce=overlap_grad_reduce))
 
     def build(e: Estimate) -> Plan | None:
         plan = build_plan(cluster, e.templates, e.layer_counts, e.micro_batches, micro_batch_size=e.micro_batch_size,
@@ -386,7 +389,7 @@ def plan_cluster(model: ModelSpec, cluster: ClusterSpec, *, global_batch_size: i
         best, grid_lines = assign_tp_grids(best)
         ranked[0] = (best, ranked[0][1])
     return PlannerResult(best=best, candidates=ranked[:top_k],
-                         explanation="\n".join([explanation, *grid_lines, *idle]), infeasible=list(reasons),
+                         explanation="\n".join([explanation, schedule_note, *grid_lines, *idle]), infeasible=list(reasons),
                          idle=tuple(idle))
 
 

@@ -5,11 +5,17 @@ schedule. Micro-batches are *global* indices: micro-batch g reads samples [g x m
 the iteration's global batch and moves through ``links[g]`` (its pipeline's neighbours); the pipeline
 strategy offsets the plan schedule's per-replica indices once (``globalise``).
 
-With ``split_backward`` (routed schedules), B computes only the input gradient, sent upstream at
-once, and W the weight gradients later by re-traversing the retained graph: the same sums as the
-fused backward. The last stage fuses B and W (megatron's vocab-parallel cross-entropy backward
-reuses its saved softmax in place, so the loss node cannot be traversed twice). Without it (the
-plan's schedules today) B computes both gradients and W is a no-op.
+Interleaved schedules (``num_chunks`` V > 1): the rank holds V model chunks; chunk c of stage s is
+virtual stage c*p + s. Saved activations are keyed by (chunk, micro-batch); chunk c > 0 moves
+through ``chunk_links[c]`` (stage 0's chunk c receives from the last stage's chunk c - 1). The
+first virtual stage reads tokens, the last computes the loss. Each boundary message is tagged
+g*V + (chunk of its upstream side), so the chunks' messages between one pair of ranks never meet
+the wrong receive.
+
+With split backward (a schedule with W actions: zero-bubble, resilience's routed schedules) B runs
+the stage's backward once, computing input gradients (sent upstream at once) while the linears'
+weight gradients wait in the stage's ``WeightGradStore`` (``split_backward.py``); W computes them.
+Nothing is traversed twice, the last stage included. Without W actions B computes both.
 """
 
 from __future__ import annotations
@@ -19,24 +25,14 @@ from collections.abc import Callable, Mapping, Sequence
 import torch
 
 from megatron_het.runtime.boundary import BoundaryLink
+from megatron_het.runtime.split_backward import WeightGradStore
 from megatron_het.schedule import Action
 from megatron_het.train.strategy import ActionHook, BatchFn
 from megatron_het.train.timer import EmulationTimer
 
-# forward(tokens or None, input activation or None) -> activation, or on a last stage the
-# micro-batch's share of the global-batch mean loss
-ForwardFn = Callable[[torch.Tensor | None, torch.Tensor | None], torch.Tensor]
-
-
-def backward_input(out: torch.Tensor, grad: torch.Tensor | None, inp: torch.Tensor | None) -> None:
-    """B: accumulate d(out)/d(inp) into ``inp.grad`` only (nothing to do without an input)."""
-    if inp is not None:
-        torch.autograd.backward(out, grad_tensors=grad, inputs=[inp], retain_graph=True)
-
-
-def backward_weight(out: torch.Tensor, grad: torch.Tensor | None, params: Sequence[torch.Tensor]) -> None:
-    """W: accumulate the weight gradients into ``p.grad`` and free the graph."""
-    torch.autograd.backward(out, grad_tensors=grad, inputs=list(params))
+# forward(chunk, tokens or None, input activation or None) -> activation, or on the last virtual
+# stage the micro-batch's share of the global-batch mean loss
+ForwardFn = Callable[[int, torch.Tensor | None, torch.Tensor | None], torch.Tensor]
 
 
 def grad_reduce_trigger(actions: Sequence[Action], *, split_backward: bool = False) -> int | None:
@@ -58,14 +54,26 @@ class ActionExecutor:
     def __init__(self, *, actions: Sequence[Action], links: Mapping[int, BoundaryLink], is_first: bool,
                  is_last: bool, act_shape: tuple[int, int, int], dtype: torch.dtype, micro_batch_size: int,
                  loss_scale: float, split_backward: bool = False, arm: Callable[[], None] | None = None,
-                 device: torch.device | None = None) -> None:
+                 device: torch.device | None = None, store: WeightGradStore | None = None, num_chunks: int = 1,
+                 chunk_links: Mapping[int, BoundaryLink] | None = None) -> None:
         self.actions = tuple(actions)  # this rank's actions, execution order, global micro-batches
-        self.links = dict(links)  # global micro-batch -> the link to its neighbours
+        self.links = dict(links)  # global micro-batch -> the link of chunk 0 to its neighbours
+        self.num_chunks = num_chunks  # model chunks of this stage (virtual pipeline size)
+        self.chunk_links = dict(chunk_links or {})  # chunk c >= 1 -> its link (every micro-batch)
+        missing = sorted({a.chunk for a in self.actions if a.chunk} - self.chunk_links.keys())
+        if missing or any(a.chunk >= num_chunks for a in self.actions):
+            raise ValueError(f"actions: chunks {missing or sorted({a.chunk for a in self.actions})} have no link "
+                             f"(this stage has {num_chunks} chunk(s), links for chunks "
+                             f"{[0, *sorted(self.chunk_links)]}). Fix: build one link per model chunk")
         self.is_first, self.is_last = is_first, is_last
         self.act_shape, self.dtype = act_shape, dtype  # full [s, b, h] boundary activation
         self.micro_batch_size = micro_batch_size
         self.loss_scale = loss_scale  # a last stage's forward returns loss / loss_scale (global mean share)
-        self.split = split_backward and not is_last  # see the module docstring
+        self.split = split_backward and any(a.kind == "W" for a in self.actions)  # see the module docstring
+        if self.split and store is None:
+            raise ValueError("split_backward: the schedule has W actions but the stage has no WeightGradStore. "
+                             "Fix: install_split_linears(model, store) and pass store=")
+        self.store = store  # the stage's deferred linear weight gradients (split_backward.py)
         self.arm = arm  # an overlapped synchronizer's arm(): called before the last weight-gradient action
         self.trigger = grad_reduce_trigger(self.actions, split_backward=self.split) if arm is not None else None
         self.samples: list[int] = []  # sample indices this rank read in the last run (accounting)
@@ -76,8 +84,21 @@ class ActionExecutor:
         """Global micro-batches this rank runs per iteration."""
         return sorted(self.links)
 
-    def _tokens(self, batch_fn: BatchFn, iteration: int, g: int, *, record: bool) -> torch.Tensor | None:
-        if not (self.is_first or self.is_last):
+    def _link(self, g: int, chunk: int) -> BoundaryLink:
+        return self.chunk_links[chunk] if chunk else self.links[g]
+
+    def _ends(self, chunk: int) -> tuple[bool, bool]:
+        """(first virtual stage, last virtual stage) for this stage's ``chunk``."""
+        return self.is_first and chunk == 0, self.is_last and chunk == self.num_chunks - 1
+
+    def _msg(self, g: int, chunk: int, *, upstream_of_me: bool) -> int:
+        """Tag id of a boundary message: g*V + the chunk on the boundary's upstream side."""
+        up = chunk - 1 if upstream_of_me and self.is_first else chunk
+        return g * self.num_chunks + up
+
+    def _tokens(self, batch_fn: BatchFn, iteration: int, g: int, chunk: int, *, record: bool) -> torch.Tensor | None:
+        first, last = self._ends(chunk)
+        if not (first or last):
             return None
         rng = range(g * self.micro_batch_size, (g + 1) * self.micro_batch_size)
         if record:
@@ -87,72 +108,80 @@ class ActionExecutor:
     def run(self, *, iteration: int, batch_fn: BatchFn, forward: ForwardFn, params: Sequence[torch.Tensor],
             timer: EmulationTimer, on_action: ActionHook | None = None) -> torch.Tensor:
         """One iteration's actions; returns the local loss sum (last stages: sum of micro-batch means)."""
-        first, last = self.is_first, self.is_last
-        saved: dict[int, tuple[torch.Tensor | None, torch.Tensor]] = {}
-        out_grads: dict[int, torch.Tensor | None] = {}
+        saved: dict[tuple[int, int], tuple[torch.Tensor | None, torch.Tensor]] = {}  # (chunk, g) -> (input, output)
         # accumulated on the device: no host sync per micro-batch (read once per iteration)
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
         self.samples = []
+        links = {*self.links.values(), *self.chunk_links.values()}
+        if self.store is not None:
+            self.store.enabled = self.split
         try:
             for index, action in enumerate(self.actions):
                 if on_action is not None:
                     on_action(index, action)
-                g, link = action.micro_batch, self.links[action.micro_batch]
+                g, c = action.micro_batch, action.chunk
+                link, key = self._link(g, c), (c, g)
+                first, last = self._ends(c)
                 if action.kind == "F":
-                    tokens = self._tokens(batch_fn, iteration, g, record=True)
-                    inp = None if first else link.recv_forward(self.act_shape, self.dtype, g).requires_grad_()
-                    out = timer.compute(lambda: forward(tokens, inp))
+                    tokens = self._tokens(batch_fn, iteration, g, c, record=True)
+                    inp = None if first else link.recv_forward(
+                        self.act_shape, self.dtype, self._msg(g, c, upstream_of_me=True)).requires_grad_()
+                    out = timer.compute(lambda: forward(c, tokens, inp))
                     if last:
                         loss_sum += out.detach().double() * self.loss_scale
                     else:
-                        link.send_forward(out.detach(), g)
-                    saved[g] = (inp, out)
+                        link.send_forward(out.detach(), self._msg(g, c, upstream_of_me=False))
+                    saved[key] = (inp, out)
                 elif action.kind in ("B", "BW"):
-                    inp, out = saved[g]
-                    grad = None if last else link.recv_backward(self.act_shape, out.dtype, g)
+                    inp, out = saved.pop(key)
+                    grad = None if last else link.recv_backward(self.act_shape, out.dtype,
+                                                                self._msg(g, c, upstream_of_me=False))
                     if last and self.grad_scale is not None:
                         out = out * self.grad_scale  # the backward of the scaled loss (fp16)
                     if index == self.trigger:  # buckets start reducing as this backward completes them
                         self.arm()
                     if self.split and action.kind == "B":
-                        timer.compute(lambda: backward_input(out, grad, inp))
-                        out_grads[g] = grad
+                        with self.store.deferring(key):  # linears keep (input, output grad) for W
+                            timer.compute(lambda: torch.autograd.backward(out, grad_tensors=grad))
                     else:
                         timer.compute(lambda: torch.autograd.backward(out, grad_tensors=grad))
-                        saved.pop(g)
                     if not first:
-                        link.send_backward(inp.grad, g)
+                        link.send_backward(inp.grad, self._msg(g, c, upstream_of_me=True))
                 elif action.kind == "W":
-                    if g not in out_grads:
+                    if not self.split:
                         continue  # fused into B: autograd computed both gradients together
                     if index == self.trigger:
                         self.arm()
-                    inp, out = saved.pop(g)
-                    grad = out_grads.pop(g)
-                    timer.compute(lambda: backward_weight(out, grad, params))
+                    timer.compute(lambda: self.store.flush(key))
                 else:
                     raise ValueError(f"unknown schedule action {action}")
-            for link in set(self.links.values()):
+            for link in links:
                 link.drain()
         except BaseException:
-            for link in set(self.links.values()):
+            if self.store is not None:
+                self.store.discard()
+            for link in links:
                 link.abandon()  # a failed iteration's sends are abandoned with the group
             raise
         return loss_sum
 
     @torch.no_grad()
     def evaluate(self, *, iteration: int, batch_fn: BatchFn, forward: ForwardFn) -> torch.Tensor:
-        """Forward-only loss sum of one global batch (forwards in micro-batch order: no deadlock)."""
+        """Forward-only loss sum of one global batch: the plan's forward order (no deadlock for any schedule)."""
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
-        for g in self.micro_batches():
-            link = self.links[g]
-            tokens = self._tokens(batch_fn, iteration, g, record=False)
-            inp = None if self.is_first else link.recv_forward(self.act_shape, self.dtype, g)
-            out = forward(tokens, inp)
-            if self.is_last:
+        for action in self.actions:
+            if action.kind != "F":
+                continue
+            g, c = action.micro_batch, action.chunk
+            link = self._link(g, c)
+            first, last = self._ends(c)
+            tokens = self._tokens(batch_fn, iteration, g, c, record=False)
+            inp = None if first else link.recv_forward(self.act_shape, self.dtype, self._msg(g, c, upstream_of_me=True))
+            out = forward(c, tokens, inp)
+            if last:
                 loss_sum += out.double() * self.loss_scale
             else:
-                link.send_forward(out, g)
-        for link in set(self.links.values()):
+                link.send_forward(out, self._msg(g, c, upstream_of_me=False))
+        for link in {*self.links.values(), *self.chunk_links.values()}:
             link.drain()
         return loss_sum

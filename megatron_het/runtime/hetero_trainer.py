@@ -37,8 +37,8 @@ from megatron_het.checkpoint.tp_layout import is_glu
 from megatron_het.cluster import ClusterSpec, ConfigError, ModelSpec
 from megatron_het.model.gpt import StageModelSpec, build_gpt_stage, transformer_config
 from megatron_het.perf.flops import padded_vocab_size
-from megatron_het.plan import Plan
-from megatron_het.plan.validate import check_runtime_tp_grid, check_tp_comm_overlap
+from megatron_het.plan import Plan, chunk_layers
+from megatron_het.plan.validate import check_runtime_tp_grid, check_schedule, check_tp_comm_overlap
 from megatron_het.platform import Accelerator, detect_accelerator
 from megatron_het.runtime.boundary import BoundaryLink, Neighbour, order_mismatches
 from megatron_het.runtime.comm_routing import (
@@ -52,6 +52,7 @@ from megatron_het.runtime.executor import ActionExecutor, globalise
 from megatron_het.runtime.grad_sync import GradientSynchronizer, Holding
 from megatron_het.runtime.megatron_trainer import split_tokens
 from megatron_het.runtime.mixed_precision import LossScaler, MainParams, params_dtype, wrap_float16
+from megatron_het.runtime.split_backward import WeightGradStore, install_split_linears
 from megatron_het.runtime.stage_groups import build_stage_groups
 from megatron_het.schedule import Action, build_schedule
 from megatron_het.train.config import TrainConfig
@@ -88,6 +89,7 @@ class PipelineStrategy:
 
         check_tp_comm_overlap(plan)
         check_runtime_tp_grid(plan)  # 3D TP stages are planned and priced, not built yet (#20)
+        check_schedule(plan, model)  # never run a schedule / virtual size the executor does not implement
         if train.precision != "fp32" and train.overlap_grad_reduce:
             raise ConfigError("overlapped gradient reduction hooks the model's parameters, while mixed precision "
                               "reduces fp32 main gradients", field="--overlap-grad-reduce", value=train.precision,
@@ -122,10 +124,17 @@ class PipelineStrategy:
         self.config = transformer_config(self.stage, cpu_initialization=not acc.is_gpu)
         self.tied = not model.untie_embeddings_and_output_weights
         self.overlap_report = None  # comm.overlap_megatron.OverlapReport when the stage overlaps
+        # model chunks (virtual pipeline size V): chunk c holds layers chunk_ranges[c] (the plan's, uneven
+        # where devices differ); V = 1: one chunk, the stage's own range
+        self.num_chunks = plan.virtual_pipeline_size
+        self.chunk_ranges = chunk_layers(self.replica, self.num_chunks)[role.stage]
+        # linears' deferred weight gradients when the schedule splits B and W (runtime/split_backward.py)
+        self.wgrad_store = WeightGradStore()
         self.gpt = self._build_model()
         if init_full_state is not None:
-            load_full_state(self.gpt, init_full_state, layer_offset=role.layers[0], tp_rank=role.tp_rank,
-                            tp_size=role.tp_size, tied=self.tied, gated=model.swiglu)
+            for gpt, (first, _) in zip(self.gpts, self.chunk_ranges):
+                load_full_state(gpt, init_full_state, layer_offset=first, tp_rank=role.tp_rank,
+                                tp_size=role.tp_size, tied=self.tied, gated=model.swiglu)
         if self.overlap_report is not None and role.tp_rank == 0:
             logger.info("rank %d (replica %d stage %d): %s", role.rank, role.replica, role.stage,
                         self.overlap_report.describe())
@@ -162,20 +171,35 @@ class PipelineStrategy:
             return Neighbour(ranks=tuple(stages[s].ranks), island=stages[s].island, stage=s,
                              bridge=bridges.get((role.replica, min(s, role.stage))))
 
-        prev, nxt = neighbour(role.stage - 1), neighbour(role.stage + 1)
-        link = BoundaryLink(tp_rank=role.tp_rank, tp=role.tp_size, prev=prev, next=nxt,
-                            sequence_parallel=plan.sequence_parallel, device=self.device)
+        p, v = len(stages), self.num_chunks
+
+        def chunk_link(c: int) -> BoundaryLink:
+            """Chunk c's neighbours: virtual stages c*p + s -/+ 1 (stage 0's chunk c > 0 follows the last
+            stage's chunk c - 1; the last stage's chunk c < V - 1 feeds stage 0's chunk c + 1)."""
+            prev = neighbour(role.stage - 1) if role.stage > 0 else (wrap(p - 1) if c > 0 else None)
+            nxt = neighbour(role.stage + 1) if role.stage < p - 1 else (wrap(0) if c < v - 1 else None)
+            return BoundaryLink(tp_rank=role.tp_rank, tp=role.tp_size, prev=prev, next=nxt,
+                                sequence_parallel=plan.sequence_parallel, device=self.device)
+
+        def wrap(s: int) -> Neighbour:  # the last stage <-> stage 0 boundary of interleaving
+            return Neighbour(ranks=tuple(stages[s].ranks), island=stages[s].island, stage=s,
+                             bridge=bridges.get((role.replica, p - 1)))
+
+        link = chunk_link(0)
         schedule = build_schedule(plan.schedule, len(stages), self.replica.num_micro_batches,
                                   plan.virtual_pipeline_size)
         mismatches = order_mismatches(schedule.actions)
+        if v > 1 and not acc.p2p_tags:
+            mismatches = [f"interleaved chunks share rank pairs in both directions (virtual_pipeline_size={v})"]
         if mismatches and not acc.p2p_tags:
             raise ConfigError(f"{mismatches[0]}; {acc.torch_backend} matches pipeline messages by order, not tags",
                               field="schedule", value=plan.schedule, fix="use a schedule whose neighbour stages "
-                              "post transfers in the same micro-batch order (1f1b, gpipe)")
+                              "post transfers in the same micro-batch order (1f1b, gpipe, zb-h1)")
         first = replica_first_micro_batch(plan, role.replica)
         self.executor = self._executor(globalise(schedule.actions[role.stage], first),
                                        dict.fromkeys(range(first, first + self.replica.num_micro_batches), link),
-                                       split_backward=False)
+                                       split_backward=schedule.split_backward,
+                                       chunk_links={c: chunk_link(c) for c in range(1, v)})
 
     @property
     def rank(self) -> int:
@@ -187,8 +211,10 @@ class PipelineStrategy:
         rank creates every bridged boundary's group, in plan order."""
         out = {}
         for r, replica in enumerate(self.plan.replicas):
-            for s in range(len(replica.stages) - 1):
-                ranks = sorted({*replica.stages[s].ranks, *replica.stages[s + 1].ranks})
+            p = len(replica.stages)
+            # interleaving adds the last stage -> stage 0 boundary, keyed (replica, p - 1)
+            for s in range(p if self.plan.virtual_pipeline_size > 1 and p > 1 else p - 1):
+                ranks = sorted({*replica.stages[s].ranks, *replica.stages[(s + 1) % p].ranks})
                 if not self.plan_placement.spans_libraries(ranks):
                     continue
                 group = new_bridge_group(ranks, self.plan_placement, accelerator=self.accelerator,
@@ -216,14 +242,26 @@ class PipelineStrategy:
         return self.main.main if self.main is not None else self.params
 
     def _build_model(self):
-        gpt = build_gpt_stage(self.stage, self.config, self.pgc, device=self.device)
-        # Megatron's Float16Module: converts the stage to bf16/fp16 in place; runs it in that precision
-        self.module = wrap_float16(self.config, gpt) if self.train.precision != "fp32" else gpt
-        if self.stage_plan.tp_comm_overlap:
-            from megatron_het.comm.overlap_megatron import apply_tp_comm_overlap
+        """Every model chunk (``self.gpts``, wrapped: ``self.modules``); returns chunk 0 (``self.gpt``)."""
+        self.gpts, self.modules = [], []
+        v = self.num_chunks
+        for c, (first, stop) in enumerate(self.chunk_ranges):
+            spec = self.stage if v == 1 else dataclasses.replace(
+                self.stage, num_layers=stop - first, layer_offset=first, pre_process=self.is_first and c == 0,
+                post_process=self.is_last and c == v - 1)
+            config = self.config if v == 1 else transformer_config(spec, cpu_initialization=not self.accelerator.is_gpu)
+            gpt = build_gpt_stage(spec, config, self.pgc, device=self.device)
+            # Megatron's Float16Module: converts the stage to bf16/fp16 in place; runs it in that precision
+            module = wrap_float16(config, gpt) if self.train.precision != "fp32" else gpt
+            if self.stage_plan.tp_comm_overlap:
+                from megatron_het.comm.overlap_megatron import apply_tp_comm_overlap
 
-            self.overlap_report = apply_tp_comm_overlap(gpt, chunks=self.train.tp_comm_overlap_chunks)
-        return gpt
+                self.overlap_report = apply_tp_comm_overlap(gpt, chunks=self.train.tp_comm_overlap_chunks)
+            install_split_linears(gpt, self.wgrad_store)  # used only while the schedule splits B and W
+            self.gpts.append(gpt)
+            self.modules.append(module)
+        self.module = self.modules[0]
+        return self.gpts[0]
 
     def _distributed_optimizer(self):
         """fp32 main values and Adam moments sharded over every parameter's holders, in proportion to
@@ -248,7 +286,8 @@ class PipelineStrategy:
         return DistributedOptimizer(
             self.holdings(), self.params, train=train, device=self.device, owned=owned_norm_holdings,
             main_grads=self.main.grads if self.main is not None else None, weights=weights,
-            overlap_param_gather_in=self.gpt if train.overlap_param_gather else None,
+            # every model chunk's sub-modules finish their gathers (interleaved: several chunks)
+            overlap_param_gather_in=torch.nn.ModuleList(self.gpts) if train.overlap_param_gather else None,
             new_group=lambda ranks: new_reduction_group(ranks, self.placement, accelerator=self.accelerator,
                                                         timeout=train.group_timeout))
 
@@ -265,21 +304,23 @@ class PipelineStrategy:
             lr=train.lr, betas=(train.adam_beta1, train.adam_beta2), eps=train.adam_eps)
 
     def _executor(self, actions: Sequence[Action], links: Mapping[int, BoundaryLink], *,
-                  split_backward: bool) -> ActionExecutor:
+                  split_backward: bool, chunk_links: Mapping[int, BoundaryLink] | None = None) -> ActionExecutor:
         mbs, seq, h = self.train.micro_batch_size, self.model_spec.seq_length, self.model_spec.hidden_size
         return ActionExecutor(actions=actions, links=links, is_first=self.is_first, is_last=self.is_last,
                               act_shape=(seq, mbs, h), dtype=self.config.params_dtype, micro_batch_size=mbs,
                               loss_scale=self.total_micro_batches, split_backward=split_backward,
-                              arm=getattr(self.sync, "arm", None), device=self.device)
+                              arm=getattr(self.sync, "arm", None), device=self.device, store=self.wgrad_store,
+                              num_chunks=self.num_chunks, chunk_links=chunk_links)
 
     def named_global_params(self) -> dict[str, torch.nn.Parameter]:
         """This stage's parameters by global name (the last stage's tied output is the word embedding)."""
         out = {}
-        for name, p in self.gpt.named_parameters():
-            g = global_name(name, self.role.layers[0])
-            if self.tied and g == TIED_OUTPUT:
-                g = WORD_EMBEDDING  # the last stage's copy of the tied word embedding
-            out[g] = p
+        for gpt, (first, _) in zip(self.gpts, self.chunk_ranges):
+            for name, p in gpt.named_parameters():
+                g = global_name(name, first)
+                if self.tied and g == TIED_OUTPUT:
+                    g = WORD_EMBEDDING  # the last stage's copy of the tied word embedding
+                out[g] = p
         return out
 
     def _gradient_synchronizer(self) -> GradientSynchronizer:
@@ -363,19 +404,20 @@ class PipelineStrategy:
         report = loss_sum.reshape(1) if mine else torch.zeros(1, dtype=loss_sum.dtype, device=self.device)
         return all_reduce_world(report)
 
-    def _forward(self, tokens: torch.Tensor | None, inp: torch.Tensor | None) -> torch.Tensor:
+    def _forward(self, chunk: int, tokens: torch.Tensor | None, inp: torch.Tensor | None) -> torch.Tensor:
+        module, gpt = self.modules[chunk], self.gpts[chunk]
+        is_first, is_last = self.is_first and chunk == 0, self.is_last and chunk == self.num_chunks - 1
         if inp is not None:
-            self.module.set_input_tensor(inp)
+            module.set_input_tensor(inp)
         inputs = labels = position_ids = None
         if tokens is not None:
             inputs, labels, position_ids, _ = split_tokens(tokens, self.device)
         if position_ids is None:
             mbs, seq = self.train.micro_batch_size, self.model_spec.seq_length
             position_ids = torch.arange(seq, device=self.device).unsqueeze(0).expand(mbs, seq)
-        kwargs = {"fp32_output": self.is_last} if self.module is not self.gpt else {}
-        out = self.module(inputs if self.is_first else None, position_ids, None,
-                          labels=labels if self.is_last else None, **kwargs)
-        if self.is_last:
+        kwargs = {"fp32_output": is_last} if module is not gpt else {}
+        out = module(inputs if is_first else None, position_ids, None, labels=labels if is_last else None, **kwargs)
+        if is_last:
             # out: per-token losses [b, s]; this micro-batch's share of the global-batch mean.
             return out.float().mean() / self.total_micro_batches
         return out
@@ -400,11 +442,12 @@ class PipelineStrategy:
         construction (overlapped buckets, collective-library placement) over the new ranks; from
         then on ``actions`` (global micro-batches, each sent through ``links[g]``) run each iteration.
         """
-        state = self.gpt.state_dict()
+        states = [gpt.state_dict() for gpt in self.gpts]
         opt_state = self.optimizer.state_dict()
         self.pgc = pgc
         self.gpt = self._build_model()
-        self.gpt.load_state_dict(state)
+        for gpt, state in zip(self.gpts, states):
+            gpt.load_state_dict(state)
         self.role = dataclasses.replace(self.role, rank=ranks[self.plan_rank])
         old = self.plan_placement
         self.placement = RankPlacement(island={ranks[r]: i for r, i in old.island.items() if r in ranks},
@@ -481,8 +524,11 @@ class PipelineStrategy:
     def shards(self) -> dict[str, Shard]:
         if hasattr(self.sync, "finish_param_gather"):  # --overlap-param-gather: the last step's gathers
             self.sync.finish_param_gather()
-        return local_shards(self.gpt, layer_offset=self.role.layers[0], tp_rank=self.role.tp_rank,
-                            tp_size=self.role.tp_size, tied=self.tied, gated=self.model_spec.swiglu)
+        out: dict[str, Shard] = {}
+        for gpt, (first, _) in zip(self.gpts, self.chunk_ranges):
+            out.update(local_shards(gpt, layer_offset=first, tp_rank=self.role.tp_rank, tp_size=self.role.tp_size,
+                                    tied=self.tied, gated=self.model_spec.swiglu))
+        return out
 
     def summary_lines(self, logs: Sequence[IterationLog]) -> list[str]:
         """Every rank's compute/idle, gathered; rank 0 gets one line per stage (mean over its ranks)."""

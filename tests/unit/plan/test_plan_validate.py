@@ -5,7 +5,16 @@ from dataclasses import replace
 import pytest
 
 from megatron_het.cluster import cluster_from_dict, load_cluster, load_model, model_from_dict
-from megatron_het.plan import Plan, PlanError, ReplicaPlan, StagePlan, homogeneous_plan, validate_plan
+from megatron_het.plan import (
+    Plan,
+    PlanError,
+    ReplicaPlan,
+    StagePlan,
+    chunk_layers,
+    homogeneous_plan,
+    uneven_chunk_layers,
+    validate_plan,
+)
 
 CLUSTER = "examples/clusters/cpu-demo.yaml"
 MODEL = "examples/models/tiny-cpu.yaml"
@@ -123,6 +132,41 @@ def test_schedule_name_and_virtual_pipeline():
     odd = homogeneous_plan(tp=1, pp=2, dp=1, num_layers=4, micro_batch_size=1, global_batch_size=3)
     assert "needs a multiple of the replica's 2 stages" in _err(replace(odd, schedule="interleaved", virtual_pipeline_size=2))
 
+
+
+def test_runtime_refuses_what_it_does_not_implement_naming_it():
+    """#16: a schedule / virtual size the runtime cannot run is refused by validation, never run as another."""
+    ok = homogeneous_plan(tp=1, pp=2, dp=1, num_layers=4, micro_batch_size=1, global_batch_size=4)
+    for name in ("1f1b", "gpipe", "zb-h1"):
+        msg = _err(replace(ok, schedule=name, virtual_pipeline_size=2))
+        assert f"virtual_pipeline_size: schedule '{name}' runs 1 model chunk per stage, not 2" in msg
+    one = homogeneous_plan(tp=1, pp=1, dp=1, num_layers=4, micro_batch_size=1, global_batch_size=4)
+    msg = _err(replace(one, schedule="interleaved", virtual_pipeline_size=2))
+    assert "replicas[0].stages: the runtime runs interleaved (virtual_pipeline_size=2) only with >= 2 stages" in msg
+
+
+def _chunked(chunks0, chunks1, layers0=(0, 4), layers1=(4, 6)):
+    stages = (replace(_stage([0], list(layers0)), layers=tuple(layers0), chunk_layers=tuple(chunks0)),
+              replace(_stage([1], list(layers1)), layers=tuple(layers1), chunk_layers=tuple(chunks1)))
+    return Plan(replicas=(ReplicaPlan(stages=stages, num_micro_batches=2),), micro_batch_size=1,
+                global_batch_size=2, schedule="interleaved", virtual_pipeline_size=2)
+
+
+def test_uneven_chunk_layers_in_virtual_stage_order():
+    model = replace(_model(), num_layers=6)
+    good = _chunked([(0, 2), (3, 5)], [(2, 3), (5, 6)])
+    validate_plan(good, model)
+    assert chunk_layers(good.replicas[0], 2) == (((0, 2), (3, 5)), ((2, 3), (5, 6)))
+    assert uneven_chunk_layers([[2, 2], [1, 1]]) == (((0, 2), (3, 5)), ((2, 3), (5, 6)))
+    assert Plan.from_dict(good.to_dict()) == good  # JSON round trip keeps the chunks
+    msg = _err(_chunked([(0, 2), (2, 4)], [(4, 5), (5, 6)]), model=model)
+    assert "replicas[0].stages[1].chunk_layers[0]: virtual stage 1 (chunk 0 of stage 1) must start at layer 2" in msg
+    msg = _err(_chunked([(0, 2), (3, 5)], [(2, 3)]), model=model)
+    assert "1 chunks listed, virtual_pipeline_size is 2" in msg
+    msg = _err(_chunked([(0, 2), (3, 5)], [(2, 3), (5, 6)], layers0=(0, 3), layers1=(3, 6)), model=model)
+    assert "the chunks hold 4 layers, the stage's layers [0, 3] say 3" in msg
+    msg = _err(replace(good, schedule="1f1b", virtual_pipeline_size=1), model=model)
+    assert "chunk_layers: model chunks need schedule 'interleaved', the plan has '1f1b'" in msg
 
 def test_cluster_island_device_and_capacity():
     cluster = load_cluster(CLUSTER)

@@ -1,0 +1,258 @@
+"""Pipeline schedules side by side: 1F1B, interleaved (v=2) and ZB-H1, measured against the model's prediction (#16).
+
+A CPU-emulated cluster of 4 pipeline stages (one rank each): three on island ``fast`` and the last on
+island ``slow``, emulated 2x slower than ``fast``. Four ranks share this 2-core machine, so both
+islands are emulated *slower than the host* (fast 3x, slow 6x) and the emulation clock is each
+rank's thread CPU time (EmulationTimer ``clock=time.thread_time``): a rank's compute lasts its own
+CPU time x its island's factor whatever the other processes do, and the waiting uses no core.
+Layers follow the speeds (4/4/4/2 of 14; interleaved: chunks of 2/2/2/1 layers, the plan's uneven
+chunk_layers); m = 8 micro-batches of 2.
+
+Predicted: the planner's performance model (megatron_het.perf.predict) with a profile of this host
+measured by tools/profile_host.py just before the runs (one thread; layers, parts, AdamW step) and
+the cluster's factors; the same schedule action lists the runtime executes. Measured: one 4-process
+spawn runs the three plans one after another per round (rounds alternate the order), median over
+the iterations after warm-up of the slowest rank's iteration time. Bubble: mean over ranks of the
+share of the iteration not spent in forward/backward (predicted the same way from the simulation).
+B/W split overhead: one process, one 4-layer stage of the same model, the executor's F + fused B
+against F + B + W (thread CPU time, alternated pairs, median ratio); ZB-H1's against 1F1B's per-rank
+compute in the pipeline runs is reported beside it (noisier: other processes share the cores).
+
+Targets: |measured/predicted - 1| <= 15% per schedule; measured bubble ranking == predicted;
+split overhead <= 5%.
+
+    python bench/schedules.py [--iters 6] [--rounds 2]      # ~3 min on a quiet 2-core machine
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+from bench_record import machine, perf_commit, write_result  # noqa: E402
+
+from megatron_het.cluster import ModelSpec, cluster_from_dict  # noqa: E402
+from megatron_het.perf.profile import load_profile  # noqa: E402
+from megatron_het.plan import Plan, ReplicaPlan, StagePlan, uneven_chunk_layers  # noqa: E402
+from megatron_het.platform.local_launch import run_local  # noqa: E402
+
+MODEL = ModelSpec(num_layers=14, hidden_size=256, num_attention_heads=8, seq_length=64, vocab_size=1000)
+MICRO_BATCH, MICRO_BATCHES, WARMUP = 2, 8, 2
+FAST, SLOW = 4.0, 8.0  # emulated slowdown of the islands relative to this host's core (slow = 2x fast)
+CLUSTER = {
+    "islands": [{"name": "fast", "device": "CPU", "nodes": 1, "gpus_per_node": 3},
+                {"name": "slow", "device": "CPU", "nodes": 1, "gpus_per_node": 1}],
+    "links": [{"between": ["fast", "slow"], "bandwidth_gbps": 10, "latency_us": 50}],
+    "emulation": {"fast": {"slowdown": FAST}, "slow": {"slowdown": SLOW}},
+}
+SCHEDULES = ("1f1b", "interleaved", "zb-h1")
+PROFILE = os.path.join(ROOT, "bench", "results", "schedules_profile.json")
+
+
+def plans() -> dict[str, Plan]:
+    """The same 4-stage layout under each schedule (interleaved: 2 chunks per stage, uneven like the stages)."""
+    islands = ("fast", "fast", "fast", "slow")
+    layers = ((0, 4), (4, 8), (8, 12), (12, 14))
+    chunks = uneven_chunk_layers([[2, 2], [2, 2], [2, 2], [1, 1]])
+
+    def plan(schedule: str) -> Plan:
+        v = 2 if schedule == "interleaved" else 1
+        stages = tuple(StagePlan(island=islands[s], device_type="CPU", ranks=(s,), layers=layers[s],
+                                 chunk_layers=chunks[s] if v > 1 else ()) for s in range(4))
+        return Plan(replicas=(ReplicaPlan(stages=stages, num_micro_batches=MICRO_BATCHES),),
+                    micro_batch_size=MICRO_BATCH, global_batch_size=MICRO_BATCH * MICRO_BATCHES,
+                    schedule=schedule, virtual_pipeline_size=v, precision="fp32")
+
+    return {s: plan(s) for s in SCHEDULES}
+
+
+def _rank(rank, world_size, order, iters):
+    """Every plan in ``order`` on this rank: per plan, per iteration after warm-up, (elapsed, compute) s."""
+    import torch
+
+    from megatron_het.data.synthetic import synthetic_batch
+    from megatron_het.platform import enable_cpu_backend
+    from megatron_het.runtime.hetero_trainer import HeteroTrainer
+    from megatron_het.train.config import TrainConfig
+
+    torch.set_num_threads(1)
+    enable_cpu_backend()
+    cluster = cluster_from_dict(CLUSTER)
+    train = TrainConfig(micro_batch_size=MICRO_BATCH, global_batch_size=MICRO_BATCH * MICRO_BATCHES,
+                        train_iters=iters, lr=1e-4, log_interval=iters)
+
+    def batch_fn(iteration, indices):
+        return synthetic_batch(seed=1, iteration=iteration, indices=indices, seq_length=MODEL.seq_length,
+                               vocab_size=MODEL.vocab_size)
+
+    out = {}
+    table = plans()
+    for name in order:
+        trainer = HeteroTrainer(model=MODEL, plan=table[name], train=train, batch_fn=batch_fn, cluster=cluster,
+                                clock=time.thread_time)
+        res = trainer.run(iters)
+        out[name] = [(log.elapsed_s, log.compute_s) for log in res.iterations[WARMUP:]]
+    return out
+
+
+def _split_overhead(rank, world_size, reps):
+    """One 4-layer stage (a fast stage of the plans), one process: thread CPU time of an iteration's F + fused B
+    against F + B + W through the same executor, alternated ``reps`` times."""
+    from dataclasses import replace
+
+    import torch
+
+    from megatron_het.data.synthetic import synthetic_batch
+    from megatron_het.platform import enable_cpu_backend
+    from megatron_het.runtime.executor import ActionExecutor
+    from megatron_het.runtime.hetero_trainer import PipelineStrategy
+    from megatron_het.runtime.megatron_trainer import split_tokens
+    from megatron_het.schedule import Action
+    from megatron_het.train.config import TrainConfig
+    from megatron_het.train.timer import EmulationTimer
+
+    torch.set_num_threads(1)
+    enable_cpu_backend()
+    model = replace(MODEL, num_layers=4)
+    m = 4
+    stage = StagePlan(island="fast", device_type="CPU", ranks=(0,), layers=(0, 4))
+    plan = Plan(replicas=(ReplicaPlan(stages=(stage,), num_micro_batches=m),), micro_batch_size=MICRO_BATCH,
+                global_batch_size=MICRO_BATCH * m, precision="fp32")
+    train = TrainConfig(micro_batch_size=MICRO_BATCH, global_batch_size=MICRO_BATCH * m, train_iters=1)
+
+    def batch_fn(iteration, indices):
+        return synthetic_batch(seed=1, iteration=iteration, indices=indices, seq_length=model.seq_length,
+                               vocab_size=model.vocab_size)
+
+    st = PipelineStrategy(model=model, plan=plan, train=train, batch_fn=batch_fn)
+    gpt = st.gpts[0]
+
+    def forward(chunk, tokens, inp):
+        inputs, labels, position_ids, _ = split_tokens(tokens, st.device)
+        return gpt(inputs, position_ids, None, labels=labels).float().mean() / m
+
+    def executor(kinds):
+        acts = [Action(kind=k, micro_batch=g) for g in range(m) for k in kinds]
+        return ActionExecutor(actions=acts, links=st.executor.links, is_first=True, is_last=True,
+                              act_shape=(model.seq_length, MICRO_BATCH, model.hidden_size), dtype=torch.float32,
+                              micro_batch_size=MICRO_BATCH, loss_scale=1.0, split_backward="W" in kinds,
+                              store=st.wgrad_store)
+
+    fused, split = executor("FB"), executor("FBW")
+    params = list(st.params.values())
+    times = {"fused": [], "split": []}
+    for i in range(reps + 1):
+        for name, ex in (("fused", fused), ("split", split)) if i % 2 else (("split", split), ("fused", fused)):
+            t0 = time.thread_time()
+            ex.run(iteration=i, batch_fn=batch_fn, forward=forward, params=params, timer=EmulationTimer())
+            if i:  # the first pair warms up
+                times[name].append(time.thread_time() - t0)
+            for p in params:
+                p.grad = None
+    return times
+
+
+def measure_profile(path: str) -> None:
+    """tools/profile_host.py: layers, embedding, output + loss and the AdamW step, one thread."""
+    cmd = [sys.executable, os.path.join(ROOT, "tools/profile_host.py"), "--num-layers", "2", "--hidden-size",
+           str(MODEL.hidden_size), "--num-attention-heads", str(MODEL.num_attention_heads), "--seq-length",
+           str(MODEL.seq_length), "--micro-batch-sizes", str(MICRO_BATCH), "--threads", "1", "--repeats", "7",
+           "--device", "CPU", "--vocab-size", str(MODEL.vocab_size), "--optimizer", "--output", path]
+    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
+
+
+def ranking(values: dict[str, float]) -> list[str]:
+    return sorted(values, key=values.get)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--iters", type=int, default=6, help=f"iterations per plan and round (first {WARMUP} warm-up)")
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--split-reps", type=int, default=20, help="fused/split iteration pairs of the overhead measurement")
+    args = ap.parse_args()
+    from megatron_het.perf import predict
+
+    load_before = os.getloadavg()
+    measure_profile(PROFILE)  # kept beside the results: the predictions can be recomputed from it
+    profile = load_profile(PROFILE)
+    table = plans()
+    cluster = cluster_from_dict(CLUSTER)
+    for plan in table.values():
+        plan.validate(MODEL, cluster)
+    predictions = {n: predict(p, MODEL, cluster, profile=profile) for n, p in table.items()}
+
+    per_rank: dict[str, list[list[tuple[float, float]]]] = {n: [[] for _ in range(4)] for n in table}
+    for r in range(args.rounds):
+        order = list(SCHEDULES) if r % 2 == 0 else list(reversed(SCHEDULES))
+        for rank, got in enumerate(run_local(4, _rank, (order, args.iters), timeout_s=3600)):
+            for name, rows in got.items():
+                per_rank[name][rank].extend(rows)
+    load_after = os.getloadavg()
+    pairs = run_local(1, _split_overhead, (args.split_reps,), timeout_s=1800)[0]
+    split_ratios = [b / a for a, b in zip(pairs["fused"], pairs["split"])]
+    split_overhead = statistics.median(split_ratios) - 1
+
+    measured, bubble, compute, predicted, pred_bubble = {}, {}, {}, {}, {}
+    for name in table:
+        rows = list(zip(*per_rank[name]))  # per iteration: one (elapsed, compute) per rank
+        measured[name] = statistics.median(max(e for e, _ in it) for it in rows)
+        bubble[name] = statistics.median(statistics.mean(1 - c / max(e for e, _ in it) for _, c in it) for it in rows)
+        compute[name] = [statistics.median(c for _, c in per_rank[name][k]) for k in range(4)]
+        pred = predictions[name]
+        predicted[name] = pred.iteration_time_s
+        stages = pred.replicas[0].stages
+        pred_bubble[name] = statistics.mean(1 - s.compute_s / pred.iteration_time_s for s in stages)
+    ratio = {n: measured[n] / predicted[n] for n in table}
+    overhead = [compute["zb-h1"][k] / compute["1f1b"][k] - 1 for k in range(4)]
+    ok_ratio = all(abs(r - 1) <= 0.15 for r in ratio.values())
+    ok_rank = ranking(bubble) == ranking(pred_bubble)
+
+    print(f"{'schedule':12s} {'predicted s':>11s} {'measured s':>10s} {'meas/pred':>9s} {'bubble pred':>11s} "
+          f"{'bubble meas':>11s}")
+    for n in table:
+        print(f"{n:12s} {predicted[n]:11.3f} {measured[n]:10.3f} {ratio[n]:9.3f} {pred_bubble[n]:11.1%} "
+              f"{bubble[n]:11.1%}")
+    print(f"bubble ranking (least first): predicted {ranking(pred_bubble)}, measured {ranking(bubble)} "
+          f"({'equal' if ok_rank else 'DIFFERENT'})")
+    print(f"B/W split overhead, one 4-layer stage, F+B+W vs F+fused B thread CPU time (median of {len(split_ratios)} "
+          f"alternated pairs): {100 * split_overhead:+.1f}% (target <= 5%); in the pipeline runs, ZB-H1 vs 1F1B "
+          "forward+backward per rank: " + ", ".join(f"{100 * o:+.1f}%" for o in overhead))
+    print(f"measured/predicted within 15%: {'yes' if ok_ratio else 'NO'}; load average before {load_before[0]:.1f}, "
+          f"after {load_after[0]:.1f}")
+    write_result("schedules.json", {
+        "figures": {"predicted_iteration_s": predicted, "measured_iteration_s": measured,
+                    "measured_over_predicted": ratio, "predicted_bubble": pred_bubble, "measured_bubble": bubble,
+                    "predicted_bubble_ranking": ranking(pred_bubble), "measured_bubble_ranking": ranking(bubble),
+                    "split_overhead": split_overhead, "split_overhead_pair_ratios": split_ratios,
+                    "split_fused_s": pairs["fused"], "split_split_s": pairs["split"],
+                    "pipeline_zbh1_over_1f1b_compute_per_rank": overhead,
+                    "compute_s_per_rank": compute,
+                    "predicted_compute_s_per_stage": {n: [st.compute_s for st in predictions[n].replicas[0].stages]
+                                                      for n in table}},
+        "targets": {"measured_over_predicted": "within 1 +- 0.15 for each schedule",
+                    "bubble_ranking": "measured == predicted", "split_overhead": "<= 0.05"},
+        "met": {"measured_over_predicted": ok_ratio, "bubble_ranking": ok_rank,
+                "split_overhead": split_overhead <= 0.05},
+        "command": "python bench/schedules.py " + " ".join(sys.argv[1:]),
+        "setup": {"model": {k: v for k, v in MODEL.__dict__.items() if v is not None}, "cluster": CLUSTER,
+                  "micro_batch_size": MICRO_BATCH, "micro_batches": MICRO_BATCHES, "iters": args.iters,
+                  "warmup": WARMUP, "rounds": args.rounds, "plans": {n: p.to_dict() for n, p in table.items()},
+                  "emulation_clock": "time.thread_time", "threads_per_rank": 1,
+                  "profile": os.path.relpath(PROFILE, ROOT)},
+        "perf_commit": perf_commit(),
+        "machine": machine(), "load_average_before": load_before, "load_average_after": load_after,
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+    })
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,55 @@
+"""``predict --trace`` draws the schedule the runtime runs, timed by the model (#16 item 4)."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+from megatron_het.cli.predict import main
+from megatron_het.cluster import load_cluster, load_model
+from megatron_het.perf.predict import predict, replica_trace
+from megatron_het.plan import Plan, uneven_chunk_layers
+from megatron_het.schedule import build_schedule
+
+CLUSTER, MODEL, PLAN = "examples/clusters/cpu-demo.yaml", "examples/models/tiny-cpu.yaml", "examples/plans/cpu-demo-hetero.json"
+
+
+def _interleaved(tmp_path):
+    base = Plan.load(PLAN)  # its two stages on a 6-layer model: 4 and 2 layers, chunks 2+2 and 1+1
+    model = replace(load_model(MODEL), num_layers=6)
+    chunks = uneven_chunk_layers([[2, 2], [1, 1]])
+    r = base.replicas[0]
+    stages = (replace(r.stages[0], layers=(0, 4), chunk_layers=chunks[0]),
+              replace(r.stages[1], layers=(4, 6), chunk_layers=chunks[1]))
+    plan = replace(base, schedule="interleaved", virtual_pipeline_size=2, replicas=(replace(r, stages=stages),))
+    return plan, model
+
+
+@pytest.mark.parametrize("schedule", ["interleaved", "zb-h1"])
+def test_trace_is_the_runtime_schedule_and_prices_like_the_prediction(tmp_path, schedule):
+    plan, model = _interleaved(tmp_path)
+    if schedule == "zb-h1":
+        plan = replace(plan, schedule="zb-h1", virtual_pipeline_size=1,
+                       replicas=tuple(replace(r, stages=tuple(replace(s, chunk_layers=()) for s in r.stages))
+                                      for r in plan.replicas))
+    cluster = load_cluster(CLUSTER)
+    pred = predict(plan, model, cluster)
+    sim = replica_trace(plan, 0, model, cluster, pred)
+    r = plan.replicas[0]
+    # the runtime executes build_schedule(plan.schedule, p, m, v) (runtime/hetero_trainer.py): the same lists
+    assert sim.schedule.actions == build_schedule(schedule, len(r.stages), r.num_micro_batches,
+                                                  plan.virtual_pipeline_size).actions
+    assert sim.iteration_time == pytest.approx(pred.replicas[0].pipeline_time_s, rel=1e-9)
+
+
+def test_cli_trace_prints_a_grid_with_chunks(tmp_path, capsys):
+    plan, model = _interleaved(tmp_path)
+    plan.save(tmp_path / "plan.json")
+    (tmp_path / "model.yaml").write_text(open(MODEL).read().replace("num_layers: 4", "num_layers: 6"))
+    assert main(["--cluster", CLUSTER, "--model", str(tmp_path / "model.yaml"), "--plan", str(tmp_path / "plan.json"),
+                 "--trace"]) == 0
+    out = capsys.readouterr().out
+    assert "replica 0: schedule interleaved, 2 chunks per stage, 8 micro-batches" in out
+    grid = [line for line in out.splitlines() if line.startswith("stage ")]
+    assert len(grid) == 2 and "F0.1" in grid[0] and "B7.1" in grid[1]
