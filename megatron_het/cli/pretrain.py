@@ -110,16 +110,24 @@ def main(argv: list[str] | None = None) -> int:
     owned = not dist.is_initialized()  # run_local (tests) sets the group up itself
     if owned:
         acc.set_device()  # before any group: NCCL binds its communicators to the current device
-        dist.init_process_group(acc.world_backend,
-                                timeout=datetime.timedelta(minutes=args.train.distributed_timeout_minutes))
+        minutes = (args.resilience.failure_timeout_s / 60 if args.resilience is not None
+                   else args.train.distributed_timeout_minutes)  # resilience: a dead peer fails calls that soon
+        dist.init_process_group(acc.world_backend, timeout=datetime.timedelta(minutes=minutes))
     try:
         run(args, acc, plan=plan)
         return 0
     except UserError as e:
         print(f"[rank {dist.get_rank()}] pretrain_gpt.py: error: {e}", file=sys.stderr, flush=True)
         return 2
+    except Exception as e:
+        from megatron_het.resilience.recovery import RankRetired
+
+        if not isinstance(e, RankRetired):
+            raise
+        print(f"pretrain_gpt.py: {e} (--hetero-resilience: the others continue)", file=sys.stderr, flush=True)
+        return 0
     finally:
-        if owned:
+        if owned and dist.is_initialized():  # a retired rank has left every group already
             dist.destroy_process_group()
 
 
@@ -157,12 +165,17 @@ def run(args: PretrainArgs, acc, *, plan: AnyPlan | None = None,
         print_rank0("note: plan.use_distributed_optimizer is used by the memory prediction; this runtime keeps "
                     "full optimizer state on every holder of a parameter")
     emulate = announce_emulation(cluster, no_emulation=args.no_emulation)
+    print_rank0(args.resilience.describe() if args.resilience is not None else "resilience: off (a failed rank ends "
+                "the run; --hetero-resilience survives it in-process)")
+    if args.resilience is not None and sharded:
+        raise ConfigError("in-process fault tolerance re-routes pipeline stages; a sharded plan has none",
+                          field="--hetero-resilience", value=args.plan_source, fix="use a pipeline plan or drop the flag")
     print_rank0(communication_line(plan, cluster))
     if sharded and args.tensorboard is not None:
         print_rank0("note: --tensorboard-dir is not written for sharded plans yet (log lines only)")
     batch_fn, valid_fn = batch_fns(args)
     load_path, padded_vocab = checkpoint_to_load(args)
-    tensorboard = None
+    tensorboard = resilience = None
     try:
         if sharded:
             from megatron_het.sharding.trainer import ShardedTrainer
@@ -179,9 +192,19 @@ def run(args: PretrainArgs, acc, *, plan: AnyPlan | None = None,
                                                global_batch_size=args.train.global_batch_size,
                                                seq_length=args.model.seq_length, writer_rank=0)
                 print_rank0(f"tensorboard: rank 0 writes to {args.tensorboard.log_dir}")
-            trainer = HeteroTrainer(model=args.model, plan=plan, train=args.train, batch_fn=batch_fn,
+            train = args.train
+            hooks = tensorboard
+            if args.resilience is not None:
+                from megatron_het.resilience.worker import pretrain_hooks
+                from megatron_het.train.trainer import ChainedHooks
+
+                train, resilience = pretrain_hooks(args.resilience, model=args.model, plan=plan, train=train,
+                                                   batch_fn=batch_fn, padded_vocab=padded_vocab,
+                                                   checkpoint_dir=args.loop.save)
+                hooks = resilience if tensorboard is None else ChainedHooks(tensorboard, resilience)
+            trainer = HeteroTrainer(model=args.model, plan=plan, train=train, batch_fn=batch_fn,
                                     cluster=cluster, padded_vocab=padded_vocab,
-                                    slowdown=None if emulate else 1.0, hooks=tensorboard, accelerator=acc)
+                                    slowdown=None if emulate else 1.0, hooks=hooks, accelerator=acc)
         if load_path:
             start = trainer.load_checkpoint(load_path)
             print_rank0(f"loaded checkpoint {load_path} (iteration {start}, written under another plan is fine)")
@@ -191,6 +214,8 @@ def run(args: PretrainArgs, acc, *, plan: AnyPlan | None = None,
     finally:  # the event file is complete even when training fails
         if tensorboard is not None:
             tensorboard.close()
+        if resilience is not None:
+            resilience.close()
 
 
 def communication_line(plan: AnyPlan, cluster) -> str:

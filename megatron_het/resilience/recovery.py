@@ -27,7 +27,7 @@ import torch.distributed as dist
 from megatron_het.plan import Plan, ReplicaPlan
 from megatron_het.platform import detect_accelerator
 from megatron_het.resilience.agreement import Heartbeat, StoreAddress, agree_on_failures
-from megatron_het.resilience.policy import PolicyConfig, decide
+from megatron_het.resilience.policy import Decision, PolicyConfig, decide
 from megatron_het.resilience.routed_schedule import routed_schedule
 from megatron_het.resilience.routing import InstanceKey, Routing, describe, reroute
 from megatron_het.runtime.boundary import BoundaryLink, Neighbour
@@ -49,8 +49,11 @@ class ResilienceConfig:
     split_backward: bool = True  # routed schedule with separate B/W actions (zero-bubble style)
     policy: PolicyConfig = PolicyConfig()  # re-route vs re-plan
     checkpoint_dir: str | None = None  # where a re-plan writes the survivors' state (None: no re-plan)
+    mode: str = "auto"  # auto: the policy decides; reroute: re-route whenever possible; replan: always re-plan
 
     def __post_init__(self) -> None:
+        if self.mode not in ("auto", "reroute", "replan"):
+            raise ValueError(f"mode: {self.mode!r} is not auto, reroute or replan. Fix: pick one of the three")
         if not 0 < self.heartbeat_interval_s < self.heartbeat_timeout_s <= self.agreement_timeout_s:
             raise ValueError(
                 f"heartbeat_interval_s/heartbeat_timeout_s/agreement_timeout_s: need 0 < interval < timeout <= "
@@ -145,6 +148,17 @@ def rebind(strategy: PipelineStrategy, routing: Routing, rank: int, *, split_bac
                     links=links, split_backward=split_backward)
 
 
+def forced(decision: Decision, mode: str) -> Decision:
+    """``decision`` under ``ResilienceConfig.mode``: reroute keeps re-routing while it is possible,
+    replan always re-plans; auto keeps the simulator's choice."""
+    if mode == "reroute" and decision.action == "replan" and decision.reroute_fraction > 0:
+        return dataclasses.replace(decision, action="reroute", reason=decision.reason + " (policy reroute: "
+                                   "re-routing anyway)")
+    if mode == "replan" and decision.action == "reroute":
+        return dataclasses.replace(decision, action="replan", reason=decision.reason + " (policy replan)")
+    return decision
+
+
 def _groups() -> list:
     from torch.distributed import distributed_c10d as c10d
 
@@ -172,10 +186,11 @@ class ResilienceHooks(TrainerHooks):
     """Detect, agree, re-route or re-plan, continue. One object per rank, on the trainer of a pipeline plan."""
 
     def __init__(self, *, config: ResilienceConfig, rank: int, plan: Plan, fault: FaultSpec | None = None,
-                 rebuild: Rebuild | None = None, replan: Replan | None = None) -> None:
+                 rebuild: Rebuild | None = None, replan: Replan | None = None, report_dir: str | None = None) -> None:
         """``rank``: this rank in ``plan``; ``rebuild`` and ``replan`` make a re-plan possible (with
-        ``config.checkpoint_dir``): without them a re-plan decision ends the run."""
-        self.config, self.fault = config, fault
+        ``config.checkpoint_dir``): without them a re-plan decision ends the run. ``report_dir``:
+        ``close`` writes ``rank{rank}.json`` there (failures survived, samples read per iteration)."""
+        self.config, self.fault, self.report_dir = config, fault, report_dir
         self.rebuild, self.replan = rebuild, replan
         self.original_rank = rank  # in the first plan (the report's rank)
         self.events: list[FailureEvent] = []
@@ -198,9 +213,12 @@ class ResilienceHooks(TrainerHooks):
         self.failed: frozenset[int] = frozenset()
         self.members: tuple[int, ...] = tuple(range(plan.world_size))  # ranks of ``plan`` in the current world
         self.generation = 0
+        self.windows: dict[int, tuple[int, int]] = {}  # global micro-batch -> local layers run (covers)
 
     # ---- hook points --------------------------------------------------------------------------
     def on_action(self, trainer: Trainer, iteration: int, index: int, action) -> None:
+        if self.windows:
+            trainer.strategy.layer_window = self.windows.get(action.micro_batch) if action.kind == "F" else None
         f = self.fault
         if f is not None and f.rank == self.rank and f.iteration == iteration and index >= f.after_actions:
             self.store.set(f"killed/{self.rank}", repr(time.time()))
@@ -232,7 +250,7 @@ class ResilienceHooks(TrainerHooks):
             raise RankRetired(f"rank {self.rank} was declared failed in generation {self.generation}") from error
         self.failed = self.failed | frozenset(agreement.failed)
         can_replan = self.config.checkpoint_dir is not None and self.rebuild is not None and self.replan is not None
-        decision = decide(self.plan, self.failed, config=self.config.policy)
+        decision = forced(decide(self.plan, self.failed, config=self.config.policy), self.config.mode)
         if decision.action == "replan" and not can_replan:
             if decision.reroute_fraction == 0.0:
                 raise RecoveryError(f"ranks {sorted(self.failed)} failed: {decision.reason}; in-process recovery "
@@ -248,6 +266,8 @@ class ResilienceHooks(TrainerHooks):
             raise RankRetired(f"rank {self.rank} retires: its TP group lost ranks {sorted(self.failed)}") from error
         if routing is not None:
             rebind(trainer.strategy, routing, self.rank, split_backward=self.config.split_backward)
+            # global micro-batches this rank runs on part of its layers (it covers part of a lost stage)
+            self.windows = routing.windows(routing.instance_of(self.rank).key)
         if decision.action == "replan":
             saved = None
             if routing is not None:  # every layer still has a holder: write the current state
@@ -304,6 +324,21 @@ class ResilienceHooks(TrainerHooks):
                                 rank=survivors.index(self.rank), world_size=len(survivors),
                                 timeout=datetime.timedelta(seconds=self.config.pg_timeout_s))
 
+    def report(self) -> dict:
+        """What this rank survived and read, as JSON-able data (the ``report_dir`` file)."""
+        return {"rank": self.original_rank, "events": [dataclasses.asdict(e) for e in self.events],
+                "replans": list(self.replans),
+                "embedded": {str(k): v for k, v in sorted(self.embedded.items())},
+                "scored": {str(k): v for k, v in sorted(self.scored.items())}}
+
     def close(self) -> None:
         if self.heartbeat is not None:
             self.heartbeat.stop()
+        if self.report_dir is not None:
+            import json
+            from pathlib import Path
+
+            from megatron_het.utils.atomic import write_text_atomic
+
+            Path(self.report_dir).mkdir(parents=True, exist_ok=True)
+            write_text_atomic(Path(self.report_dir) / f"rank{self.original_rank}.json", json.dumps(self.report()))

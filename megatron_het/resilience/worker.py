@@ -18,6 +18,7 @@ import torch.distributed as dist
 from megatron_het.cluster import ModelSpec
 from megatron_het.plan import Plan, ReplicaPlan
 from megatron_het.resilience.agreement import StoreAddress
+from megatron_het.resilience.options import ResilienceOptions
 from megatron_het.resilience.recovery import (
     FailureEvent,
     FaultSpec,
@@ -110,6 +111,33 @@ def resilient_train(*, rank: int, model: ModelSpec, plan: Plan, train: TrainConf
                       embedded={k: tuple(v) for k, v in hooks.embedded.items()},
                       scored={k: tuple(v) for k, v in hooks.scored.items()}, events=tuple(hooks.events),
                       replans=tuple(hooks.replans))
+
+
+def pretrain_hooks(options: ResilienceOptions, *, model: ModelSpec, plan: Plan, train: TrainConfig, batch_fn,
+                   padded_vocab: int | None, checkpoint_dir: str | None) -> tuple[TrainConfig, ResilienceHooks]:
+    """The hooks ``pretrain_gpt.py --hetero-resilience`` adds to its trainer (this rank = the default
+    group's rank, which must exist), and the training config with the failure timeout on every group.
+
+    A re-plan writes the survivors' state to ``checkpoint_dir`` (--save); without it the run keeps
+    re-routing while that is possible."""
+    from megatron_het.runtime.hetero_trainer import PipelineStrategy
+
+    train = dataclasses.replace(train, distributed_timeout_minutes=options.failure_timeout_s / 60)
+    config = ResilienceConfig(store=StoreAddress(host=options.store_host, port=options.store_port),
+                              heartbeat_interval_s=options.heartbeat_interval_s,
+                              heartbeat_timeout_s=options.failure_timeout_s, pg_timeout_s=options.failure_timeout_s,
+                              agreement_timeout_s=options.agreement_timeout_s, checkpoint_dir=checkpoint_dir,
+                              mode=options.policy)
+
+    def rebuild(new_plan: Plan) -> PipelineStrategy:
+        return PipelineStrategy(model=model, plan=new_plan, train=train, batch_fn=batch_fn, padded_vocab=padded_vocab)
+
+    rank = dist.get_rank()
+    f = options.fault
+    fault = FaultSpec(rank=f.rank, iteration=f.iteration, after_actions=f.after_actions) if f and f.rank == rank else None
+    hooks = ResilienceHooks(config=config, rank=rank, plan=plan, fault=fault, rebuild=rebuild,
+                            replan=homogeneous_replan, report_dir=options.report_dir)
+    return train, hooks
 
 
 def resilient_worker(rank: int, world_size: int, address: StoreAddress, model: ModelSpec, plan: Plan,

@@ -16,6 +16,7 @@ from pathlib import Path
 
 from megatron_het.cluster import ClusterSpec, ConfigError, ModelSpec, load_cluster, load_model
 from megatron_het.errors import UserError
+from megatron_het.resilience.options import FaultInjection, ResilienceOptions, parse_store
 from megatron_het.train.config import DataConfig, LoopConfig, TensorBoardConfig, TrainConfig
 
 
@@ -84,6 +85,18 @@ FLAGS = (
          "planner at start-up", required=True),
     Flag("--hetero-profile", "run.profile", help="measured profile (PROFILE.json) for --hetero-plan auto"),
     Flag("--no-emulation", "run.no_emulation", bool, "ignore the cluster file's emulation block"),
+    Flag("--hetero-resilience", "run.resilience", bool, "survive rank failures in-process: re-route a failed "
+         "rank's work to its data-parallel peers or re-plan over the survivors (off by default)"),
+    Flag("--hetero-resilience-store", "run.resilience_store", help="HOST:PORT of the resilience store, a process "
+         "outside the ranks (python -m megatron_het.cli.resilience_store; the launchers start it)"),
+    Flag("--hetero-heartbeat-interval", "run.heartbeat_interval", float, "seconds between heartbeats (default 0.5)"),
+    Flag("--hetero-failure-timeout", "run.failure_timeout", float, "seconds after which a silent or stuck peer "
+         "counts as failed (default 15)"),
+    Flag("--hetero-resilience-policy", "run.resilience_policy", help="auto (the simulator picks), reroute or replan "
+         "(replan writes to --save)"),
+    Flag("--hetero-resilience-report", "run.resilience_report", help="directory: each rank writes rank{R}.json "
+         "(failures survived, samples read per iteration)"),
+    Flag("--hetero-inject-fault", "run.inject_fault", help="testing: RANK:ITERATION[:ACTIONS] SIGKILLs that rank"),
 )
 CONFIGS = {"train": TrainConfig, "data": DataConfig, "loop": LoopConfig, "tensorboard": TensorBoardConfig}
 
@@ -122,6 +135,7 @@ class PretrainArgs:
     sequence_parallel: bool  # turn on the plan's sequence parallelism
     tp_comm_overlap: bool  # overlap TP communication on every stage with TP > 1
     tensorboard: TensorBoardConfig | None  # None: no --tensorboard-dir
+    resilience: ResilienceOptions | None = None  # None: no --hetero-resilience
 
 
 def _sections(ns: argparse.Namespace) -> dict[str, dict[str, object]]:
@@ -186,12 +200,13 @@ def parse_args(argv: list[str] | None = None) -> PretrainArgs:
         train = TrainConfig(**values["train"])
         loop = LoopConfig(**values["loop"])
         tensorboard = tensorboard_from_args(values["tensorboard"])
+        resilience = resilience_from_args(run)
     except ValueError as e:  # UserError included: the flag's value is wrong
         parser.error(str(e))
     return PretrainArgs(model=model, train=train, data=data_config, loop=loop, cluster=cluster,
                         plan_source=run["plan_source"], profile=run["profile"], no_emulation=bool(run["no_emulation"]),
                         sequence_parallel=bool(run["sequence_parallel"]), tp_comm_overlap=bool(run["tp_comm_overlap"]),
-                        tensorboard=tensorboard)
+                        tensorboard=tensorboard, resilience=resilience)
 
 
 def tensorboard_from_args(values: dict[str, object]) -> TensorBoardConfig | None:
@@ -203,3 +218,24 @@ def tensorboard_from_args(values: dict[str, object]) -> TensorBoardConfig | None
     config = TensorBoardConfig(**values)
     require_tensorboard()  # every rank parses: all fail together, before any process group exists
     return config
+
+
+def resilience_from_args(run: dict[str, object]) -> ResilienceOptions | None:
+    """The --hetero-resilience settings, or None when it is off (its knobs then must not be given)."""
+    knobs = ("resilience_store", "heartbeat_interval", "failure_timeout", "resilience_policy", "resilience_report",
+             "inject_fault")
+    if not run["resilience"]:
+        given = [f"--hetero-{k.replace('_', '-')}" for k in knobs if run[k] is not None]
+        if given:
+            raise ValueError(f"{given[0]}: needs --hetero-resilience. Fix: add --hetero-resilience or drop {given[0]}")
+        return None
+    if run["resilience_store"] is None:
+        raise ValueError("--hetero-resilience-store: missing. Fix: start `python -m megatron_het.cli.resilience_store "
+                         "--host HOST --port PORT` outside the ranks and pass HOST:PORT (pretrain_scripts/*.sh and "
+                         "tools/slurm.py do this when --hetero-resilience is given)")
+    host, port = parse_store(str(run["resilience_store"]))
+    optional = {"heartbeat_interval_s": run["heartbeat_interval"], "failure_timeout_s": run["failure_timeout"],
+                "policy": run["resilience_policy"], "report_dir": run["resilience_report"]}
+    fault = FaultInjection.parse(str(run["inject_fault"])) if run["inject_fault"] is not None else None
+    return ResilienceOptions(store_host=host, store_port=port, fault=fault,
+                             **{k: v for k, v in optional.items() if v is not None})
