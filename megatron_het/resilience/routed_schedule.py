@@ -55,10 +55,12 @@ def routed_schedule(routing: Routing, *, split_backward: bool = True, duration: 
     # per (instance, global micro-batch): (pipeline index, stage index)
     where: dict[tuple[InstanceKey, int], tuple[int, int]] = {}
     forwards: dict[InstanceKey, list[tuple[int, int]]] = {k: [] for k in keys}  # (g, pipeline) in order
+    share: dict[tuple[InstanceKey, int], float] = {}  # part of the instance's layers it runs for g (covers)
     for v, pipe in enumerate(routing.pipelines):
         for g in pipe.micro_batches:
             for s, hop in enumerate(pipe.hops):
                 where[(hop, g)] = (v, s)
+                share[(hop, g)] = routing.fraction(pipe, s)
                 forwards[hop].append((g, v))
     for k in keys:
         forwards[k].sort()
@@ -111,7 +113,7 @@ def routed_schedule(routing: Routing, *, split_backward: bool = True, duration: 
             raise ScheduleError(field="routing", value=stuck, problem="the routed schedule cannot make progress",
                                 fix="report this routing; every pipeline must be a chain of distinct instances")
         start, _, g, _, k, kind = best
-        dt = float(duration(k, kind, split_backward))
+        dt = float(duration(k, kind, split_backward)) * share[(k, g)]
         done[(k, kind, g)] = start + dt
         free[k] = start + dt
         busy[k] += dt

@@ -18,6 +18,7 @@ gradient buckets from gradient hooks during each stage's last backward (``runtim
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import math
@@ -60,6 +61,21 @@ from megatron_het.train.timer import EmulationTimer, emulation_timer
 from megatron_het.train.trainer import Trainer, TrainerHooks
 
 logger = logging.getLogger(__name__)
+
+
+@contextlib.contextmanager
+def only_layers(decoder, window: tuple[int, int] | None):
+    """Inside: megatron-core's TransformerBlock runs only its layers ``[first, stop)`` (local indices),
+    the others are skipped for this forward (and so have no gradient from it). None: all layers."""
+    if window is None:
+        yield
+        return
+    layers = decoder._modules["layers"]
+    decoder._modules["layers"] = torch.nn.ModuleList(list(layers)[window[0]:window[1]])
+    try:
+        yield
+    finally:
+        decoder._modules["layers"] = layers
 
 
 def plan_padded_vocab(model: ModelSpec, plan: Plan) -> int:
@@ -121,6 +137,7 @@ class PipelineStrategy:
         self.config = transformer_config(self.stage, cpu_initialization=not acc.is_gpu)
         self.tied = not model.untie_embeddings_and_output_weights
         self.overlap_report = None  # comm.overlap_megatron.OverlapReport when the stage overlaps
+        self.layer_window: tuple[int, int] | None = None  # local decoder layers the next forward runs (None: all)
         self.gpt = self._build_model()
         if init_full_state is not None:
             load_full_state(self.gpt, init_full_state, layer_offset=role.layers[0], tp_rank=role.tp_rank,
@@ -334,8 +351,9 @@ class PipelineStrategy:
             mbs, seq = self.train.micro_batch_size, self.model_spec.seq_length
             position_ids = torch.arange(seq, device=self.device).unsqueeze(0).expand(mbs, seq)
         kwargs = {"fp32_output": self.is_last} if self.module is not self.gpt else {}
-        out = self.module(inputs if self.is_first else None, position_ids, None,
-                          labels=labels if self.is_last else None, **kwargs)
+        with only_layers(self.gpt.decoder, self.layer_window):  # a resilience cover runs part of the stage
+            out = self.module(inputs if self.is_first else None, position_ids, None,
+                              labels=labels if self.is_last else None, **kwargs)
         if self.is_last:
             # out: per-token losses [b, s]; this micro-batch's share of the global-batch mean.
             return out.float().mean() / self.total_micro_batches
