@@ -14,8 +14,8 @@ and asynchronous sends cannot deadlock; the same simulation is the performance p
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 
 from megatron_het.resilience.routing import InstanceKey, Routing
 from megatron_het.schedule import Action, ScheduleError
@@ -36,6 +36,7 @@ class RoutedSchedule:
     split_backward: bool  # True: B is input-gradient only, W follows separately
     iteration_time: float  # simulated end of the last action (same unit as the durations)
     busy: dict[InstanceKey, float]  # per instance, summed compute time
+    finish: dict[InstanceKey, float] = field(default_factory=dict)  # per instance, end of its last action
 
     def bubble_fraction(self) -> float:
         """Idle share of all instances' time."""
@@ -49,8 +50,12 @@ def unit_durations(instance: InstanceKey, kind: str, split: bool) -> float:
 
 
 def routed_schedule(routing: Routing, *, split_backward: bool = True, duration: RoutedDurationFn = unit_durations,
-                    p2p: RoutedP2PFn | None = None) -> RoutedSchedule:
-    """Simulate one iteration of ``routing`` and return every instance's action list."""
+                    p2p: RoutedP2PFn | None = None, start: Mapping[InstanceKey, float] | None = None
+                    ) -> RoutedSchedule:
+    """Simulate one iteration of ``routing`` and return every instance's action list.
+
+    ``start``: per instance, when it may begin (default 0: all at once); ``staggered.py`` chains
+    iterations with it."""
     keys = [i.key for i in routing.instances]
     # per (instance, global micro-batch): (pipeline index, stage index)
     where: dict[tuple[InstanceKey, int], tuple[int, int]] = {}
@@ -65,7 +70,7 @@ def routed_schedule(routing: Routing, *, split_backward: bool = True, duration: 
     for k in keys:
         forwards[k].sort()
     done: dict[tuple[InstanceKey, str, int], float] = {}
-    free = dict.fromkeys(keys, 0.0)
+    free = {k: float((start or {}).get(k, 0.0)) for k in keys}
     busy = dict.fromkeys(keys, 0.0)
     next_f = dict.fromkeys(keys, 0)
     in_flight: dict[tuple[InstanceKey, int], int] = {}
@@ -132,4 +137,4 @@ def routed_schedule(routing: Routing, *, split_backward: bool = True, duration: 
             waiting_w[k].remove(g)
     end = max(free.values(), default=0.0)
     return RoutedSchedule(actions={k: tuple(a) for k, a in order.items()}, split_backward=split_backward,
-                          iteration_time=end, busy=busy)
+                          iteration_time=end, busy=busy, finish=dict(free))
