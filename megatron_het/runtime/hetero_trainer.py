@@ -138,6 +138,7 @@ class PipelineStrategy:
         self.tied = not model.untie_embeddings_and_output_weights
         self.overlap_report = None  # comm.overlap_megatron.OverlapReport when the stage overlaps
         self.layer_window: tuple[int, int] | None = None  # local decoder layers the next forward runs (None: all)
+        self.staggered_step = False  # step right after this stage's own gradient reduction (needs clip_grad 0)
         self.gpt = self._build_model()
         if init_full_state is not None:
             load_full_state(self.gpt, init_full_state, layer_offset=role.layers[0], tp_rank=role.tp_rank,
@@ -315,11 +316,17 @@ class PipelineStrategy:
         self.sync.reduce()
         scale = float(self.scaler.scale) if self.scaler is not None else None
         skipped = self.scaler.unscale_and_check(self.opt_params) if self.scaler is not None else False
+        staggered = self.staggered_step and not skipped
+        if staggered:  # ReCycle's staggered step: no world-wide collective before it (hence no clipping)
+            if self.train.clip_grad > 0:
+                raise ConfigError("the staggered optimizer step cannot wait for the global gradient norm",
+                                  field="--clip-grad", value=self.train.clip_grad, fix="use --clip-grad 0")
+            timer.stretch(self._optimizer_step)
         grad_norm = self._clip() if not skipped else math.nan
         # Global mean loss: last stages hold their replicas' per-micro-batch mean sums. Reported
         # before the step so that a failure in any collective leaves every survivor un-stepped.
         report = self._loss_report(loss_sum)
-        if not skipped:
+        if not skipped and not staggered:
             timer.stretch(self._optimizer_step)  # a slower device steps its optimizer slower too (priced so)
         return StepResult(lm_loss=float(report) / self.total_micro_batches, grad_norm=grad_norm, skipped=skipped,
                           loss_scale=scale)
