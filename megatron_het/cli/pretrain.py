@@ -200,11 +200,15 @@ def run(args: PretrainArgs, acc, *, plan: AnyPlan | None = None,
 
                 train, resilience = pretrain_hooks(args.resilience, model=args.model, plan=plan, train=train,
                                                    batch_fn=batch_fn, padded_vocab=padded_vocab,
-                                                   checkpoint_dir=args.loop.save)
+                                                   checkpoint_dir=args.loop.save,
+                                                   staggered_step=args.staggered_step)
                 hooks = resilience if tensorboard is None else ChainedHooks(tensorboard, resilience)
             trainer = HeteroTrainer(model=args.model, plan=plan, train=train, batch_fn=batch_fn,
                                     cluster=cluster, padded_vocab=padded_vocab,
                                     slowdown=None if emulate else 1.0, hooks=hooks, accelerator=acc)
+            if args.staggered_step:
+                trainer.strategy.staggered_step = True
+                print_rank0("optimizer: staggered step (each stage steps right after its own gradient reduction)")
         if load_path:
             start = trainer.load_checkpoint(load_path)
             print_rank0(f"loaded checkpoint {load_path} (iteration {start}, written under another plan is fine)")

@@ -13,6 +13,7 @@ redone, so the sequence of updates equals the failure-free run.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import datetime
 import logging
@@ -22,6 +23,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import torch
 import torch.distributed as dist
 
 from megatron_het.plan import Plan, ReplicaPlan
@@ -50,6 +52,8 @@ class ResilienceConfig:
     policy: PolicyConfig = PolicyConfig()  # re-route vs re-plan
     checkpoint_dir: str | None = None  # where a re-plan writes the survivors' state (None: no re-plan)
     mode: str = "auto"  # auto: the policy decides; reroute: re-route whenever possible; replan: always re-plan
+    staggered_step: bool = False  # each stage steps right after its own gradient reduction (ReCycle); the
+    # hooks then keep the iteration's starting state to undo a step taken before a peer failed (fp32 only)
 
     def __post_init__(self) -> None:
         if self.mode not in ("auto", "reroute", "replan"):
@@ -214,8 +218,30 @@ class ResilienceHooks(TrainerHooks):
         self.members: tuple[int, ...] = tuple(range(plan.world_size))  # ranks of ``plan`` in the current world
         self.generation = 0
         self.windows: dict[int, tuple[int, int]] = {}  # global micro-batch -> local layers run (covers)
+        self._undo = None  # staggered step: (model, optimizer) state at the start of the current iteration
 
     # ---- hook points --------------------------------------------------------------------------
+    def on_step_start(self, trainer: Trainer, iteration: int) -> None:
+        strategy = trainer.strategy
+        if not self.config.staggered_step:
+            return
+        if strategy.main is not None:
+            raise ValueError(f"staggered_step: needs fp32 training (got precision {strategy.train.precision}): "
+                             f"undoing a step also needs the main parameters. Fix: drop staggered_step or use fp32")
+        strategy.staggered_step = True
+        # a stage may step before a peer's failure surfaces in a later collective: keep what undoes it
+        self._undo = ({k: v.detach().clone() for k, v in strategy.gpt.state_dict().items() if torch.is_tensor(v)},
+                      copy.deepcopy(strategy.optimizer.state_dict()))
+
+    def _undo_step(self, trainer: Trainer) -> None:
+        """Back to the state the failed iteration started from (a staggered step may have been taken)."""
+        if self._undo is None:
+            return
+        model, optimizer = self._undo
+        trainer.strategy.gpt.load_state_dict(model, strict=False)
+        trainer.strategy.optimizer.load_state_dict(optimizer)
+        self._undo = None
+
     def on_action(self, trainer: Trainer, iteration: int, index: int, action) -> None:
         if self.windows:
             trainer.strategy.layer_window = self.windows.get(action.micro_batch) if action.kind == "F" else None
@@ -241,6 +267,7 @@ class ResilienceHooks(TrainerHooks):
         # Close our connections at once: a peer blocked on us (not on the dead rank) then fails too
         # instead of waiting for its timeout, so every survivor joins the agreement quickly.
         abort_all_groups()
+        self._undo_step(trainer)
         self.generation += 1
         agreement = agree_on_failures(self.store, generation=self.generation, rank=self.rank, members=self.members,
                                       iteration=iteration, heartbeat_timeout_s=self.config.heartbeat_timeout_s,

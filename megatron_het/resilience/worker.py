@@ -114,7 +114,8 @@ def resilient_train(*, rank: int, model: ModelSpec, plan: Plan, train: TrainConf
 
 
 def pretrain_hooks(options: ResilienceOptions, *, model: ModelSpec, plan: Plan, train: TrainConfig, batch_fn,
-                   padded_vocab: int | None, checkpoint_dir: str | None) -> tuple[TrainConfig, ResilienceHooks]:
+                   padded_vocab: int | None, checkpoint_dir: str | None, staggered_step: bool = False
+                   ) -> tuple[TrainConfig, ResilienceHooks]:
     """The hooks ``pretrain_gpt.py --hetero-resilience`` adds to its trainer (this rank = the default
     group's rank, which must exist), and the training config with the failure timeout on every group.
 
@@ -127,7 +128,7 @@ def pretrain_hooks(options: ResilienceOptions, *, model: ModelSpec, plan: Plan, 
                               heartbeat_interval_s=options.heartbeat_interval_s,
                               heartbeat_timeout_s=options.failure_timeout_s, pg_timeout_s=options.failure_timeout_s,
                               agreement_timeout_s=options.agreement_timeout_s, checkpoint_dir=checkpoint_dir,
-                              mode=options.policy)
+                              mode=options.policy, staggered_step=staggered_step)
 
     def rebuild(new_plan: Plan) -> PipelineStrategy:
         return PipelineStrategy(model=model, plan=new_plan, train=train, batch_fn=batch_fn, padded_vocab=padded_vocab)

@@ -97,6 +97,8 @@ FLAGS = (
     Flag("--hetero-resilience-report", "run.resilience_report", help="directory: each rank writes rank{R}.json "
          "(failures survived, samples read per iteration)"),
     Flag("--hetero-inject-fault", "run.inject_fault", help="testing: RANK:ITERATION[:ACTIONS] SIGKILLs that rank"),
+    Flag("--hetero-staggered-step", "run.staggered_step", bool, "each pipeline stage steps its optimizer right after "
+         "its own gradient reduction (ReCycle); needs --clip-grad 0"),
 )
 CONFIGS = {"train": TrainConfig, "data": DataConfig, "loop": LoopConfig, "tensorboard": TensorBoardConfig}
 
@@ -136,6 +138,7 @@ class PretrainArgs:
     tp_comm_overlap: bool  # overlap TP communication on every stage with TP > 1
     tensorboard: TensorBoardConfig | None  # None: no --tensorboard-dir
     resilience: ResilienceOptions | None = None  # None: no --hetero-resilience
+    staggered_step: bool = False  # --hetero-staggered-step
 
 
 def _sections(ns: argparse.Namespace) -> dict[str, dict[str, object]]:
@@ -201,12 +204,15 @@ def parse_args(argv: list[str] | None = None) -> PretrainArgs:
         loop = LoopConfig(**values["loop"])
         tensorboard = tensorboard_from_args(values["tensorboard"])
         resilience = resilience_from_args(run)
+        if run["staggered_step"] and train.clip_grad > 0:
+            raise ValueError(f"--hetero-staggered-step: each stage steps before the global gradient norm exists, "
+                             f"so it cannot clip (--clip-grad {train.clip_grad}). Fix: add --clip-grad 0")
     except ValueError as e:  # UserError included: the flag's value is wrong
         parser.error(str(e))
     return PretrainArgs(model=model, train=train, data=data_config, loop=loop, cluster=cluster,
                         plan_source=run["plan_source"], profile=run["profile"], no_emulation=bool(run["no_emulation"]),
                         sequence_parallel=bool(run["sequence_parallel"]), tp_comm_overlap=bool(run["tp_comm_overlap"]),
-                        tensorboard=tensorboard, resilience=resilience)
+                        tensorboard=tensorboard, resilience=resilience, staggered_step=bool(run["staggered_step"]))
 
 
 def tensorboard_from_args(values: dict[str, object]) -> TensorBoardConfig | None:
