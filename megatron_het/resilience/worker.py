@@ -18,7 +18,6 @@ import torch.distributed as dist
 from megatron_het.cluster import ModelSpec
 from megatron_het.plan import Plan, ReplicaPlan
 from megatron_het.resilience.agreement import StoreAddress
-from megatron_het.resilience.options import ResilienceOptions
 from megatron_het.resilience.recovery import (
     FailureEvent,
     FaultSpec,
@@ -26,6 +25,7 @@ from megatron_het.resilience.recovery import (
     ResilienceConfig,
     ResilienceHooks,
 )
+from megatron_het.runtime.resilience_options import ResilienceOptions
 from megatron_het.train.config import TrainConfig
 
 logger = logging.getLogger(__name__)

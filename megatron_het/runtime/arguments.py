@@ -16,7 +16,7 @@ from pathlib import Path
 
 from megatron_het.cluster import ClusterSpec, ConfigError, ModelSpec, load_cluster, load_model
 from megatron_het.errors import UserError
-from megatron_het.resilience.options import FaultInjection, ResilienceOptions, parse_store
+from megatron_het.runtime.resilience_options import FaultInjection, ResilienceOptions, parse_store
 from megatron_het.train.config import DataConfig, LoopConfig, TensorBoardConfig, TrainConfig
 
 

@@ -8,6 +8,7 @@ import subprocess
 from megatron_het.cluster import load_cluster
 from megatron_het.launch import JobOptions, het_components, render_sbatch
 from megatron_het.plan import Plan
+
 from support.paths import REPO
 
 CPU_DEMO = "examples/clusters/cpu-demo.yaml"

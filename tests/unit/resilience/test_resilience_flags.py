@@ -6,8 +6,8 @@ import re
 
 import pytest
 
-from megatron_het.resilience.options import FaultInjection, ResilienceOptions, parse_store
 from megatron_het.runtime.arguments import parse_args
+from megatron_het.runtime.resilience_options import FaultInjection, ResilienceOptions, parse_store
 
 from support.paths import REPO
 

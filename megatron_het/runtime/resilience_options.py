@@ -1,7 +1,7 @@
 """What ``pretrain_gpt.py --hetero-resilience`` and its knobs ask for, validated (stdlib only).
 
-``runtime/arguments.py`` builds one ``ResilienceOptions`` from the flags; ``cli/pretrain.py`` turns
-it into the hooks (``recovery.ResilienceHooks``). Kept free of torch and of the rest of the
+``arguments.py`` builds one ``ResilienceOptions`` from the flags; ``cli/pretrain.py`` turns
+it into the hooks (``resilience/recovery.ResilienceHooks``). Kept free of torch and of the rest of the
 package so the argument parser can import it without pulling the runtime in.
 """
 
