@@ -67,8 +67,12 @@ def routed_schedule(routing: Routing, *, split_backward: bool = True, duration: 
                 where[(hop, g)] = (v, s)
                 share[(hop, g)] = routing.fraction(pipe, s)
                 forwards[hop].append((g, v))
+    # an instance serving several pipelines takes their forwards round-robin (i-th micro-batch of each
+    # pipeline before the (i+1)-th of any), not by global index: a taken-over pipeline is not starved
+    # until the instance's own micro-batches are done
+    nth = {g: i for pipe in routing.pipelines for i, g in enumerate(pipe.micro_batches)}
     for k in keys:
-        forwards[k].sort()
+        forwards[k].sort(key=lambda gv: (nth[gv[0]], gv[1]))
     done: dict[tuple[InstanceKey, str, int], float] = {}
     free = {k: float((start or {}).get(k, 0.0)) for k in keys}
     busy = dict.fromkeys(keys, 0.0)
@@ -110,14 +114,14 @@ def routed_schedule(routing: Routing, *, split_backward: bool = True, duration: 
                 t = dep_time(k, kind, g)
                 if t is None:
                     continue
-                cand = (max(t, free[k]), _PRIORITY[kind], g, keys.index(k), k, kind)
+                cand = (max(t, free[k]), _PRIORITY[kind], nth[g], g, keys.index(k), k, kind)
                 if best is None or cand < best:
                     best = cand
         if best is None:
             stuck = {k: [str(a) for a in order[k][-3:]] for k in keys}
             raise ScheduleError(field="routing", value=stuck, problem="the routed schedule cannot make progress",
                                 fix="report this routing; every pipeline must be a chain of distinct instances")
-        start, _, g, _, k, kind = best
+        start, _, _, g, _, k, kind = best
         dt = float(duration(k, kind, split_backward)) * share[(k, g)]
         done[(k, kind, g)] = start + dt
         free[k] = start + dt

@@ -137,15 +137,20 @@ def _instances(plan: Plan, failed: frozenset[int]) -> tuple[list[StageInstance],
     return alive, sorted(retired)
 
 
-def reroute(plan: Plan, failed: Iterable[int], *, seconds_per_micro_batch: Mapping[InstanceKey, float] | None = None
-            ) -> Routing:
+def reroute(plan: Plan, failed: Iterable[int], *, seconds_per_micro_batch: Mapping[InstanceKey, float] | None = None,
+            spread: int = 1) -> Routing:
     """Route every replica's share of the global batch around the failed ranks.
 
     ``seconds_per_micro_batch``: per original instance, its time per micro-batch (forward +
     backward), used to balance; default: 1 / its replica's micro-batch count in ``plan`` (the
     planner gives faster replicas more micro-batches). With no failures the plan's split is kept.
-    Raises ReroutingError when some stage's layers have no surviving holder.
+    ``spread``: a broken replica's share may be split into up to this many pipelines, each through
+    different covering peers (ReCycle spreads a failed pipeline's micro-batches over all its
+    data-parallel peers; 1 = one pipeline per replica). Raises ReroutingError when some stage's
+    layers have no surviving holder.
     """
+    if spread < 1:
+        raise ValueError(f"spread: {spread} is below 1. Fix: pass 1 (one pipeline per replica) or more")
     failed = frozenset(int(r) for r in failed)
     unknown = sorted(failed - {r for rep in plan.replicas for r in rep.ranks})
     if unknown:
@@ -160,41 +165,30 @@ def reroute(plan: Plan, failed: Iterable[int], *, seconds_per_micro_batch: Mappi
     hops_of: list[tuple[InstanceKey, ...]] = []
     spans_of: list[tuple[tuple[int, int], ...]] = []
     num_layers = max(st.layers[1] for r in plan.replicas for st in r.stages)
+    replica_of: list[int] = []
     for ri, replica in enumerate(plan.replicas):
-        hops: list[InstanceKey] = []
-        spans: list[tuple[int, int]] = []
-        for si, st in enumerate(replica.stages):
-            if (ri, si) in by_key:
-                hops.append((ri, si))
-                spans.append(tuple(st.layers))
-                continue
-            peers = [i for i in alive if i.key[0] != ri]
-            chain = best_cover(tuple(st.layers), peers, num_layers=num_layers, cost=cost, load=load,
-                               micro_batches=replica.num_micro_batches)
-            if chain is None:
-                raise ReroutingError(
-                    f"replicas[{ri}].stages[{si}]: no surviving stages cover layers {list(st.layers)} after the "
-                    f"failure of ranks {sorted(failed)} (0 of {len(plan.replicas)} replicas hold them). Fix: restart "
-                    f"from the last checkpoint on the survivors (re-plan)")
-            for key, span in chain:
-                layers = by_key[key].layers
-                load[key] += cost[key] * (span[1] - span[0]) / (layers[1] - layers[0]) * replica.num_micro_batches
-                if hops and hops[-1] == key:  # one peer covering adjacent lost stages: one hop
-                    spans[-1] = (spans[-1][0], span[1])
-                else:
-                    hops.append(key)
-                    spans.append(span)
-        hops_of.append(tuple(hops))
-        spans_of.append(tuple(spans))
+        broken = any((ri, si) not in by_key for si in range(len(replica.stages)))
+        variants = min(spread, replica.num_micro_batches) if broken else 1
+        share = replica.num_micro_batches / variants
+        mine: list[tuple] = []  # this replica's pipelines so far: a repeated chain ends the spreading
+        for _ in range(variants):
+            hops, spans = _chain(ri, replica, by_key, alive, failed, plan, num_layers, cost, load, share)
+            if (hops, spans) in mine:
+                break
+            mine.append((hops, spans))
+            hops_of.append(tuple(hops))
+            spans_of.append(tuple(spans))
+            replica_of.append(ri)
 
-    counts = [r.num_micro_batches for r in plan.replicas]
+    counts = [plan.replicas[ri].num_micro_batches if replica_of.index(ri) == v else 0
+              for v, ri in enumerate(replica_of)]
     fractions = [[(sp[1] - sp[0]) / (by_key[k].layers[1] - by_key[k].layers[0]) for k, sp in zip(h, sps)]
                  for h, sps in zip(hops_of, spans_of)]
     if failed:
         counts = _balance(hops_of, fractions, cost, sum(counts))
     covered = any(f != 1.0 for fr in fractions for f in fr)
     pipelines, first = [], 0
-    for ri, (hops, spans, n) in enumerate(zip(hops_of, spans_of, counts)):
+    for ri, hops, spans, n in zip(replica_of, hops_of, spans_of, counts):
         pipelines.append(Pipeline(replica=ri, hops=hops, micro_batches=tuple(range(first, first + n)),
                                   spans=spans if covered else ()))
         first += n
@@ -211,6 +205,35 @@ def reroute(plan: Plan, failed: Iterable[int], *, seconds_per_micro_batch: Mappi
                                               layers=(lo, hi)))
     return Routing(failed=failed, instances=tuple(alive), pipelines=tuple(pipelines), retired=tuple(retired),
                    takeovers=tuple(takeovers), micro_batch_size=plan.micro_batch_size)
+
+
+def _chain(ri, replica, by_key, alive, failed, plan, num_layers, cost, load, share):
+    """The instances (and layers each runs) of one pipeline of replica ``ri``; ``load`` grows by
+    ``share`` micro-batches on every covering peer, so the next variant picks other peers."""
+    hops: list[InstanceKey] = []
+    spans: list[tuple[int, int]] = []
+    for si, st in enumerate(replica.stages):
+        if (ri, si) in by_key:
+            hops.append((ri, si))
+            spans.append(tuple(st.layers))
+            continue
+        peers = [i for i in alive if i.key[0] != ri]
+        chain = best_cover(tuple(st.layers), peers, num_layers=num_layers, cost=cost, load=load,
+                           micro_batches=share)
+        if chain is None:
+            raise ReroutingError(
+                f"replicas[{ri}].stages[{si}]: no surviving stages cover layers {list(st.layers)} after the "
+                f"failure of ranks {sorted(failed)} (0 of {len(plan.replicas)} replicas hold them). Fix: restart "
+                f"from the last checkpoint on the survivors (re-plan)")
+        for key, span in chain:
+            layers = by_key[key].layers
+            load[key] += cost[key] * (span[1] - span[0]) / (layers[1] - layers[0]) * share
+            if hops and hops[-1] == key:  # one peer covering adjacent lost stages: one hop
+                spans[-1] = (spans[-1][0], span[1])
+            else:
+                hops.append(key)
+                spans.append(span)
+    return hops, spans
 
 
 def best_cover(layers: tuple[int, int], peers: Sequence[StageInstance], *, num_layers: int,

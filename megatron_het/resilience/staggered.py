@@ -57,8 +57,12 @@ def step_actions(routing: Routing, *, staggered: bool, reduce_s: float, step_s: 
 
 def steady_period(routing: Routing, *, staggered: bool, reduce_s: float = 0.0, step_s: float = 0.0,
                   split_backward: bool = True, duration: RoutedDurationFn = unit_durations,
-                  iterations: int = 4) -> float:
-    """Steady-state time per iteration of ``routing`` with the step actions (simulated, pure)."""
+                  iterations: int = 4, world_barrier: bool = False) -> float:
+    """Steady-state time per iteration of ``routing`` with the step actions (simulated, pure).
+
+    ``world_barrier``: a world-wide collective after every step (this runtime's loss report) holds
+    every instance's next iteration until the last step has ended; without it (ReCycle) an instance
+    starts its next iteration right after its own step."""
     if iterations < 2:
         raise ValueError(f"iterations: {iterations} is below 2. Fix: simulate at least 2 to measure a period")
     actions = step_actions(routing, staggered=staggered, reduce_s=reduce_s, step_s=step_s)
@@ -69,4 +73,6 @@ def steady_period(routing: Routing, *, staggered: bool, reduce_s: float = 0.0, s
         reduced = {k: max(sched.finish[j] for j in r.after) + r.seconds for k, (r, _) in actions.items()}
         start = {k: max(reduced[j] for j in s.after) + s.seconds for k, (_, s) in actions.items()}
         ends.append(max(start.values()))
+        if world_barrier:
+            start = dict.fromkeys(start, ends[-1])
     return (ends[-1] - ends[0]) / (iterations - 1)

@@ -51,3 +51,10 @@ def test_synchronous_period_is_the_busiest_chain_plus_reduce_and_step():
     r = reroute(grid(), (3,))
     one = routed_schedule(r).iteration_time
     assert steady_period(r, staggered=False, reduce_s=0.5, step_s=1.0) == pytest.approx(one + 1.5)
+
+
+def test_a_world_barrier_after_the_step_takes_the_staggered_gain_away():
+    r = reroute(grid(8, 4, 8), (7,))
+    sync = steady_period(r, staggered=False, reduce_s=0.5, step_s=1.0)
+    barrier = steady_period(r, staggered=True, reduce_s=0.5, step_s=1.0, world_barrier=True)
+    assert barrier == pytest.approx(sync)
