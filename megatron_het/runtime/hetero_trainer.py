@@ -324,7 +324,8 @@ class PipelineStrategy:
             timer.stretch(self._optimizer_step)
         grad_norm = self._clip() if not skipped else math.nan
         # Global mean loss: last stages hold their replicas' per-micro-batch mean sums. Reported
-        # before the step so that a failure in any collective leaves every survivor un-stepped.
+        # before the step so that a failure in any collective leaves every survivor un-stepped
+        # (a staggered step is taken before it: the resilience hooks then undo it on a failure).
         report = self._loss_report(loss_sum)
         if not skipped and not staggered:
             timer.stretch(self._optimizer_step)  # a slower device steps its optimizer slower too (priced so)
