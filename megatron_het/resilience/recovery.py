@@ -277,7 +277,9 @@ class ResilienceHooks(TrainerHooks):
             raise RankRetired(f"rank {self.rank} was declared failed in generation {self.generation}") from error
         self.failed = self.failed | frozenset(agreement.failed)
         can_replan = self.config.checkpoint_dir is not None and self.rebuild is not None and self.replan is not None
-        decision = forced(decide(self.plan, self.failed, config=self.config.policy), self.config.mode)
+        decision = forced(decide(self.plan, self.failed, config=self.config.policy,
+                                  split_backward=self.config.split_backward,
+                                  staggered=self.config.staggered_step), self.config.mode)
         if decision.action == "replan" and not can_replan:
             if decision.reroute_fraction == 0.0:
                 raise RecoveryError(f"ranks {sorted(self.failed)} failed: {decision.reason}; in-process recovery "
