@@ -58,3 +58,25 @@ def test_a_world_barrier_after_the_step_takes_the_staggered_gain_away():
     sync = steady_period(r, staggered=False, reduce_s=0.5, step_s=1.0)
     barrier = steady_period(r, staggered=True, reduce_s=0.5, step_s=1.0, world_barrier=True)
     assert barrier == pytest.approx(sync)
+
+
+def test_policy_modes_and_the_priced_schedule():
+    from megatron_het.resilience.policy import Decision, decide, predicted_fraction
+    from megatron_het.resilience.recovery import forced
+
+    plan = grid()
+    # the policy prices the schedule the run uses: the staggered step with the runtime's world barrier
+    r = reroute(plan, (3,))
+    expected = (steady_period(reroute(plan, ()), staggered=True, world_barrier=True)
+                / steady_period(r, staggered=True, world_barrier=True))
+    assert predicted_fraction(plan, (3,), staggered=True) == pytest.approx(expected)
+    assert decide(plan, (3,), split_backward=False).reroute_fraction == pytest.approx(
+        predicted_fraction(plan, (3,), split_backward=False))
+    replan = Decision(action="replan", reason="r", reroute_fraction=0.4, replan_fraction=0.6)
+    assert forced(replan, "reroute").action == "reroute" and forced(replan, "auto").action == "replan"
+    impossible = Decision(action="replan", reason="r", reroute_fraction=0.0, replan_fraction=0.6)
+    assert forced(impossible, "reroute").action == "replan"  # nothing to re-route onto
+    keep = Decision(action="reroute", reason="r", reroute_fraction=0.9, replan_fraction=0.6)
+    assert forced(keep, "replan").action == "replan"
+    with pytest.raises(ValueError, match="spread: 0 is below 1"):
+        reroute(plan, (3,), spread=0)
