@@ -1,4 +1,17 @@
-"""Throughput after rank failures without spare GPUs: re-routing vs restart vs dropping a replica.
+"""Throughput after rank failures without spare GPUs: (a) restart, (b) drop replica, (c)/(d) re-route.
+
+The same failure trace (1 failure: rank 3 in iteration 1; 2 failures: then rank 0 in iteration 2)
+under four policies, measured on the emulated cluster and predicted by the simulator, then the same
+policies simulated at cluster scale (1,024 GPUs, a failure every 4 hours):
+
+* (a) restart from the last checkpoint on the survivors with a re-plan (Bamboo/Oobleck-style
+  reconfigure and restart; restart cost measured);
+* (b) drop the replica(s) that lost a rank;
+* (c) re-route in-process without the optimisations: fused backward, synchronous optimizer step;
+* (d) re-route with split backward (W deferred into bubbles) and the staggered optimizer step.
+
+Every run uses --clip-grad 0 (the staggered step cannot wait for a global norm), so all rows train
+the same model the same way.
 
 CPU-emulated cluster ``examples/clusters/cpu-resilience.yaml``: 6 ranks, every island emulated 8x
 slower than the CPU. Most of each action is sleep, so 6 ranks keep well under the machine's 2
@@ -32,7 +45,7 @@ stage / 12 units, plus a per-step constant = failure-free step time - 15 units (
 schedule: gradient reduction, loss report, emulated optimizer step), both measured on the
 failure-free run only and then used to predict every other configuration.
 
-    python bench/resilience.py [--iters 6] [--horizon 600]
+    python bench/resilience.py [--iters 6] [--horizon 600]   (about 12 minutes)
 """
 
 from __future__ import annotations
@@ -57,6 +70,7 @@ from megatron_het.resilience.launch import run_resilient_local  # noqa: E402
 from megatron_het.resilience.recovery import FaultSpec  # noqa: E402
 from megatron_het.resilience.routed_schedule import routed_schedule  # noqa: E402
 from megatron_het.resilience.routing import reroute  # noqa: E402
+from megatron_het.resilience.staggered import steady_period  # noqa: E402
 from megatron_het.resilience.worker import homogeneous_replan, resilient_worker  # noqa: E402
 from megatron_het.train.config import TrainConfig  # noqa: E402
 
@@ -116,13 +130,74 @@ def plain_worker(rank, world_size, plan, train, iterations, slowdown, save_dir, 
     return {"elapsed": {log.iteration: log.elapsed_s for log in logs}, "started_at": t_start, "loaded_at": loaded_at}
 
 
-def predicted_time(plan: Plan, failed=(), *, split: bool) -> float:
-    """Simulated iteration time (unit durations) of ``plan`` after ``failed``."""
-    return routed_schedule(reroute(plan, failed), split_backward=split).iteration_time
+def simulated(plan: Plan, failed=(), *, split: bool, staggered: bool, step_units: float, barrier: bool = True,
+              spread: int = 1, iterations: int = 3) -> float:
+    """Steady iteration period in simulator units: compute (F=1, fused B=2, split B=W=1) plus the
+    optimizer-side work outside the schedule as one step action of ``step_units`` per instance."""
+    return steady_period(reroute(plan, failed, spread=spread), staggered=staggered, split_backward=split,
+                         step_s=step_units, world_barrier=barrier, iterations=iterations)
 
 
 def finished(outcomes) -> list:
     return [o.result["report"] for o in outcomes if o.status == "ok" and o.result["report"].status == "finished"]
+
+
+# ---- cluster scale (simulator only) -----------------------------------------------------------
+SCALE = {"replicas": 16, "stages": 8, "tp": 8, "layers": 32, "micro_batches": 8, "step_units": 2.0,
+         "failure_every_h": 4.0, "hours": 24.0, "restart_min": 10.0, "checkpoint_interval_min": 30.0, "seed": 0}
+
+
+def scale_plan(c=SCALE) -> Plan:
+    r_, s_, t_, l_ = c["replicas"], c["stages"], c["tp"], c["layers"]
+    return Plan(replicas=tuple(ReplicaPlan(stages=tuple(
+        StagePlan(island="gpu", device_type="CPU", ranks=tuple(range((r * s_ + s) * t_, (r * s_ + s + 1) * t_)),
+                  layers=(s * l_ // s_, (s + 1) * l_ // s_)) for s in range(s_)), num_micro_batches=c["micro_batches"])
+        for r in range(r_)), micro_batch_size=1, global_batch_size=r_ * c["micro_batches"])
+
+
+def scale_study(c=SCALE) -> dict:
+    """Throughput / failure-free of (a)-(d) after k = 1.. failures of random GPUs, and averaged over the
+    trace (a failure every ``failure_every_h``, no repair within ``hours``)."""
+    import random
+
+    plan = scale_plan(c)
+    gpus = plan.world_size
+    per_replica = len(plan.replicas[0].ranks)
+    rng = random.Random(c["seed"])
+    n_fail = int(c["hours"] // c["failure_every_h"])
+    failed: list[int] = []
+    step = c["step_units"]
+    free = simulated(plan, split=False, staggered=False, step_units=step, iterations=2)
+    free_zb = simulated(plan, split=True, staggered=True, step_units=step, barrier=False, iterations=2)
+    rows = []
+    for k in range(1, n_fail + 1):
+        failed.append(rng.randrange(gpus))
+        broken = {g // per_replica for g in failed}
+        row = {"failures": k,
+               "a_restart_replan": ((gpus - len(set(failed))) // per_replica) / len(plan.replicas),
+               "b_drop_replica": (len(plan.replicas) - len(broken)) / len(plan.replicas),
+               "c_reroute_fused_sync": free / simulated(plan, failed, split=False, staggered=False, step_units=step,
+                                                        iterations=2),
+               "d_reroute_split_staggered": free / simulated(plan, failed, split=True, staggered=True, step_units=step,
+                                                             barrier=False, iterations=2)}
+        # the same (d) against a failure-free run that also uses the zero-bubble (split) schedule
+        row["d_vs_zero_bubble_failure_free"] = row["d_reroute_split_staggered"] * free_zb / free
+        rows.append(row)
+    # time average over the trace: k failures between failure k and k+1 (first interval failure-free);
+    # a restart loses restart_min plus half a checkpoint interval of work per failure
+    interval = c["failure_every_h"] * 60.0
+    lost = c["restart_min"] + c["checkpoint_interval_min"] / 2
+    average = {}
+    for key in ("a_restart_replan", "b_drop_replica", "c_reroute_fused_sync", "d_reroute_split_staggered",
+                "d_vs_zero_bubble_failure_free"):
+        total = interval  # the first interval at full throughput
+        for row in rows[:-1]:
+            kept = interval - lost if key == "a_restart_replan" else interval
+            total += row[key] * kept
+        average[key] = total / (interval * len(rows))
+    return {"setup": {**c, "gpus": gpus, "failure_free_units": free, "failure_free_zero_bubble_units": free_zb,
+                      "failed_gpus": failed},
+            "after_k_failures": rows, "time_average_over_trace": average}
 
 
 def main() -> None:
@@ -134,28 +209,38 @@ def main() -> None:
     n = args.iters
     slowdown = load_cluster(CLUSTER).slowdown("cpu")
     total = 3 * MICRO
-    train = TrainConfig(micro_batch_size=MBS, global_batch_size=MBS * total, train_iters=3 * n + 3, lr=1e-3)
+    train = TrainConfig(micro_batch_size=MBS, global_batch_size=MBS * total, train_iters=3 * n + 3, lr=1e-3,
+                        clip_grad=0.0)
     full = plan_of([0, 1, 2], total)
     t0 = time.time()
-
-    # failure-free reference + 1 failure (rank 3 in iteration 1); steady = iterations after the redo
+    load_before = os.getloadavg()
+    fused = {**TIMEOUTS, "split_backward": False}  # (c)
+    recycle = {**TIMEOUTS, "split_backward": True, "staggered_step": True}  # (d)
+    split_only = {**TIMEOUTS, "split_backward": True}  # (d) without the staggered step
     f1 = (FaultSpec(rank=3, iteration=1, after_actions=1),)
-    out1 = run_resilient_local(6, cpu_clock_resilient_worker, (MODEL, full, train, n + 2, f1, TIMEOUTS, True, None, slowdown))
+    f2 = (FaultSpec(rank=3, iteration=1, after_actions=1), FaultSpec(rank=0, iteration=2, after_actions=2))
+
+    def resilient(faults, config, iterations, reference=False):
+        return run_resilient_local(6, cpu_clock_resilient_worker, (MODEL, full, train, iterations, faults, config,
+                                                                   reference, None, slowdown))
+
+    # failure-free reference + (c) 1 failure; steady = the iterations after the redo
+    out1 = resilient(f1, fused, n + 2, reference=True)
     t_free = steady([o.result["reference_elapsed"] for o in out1 if o.status == "ok"], 2)
     busy = steady([o.result["reference_compute"] for o in out1 if o.status == "ok"], 2)
-    rep1 = finished(out1)
-    t_one = steady([r.elapsed_s for r in rep1], 3)
-    ev1 = rep1[0].events[0]
-    # 2 failures: rank 3 in iteration 1, then rank 0 (another stage, another replica) in iteration 2
-    f2 = (FaultSpec(rank=3, iteration=1, after_actions=1), FaultSpec(rank=0, iteration=2, after_actions=2))
-    out2 = run_resilient_local(6, cpu_clock_resilient_worker, (MODEL, full, train, n + 3, f2, TIMEOUTS, False, None, slowdown))
-    rep2 = finished(out2)
-    t_two = steady([r.elapsed_s for r in rep2], 4)
-    ev2 = rep2[0].events
-    # the same 2 failures with a fused backward after re-routing: isolates the cost of split B/W
-    out2f = run_resilient_local(6, cpu_clock_resilient_worker, (MODEL, full, train, n + 3, f2,
-                                                      {**TIMEOUTS, "split_backward": False}, False, None, slowdown))
-    t_two_fused = steady([r.elapsed_s for r in finished(out2f)], 4)
+    ref_losses = next(o.result["reference"] for o in out1 if o.status == "ok")
+    runs = {"c_1": (out1, 3)}
+    runs["d_1"] = (resilient(f1, recycle, n + 2), 3)
+    runs["split_1"] = (resilient(f1, split_only, n + 2), 3)
+    runs["c_2"] = (resilient(f2, fused, n + 3), 4)
+    runs["d_2"] = (resilient(f2, recycle, n + 3), 4)
+    steps, events, loss_ok = {}, {}, {}
+    for name, (out, first) in runs.items():
+        reps = finished(out)
+        steps[name] = steady([r.elapsed_s for r in reps], first)
+        events[name] = [e.resumed_at - e.detected_at for e in reps[0].events]
+        loss_ok[name] = max(abs(v - ref_losses[i]) / abs(ref_losses[i]) for r in reps for i, v in r.losses.items()
+                            if i in ref_losses)
 
     with tempfile.TemporaryDirectory() as ckpt:
         # (b) drop the broken replicas: 2 intact replicas after 1 failure, 1 after 2 (global batch kept)
@@ -170,69 +255,86 @@ def main() -> None:
         restart_s = max(r["loaded_at"] for r in restart) - spawn_at
         t_replan = steady([r["elapsed"] for r in restart], 2)
 
-    p_free = predicted_time(full, split=False)
+    # calibration on the failure-free run only: one unit (F) and the per-step work outside the schedule
+    p_free = routed_schedule(reroute(full, ()), split_backward=False).iteration_time
     unit_s = busy / (MICRO * 3)  # a stage's busy units per failure-free iteration: 4 x (F=1 + B=2)
-    constant_s = t_free - p_free * unit_s  # per-step work outside the schedule, measured
+    step_units = max(0.0, (t_free - p_free * unit_s) / unit_s)
     keep = max(0.0, 1.0 - restart_s / args.horizon)
-    units = {  # name: (measured step time, simulated units, share of time kept after a restart)
-        "reroute_1_failure": (t_one, predicted_time(full, (3,), split=True), 1.0),
-        "reroute_2_failures": (t_two, predicted_time(full, (3, 0), split=True), 1.0),
-        "reroute_2_failures_fused": (t_two_fused, predicted_time(full, (3, 0), split=False), 1.0),
-        "drop_replica_1_failure": (t_drop1, predicted_time(plan_of([0, 2], total), split=False), 1.0),
-        "drop_replica_2_failures": (t_drop2, predicted_time(plan_of([2], total), split=False), 1.0),
-        "restart_replan_steady": (t_replan, predicted_time(replan, split=False), 1.0),
-        "restart_replan_amortised": (t_replan, predicted_time(replan, split=False), keep),
+    sim = {  # name: (measured step s, kept share, simulated units with the runtime's barrier, ReCycle without)
+        "a_restart_replan_1_failure": (t_replan, keep, simulated(replan, split=False, staggered=False,
+                                                                 step_units=step_units), None),
+        "a_restart_replan_2_failures": (t_replan, keep, simulated(replan, split=False, staggered=False,
+                                                                  step_units=step_units), None),
+        "b_drop_replica_1_failure": (t_drop1, 1.0, simulated(plan_of([0, 2], total), split=False, staggered=False,
+                                                             step_units=step_units), None),
+        "b_drop_replica_2_failures": (t_drop2, 1.0, simulated(plan_of([2], total), split=False, staggered=False,
+                                                              step_units=step_units), None),
+        "c_reroute_fused_sync_1_failure": (steps["c_1"], 1.0, simulated(full, (3,), split=False, staggered=False,
+                                                                        step_units=step_units), None),
+        "c_reroute_fused_sync_2_failures": (steps["c_2"], 1.0, simulated(full, (3, 0), split=False, staggered=False,
+                                                                         step_units=step_units), None),
+        "reroute_split_sync_1_failure": (steps["split_1"], 1.0, simulated(full, (3,), split=True, staggered=False,
+                                                                          step_units=step_units), None),
+        "d_reroute_split_staggered_1_failure": (
+            steps["d_1"], 1.0, simulated(full, (3,), split=True, staggered=True, step_units=step_units),
+            simulated(full, (3,), split=True, staggered=True, step_units=step_units, barrier=False)),
+        "d_reroute_split_staggered_2_failures": (
+            steps["d_2"], 1.0, simulated(full, (3, 0), split=True, staggered=True, step_units=step_units),
+            simulated(full, (3, 0), split=True, staggered=True, step_units=step_units, barrier=False)),
     }
-    rows = {k: (t_free / t * kept, p_free / u * kept, t_free / (u * unit_s + constant_s) * kept)
-            for k, (t, u, kept) in units.items()}  # name: (measured, schedule, calibrated) fractions
+    free_units = simulated(full, split=False, staggered=False, step_units=step_units)  # = t_free / unit_s
+    rows = {k: {"measured": t_free / t * kept, "predicted": free_units / u * kept,
+                "predicted_recycle_no_barrier": (free_units / r * kept) if r else None,
+                "measured_over_predicted": (t_free / t) / (free_units / u)}
+            for k, (t, kept, u, r) in sim.items()}
+    t_scale = time.time()
+    scale = scale_study()
+    scale_wall = time.time() - t_scale
     figures = {
-        "fractions_of_failure_free_throughput": {
-            k: {"measured": m, "predicted_schedule": p, "predicted_calibrated": c, "measured_over_calibrated": m / c}
-            for k, (m, p, c) in rows.items()},
-        "calibration": {"unit_s": unit_s, "per_step_constant_s": constant_s,
-                        "failure_free_busy_s_per_stage": busy},
-        "steady_step_s": {"failure_free": t_free, "reroute_1": t_one, "reroute_2": t_two,
-                          "reroute_2_fused": t_two_fused, "drop_1": t_drop1, "drop_2": t_drop2,
+        "fractions_of_failure_free_throughput": rows,
+        "losses_max_relative_difference_vs_failure_free": loss_ok,
+        "calibration": {"unit_s": unit_s, "step_units": step_units, "failure_free_busy_s_per_stage": busy,
+                        "failure_free_step_s": t_free},
+        "steady_step_s": {**steps, "failure_free": t_free, "drop_1": t_drop1, "drop_2": t_drop2,
                           "restart_replan": t_replan},
         "restart_seconds_measured": restart_s,
         "horizon_s": args.horizon,
-        "recovery_seconds": {"1_failure_detect_to_resume": ev1.resumed_at - ev1.detected_at,
-                             "2_failures_detect_to_resume": [e.resumed_at - e.detected_at for e in ev2]},
-        "ratios_vs_alternatives": {
-            "reroute_over_drop_1": t_drop1 / t_one, "reroute_over_drop_2": t_drop2 / t_two,
-            "reroute_over_restart_1": rows["reroute_1_failure"][0] / max(rows["restart_replan_amortised"][0], 1e-9),
-            "reroute_over_restart_2": rows["reroute_2_failures"][0] / max(rows["restart_replan_amortised"][0], 1e-9)},
-        "takeovers": {"1_failure": list(ev1.takeovers), "2_failures": [list(e.takeovers) for e in ev2]},
+        "recovery_seconds_detect_to_resume": events,
+        "cluster_scale_simulated": scale,
+        "cluster_scale_wall_s": scale_wall,
         "setup": {"cluster": os.path.relpath(CLUSTER, ROOT), "slowdown": slowdown,
                   "plan": f"3 replicas x 2 stages, TP=1, {MICRO} micro-batches each (global {total} x mbs {MBS})",
-                  "iterations": n, "model": dataclasses.asdict(MODEL),
+                  "iterations": n, "model": dataclasses.asdict(MODEL), "clip_grad": 0.0,
                   "emulation": f"each forward/backward stretched to {slowdown:g}x its thread CPU time by "
-                               "sleeping (EmulationTimer(clock=time.thread_time); the default timer uses wall time, "
-                               "which multiplies other jobs' load by the slowdown: failure-free step measured "
-                               "1.75, 1.84 and 3.39 s in three runs with it); most of every action is sleep"},
+                               "sleeping (EmulationTimer(clock=time.thread_time))"},
         "bench_wall_s": time.time() - t0,
     }
     result = {
         "figures": figures,
-        "targets": {"reroute_1_failure": ">= drop_replica_1_failure (re-routing loses one instance, not a replica)",
-                    "reroute_2_failures": "> drop_replica_2_failures (failures in two replicas)",
-                    "recovery": "survivors resume within pg_timeout_s + agreement (bounded, < 30 s here)",
-                    "measured_vs_predicted": "measured within 20% of predicted_calibrated, else explained in docs/resilience.md"},
+        "targets": {"d_1_failure": "(d) beats (a) and (b) after one failure on the emulated cluster, else explained",
+                    "losses": "every re-routed run's losses equal the failure-free run (relative 1e-5)",
+                    "measured_vs_predicted": "side by side; differences explained in docs/resilience.md"},
         "command": "python bench/resilience.py " + " ".join(sys.argv[1:]),
         "machine": {"cpu_count": os.cpu_count(), "python": platform.python_version(), "platform": platform.platform(),
-                    "load_average": list(os.getloadavg())},
+                    "load_average_before": list(load_before), "load_average_after": list(os.getloadavg())},
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
     }
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(result, f, indent=2, default=str)
-        f.write("\n")
-    print(f"failure-free iteration {t_free:.2f} s; restart {restart_s:.1f} s; slowdown {slowdown:g}x")
-    print(f"one unit {unit_s * 1e3:.0f} ms, per-step constant {constant_s:.2f} s (measured, failure-free run)")
-    print(f"{'throughput / failure-free':<28}{'measured':>10}{'schedule':>10}{'calibrated':>12}{'meas/cal':>10}")
-    for k, (m, p, c) in rows.items():
-        print(f"{k:<28}{m:>10.2f}{p:>10.2f}{c:>12.2f}{m / c:>10.2f}")
-    print("recovery detect->resume (s):", json.dumps(figures["recovery_seconds"]))
+    from megatron_het.utils.atomic import write_text_atomic
+
+    write_text_atomic(args.out, json.dumps(result, indent=2, default=str) + "\n")
+    print(f"failure-free iteration {t_free:.2f} s; restart {restart_s:.1f} s; slowdown {slowdown:g}x; "
+          f"load {load_before[0]:.1f} -> {os.getloadavg()[0]:.1f}")
+    print(f"{'throughput / failure-free':<42}{'measured':>10}{'predicted':>11}{'ReCycle':>9}{'meas/pred':>11}")
+    for k, r in rows.items():
+        rc = f"{r['predicted_recycle_no_barrier']:.2f}" if r["predicted_recycle_no_barrier"] else "-"
+        print(f"{k:<42}{r['measured']:>10.2f}{r['predicted']:>11.2f}{rc:>9}{r['measured_over_predicted']:>11.2f}")
+    print("max relative loss difference vs failure-free:", json.dumps({k: f"{v:.1e}" for k, v in loss_ok.items()}))
+    print(f"cluster scale ({scale['setup']['gpus']} GPUs, a failure every {SCALE['failure_every_h']:g} h, "
+          f"simulated in {scale_wall:.0f} s):")
+    for row in scale["after_k_failures"][:2]:
+        print("  after", row["failures"], "failure(s):", {k: round(v, 3) for k, v in row.items() if k != "failures"})
+    print("  average over the trace:", {k: round(v, 3) for k, v in scale["time_average_over_trace"].items()})
 
 
 if __name__ == "__main__":

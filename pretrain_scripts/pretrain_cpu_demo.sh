@@ -35,7 +35,11 @@ TRAIN_ARGS=(
 )
 DATA_ARGS=(--mock-data)
 OUTPUT_ARGS=(--log-interval 1)
+LAUNCH=(pretrain_scripts/pretrain_gpt.py --hetero-cluster "$CLUSTER" --hetero-plan "$PLAN"
+  "${MODEL_ARGS[@]}" "${TRAIN_ARGS[@]}" "${DATA_ARGS[@]}" "${OUTPUT_ARGS[@]}" "$@")
+if [[ " $* " == *" --hetero-resilience "* ]]; then  # a dead rank must not stop the others: one agent per rank
+  export NNODES GPUS_PER_NODE NODE_RANK MASTER_ADDR MASTER_PORT TORCHRUN
+  exec bash pretrain_scripts/resilient_torchrun.sh "${LAUNCH[@]}"
+fi
 exec $TORCHRUN --nnodes="$NNODES" --nproc-per-node="$GPUS_PER_NODE" --node-rank="$NODE_RANK" \
-  --rdzv-backend=static --rdzv-endpoint="$MASTER_ADDR:$MASTER_PORT" \
-  pretrain_scripts/pretrain_gpt.py --hetero-cluster "$CLUSTER" --hetero-plan "$PLAN" \
-  "${MODEL_ARGS[@]}" "${TRAIN_ARGS[@]}" "${DATA_ARGS[@]}" "${OUTPUT_ARGS[@]}" "$@"
+  --rdzv-backend=static --rdzv-endpoint="$MASTER_ADDR:$MASTER_PORT" "${LAUNCH[@]}"

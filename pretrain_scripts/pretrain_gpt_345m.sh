@@ -39,7 +39,11 @@ TRAIN_ARGS=(
 DATA_ARGS=(--data-path "$DATA_PATH" --tokenizer-model "$TOKENIZER_MODEL" --split 949,50,1)
 OUTPUT_ARGS=(--save "$CHECKPOINT_PATH" --load "$CHECKPOINT_PATH" --save-interval "${SAVE_INTERVAL:-1000}"
              --log-interval 10 --eval-interval 1000 --eval-iters 10)
+LAUNCH=(pretrain_scripts/pretrain_gpt.py --hetero-cluster "$CLUSTER" --hetero-plan "$PLAN"
+  "${MODEL_ARGS[@]}" "${TRAIN_ARGS[@]}" "${DATA_ARGS[@]}" "${OUTPUT_ARGS[@]}" "$@")
+if [[ " $* " == *" --hetero-resilience "* ]]; then  # a dead rank must not stop the others: one agent per rank
+  export NNODES GPUS_PER_NODE NODE_RANK MASTER_ADDR MASTER_PORT TORCHRUN
+  exec bash pretrain_scripts/resilient_torchrun.sh "${LAUNCH[@]}"
+fi
 exec $TORCHRUN --nnodes="$NNODES" --nproc-per-node="$GPUS_PER_NODE" --node-rank="$NODE_RANK" \
-  --rdzv-backend=static --rdzv-endpoint="$MASTER_ADDR:$MASTER_PORT" \
-  pretrain_scripts/pretrain_gpt.py --hetero-cluster "$CLUSTER" --hetero-plan "$PLAN" \
-  "${MODEL_ARGS[@]}" "${TRAIN_ARGS[@]}" "${DATA_ARGS[@]}" "${OUTPUT_ARGS[@]}" "$@"
+  --rdzv-backend=static --rdzv-endpoint="$MASTER_ADDR:$MASTER_PORT" "${LAUNCH[@]}"

@@ -114,16 +114,24 @@ def main(argv: list[str] | None = None) -> int:
     owned = not dist.is_initialized()  # run_local (tests) sets the group up itself
     if owned:
         acc.set_device()  # before any group: NCCL binds its communicators to the current device
-        dist.init_process_group(acc.world_backend,
-                                timeout=datetime.timedelta(minutes=args.train.distributed_timeout_minutes))
+        minutes = (args.resilience.failure_timeout_s / 60 if args.resilience is not None
+                   else args.train.distributed_timeout_minutes)  # resilience: a dead peer fails calls that soon
+        dist.init_process_group(acc.world_backend, timeout=datetime.timedelta(minutes=minutes))
     try:
         run(args, acc, plan=plan)
         return 0
     except UserError as e:
         print(f"[rank {dist.get_rank()}] pretrain_gpt.py: error: {e}", file=sys.stderr, flush=True)
         return 2
+    except Exception as e:
+        from megatron_het.resilience.recovery import RankRetired
+
+        if not isinstance(e, RankRetired):
+            raise
+        print(f"pretrain_gpt.py: {e} (--hetero-resilience: the others continue)", file=sys.stderr, flush=True)
+        return 0
     finally:
-        if owned:
+        if owned and dist.is_initialized():  # a retired rank has left every group already
             dist.destroy_process_group()
 
 
@@ -165,12 +173,17 @@ def run(args: PretrainArgs, acc, *, plan: AnyPlan | None = None,
         print_rank0("optimizer: distributed (fp32 main parameters and Adam moments sharded over every holder of "
                     "each parameter, in proportion to free memory; the plan's memory prediction counts the same)")
     emulate = announce_emulation(cluster, no_emulation=args.no_emulation)
+    print_rank0(args.resilience.describe() if args.resilience is not None else "resilience: off (a failed rank ends "
+                "the run; --hetero-resilience survives it in-process)")
+    if args.resilience is not None and sharded:
+        raise ConfigError("in-process fault tolerance re-routes pipeline stages; a sharded plan has none",
+                          field="--hetero-resilience", value=args.plan_source, fix="use a pipeline plan or drop the flag")
     print_rank0(communication_line(plan, cluster))
     if sharded and args.tensorboard is not None:
         print_rank0("note: --tensorboard-dir is not written for sharded plans yet (log lines only)")
     batch_fn, valid_fn = batch_fns(args)
     load_path, padded_vocab = checkpoint_to_load(args)
-    tensorboard = None
+    tensorboard = resilience = None
     try:
         if sharded:
             from megatron_het.sharding.trainer import ShardedTrainer
@@ -191,10 +204,22 @@ def run(args: PretrainArgs, acc, *, plan: AnyPlan | None = None,
             from megatron_het.train.trainer import ChainedHooks
 
             probe = MemoryProbe()  # what each rank holds, beside the memory model's prediction (end of run)
-            trainer = HeteroTrainer(model=args.model, plan=plan, train=args.train, batch_fn=batch_fn,
-                                    cluster=cluster, padded_vocab=padded_vocab, slowdown=None if emulate else 1.0,
-                                    hooks=ChainedHooks(tensorboard, probe) if tensorboard is not None else probe,
-                                    accelerator=acc)
+            train = args.train
+            hooks: list = [h for h in (tensorboard, probe) if h is not None]
+            if args.resilience is not None:
+                from megatron_het.resilience.worker import pretrain_hooks
+
+                train, resilience = pretrain_hooks(args.resilience, model=args.model, plan=plan, train=train,
+                                                   batch_fn=batch_fn, padded_vocab=padded_vocab,
+                                                   checkpoint_dir=args.loop.save,
+                                                   staggered_step=args.staggered_step)
+                hooks.append(resilience)
+            trainer = HeteroTrainer(model=args.model, plan=plan, train=train, batch_fn=batch_fn,
+                                    cluster=cluster, padded_vocab=padded_vocab,
+                                    slowdown=None if emulate else 1.0, hooks=ChainedHooks(*hooks), accelerator=acc)
+            if args.staggered_step:
+                trainer.strategy.staggered_step = True
+                print_rank0("optimizer: staggered step (each stage steps right after its own gradient reduction)")
         if load_path:
             start = trainer.load_checkpoint(load_path)
             print_rank0(f"loaded checkpoint {load_path} (iteration {start}, written under another plan is fine)")
@@ -210,6 +235,8 @@ def run(args: PretrainArgs, acc, *, plan: AnyPlan | None = None,
     finally:  # the event file is complete even when training fails
         if tensorboard is not None:
             tensorboard.close()
+        if resilience is not None:
+            resilience.close()
 
 
 def communication_line(plan: AnyPlan, cluster) -> str:

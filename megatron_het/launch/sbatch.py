@@ -9,6 +9,13 @@ Rendezvous is ``static`` on the first node of component 0: with ``c10d`` torchru
 Static rendezvous still lets each node start its own number of processes (torch elastic sums the
 local world sizes of the nodes before it).
 
+With ``--hetero-resilience`` among the training arguments, a dead rank must not end the job step:
+the script starts the resilience store (``python -m megatron_het.cli.resilience_store``) on the
+batch node, every rank gets its own torchrun agent (``--nproc-per-node=1 --max-restarts=0``:
+torchrun's agent stops all its workers when one fails; one agent per rank stops only that rank,
+measured), ``srun --kill-on-bad-exit=0`` keeps a step's other tasks running, and the script waits for
+every component instead of stopping the others at the first failure.
+
 Nothing from the cluster, plan or command line reaches the script unquoted: directive and
 ``--export=`` values go through ``shlex.quote`` (names are plain words already, cluster/ checks
 them), training arguments become a quoted bash array, and comments have every control character
@@ -102,10 +109,13 @@ def _describe(c: HetComponent) -> str:
                     f"global ranks {c.first_rank}-{c.first_rank + c.num_ranks - 1}")
 
 
-def _srun(c: HetComponent) -> list[str]:
+RESILIENCE_FLAG = "--hetero-resilience"  # in the training arguments: the job step survives a dead rank
+
+
+def _srun(c: HetComponent, *, resilient: bool = False) -> list[str]:
     return [
         _comment(f"# component {c.index}: island {c.island}"),
-        f"srun --het-group={c.index} --nodes={c.nodes} --ntasks-per-node=1 --kill-on-bad-exit=1 \\",
+        f"srun --het-group={c.index} --nodes={c.nodes} --ntasks-per-node=1 --kill-on-bad-exit={0 if resilient else 1} \\",
         f"  --export={_q(_export_list(c))} \\",
         '  bash -c "$NODE_CMD" torchrun "${TRAIN[@]}" &',
         "pids+=($!)",
@@ -139,6 +149,9 @@ def render_sbatch(components: Sequence[HetComponent], options: JobOptions) -> st
 
     port = str(o.master_port) if o.master_port else "$((20000 + SLURM_JOB_ID % 20000))"
     train = [o.script, "--hetero-cluster", o.cluster_file, "--hetero-plan", o.plan_file, *o.training_args]
+    resilient = RESILIENCE_FLAG in o.training_args
+    if resilient:
+        return _render_resilient(header, components, port, train)
     body = [
         "set -euo pipefail",
         "",
@@ -176,6 +189,67 @@ def render_sbatch(components: Sequence[HetComponent], options: JobOptions) -> st
         '    echo "megatron-het: a component exited with $rc; stopping the others" >&2',
         '    kill "${pids[@]}" 2>/dev/null || true',
         "  fi",
+        "done",
+        'exit "$status"',
+    ]
+    return "\n".join(header + [""] + body) + "\n"
+
+
+def _render_resilient(header: list[str], components: Sequence[HetComponent], port: str, train: list[str]) -> str:
+    """The script of a ``--hetero-resilience`` run (see the module docstring)."""
+    ranks = sum(c.num_ranks for c in components)
+    store_given = "--hetero-resilience-store" in train
+    body = [
+        "set -euo pipefail",
+        "",
+        "# Inside a het job SLURM_HET_JOB_ID is unset; SLURM_JOB_ID and the *_HET_GROUP_<n> variables describe it.",
+        "# The rendezvous runs on the first node of component 0, at the address Slurm knows it by (NodeAddr).",
+        'MASTER_NODE=$(scontrol show hostnames "$SLURM_JOB_NODELIST_HET_GROUP_0" | head -n 1)',
+        'MASTER_ADDR=${MASTER_ADDR:-$(scontrol show node "$MASTER_NODE" | sed -n \'s/.*NodeAddr=\\([^ ]*\\).*/\\1/p\')}',
+        "MASTER_ADDR=${MASTER_ADDR:-$MASTER_NODE}",
+        f"MASTER_PORT=${{MASTER_PORT:-{port}}}",
+        "RESILIENCE_PORT=${RESILIENCE_PORT:-$((MASTER_PORT + 1))}",
+        "TORCHRUN=${TORCHRUN:-torchrun}  # e.g. TORCHRUN=\"python -m torch.distributed.run\" sbatch ...",
+        "PYTHON=${PYTHON:-python}",
+        f"NNODES={ranks}  # --hetero-resilience: one torchrun agent per rank, each its own rendezvous node",
+        "export MASTER_ADDR MASTER_PORT TORCHRUN NNODES",
+        'echo "megatron-het: job $SLURM_JOB_ID, ${SLURM_HET_SIZE:-1} components, $NNODES ranks, '
+        'rendezvous $MASTER_ADDR:$MASTER_PORT, resilience store $MASTER_ADDR:$RESILIENCE_PORT"',
+        "",
+        "# The resilience store (heartbeats, agreement, rebuilt worlds) outlives every rank: it runs here, on the",
+        "# batch node (the first node of component 0), listening on the rendezvous address only.",
+        '"$PYTHON" -m megatron_het.cli.resilience_store --host "$MASTER_ADDR" --port "$RESILIENCE_PORT" &',
+        "STORE_PID=$!",
+        'trap \'kill "$STORE_PID" 2>/dev/null || true\' EXIT',
+        "",
+        "TRAIN=(" + " ".join(shlex.quote(a) for a in train) + ")",
+    ]
+    if not store_given:
+        body.append('TRAIN+=(--hetero-resilience-store "$MASTER_ADDR:$RESILIENCE_PORT")')
+    body += [
+        "",
+        "# Runs once per node: one torchrun agent per rank (--max-restarts=0: a dead rank is not restarted, the",
+        "# others keep training in-process); the node's exit status is its worst rank's.",
+        "NODE_CMD='first=$((MEGATRON_HET_FIRST_RANK + SLURM_NODEID * MEGATRON_HET_NPROC)); agents=(); "
+        "for ((i = 0; i < MEGATRON_HET_NPROC; i++)); do "
+        "$TORCHRUN --nnodes=\"$NNODES\" --nproc-per-node=1 --max-restarts=0 --node-rank=$((first + i)) "
+        "--rdzv-backend=static --rdzv-endpoint=\"$MASTER_ADDR:$MASTER_PORT\" --rdzv-id=\"$SLURM_JOB_ID\" \"$@\" & "
+        "agents+=($!); done; rc=0; for a in \"${agents[@]}\"; do wait \"$a\" || rc=$?; done; exit $rc'",
+        "",
+        "pids=()",
+    ]
+    for c in components:
+        lines = _srun(c, resilient=True)
+        lines[2] = f"  --export={_q(_export_list(c) + f',MEGATRON_HET_FIRST_RANK={c.first_rank}')} \\"
+        body += lines
+    body += [
+        "",
+        "# --hetero-resilience: a component whose rank died is not a reason to stop the others; wait for all.",
+        "status=0",
+        'for pid in "${pids[@]}"; do',
+        '  rc=0; wait "$pid" || rc=$?',
+        '  if [ "$rc" -ne 0 ]; then echo "megatron-het: a component exited with $rc (a rank died; the others '
+        'continued)" >&2; status=$rc; fi',
         "done",
         'exit "$status"',
     ]

@@ -49,14 +49,27 @@ def replan_replicas(plan: Plan, num_survivors: int) -> int:
     return num_survivors // per_replica
 
 
-def predicted_fraction(plan: Plan, failed, duration: RoutedDurationFn = unit_durations) -> float:
-    """Throughput after ``failed`` as a fraction of failure-free, from the routed-schedule simulator."""
-    base = routed_schedule(reroute(plan, ()), duration=duration).iteration_time
-    return base / routed_schedule(reroute(plan, failed), duration=duration).iteration_time
+def predicted_fraction(plan: Plan, failed, duration: RoutedDurationFn = unit_durations, *,
+                       split_backward: bool = True, staggered: bool = False) -> float:
+    """Throughput after ``failed`` as a fraction of failure-free, from the routed-schedule simulator
+    with the step actions the runtime will run (``staggered.py``; the runtime's loss report is a
+    world barrier after the step)."""
+    if not staggered:
+        base = routed_schedule(reroute(plan, ()), duration=duration, split_backward=split_backward).iteration_time
+        return base / routed_schedule(reroute(plan, failed), duration=duration,
+                                      split_backward=split_backward).iteration_time
+    from megatron_het.resilience.staggered import steady_period
+
+    def period(failed_ranks) -> float:
+        return steady_period(reroute(plan, failed_ranks), staggered=True, split_backward=split_backward,
+                             duration=duration, world_barrier=True)
+
+    return period(()) / period(failed)
 
 
 def decide(plan: Plan, failed, *, config: PolicyConfig = PolicyConfig(),
-           duration: RoutedDurationFn = unit_durations) -> Decision:
+           duration: RoutedDurationFn = unit_durations, split_backward: bool = True,
+           staggered: bool = False) -> Decision:
     """Re-route unless a re-plan over the survivors is predicted faster over the horizon."""
     failed = frozenset(failed)
     survivors = plan.world_size - len(failed)
@@ -64,7 +77,7 @@ def decide(plan: Plan, failed, *, config: PolicyConfig = PolicyConfig(),
     amortised = 1.0 - config.restart_cost_s / config.horizon_s
     replan = min(1.0, replicas / len(plan.replicas)) * amortised
     try:
-        ratio = predicted_fraction(plan, failed, duration)
+        ratio = predicted_fraction(plan, failed, duration, split_backward=split_backward, staggered=staggered)
     except ReroutingError as err:
         return Decision(action="replan", reason=f"re-routing impossible: {err}", reroute_fraction=0.0,
                         replan_fraction=replan)

@@ -13,6 +13,7 @@ redone, so the sequence of updates equals the failure-free run.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import datetime
 import logging
@@ -22,12 +23,13 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import torch
 import torch.distributed as dist
 
 from megatron_het.plan import Plan, ReplicaPlan
 from megatron_het.platform import detect_accelerator
 from megatron_het.resilience.agreement import Heartbeat, StoreAddress, agree_on_failures
-from megatron_het.resilience.policy import PolicyConfig, decide
+from megatron_het.resilience.policy import Decision, PolicyConfig, decide
 from megatron_het.resilience.routed_schedule import routed_schedule
 from megatron_het.resilience.routing import InstanceKey, Routing, describe, reroute
 from megatron_het.runtime.boundary import BoundaryLink, Neighbour
@@ -49,8 +51,13 @@ class ResilienceConfig:
     split_backward: bool = True  # routed schedule with separate B/W actions (zero-bubble style)
     policy: PolicyConfig = PolicyConfig()  # re-route vs re-plan
     checkpoint_dir: str | None = None  # where a re-plan writes the survivors' state (None: no re-plan)
+    mode: str = "auto"  # auto: the policy decides; reroute: re-route whenever possible; replan: always re-plan
+    staggered_step: bool = False  # each stage steps right after its own gradient reduction (ReCycle); the
+    # hooks then keep the iteration's starting state to undo a step taken before a peer failed (fp32 only)
 
     def __post_init__(self) -> None:
+        if self.mode not in ("auto", "reroute", "replan"):
+            raise ValueError(f"mode: {self.mode!r} is not auto, reroute or replan. Fix: pick one of the three")
         if not 0 < self.heartbeat_interval_s < self.heartbeat_timeout_s <= self.agreement_timeout_s:
             raise ValueError(
                 f"heartbeat_interval_s/heartbeat_timeout_s/agreement_timeout_s: need 0 < interval < timeout <= "
@@ -145,6 +152,17 @@ def rebind(strategy: PipelineStrategy, routing: Routing, rank: int, *, split_bac
                     links=links, split_backward=split_backward)
 
 
+def forced(decision: Decision, mode: str) -> Decision:
+    """``decision`` under ``ResilienceConfig.mode``: reroute keeps re-routing while it is possible,
+    replan always re-plans; auto keeps the simulator's choice."""
+    if mode == "reroute" and decision.action == "replan" and decision.reroute_fraction > 0:
+        return dataclasses.replace(decision, action="reroute", reason=decision.reason + " (policy reroute: "
+                                   "re-routing anyway)")
+    if mode == "replan" and decision.action == "reroute":
+        return dataclasses.replace(decision, action="replan", reason=decision.reason + " (policy replan)")
+    return decision
+
+
 def _groups() -> list:
     from torch.distributed import distributed_c10d as c10d
 
@@ -172,10 +190,11 @@ class ResilienceHooks(TrainerHooks):
     """Detect, agree, re-route or re-plan, continue. One object per rank, on the trainer of a pipeline plan."""
 
     def __init__(self, *, config: ResilienceConfig, rank: int, plan: Plan, fault: FaultSpec | None = None,
-                 rebuild: Rebuild | None = None, replan: Replan | None = None) -> None:
+                 rebuild: Rebuild | None = None, replan: Replan | None = None, report_dir: str | None = None) -> None:
         """``rank``: this rank in ``plan``; ``rebuild`` and ``replan`` make a re-plan possible (with
-        ``config.checkpoint_dir``): without them a re-plan decision ends the run."""
-        self.config, self.fault = config, fault
+        ``config.checkpoint_dir``): without them a re-plan decision ends the run. ``report_dir``:
+        ``close`` writes ``rank{rank}.json`` there (failures survived, samples read per iteration)."""
+        self.config, self.fault, self.report_dir = config, fault, report_dir
         self.rebuild, self.replan = rebuild, replan
         self.original_rank = rank  # in the first plan (the report's rank)
         self.events: list[FailureEvent] = []
@@ -198,9 +217,34 @@ class ResilienceHooks(TrainerHooks):
         self.failed: frozenset[int] = frozenset()
         self.members: tuple[int, ...] = tuple(range(plan.world_size))  # ranks of ``plan`` in the current world
         self.generation = 0
+        self.windows: dict[int, tuple[int, int]] = {}  # global micro-batch -> local layers run (covers)
+        self._undo = None  # staggered step: (model, optimizer) state at the start of the current iteration
 
     # ---- hook points --------------------------------------------------------------------------
+    def on_step_start(self, trainer: Trainer, iteration: int) -> None:
+        strategy = trainer.strategy
+        if not self.config.staggered_step:
+            return
+        if strategy.main is not None:
+            raise ValueError(f"staggered_step: needs fp32 training (got precision {strategy.train.precision}): "
+                             f"undoing a step also needs the main parameters. Fix: drop staggered_step or use fp32")
+        strategy.staggered_step = True
+        # a stage may step before a peer's failure surfaces in a later collective: keep what undoes it
+        self._undo = ({k: v.detach().clone() for k, v in strategy.gpt.state_dict().items() if torch.is_tensor(v)},
+                      copy.deepcopy(strategy.optimizer.state_dict()))
+
+    def _undo_step(self, trainer: Trainer) -> None:
+        """Back to the state the failed iteration started from (a staggered step may have been taken)."""
+        if self._undo is None:
+            return
+        model, optimizer = self._undo
+        trainer.strategy.gpt.load_state_dict(model, strict=False)
+        trainer.strategy.optimizer.load_state_dict(optimizer)
+        self._undo = None
+
     def on_action(self, trainer: Trainer, iteration: int, index: int, action) -> None:
+        if self.windows:
+            trainer.strategy.layer_window = self.windows.get(action.micro_batch) if action.kind == "F" else None
         f = self.fault
         if f is not None and f.rank == self.rank and f.iteration == iteration and index >= f.after_actions:
             self.store.set(f"killed/{self.rank}", repr(time.time()))
@@ -223,6 +267,7 @@ class ResilienceHooks(TrainerHooks):
         # Close our connections at once: a peer blocked on us (not on the dead rank) then fails too
         # instead of waiting for its timeout, so every survivor joins the agreement quickly.
         abort_all_groups()
+        self._undo_step(trainer)
         self.generation += 1
         agreement = agree_on_failures(self.store, generation=self.generation, rank=self.rank, members=self.members,
                                       iteration=iteration, heartbeat_timeout_s=self.config.heartbeat_timeout_s,
@@ -232,7 +277,9 @@ class ResilienceHooks(TrainerHooks):
             raise RankRetired(f"rank {self.rank} was declared failed in generation {self.generation}") from error
         self.failed = self.failed | frozenset(agreement.failed)
         can_replan = self.config.checkpoint_dir is not None and self.rebuild is not None and self.replan is not None
-        decision = decide(self.plan, self.failed, config=self.config.policy)
+        decision = forced(decide(self.plan, self.failed, config=self.config.policy,
+                                  split_backward=self.config.split_backward,
+                                  staggered=self.config.staggered_step), self.config.mode)
         if decision.action == "replan" and not can_replan:
             if decision.reroute_fraction == 0.0:
                 raise RecoveryError(f"ranks {sorted(self.failed)} failed: {decision.reason}; in-process recovery "
@@ -248,6 +295,8 @@ class ResilienceHooks(TrainerHooks):
             raise RankRetired(f"rank {self.rank} retires: its TP group lost ranks {sorted(self.failed)}") from error
         if routing is not None:
             rebind(trainer.strategy, routing, self.rank, split_backward=self.config.split_backward)
+            # global micro-batches this rank runs on part of its layers (it covers part of a lost stage)
+            self.windows = routing.windows(routing.instance_of(self.rank).key)
         if decision.action == "replan":
             saved = None
             if routing is not None:  # every layer still has a holder: write the current state
@@ -304,6 +353,21 @@ class ResilienceHooks(TrainerHooks):
                                 rank=survivors.index(self.rank), world_size=len(survivors),
                                 timeout=datetime.timedelta(seconds=self.config.pg_timeout_s))
 
+    def report(self) -> dict:
+        """What this rank survived and read, as JSON-able data (the ``report_dir`` file)."""
+        return {"rank": self.original_rank, "events": [dataclasses.asdict(e) for e in self.events],
+                "replans": list(self.replans),
+                "embedded": {str(k): v for k, v in sorted(self.embedded.items())},
+                "scored": {str(k): v for k, v in sorted(self.scored.items())}}
+
     def close(self) -> None:
         if self.heartbeat is not None:
             self.heartbeat.stop()
+        if self.report_dir is not None:
+            import json
+            from pathlib import Path
+
+            from megatron_het.utils.atomic import write_text_atomic
+
+            Path(self.report_dir).mkdir(parents=True, exist_ok=True)
+            write_text_atomic(Path(self.report_dir) / f"rank{self.original_rank}.json", json.dumps(self.report()))

@@ -14,8 +14,8 @@ and asynchronous sends cannot deadlock; the same simulation is the performance p
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 
 from megatron_het.resilience.routing import InstanceKey, Routing
 from megatron_het.schedule import Action, ScheduleError
@@ -36,6 +36,7 @@ class RoutedSchedule:
     split_backward: bool  # True: B is input-gradient only, W follows separately
     iteration_time: float  # simulated end of the last action (same unit as the durations)
     busy: dict[InstanceKey, float]  # per instance, summed compute time
+    finish: dict[InstanceKey, float] = field(default_factory=dict)  # per instance, end of its last action
 
     def bubble_fraction(self) -> float:
         """Idle share of all instances' time."""
@@ -49,21 +50,31 @@ def unit_durations(instance: InstanceKey, kind: str, split: bool) -> float:
 
 
 def routed_schedule(routing: Routing, *, split_backward: bool = True, duration: RoutedDurationFn = unit_durations,
-                    p2p: RoutedP2PFn | None = None) -> RoutedSchedule:
-    """Simulate one iteration of ``routing`` and return every instance's action list."""
+                    p2p: RoutedP2PFn | None = None, start: Mapping[InstanceKey, float] | None = None
+                    ) -> RoutedSchedule:
+    """Simulate one iteration of ``routing`` and return every instance's action list.
+
+    ``start``: per instance, when it may begin (default 0: all at once); ``staggered.py`` chains
+    iterations with it."""
     keys = [i.key for i in routing.instances]
     # per (instance, global micro-batch): (pipeline index, stage index)
     where: dict[tuple[InstanceKey, int], tuple[int, int]] = {}
     forwards: dict[InstanceKey, list[tuple[int, int]]] = {k: [] for k in keys}  # (g, pipeline) in order
+    share: dict[tuple[InstanceKey, int], float] = {}  # part of the instance's layers it runs for g (covers)
     for v, pipe in enumerate(routing.pipelines):
         for g in pipe.micro_batches:
             for s, hop in enumerate(pipe.hops):
                 where[(hop, g)] = (v, s)
+                share[(hop, g)] = routing.fraction(pipe, s)
                 forwards[hop].append((g, v))
+    # an instance serving several pipelines takes their forwards round-robin (i-th micro-batch of each
+    # pipeline before the (i+1)-th of any), not by global index: a taken-over pipeline is not starved
+    # until the instance's own micro-batches are done
+    nth = {g: i for pipe in routing.pipelines for i, g in enumerate(pipe.micro_batches)}
     for k in keys:
-        forwards[k].sort()
+        forwards[k].sort(key=lambda gv: (nth[gv[0]], gv[1]))
     done: dict[tuple[InstanceKey, str, int], float] = {}
-    free = dict.fromkeys(keys, 0.0)
+    free = {k: float((start or {}).get(k, 0.0)) for k in keys}
     busy = dict.fromkeys(keys, 0.0)
     next_f = dict.fromkeys(keys, 0)
     in_flight: dict[tuple[InstanceKey, int], int] = {}
@@ -103,15 +114,15 @@ def routed_schedule(routing: Routing, *, split_backward: bool = True, duration: 
                 t = dep_time(k, kind, g)
                 if t is None:
                     continue
-                cand = (max(t, free[k]), _PRIORITY[kind], g, keys.index(k), k, kind)
+                cand = (max(t, free[k]), _PRIORITY[kind], nth[g], g, keys.index(k), k, kind)
                 if best is None or cand < best:
                     best = cand
         if best is None:
             stuck = {k: [str(a) for a in order[k][-3:]] for k in keys}
             raise ScheduleError(field="routing", value=stuck, problem="the routed schedule cannot make progress",
                                 fix="report this routing; every pipeline must be a chain of distinct instances")
-        start, _, g, _, k, kind = best
-        dt = float(duration(k, kind, split_backward))
+        start, _, _, g, _, k, kind = best
+        dt = float(duration(k, kind, split_backward)) * share[(k, g)]
         done[(k, kind, g)] = start + dt
         free[k] = start + dt
         busy[k] += dt
@@ -130,4 +141,4 @@ def routed_schedule(routing: Routing, *, split_backward: bool = True, duration: 
             waiting_w[k].remove(g)
     end = max(free.values(), default=0.0)
     return RoutedSchedule(actions={k: tuple(a) for k, a in order.items()}, split_backward=split_backward,
-                          iteration_time=end, busy=busy)
+                          iteration_time=end, busy=busy, finish=dict(free))

@@ -25,6 +25,7 @@ from megatron_het.resilience.recovery import (
     ResilienceConfig,
     ResilienceHooks,
 )
+from megatron_het.runtime.resilience_options import ResilienceOptions
 from megatron_het.train.config import TrainConfig
 
 logger = logging.getLogger(__name__)
@@ -110,6 +111,34 @@ def resilient_train(*, rank: int, model: ModelSpec, plan: Plan, train: TrainConf
                       embedded={k: tuple(v) for k, v in hooks.embedded.items()},
                       scored={k: tuple(v) for k, v in hooks.scored.items()}, events=tuple(hooks.events),
                       replans=tuple(hooks.replans))
+
+
+def pretrain_hooks(options: ResilienceOptions, *, model: ModelSpec, plan: Plan, train: TrainConfig, batch_fn,
+                   padded_vocab: int | None, checkpoint_dir: str | None, staggered_step: bool = False
+                   ) -> tuple[TrainConfig, ResilienceHooks]:
+    """The hooks ``pretrain_gpt.py --hetero-resilience`` adds to its trainer (this rank = the default
+    group's rank, which must exist), and the training config with the failure timeout on every group.
+
+    A re-plan writes the survivors' state to ``checkpoint_dir`` (--save); without it the run keeps
+    re-routing while that is possible."""
+    from megatron_het.runtime.hetero_trainer import PipelineStrategy
+
+    train = dataclasses.replace(train, distributed_timeout_minutes=options.failure_timeout_s / 60)
+    config = ResilienceConfig(store=StoreAddress(host=options.store_host, port=options.store_port),
+                              heartbeat_interval_s=options.heartbeat_interval_s,
+                              heartbeat_timeout_s=options.failure_timeout_s, pg_timeout_s=options.failure_timeout_s,
+                              agreement_timeout_s=options.agreement_timeout_s, checkpoint_dir=checkpoint_dir,
+                              mode=options.policy, staggered_step=staggered_step)
+
+    def rebuild(new_plan: Plan) -> PipelineStrategy:
+        return PipelineStrategy(model=model, plan=new_plan, train=train, batch_fn=batch_fn, padded_vocab=padded_vocab)
+
+    rank = dist.get_rank()
+    f = options.fault
+    fault = FaultSpec(rank=f.rank, iteration=f.iteration, after_actions=f.after_actions) if f and f.rank == rank else None
+    hooks = ResilienceHooks(config=config, rank=rank, plan=plan, fault=fault, rebuild=rebuild,
+                            replan=homogeneous_replan, report_dir=options.report_dir)
+    return train, hooks
 
 
 def resilient_worker(rank: int, world_size: int, address: StoreAddress, model: ModelSpec, plan: Plan,

@@ -16,6 +16,7 @@ from pathlib import Path
 
 from megatron_het.cluster import ClusterSpec, ConfigError, ModelSpec, load_cluster, load_model
 from megatron_het.errors import UserError
+from megatron_het.runtime.resilience_options import FaultInjection, ResilienceOptions, parse_store
 from megatron_het.train.config import DataConfig, LoopConfig, TensorBoardConfig, TrainConfig
 
 
@@ -88,6 +89,20 @@ FLAGS = (
          "planner at start-up", required=True),
     Flag("--hetero-profile", "run.profile", help="measured profile (PROFILE.json) for --hetero-plan auto"),
     Flag("--no-emulation", "run.no_emulation", bool, "ignore the cluster file's emulation block"),
+    Flag("--hetero-resilience", "run.resilience", bool, "survive rank failures in-process: re-route a failed "
+         "rank's work to its data-parallel peers or re-plan over the survivors (off by default)"),
+    Flag("--hetero-resilience-store", "run.resilience_store", help="HOST:PORT of the resilience store, a process "
+         "outside the ranks (python -m megatron_het.cli.resilience_store; the launchers start it)"),
+    Flag("--hetero-heartbeat-interval", "run.heartbeat_interval", float, "seconds between heartbeats (default 0.5)"),
+    Flag("--hetero-failure-timeout", "run.failure_timeout", float, "seconds after which a silent or stuck peer "
+         "counts as failed (default 15)"),
+    Flag("--hetero-resilience-policy", "run.resilience_policy", help="auto (the simulator picks), reroute or replan "
+         "(replan writes to --save)"),
+    Flag("--hetero-resilience-report", "run.resilience_report", help="directory: each rank writes rank{R}.json "
+         "(failures survived, samples read per iteration)"),
+    Flag("--hetero-inject-fault", "run.inject_fault", help="testing: RANK:ITERATION[:ACTIONS] SIGKILLs that rank"),
+    Flag("--hetero-staggered-step", "run.staggered_step", bool, "each pipeline stage steps its optimizer right after "
+         "its own gradient reduction (ReCycle); needs --clip-grad 0"),
 )
 CONFIGS = {"train": TrainConfig, "data": DataConfig, "loop": LoopConfig, "tensorboard": TensorBoardConfig}
 
@@ -127,6 +142,8 @@ class PretrainArgs:
     tp_comm_overlap: bool  # overlap TP communication on every stage with TP > 1
     tensorboard: TensorBoardConfig | None  # None: no --tensorboard-dir
     use_distributed_optimizer: bool = False  # turn on the plan's distributed optimizer (runtime/plan_record.py)
+    resilience: ResilienceOptions | None = None  # None: no --hetero-resilience
+    staggered_step: bool = False  # --hetero-staggered-step
 
 
 def _sections(ns: argparse.Namespace) -> dict[str, dict[str, object]]:
@@ -191,12 +208,17 @@ def parse_args(argv: list[str] | None = None) -> PretrainArgs:
         train = TrainConfig(**values["train"])
         loop = LoopConfig(**values["loop"])
         tensorboard = tensorboard_from_args(values["tensorboard"])
+        resilience = resilience_from_args(run)
+        if run["staggered_step"] and train.clip_grad > 0:
+            raise ValueError(f"--hetero-staggered-step: each stage steps before the global gradient norm exists, "
+                             f"so it cannot clip (--clip-grad {train.clip_grad}). Fix: add --clip-grad 0")
     except ValueError as e:  # UserError included: the flag's value is wrong
         parser.error(str(e))
     return PretrainArgs(model=model, train=train, data=data_config, loop=loop, cluster=cluster,
                         plan_source=run["plan_source"], profile=run["profile"], no_emulation=bool(run["no_emulation"]),
                         sequence_parallel=bool(run["sequence_parallel"]), tp_comm_overlap=bool(run["tp_comm_overlap"]),
-                        tensorboard=tensorboard, use_distributed_optimizer=bool(run["use_distributed_optimizer"]))
+                        tensorboard=tensorboard, use_distributed_optimizer=bool(run["use_distributed_optimizer"]),
+                        resilience=resilience, staggered_step=bool(run["staggered_step"]))
 
 
 def tensorboard_from_args(values: dict[str, object]) -> TensorBoardConfig | None:
@@ -208,3 +230,24 @@ def tensorboard_from_args(values: dict[str, object]) -> TensorBoardConfig | None
     config = TensorBoardConfig(**values)
     require_tensorboard()  # every rank parses: all fail together, before any process group exists
     return config
+
+
+def resilience_from_args(run: dict[str, object]) -> ResilienceOptions | None:
+    """The --hetero-resilience settings, or None when it is off (its knobs then must not be given)."""
+    knobs = ("resilience_store", "heartbeat_interval", "failure_timeout", "resilience_policy", "resilience_report",
+             "inject_fault")
+    if not run["resilience"]:
+        given = [f"--hetero-{k.replace('_', '-')}" for k in knobs if run[k] is not None]
+        if given:
+            raise ValueError(f"{given[0]}: needs --hetero-resilience. Fix: add --hetero-resilience or drop {given[0]}")
+        return None
+    if run["resilience_store"] is None:
+        raise ValueError("--hetero-resilience-store: missing. Fix: start `python -m megatron_het.cli.resilience_store "
+                         "--host HOST --port PORT` outside the ranks and pass HOST:PORT (pretrain_scripts/*.sh and "
+                         "tools/slurm.py do this when --hetero-resilience is given)")
+    host, port = parse_store(str(run["resilience_store"]))
+    optional = {"heartbeat_interval_s": run["heartbeat_interval"], "failure_timeout_s": run["failure_timeout"],
+                "policy": run["resilience_policy"], "report_dir": run["resilience_report"]}
+    fault = FaultInjection.parse(str(run["inject_fault"])) if run["inject_fault"] is not None else None
+    return ResilienceOptions(store_host=host, store_port=port, fault=fault,
+                             **{k: v for k, v in optional.items() if v is not None})

@@ -18,6 +18,7 @@ gradient buckets from gradient hooks during each stage's last backward (``runtim
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import math
@@ -61,6 +62,21 @@ from megatron_het.train.timer import EmulationTimer, emulation_timer
 from megatron_het.train.trainer import Trainer, TrainerHooks
 
 logger = logging.getLogger(__name__)
+
+
+@contextlib.contextmanager
+def only_layers(decoder, window: tuple[int, int] | None):
+    """Inside: megatron-core's TransformerBlock runs only its layers ``[first, stop)`` (local indices),
+    the others are skipped for this forward (and so have no gradient from it). None: all layers."""
+    if window is None:
+        yield
+        return
+    layers = decoder._modules["layers"]
+    decoder._modules["layers"] = torch.nn.ModuleList(list(layers)[window[0]:window[1]])
+    try:
+        yield
+    finally:
+        decoder._modules["layers"] = layers
 
 
 def plan_padded_vocab(model: ModelSpec, plan: Plan) -> int:
@@ -130,6 +146,8 @@ class PipelineStrategy:
         self.chunk_ranges = chunk_layers(self.replica, self.num_chunks)[role.stage]
         # linears' deferred weight gradients when the schedule splits B and W (runtime/split_backward.py)
         self.wgrad_store = WeightGradStore()
+        self.layer_window: tuple[int, int] | None = None  # local decoder layers the next forward runs (None: all)
+        self.staggered_step = False  # step right after this stage's own gradient reduction (needs clip_grad 0)
         self.gpt = self._build_model()
         if init_full_state is not None:
             for gpt, (first, _) in zip(self.gpts, self.chunk_ranges):
@@ -378,11 +396,18 @@ class PipelineStrategy:
         self.sync.reduce()
         scale = float(self.scaler.scale) if self.scaler is not None else None
         skipped = self.scaler.unscale_and_check(self.opt_params) if self.scaler is not None else False
+        staggered = self.staggered_step and not skipped
+        if staggered:  # ReCycle's staggered step: no world-wide collective before it (hence no clipping)
+            if self.train.clip_grad > 0:
+                raise ConfigError("the staggered optimizer step cannot wait for the global gradient norm",
+                                  field="--clip-grad", value=self.train.clip_grad, fix="use --clip-grad 0")
+            timer.stretch(self._optimizer_step)
         grad_norm = self._clip() if not skipped else math.nan
         # Global mean loss: last stages hold their replicas' per-micro-batch mean sums. Reported
-        # before the step so that a failure in any collective leaves every survivor un-stepped.
+        # before the step so that a failure in any collective leaves every survivor un-stepped
+        # (a staggered step is taken before it: the resilience hooks then undo it on a failure).
         report = self._loss_report(loss_sum)
-        if not skipped:
+        if not skipped and not staggered:
             timer.stretch(self._optimizer_step)  # a slower device steps its optimizer slower too (priced so)
         return StepResult(lm_loss=float(report) / self.total_micro_batches, grad_norm=grad_norm, skipped=skipped,
                           loss_scale=scale)
@@ -416,7 +441,9 @@ class PipelineStrategy:
             mbs, seq = self.train.micro_batch_size, self.model_spec.seq_length
             position_ids = torch.arange(seq, device=self.device).unsqueeze(0).expand(mbs, seq)
         kwargs = {"fp32_output": is_last} if module is not gpt else {}
-        out = module(inputs if is_first else None, position_ids, None, labels=labels if is_last else None, **kwargs)
+        with only_layers(gpt.decoder, self.layer_window):  # a resilience cover runs part of the stage
+            out = module(inputs if is_first else None, position_ids, None, labels=labels if is_last else None,
+                         **kwargs)
         if is_last:
             # out: per-token losses [b, s]; this micro-batch's share of the global-batch mean.
             return out.float().mean() / self.total_micro_batches
