@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from megatron_het.cluster import ConfigError
 from megatron_het.plan import Plan, ReplicaPlan
 from megatron_het.platform import detect_accelerator
 from megatron_het.resilience.agreement import Heartbeat, StoreAddress, agree_on_failures
@@ -194,6 +195,12 @@ class ResilienceHooks(TrainerHooks):
         """``rank``: this rank in ``plan``; ``rebuild`` and ``replan`` make a re-plan possible (with
         ``config.checkpoint_dir``): without them a re-plan decision ends the run. ``report_dir``:
         ``close`` writes ``rank{rank}.json`` there (failures survived, samples read per iteration)."""
+        if plan.use_distributed_optimizer:  # a lost rank takes its optimizer shards with it
+            raise ConfigError("in-process fault tolerance keeps every holder's full optimizer state so a peer can "
+                              "take over; the distributed optimizer shards it, and a dead rank's shards are lost",
+                              field="use_distributed_optimizer", value=True,
+                              fix="run --hetero-resilience with a plan whose use_distributed_optimizer is false "
+                                  "(and without --use-distributed-optimizer), or drop --hetero-resilience")
         self.config, self.fault, self.report_dir = config, fault, report_dir
         self.rebuild, self.replan = rebuild, replan
         self.original_rank = rank  # in the first plan (the report's rank)

@@ -206,3 +206,17 @@ def test_resilience_config_validation_names_the_fields():
         ResilienceConfig(store=StoreAddress(host="h", port=1), heartbeat_interval_s=1.0, heartbeat_timeout_s=0.5)
     with pytest.raises(ValueError, match=r"port: must be in 1..65535 \(got 0\)"):
         StoreAddress(host="h", port=0)
+
+
+def test_resilience_refuses_the_distributed_optimizer_naming_the_fix():
+    """A dead rank's optimizer shards are gone: the hooks refuse such a plan up front."""
+    import dataclasses
+
+    from megatron_het.cluster import ConfigError
+    from megatron_het.resilience.agreement import StoreAddress
+    from megatron_het.resilience.recovery import ResilienceConfig, ResilienceHooks
+
+    config = ResilienceConfig(store=StoreAddress(host="127.0.0.1", port=1))
+    plan = dataclasses.replace(grid(), use_distributed_optimizer=True)
+    with pytest.raises(ConfigError, match=r"use_distributed_optimizer.*drop --hetero-resilience"):
+        ResilienceHooks(config=config, rank=0, plan=plan)
