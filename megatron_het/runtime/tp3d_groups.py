@@ -1,0 +1,53 @@
+"""What a rank of a 3D tensor-parallel stage (plan ``tp_grid``) holds, for the gradient reduction.
+
+Pure (no process groups): a 3D stage's parameters become ``runtime/grad_sync.Holding``s with
+``grid`` set, whose full shapes come from the local shapes and the grid's layout
+(checkpoint/tp_layout.grid_index): linear weights ``[n/(gy*gz), k/gx]`` blocks (transposed:
+``[n/(gx*gz), k/gy]``), norms the x block, biases the output block; the embedding, final norm and
+output layer are megatron-core at TP = gy (split over y along ``partition_dim``), copied on every x
+and z rank.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from megatron_het.checkpoint.tp_layout import GRID_BIASES, grid_kind, grid_transposed, is_glu
+from megatron_het.runtime.grad_sync import Holding
+
+__all__ = ["grid_full_shape", "tp3d_holdings"]
+
+
+def grid_full_shape(name: str, local_shape: tuple[int, ...], grid: tuple[int, int, int],
+                    partition_dim: int | None) -> tuple[int, ...]:
+    """Pure: the full (global) shape of the parameter ``name`` whose local shape on a rank of a 3D
+    stage with grid ``(gx, gy, gz)`` is ``local_shape``."""
+    gx, gy, gz = grid
+    kind = grid_kind(name)
+    shape = list(local_shape)
+    if kind == "weight":
+        g_in, g_out = (gy, gx) if grid_transposed(name) else (gx, gy)
+        return (shape[0] * g_out * gz, shape[1] * g_in)
+    if kind == "norm":
+        return (shape[0] * gx,)
+    if kind == "bias":
+        transposed = next(t for s, t in GRID_BIASES.items() if name.endswith(s))
+        return (shape[0] * (gx if transposed else gy),)
+    if partition_dim is not None:
+        shape[partition_dim] *= gy
+    return tuple(shape)
+
+
+def tp3d_holdings(params: Mapping[str, tuple[tuple[int, ...], int | None]], *, rank: int, grid_rank: int,
+                  stage_key: tuple[int, int], grid: tuple[int, int, int], gated: bool = False) -> list[Holding]:
+    """Pure: the holdings of world rank ``rank`` = index ``grid_rank`` (x fastest) of a 3D stage.
+    ``params``: global name -> (local shape, megatron's partition_dim or None), in forward order."""
+    gx, gy, gz = grid
+    size = gx * gy * gz
+    if not 0 <= grid_rank < size:
+        raise ValueError(f"grid_rank: must be in [0, {size}) for grid {list(grid)}, got {grid_rank} "
+                         f"(limit {size - 1}). Fix: pass the rank's index in its stage")
+    return [Holding(name=name, rank=rank, stage_key=stage_key, tp_rank=grid_rank, tp_size=size,
+                    partition_dim=dim, full_shape=grid_full_shape(name, tuple(shape), grid, dim),
+                    glu=is_glu(name, gated), grid=tuple(grid))
+            for name, (shape, dim) in params.items()]
