@@ -15,7 +15,7 @@ from collections.abc import Mapping
 from megatron_het.checkpoint.tp_layout import GRID_BIASES, grid_kind, grid_transposed, is_glu
 from megatron_het.runtime.grad_sync import Holding
 
-__all__ = ["grid_full_shape", "tp3d_holdings"]
+__all__ = ["create_plan_grid_groups", "grid_full_shape", "grid_pg_collection", "tp3d_holdings"]
 
 
 def grid_full_shape(name: str, local_shape: tuple[int, ...], grid: tuple[int, int, int],
@@ -51,3 +51,33 @@ def tp3d_holdings(params: Mapping[str, tuple[tuple[int, ...], int | None]], *, r
                     partition_dim=dim, full_shape=grid_full_shape(name, tuple(shape), grid, dim),
                     glu=is_glu(name, gated), grid=tuple(grid))
             for name, (shape, dim) in params.items()]
+
+
+def create_plan_grid_groups(plan, *, timeout=None):
+    """Every 3D stage's axis groups (collective: every rank creates every group, in plan order);
+    returns this rank's ``tp.groups.GridGroups`` or None when its stage is 1D. A 3D stage's ranks
+    are consecutive (runtime/stage_groups.check_contiguous_stages), in grid order."""
+    from megatron_het.tp.grid import Grid4D
+    from megatron_het.tp.groups import create_grid_groups
+
+    mine = None
+    for replica in plan.replicas:
+        for stage in replica.stages:
+            if stage.tp_grid is None:
+                continue
+            gx, gy, gz = stage.tp_grid
+            groups = create_grid_groups(Grid4D(x=gx, y=gy, z=gz), rank_offset=stage.ranks[0], timeout=timeout)
+            if groups is not None:
+                mine = groups
+    return mine
+
+
+def grid_pg_collection(pgc, groups):
+    """The stage's megatron-core collection with the grid's y group as its tensor-parallel group
+    (a 3D stage runs megatron-core at TP = gy; pipeline/data groups stay the stage's size-1 ones)."""
+    import copy
+
+    out = copy.copy(pgc)
+    for attr in ("tp", "mp", "tp_cp", "tp_dp_cp", "expt_tp", "tp_ep_pp"):
+        setattr(out, attr, groups.y)
+    return out
