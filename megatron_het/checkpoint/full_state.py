@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from megatron_het.checkpoint.tp_layout import grid_index, grid_view, is_glu, join_shards, slice_full
+from megatron_het.checkpoint.tp_layout import grid_full_shape, grid_index, grid_view, is_glu, join_shards, slice_full
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
 # transformer-engine spec's fused layer-norm parameters -> the local spec's layer norms
@@ -152,8 +152,6 @@ def local_grid_shards(model: torch.nn.Module, *, layer_offset: int, grid: tuple[
     """``local_shards`` of a 3D stage (model/tp3d_stage.py): a 3D layer's parameters as grid blocks
     (full shape from the layout), everything else as megatron-core's TP = gy shards (tp_rank = y),
     reported by the x = z = 0 ranks only (the other x, z ranks hold copies)."""
-    from megatron_het.runtime.tp3d_groups import grid_full_shape
-
     x, y, z = _grid_y(grid, grid_rank)
     out: dict[str, Shard] = {}
     for name, param in model.named_parameters():

@@ -121,6 +121,26 @@ def grid_index(name: str, full_shape: tuple[int, ...], grid: tuple[int, int, int
     return (_block(full_shape[0], getattr(g, axis), c[axis], name, axis),)
 
 
+def grid_full_shape(name: str, local_shape: tuple[int, ...], grid: tuple[int, int, int],
+                    partition_dim: int | None) -> tuple[int, ...]:
+    """Pure: the full (global) shape of the parameter ``name`` whose local shape on a rank of a 3D
+    stage with grid ``(gx, gy, gz)`` is ``local_shape``."""
+    gx, gy, gz = grid
+    kind = grid_kind(name)
+    shape = list(local_shape)
+    if kind == "weight":
+        g_in, g_out = (gy, gx) if grid_transposed(name) else (gx, gy)
+        return (shape[0] * g_out * gz, shape[1] * g_in)
+    if kind == "norm":
+        return (shape[0] * gx,)
+    if kind == "bias":
+        transposed = next(t for s, t in GRID_BIASES.items() if name.endswith(s))
+        return (shape[0] * (gx if transposed else gy),)
+    if partition_dim is not None:
+        shape[partition_dim] *= gy
+    return tuple(shape)
+
+
 def grid_contributes(name: str, grid: tuple[int, int, int], rank: int) -> bool:
     """Pure: whether rank ``rank``'s gradient of ``name`` goes into a sum over holders, so that the
     sum of contributions is the full gradient exactly once. Linear weights: every rank (disjoint

@@ -12,30 +12,10 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from megatron_het.checkpoint.tp_layout import GRID_BIASES, grid_kind, grid_transposed, is_glu
+from megatron_het.checkpoint.tp_layout import grid_full_shape, is_glu
 from megatron_het.runtime.grad_sync import Holding
 
 __all__ = ["create_plan_grid_groups", "grid_full_shape", "grid_pg_collection", "tp3d_holdings"]
-
-
-def grid_full_shape(name: str, local_shape: tuple[int, ...], grid: tuple[int, int, int],
-                    partition_dim: int | None) -> tuple[int, ...]:
-    """Pure: the full (global) shape of the parameter ``name`` whose local shape on a rank of a 3D
-    stage with grid ``(gx, gy, gz)`` is ``local_shape``."""
-    gx, gy, gz = grid
-    kind = grid_kind(name)
-    shape = list(local_shape)
-    if kind == "weight":
-        g_in, g_out = (gy, gx) if grid_transposed(name) else (gx, gy)
-        return (shape[0] * g_out * gz, shape[1] * g_in)
-    if kind == "norm":
-        return (shape[0] * gx,)
-    if kind == "bias":
-        transposed = next(t for s, t in GRID_BIASES.items() if name.endswith(s))
-        return (shape[0] * (gx if transposed else gy),)
-    if partition_dim is not None:
-        shape[partition_dim] *= gy
-    return tuple(shape)
 
 
 def tp3d_holdings(params: Mapping[str, tuple[tuple[int, ...], int | None]], *, rank: int, grid_rank: int,
