@@ -141,6 +141,27 @@ def grid_full_shape(name: str, local_shape: tuple[int, ...], grid: tuple[int, in
     return tuple(shape)
 
 
+def grid_rank_offsets(name: str, grid: tuple[int, int, int], rank: int,
+                      partition_dim: int | None) -> tuple[tuple[int, int, int], ...]:
+    """Pure: rank ``rank``'s block of ``name`` on a 3D stage as megatron-core dist-checkpointing rank
+    offsets, ``(axis, fragment index, fragments)`` per split axis (the same block as ``grid_index``):
+    a linear weight's rows are the z shard of the output block (``g_out * gz`` fragments), its columns
+    the input block; a norm the x block; a bias the output block; outside the 3D layers megatron-core's
+    TP = gy split (over y along ``partition_dim``)."""
+    kind = grid_kind(name)
+    g = _grid(grid)
+    c = g.coords(rank)
+    if kind == "weight":
+        in_axis, out_axis = ("y", "x") if grid_transposed(name) else ("x", "y")
+        return ((0, c[out_axis] * g.z + c["z"], getattr(g, out_axis) * g.z), (1, c[in_axis], getattr(g, in_axis)))
+    if kind == "norm":
+        return ((0, c["x"], g.x),)
+    if kind == "bias":
+        axis = "x" if GRID_BIASES[next(s for s in GRID_BIASES if name.endswith(s))] else "y"
+        return ((0, c[axis], getattr(g, axis)),)
+    return () if partition_dim is None else ((partition_dim, c["y"], g.y),)
+
+
 def grid_contributes(name: str, grid: tuple[int, int, int], rank: int) -> bool:
     """Pure: whether rank ``rank``'s gradient of ``name`` goes into a sum over holders, so that the
     sum of contributions is the full gradient exactly once. Linear weights: every rank (disjoint

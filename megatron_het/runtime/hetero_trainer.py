@@ -458,10 +458,17 @@ class PipelineStrategy:
         precision). The form is the same with and without the distributed optimizer."""
         from megatron_het.checkpoint.dist_ckpt import TensorSlot
 
-        if self.grid_groups is not None:  # never write a 3D block as if it were a 1D shard
-            raise ConfigError("checkpoints of a 3D tensor-parallel stage (tp_grid) are not written through the "
-                              "distributed checkpoint yet (#20)", field="tp_grid", value=list(self.stage_plan.tp_grid),
-                              fix="train without --save/--load, or remove tp_grid from the plan")
+        if self.grid_groups is not None and values is None:  # a 3D stage's blocks at their grid offsets
+            values = {n: p.detach() for n, p in self.opt_params.items()}
+        if self.grid_groups is not None:
+            from megatron_het.checkpoint.tp_layout import grid_rank_offsets
+
+            grid = self.stage_plan.tp_grid
+            return {name: TensorSlot(tensor=t, partition_dim=self.sync.local[name].partition_dim, tp_rank=self.role.tp_rank,
+                                     tp_size=self.role.tp_size, main=(name, self.role.rank) in self.sync.owned,
+                                     offsets=grid_rank_offsets(name, grid, self.role.tp_rank,
+                                                               self.sync.local[name].partition_dim))
+                    for name, t in values.items()}
         if values is None:
             values = ({n: p.detach().float() for n, p in self.params.items()} if self.plan.use_distributed_optimizer
                       else {n: p.detach() for n, p in self.opt_params.items()})

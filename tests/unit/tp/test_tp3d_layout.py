@@ -8,6 +8,7 @@ from megatron_het.checkpoint.tp_layout import (
     grid_contributes,
     grid_index,
     grid_kind,
+    grid_rank_offsets,
     grid_transposed,
     grid_view,
     write_grid_local,
@@ -112,3 +113,22 @@ def test_weights_every_rank_contributes_outside_layers_one_copy():
     with pytest.raises(ValueError, match=r"input_layernorm.weight: 6 features must be a multiple of the x axis "
                                          r"size 4"):
         grid_index("decoder.layers.0.input_layernorm.weight", (6,), (4, 1, 1), 0, gated=False)
+
+
+@pytest.mark.parametrize("grid", GRIDS)
+def test_dist_checkpoint_offsets_are_the_grid_blocks(grid):
+    """The (axis, fragment, fragments) offsets a 3D rank saves under name the same block as grid_index."""
+    g = Grid4D(x=grid[0], y=grid[1], z=grid[2])
+    shapes = {**NAMES, **{n: (length,) for n, (length, _) in REPLICATED.items()}}
+    for name, shape in shapes.items():
+        for r in range(g.size):
+            index = grid_index(name, shape, grid, r, gated=False)
+            offsets = grid_rank_offsets(name, grid, r, None)
+            split = {axis for axis, _, _ in offsets}
+            assert all(index[d] == slice(0, shape[d]) for d in range(len(shape)) if d not in split), (name, r)
+            for axis, frag, frags in offsets:
+                size = shape[axis] // frags
+                assert index[axis] == slice(frag * size, (frag + 1) * size), (name, r, axis)
+    assert grid_rank_offsets("embedding.word_embeddings.weight", grid, g.size - 1, 0) == \
+        ((0, g.coords(g.size - 1)["y"], g.y),)
+    assert grid_rank_offsets("decoder.final_layernorm.weight", grid, 0, None) == ()
