@@ -91,7 +91,7 @@ class PipelineStrategy:
         from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
         check_tp_comm_overlap(plan)
-        check_runtime_tp_grid(plan)  # 3D TP stages are planned and priced, not built yet (#20)
+        check_runtime_tp_grid(plan)  # what a 3D TP stage cannot run yet (#20): refused, never run as 1D
         if train.precision != "fp32" and train.overlap_grad_reduce:
             raise ConfigError("overlapped gradient reduction hooks the model's parameters, while mixed precision "
                               "reduces fp32 main gradients", field="--overlap-grad-reduce", value=train.precision,
