@@ -50,6 +50,9 @@ class TensorSlot:
     tp_size: int
     main: bool  # True on exactly one holder of each element: it writes them
     glu: bool = False  # gated-MLP fc1 ([gate_r; up_r]): stored as two tensors, "<name>.gate" and ".up"
+    # explicit (axis, fragment index, fragments) per split axis, for a 3D stage's blocks
+    # (checkpoint/tp_layout.grid_rank_offsets); None: from partition_dim, tp_rank and tp_size
+    offsets: tuple[tuple[int, int, int], ...] | None = None
 
 
 def iteration_dir(save: str, iteration: int) -> str:
@@ -77,6 +80,8 @@ def _sharded(slots: Mapping[str, TensorSlot], prefix: str, select=lambda name, s
     for name, slot in slots.items():
         data = select(name, slot)
         offsets = () if slot.partition_dim is None else ((slot.partition_dim, slot.tp_rank, slot.tp_size),)
+        if slot.offsets is not None:
+            offsets = slot.offsets
         parts = {"": data}
         if slot.glu:  # two regular grids instead of one interleaved one (tp_layout.py)
             gate, up = local_pieces(data, slot.partition_dim, True)

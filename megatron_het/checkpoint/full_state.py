@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from megatron_het.checkpoint.tp_layout import is_glu, join_shards, slice_full
+from megatron_het.checkpoint.tp_layout import grid_full_shape, grid_index, grid_view, is_glu, join_shards, slice_full
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
 # transformer-engine spec's fused layer-norm parameters -> the local spec's layer norms
@@ -69,6 +69,10 @@ class Shard:
     tp_rank: int
     tp_size: int
     glu: bool = False  # gated-MLP fc1: the shard is [gate_r; up_r] (see tp_layout.py)
+    # a 3D layer's block (plan tp_grid, tp_layout.grid_index): the stage's (gx, gy, gz), ``tp_rank``
+    # the rank's grid index, ``tp_size`` gx*gy*gz, ``full_shape`` the full tensor's shape
+    grid: tuple[int, int, int] | None = None
+    full_shape: tuple[int, ...] | None = None
 
 
 def local_shards(model: torch.nn.Module, *, layer_offset: int, tp_rank: int, tp_size: int,
@@ -93,6 +97,9 @@ def assemble_full_state(shard_sets: list[Mapping[str, Shard]]) -> dict[str, torc
     full: dict[str, torch.Tensor] = {}
     for name, by_rank in pieces.items():
         first = next(iter(by_rank.values()))
+        if first.grid is not None:
+            full[name] = _assemble_grid(name, first, by_rank)
+            continue
         if first.partition_dim is None:
             full[name] = first.tensor
             continue
@@ -120,4 +127,65 @@ def load_full_state(model: torch.nn.Module, full: Mapping[str, torch.Tensor], *,
         if tuple(src.shape) != tuple(param.shape):
             raise ValueError(f"{gname}: full-state slice has shape {tuple(src.shape)}, "
                              f"parameter {name!r} has {tuple(param.shape)}")
+        param.copy_(src.to(param.dtype))
+
+
+def _assemble_grid(name: str, first: Shard, by_rank: Mapping[int, Shard]) -> torch.Tensor:
+    """A 3D layer's tensor from every grid rank's block (replicated blocks must agree)."""
+    missing = [r for r in range(first.tp_size) if r not in by_rank or by_rank[r].grid != first.grid]
+    if missing:
+        raise ValueError(f"{name}: 3D blocks of grid ranks {missing} of grid {list(first.grid)} are missing")
+    out = torch.zeros(first.full_shape, dtype=first.tensor.dtype)
+    for r in range(first.tp_size):
+        grid_view(out, name, first.grid, r, first.glu).copy_(by_rank[r].tensor)
+    return out
+
+
+def _grid_y(grid: tuple[int, int, int], grid_rank: int) -> tuple[int, int, int]:
+    """(x, y, z) coordinates of a grid rank (x fastest)."""
+    gx, gy, _ = grid
+    return grid_rank % gx, (grid_rank // gx) % gy, grid_rank // (gx * gy)
+
+
+def local_grid_shards(model: torch.nn.Module, *, layer_offset: int, grid: tuple[int, int, int], grid_rank: int,
+                      tied: bool) -> dict[str, Shard]:
+    """``local_shards`` of a 3D stage (model/tp3d_stage.py): a 3D layer's parameters as grid blocks
+    (full shape from the layout), everything else as megatron-core's TP = gy shards (tp_rank = y),
+    reported by the x = z = 0 ranks only (the other x, z ranks hold copies)."""
+    x, y, z = _grid_y(grid, grid_rank)
+    out: dict[str, Shard] = {}
+    for name, param in model.named_parameters():
+        gname = global_name(name, layer_offset)
+        if tied and gname == TIED_OUTPUT:
+            continue
+        t = param.detach().cpu().clone()
+        dim = _partition_dim(param)
+        if grid_index(gname, tuple(t.shape), grid, grid_rank, False) is not None or ".layers." in gname:
+            shape = grid_full_shape(gname, tuple(t.shape), grid, None)
+            out[gname] = Shard(tensor=t, partition_dim=None, tp_rank=grid_rank, tp_size=grid[0] * grid[1] * grid[2],
+                               grid=tuple(grid), full_shape=shape)
+        elif x == 0 and z == 0:
+            out[gname] = Shard(tensor=t, partition_dim=dim, tp_rank=y, tp_size=grid[1])
+    return out
+
+
+@torch.no_grad()
+def load_grid_full_state(model: torch.nn.Module, full: Mapping[str, torch.Tensor], *, layer_offset: int,
+                         grid: tuple[int, int, int], grid_rank: int, tied: bool) -> None:
+    """``load_full_state`` of a 3D stage: each 3D layer parameter gets its grid block, the rest its
+    TP = gy slice (y coordinate)."""
+    _, y, _ = _grid_y(grid, grid_rank)
+    for name, param in model.named_parameters():
+        gname = _source_name(global_name(name, layer_offset), full, tied)
+        if gname not in full:
+            raise KeyError(f"full state has no tensor {gname!r} for parameter {name!r}")
+        src = full[gname]
+        index = grid_index(gname, tuple(src.shape), grid, grid_rank, False)
+        if index is not None:
+            src = src[index]
+        elif _partition_dim(param) is not None:
+            src = slice_full(src, _partition_dim(param), y, grid[1], False)
+        if tuple(src.shape) != tuple(param.shape):
+            raise ValueError(f"{gname}: full-state block has shape {tuple(src.shape)}, "
+                             f"parameter {name!r} has {tuple(param.shape)} (grid {list(grid)}, rank {grid_rank})")
         param.copy_(src.to(param.dtype))

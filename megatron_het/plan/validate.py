@@ -31,19 +31,32 @@ def check_tp_comm_overlap(plan: Plan) -> None:
 
 
 def check_runtime_tp_grid(plan: Plan) -> None:
-    """The pipeline runtime builds 1D tensor-parallel stages only: a stage with ``tp_grid`` (AxoNN 3D
-    tensor parallelism; planned and priced, tp/linear3d.py has the layer) is refused here rather than
-    silently run as something else."""
+    """The pipeline runtime builds a stage with ``tp_grid`` (AxoNN 3D tensor parallelism,
+    model/tp3d_stage.py) except where a piece is still missing; such a plan is refused here, naming
+    the stage and the reason, rather than run as something else."""
     for ri, r in enumerate(plan.replicas):
         for si, s in enumerate(r.stages):
-            if s.tp_grid is not None:
+            if s.tp_grid is None:
+                continue
+            missing = [(cond, what, fix) for cond, what, fix in (
+                (plan.sequence_parallel, "sequence parallelism (a 3D stage splits the batch over z, not the sequence)",
+                 'set "sequence_parallel": false'),
+                (plan.virtual_pipeline_size > 1, f"interleaved model chunks (virtual_pipeline_size "
+                 f"{plan.virtual_pipeline_size}) on a 3D stage", 'use virtual_pipeline_size 1'),
+                (plan.use_distributed_optimizer, "the distributed optimizer's shards of 3D blocks",
+                 'set "use_distributed_optimizer": false'),
+                (s.recompute, "activation recomputation of 3D layers", 'set "recompute": false on this stage'),
+                (plan.micro_batch_size % s.tp_grid[2] != 0, f"micro_batch_size {plan.micro_batch_size} not divisible "
+                 f"by the grid's z = {s.tp_grid[2]} (z splits the batch)", "choose z dividing the micro-batch size"),
+            ) if cond]
+            if missing:
+                _, what, fix = missing[0]
                 raise PlanError(
                     field=f"replicas[{ri}].stages[{si}].tp_grid", value=list(s.tp_grid),
-                    problem=f"the runtime cannot build a 3D tensor-parallel stage yet (grid {list(s.tp_grid)} over "
-                    f"{len(s.ranks)} ranks): its layer spec, stage boundaries, gradient reduction and "
-                    "checkpoint mapping for 3D layouts are not implemented (issue #20, item 3)",
-                    fix=f'remove "tp_grid" to run this stage as 1D tensor parallelism over its {len(s.ranks)} '
-                    "ranks, or plan with the Megatron parallelizer",
+                    problem=f"the runtime cannot build this 3D tensor-parallel stage (grid {list(s.tp_grid)} over "
+                    f"{len(s.ranks)} ranks) with {what} yet (issue #20)",
+                    fix=f'{fix}, or remove "tp_grid" to run this stage as 1D tensor parallelism over its '
+                    f"{len(s.ranks)} ranks",
                 )
 
 

@@ -219,9 +219,10 @@ class AxonnParallelizer(MegatronParallelizer):
     Megatron's 1D figure (a 3D grid holds no more: the same weights per rank, fewer activations
     with z > 1).
 
-    Opt-in (``plan_cluster(..., parallelizer=AxonnParallelizer(...))``): the pipeline runtime does
-    not build 3D stages yet and refuses plans with ``tp_grid`` (plan/validate.check_runtime_tp_grid),
-    and ``perf.predict`` ranks the final plans with 1D TP communication (the 3D saving is the
+    Opt-in (``plan_cluster(..., parallelizer=AxonnParallelizer(...))``): the pipeline runtime builds
+    3D stages (model/tp3d_stage.py) but not yet with sequence parallelism, interleaved chunks, the
+    distributed optimizer or recomputation (plan/validate.check_runtime_tp_grid), and
+    ``perf.predict`` ranks the final plans with 1D TP communication (the 3D saving is the
     parallelizer's; the explanation states it)."""
 
     name = "megatron+axonn-3d"
@@ -270,5 +271,5 @@ class AxonnParallelizer(MegatronParallelizer):
         validate_plan(out, self.model, self.cluster)
         if any(s.tp_grid for r in out.replicas for s in r.stages):
             lines["(the predicted iteration time prices 1D TP communication; the 3D saving above is the "
-                  "4D model's, and the runtime does not build 3D stages yet)"] = None
+                  "4D model's)"] = None
         return out, list(lines)

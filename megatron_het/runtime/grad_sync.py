@@ -35,7 +35,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from megatron_het.checkpoint.tp_layout import slice_full, write_local
+from megatron_het.checkpoint.tp_layout import grid_contributes, grid_index, grid_kind, slice_full, write_local
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -52,6 +52,11 @@ class Holding:
     glu: bool = False  # gated-MLP fc1: the shard is [gate_r; up_r] (checkpoint/tp_layout.py)
     # replicated, but each TP rank's gradient covers only its sequence shard: every holder contributes
     sequence_parallel: bool = False
+    # a 3D tensor-parallel stage (plan tp_grid): its (gx, gy, gz); ``tp_rank`` is then the rank's index
+    # in the grid (x fastest) and ``tp_size`` gx*gy*gz. Parameters of the 3D layers hold
+    # checkpoint/tp_layout.grid_index blocks; the rest (embedding, final norm, output layer) is
+    # megatron-core at TP = gy (``partition_dim`` split over y) copied on every x and z rank.
+    grid: tuple[int, int, int] | None = None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -90,6 +95,10 @@ def plan_buckets(holdings: Iterable[Holding], *, bucket_numel: int | None = None
             if len(ranks) > 1:  # TP peers of one stage and every other holder: one sum
                 groups.setdefault((ranks, False), []).append(name)
             continue
+        if any(h.grid is not None for h in hs):  # 3D holders: always the full-size reshard path
+            if _grid_bucket_needed(name, hs):
+                groups.setdefault((tuple(sorted(h.rank for h in hs)), False), []).append(name)
+            continue
         stages = {h.stage_key for h in hs}
         if len(stages) < 2:
             continue  # held by a single stage: nothing to reduce across replicas
@@ -117,6 +126,40 @@ def plan_buckets(holdings: Iterable[Holding], *, bucket_numel: int | None = None
     return buckets
 
 
+def _grid_bucket_needed(name: str, hs: list[Holding]) -> bool:
+    """A name with 3D holders needs a reduction when several stages hold it, or when a 3D stage with
+    z > 1 holds a layer norm or bias (each z rank's gradient covers only its batch rows)."""
+    if len({h.stage_key for h in hs}) > 1:
+        return True
+    return any(h.grid is not None and h.grid[2] > 1 and grid_kind(name) in ("norm", "bias") for h in hs)
+
+
+def _grid_y(h: Holding) -> tuple[int, int]:
+    """(y coordinate, gy) of a 3D holder: its rank and size in the TP = gy layout outside the layers."""
+    gx, gy, _ = h.grid
+    return (h.tp_rank // gx) % gy, gy
+
+
+def contributes(h: Holding) -> bool:
+    """Pure: whether ``h``'s gradient goes into a full-size sum over holders (the reshard path), so
+    the sum counts every replica's gradient once: a partitioned shard always; a replicated parameter
+    on TP rank 0 (every TP rank with sequence parallelism); on a 3D stage
+    checkpoint/tp_layout.grid_contributes, and outside the 3D layers also y = 0 for a replicated one."""
+    if h.grid is not None:
+        if not grid_contributes(h.name, h.grid, h.tp_rank):
+            return False
+        return grid_kind(h.name) is not None or h.partition_dim is not None or _grid_y(h)[0] == 0
+    return h.partition_dim is not None or h.tp_rank == 0 or h.sequence_parallel
+
+
+def _owns(h: Holding) -> bool:
+    """Within the owning stage: whether ``h``'s elements count in the norm (one copy of each)."""
+    if h.grid is None:
+        return h.partition_dim is not None or h.tp_rank == 0
+    z = (h.tp_rank // (h.grid[0] * h.grid[1])) % h.grid[2]
+    return contributes(h) and (grid_kind(h.name) not in ("norm", "bias") or z == 0)
+
+
 def owned_norm_holdings(holdings: Iterable[Holding]) -> set[tuple[str, int]]:
     """(name, rank) pairs whose elements count once in the global gradient norm.
 
@@ -131,18 +174,37 @@ def owned_norm_holdings(holdings: Iterable[Holding]) -> set[tuple[str, int]]:
     for name, hs in by_name.items():
         first_stage = min(h.stage_key for h in hs)
         for h in hs:
-            if h.stage_key == first_stage and (h.partition_dim is not None or h.tp_rank == 0):
+            if h.stage_key == first_stage and _owns(h):
                 owned.add((name, h.rank))
     return owned
 
 
 def _slice(full: torch.Tensor, h: Holding) -> torch.Tensor:
+    if h.grid is not None:
+        return _grid_slice(full, h)
     if h.partition_dim is None:
         return full
     return slice_full(full, h.partition_dim, h.tp_rank, h.tp_size, h.glu)
 
 
+def _grid_slice(full: torch.Tensor, h: Holding) -> torch.Tensor:
+    index = grid_index(h.name, tuple(full.shape), h.grid, h.tp_rank, h.glu)
+    if index is not None:
+        return full[index]
+    if h.partition_dim is None:
+        return full
+    y, gy = _grid_y(h)
+    return slice_full(full, h.partition_dim, y, gy, h.glu)
+
+
 def _write(full: torch.Tensor, local: torch.Tensor, h: Holding) -> None:
+    if h.grid is not None:
+        if grid_index(h.name, tuple(full.shape), h.grid, h.tp_rank, h.glu) is None and h.partition_dim is not None:
+            y, gy = _grid_y(h)
+            write_local(full, local, h.partition_dim, y, gy, h.glu)  # slice_full copies a gated pair
+        else:
+            _grid_slice(full, h).copy_(local)
+        return
     if h.partition_dim is None:
         full.copy_(local)
     else:
@@ -202,7 +264,7 @@ class GradientSynchronizer:
         for name, g in zip(bucket.names, grads):
             h = self.local[name]
             full = torch.zeros(h.full_shape, dtype=g.dtype, device=self.device)
-            if h.partition_dim is not None or h.tp_rank == 0 or h.sequence_parallel:
+            if contributes(h):
                 _write(full, g, h)
             pieces.append(full.reshape(-1))
         return torch.cat(pieces)

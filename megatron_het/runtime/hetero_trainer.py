@@ -32,11 +32,14 @@ from megatron_het.checkpoint.full_state import (
     Shard,
     global_name,
     load_full_state,
+    load_grid_full_state,
+    local_grid_shards,
     local_shards,
 )
 from megatron_het.checkpoint.tp_layout import is_glu
 from megatron_het.cluster import ClusterSpec, ConfigError, ModelSpec
 from megatron_het.model.gpt import StageModelSpec, build_gpt_stage, transformer_config
+from megatron_het.model.tp3d_stage import build_tp3d_gpt_stage
 from megatron_het.perf.flops import padded_vocab_size
 from megatron_het.plan import Plan, chunk_layers
 from megatron_het.plan.validate import check_runtime_tp_grid, check_schedule, check_tp_comm_overlap
@@ -55,6 +58,7 @@ from megatron_het.runtime.megatron_trainer import split_tokens
 from megatron_het.runtime.mixed_precision import LossScaler, MainParams, params_dtype, wrap_float16
 from megatron_het.runtime.split_backward import WeightGradStore, install_split_linears
 from megatron_het.runtime.stage_groups import build_stage_groups
+from megatron_het.runtime.tp3d_groups import tp3d_holdings
 from megatron_het.schedule import Action, build_schedule
 from megatron_het.train.config import TrainConfig
 from megatron_het.train.strategy import ActionHook, BatchFn, IterationLog, StepResult
@@ -104,7 +108,7 @@ class PipelineStrategy:
         from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
         check_tp_comm_overlap(plan)
-        check_runtime_tp_grid(plan)  # 3D TP stages are planned and priced, not built yet (#20)
+        check_runtime_tp_grid(plan)  # what a 3D TP stage cannot run yet (#20): refused, never run as 1D
         check_schedule(plan, model)  # never run a schedule / virtual size the executor does not implement
         if train.precision != "fp32" and train.overlap_grad_reduce:
             raise ConfigError("overlapped gradient reduction hooks the model's parameters, while mixed precision "
@@ -125,6 +129,7 @@ class PipelineStrategy:
         self.pgc, self.role = build_stage_groups(plan, timeout=train.group_timeout,
                                                  backend_of=lambda island: acc.backend_for(island_library[island]))
         role = self.role
+        self.grid_groups = self._grid_groups()  # 3D tensor-parallel stage (plan tp_grid), else None
         self.replica = plan.replicas[role.replica]
         self.stage_plan = self.replica.stages[role.stage]
         self.is_first, self.is_last = role.is_first_stage, role.is_last_stage
@@ -137,6 +142,8 @@ class PipelineStrategy:
                                     post_process=self.is_last, vocab_size=padded_vocab or plan_padded_vocab(model, plan),
                                     recompute=self.stage_plan.recompute, sequence_parallel=plan.sequence_parallel,
                                     params_dtype=params_dtype(train.precision), transformer_impl=train.transformer_impl)
+        if self.grid_groups is not None:  # megatron-core runs a 3D stage at TP = gy (model/tp3d_stage.py)
+            self.stage = dataclasses.replace(self.stage, tp=self.grid_groups.grid.y)
         self.config = transformer_config(self.stage, cpu_initialization=not acc.is_gpu)
         self.tied = not model.untie_embeddings_and_output_weights
         self.overlap_report = None  # comm.overlap_megatron.OverlapReport when the stage overlaps
@@ -149,7 +156,10 @@ class PipelineStrategy:
         self.layer_window: tuple[int, int] | None = None  # local decoder layers the next forward runs (None: all)
         self.staggered_step = False  # step right after this stage's own gradient reduction (needs clip_grad 0)
         self.gpt = self._build_model()
-        if init_full_state is not None:
+        if init_full_state is not None and self.grid_groups is not None:  # 3D stages have one chunk
+            load_grid_full_state(self.gpt, init_full_state, layer_offset=role.layers[0], grid=self.stage_plan.tp_grid,
+                                 grid_rank=role.tp_rank, tied=self.tied)
+        elif init_full_state is not None:
             for gpt, (first, _) in zip(self.gpts, self.chunk_ranges):
                 load_full_state(gpt, init_full_state, layer_offset=first, tp_rank=role.tp_rank,
                                 tp_size=role.tp_size, tied=self.tied, gated=model.swiglu)
@@ -223,6 +233,16 @@ class PipelineStrategy:
     def rank(self) -> int:
         return self.role.rank
 
+    def _grid_groups(self):
+        """A 3D stage's axis groups (collective over the world, every plan's 3D stages) and its
+        megatron-core collection at TP = gy in ``self.pgc``; None on a 1D stage."""
+        from megatron_het.runtime.tp3d_groups import create_plan_grid_groups, grid_pg_collection
+
+        groups = create_plan_grid_groups(self.plan, timeout=self.train.group_timeout)
+        if groups is not None:
+            self.pgc = grid_pg_collection(self.pgc, groups)
+        return groups
+
     def _boundary_bridges(self) -> dict:
         """(replica, upstream stage) -> het bridge group of that boundary, for the boundaries whose two
         stages use different collective libraries and that this rank is part of. Collective: every
@@ -268,7 +288,11 @@ class PipelineStrategy:
                 self.stage, num_layers=stop - first, layer_offset=first, pre_process=self.is_first and c == 0,
                 post_process=self.is_last and c == v - 1)
             config = self.config if v == 1 else transformer_config(spec, cpu_initialization=not self.accelerator.is_gpu)
-            gpt = build_gpt_stage(spec, config, self.pgc, device=self.device)
+            if self.grid_groups is not None:  # a 3D stage (check_runtime_tp_grid: one chunk only)
+                gpt = build_tp3d_gpt_stage(spec, config, self.pgc, self.grid_groups,
+                                           micro_batch_size=self.train.micro_batch_size, device=self.device)
+            else:
+                gpt = build_gpt_stage(spec, config, self.pgc, device=self.device)
             # Megatron's Float16Module: converts the stage to bf16/fp16 in place; runs it in that precision
             module = wrap_float16(config, gpt) if self.train.precision != "fp32" else gpt
             if self.stage_plan.tp_comm_overlap:
@@ -366,6 +390,11 @@ class PipelineStrategy:
     def holdings(self) -> list[Holding]:
         """What this rank holds of each full parameter (the gradient synchronizer's input)."""
         role = self.role
+        if self.grid_groups is not None:
+            return tp3d_holdings({n: (tuple(p.shape), int(p.partition_dim) if getattr(p, "tensor_model_parallel", False)
+                                      else None) for n, p in self.params.items()}, rank=role.rank,
+                                 grid_rank=role.tp_rank, stage_key=(role.replica, role.stage),
+                                 grid=self.stage_plan.tp_grid)
         hs = []
         for name, p in self.params.items():
             dim = int(p.partition_dim) if getattr(p, "tensor_model_parallel", False) else None
@@ -469,6 +498,10 @@ class PipelineStrategy:
         construction (overlapped buckets, collective-library placement) over the new ranks; from
         then on ``actions`` (global micro-batches, each sent through ``links[g]``) run each iteration.
         """
+        if self.grid_groups is not None:  # the grid groups would have to be rebuilt too
+            raise ConfigError("a 3D tensor-parallel stage (tp_grid) cannot be moved onto rebuilt groups yet (#20)",
+                              field="tp_grid", value=list(self.stage_plan.tp_grid),
+                              fix="run resilience with 1D stages (remove tp_grid)")
         states = [gpt.state_dict() for gpt in self.gpts]
         opt_state = self.optimizer.state_dict()
         self.pgc = pgc
@@ -495,6 +528,17 @@ class PipelineStrategy:
         precision). The form is the same with and without the distributed optimizer."""
         from megatron_het.checkpoint.dist_ckpt import TensorSlot
 
+        if self.grid_groups is not None and values is None:  # a 3D stage's blocks at their grid offsets
+            values = {n: p.detach() for n, p in self.opt_params.items()}
+        if self.grid_groups is not None:
+            from megatron_het.checkpoint.tp_layout import grid_rank_offsets
+
+            grid = self.stage_plan.tp_grid
+            return {name: TensorSlot(tensor=t, partition_dim=self.sync.local[name].partition_dim, tp_rank=self.role.tp_rank,
+                                     tp_size=self.role.tp_size, main=(name, self.role.rank) in self.sync.owned,
+                                     offsets=grid_rank_offsets(name, grid, self.role.tp_rank,
+                                                               self.sync.local[name].partition_dim))
+                    for name, t in values.items()}
         if values is None:
             values = ({n: p.detach().float() for n, p in self.params.items()} if self.plan.use_distributed_optimizer
                       else {n: p.detach() for n, p in self.opt_params.items()})
@@ -551,6 +595,9 @@ class PipelineStrategy:
     def shards(self) -> dict[str, Shard]:
         if hasattr(self.sync, "finish_param_gather"):  # --overlap-param-gather: the last step's gathers
             self.sync.finish_param_gather()
+        if self.grid_groups is not None:
+            return local_grid_shards(self.gpt, layer_offset=self.role.layers[0], grid=self.stage_plan.tp_grid,
+                                     grid_rank=self.role.tp_rank, tied=self.tied)
         out: dict[str, Shard] = {}
         for gpt, (first, _) in zip(self.gpts, self.chunk_ranges):
             out.update(local_shards(gpt, layer_offset=first, tp_rank=self.role.tp_rank, tp_size=self.role.tp_size,

@@ -77,18 +77,29 @@ def test_tp_grid_excludes_the_1d_overlap_flag():
     assert "replicas[0].stages[0].tp_comm_overlap" in msg and 'remove "tp_comm_overlap"' in msg
 
 
-def test_runtime_refuses_a_tp_grid_stage_instead_of_running_something_else():
-    """The pipeline runtime does not build 3D stages yet: HeteroTrainer refuses the plan up front,
-    naming the stage and the fix (before any process group is touched)."""
+@pytest.mark.parametrize("plan_kw, stage_kw, needle", [
+    ({"sequence_parallel": True}, {}, "with sequence parallelism"),
+    ({"use_distributed_optimizer": True}, {}, "with the distributed optimizer's shards of 3D blocks"),
+    ({"schedule": "interleaved", "virtual_pipeline_size": 2}, {}, "interleaved model chunks (virtual_pipeline_size 2)"),
+    ({}, {"recompute": True}, "activation recomputation of 3D layers"),
+    ({}, {"grid": (1, 1, 4)}, "micro_batch_size 2 not divisible by the grid's z = 4"),
+])
+def test_runtime_refuses_what_a_3d_stage_cannot_run_yet(plan_kw, stage_kw, needle):
+    """HeteroTrainer builds 3D stages (model/tp3d_stage.py) but refuses, up front and before any
+    process group is touched, the combinations not built yet, naming the stage, the reason and the fix."""
+    import dataclasses
+
     from megatron_het.plan.validate import check_runtime_tp_grid
     from megatron_het.runtime.hetero_trainer import HeteroTrainer
     from megatron_het.train.config import TrainConfig
 
-    plan = _plan((2, 2, 1))
     check_runtime_tp_grid(_plan(None))  # 1D plans pass
+    check_runtime_tp_grid(_plan((2, 2, 1)))  # a plain 3D stage runs
+    grid = stage_kw.pop("grid", (2, 2, 1))
+    plan = dataclasses.replace(_plan(grid, **stage_kw), **plan_kw)
     with pytest.raises(PlanError) as e:
         HeteroTrainer(model=_model(), plan=plan, train=TrainConfig(micro_batch_size=2, global_batch_size=8, train_iters=1),
                       batch_fn=lambda *a: None)
     msg = str(e.value)
-    assert "replicas[0].stages[0].tp_grid" in msg and "cannot build a 3D tensor-parallel stage" in msg
+    assert "replicas[0].stages[0].tp_grid" in msg and needle in msg, msg
     assert 'remove "tp_grid"' in msg
