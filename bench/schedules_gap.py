@@ -121,21 +121,26 @@ def main() -> int:
     ap.add_argument("--isolated-reps", type=int, default=8)
     ap.add_argument("--schedules", default=",".join(SCHEDULES))
     ap.add_argument("--output", default=None)
+    ap.add_argument("--profile", action="append", default=None,
+                    help="profile(s) to price the actions from (default bench/schedules.py's); the first is printed")
     args = ap.parse_args()
     from megatron_het.perf.predict import action_duration, predict
 
-    profile = load_profile(PROFILE)
+    paths = args.profile or [PROFILE]
+    profile = load_profile(paths[0])
     cluster = cluster_from_dict(CLUSTER)
     table = plans()
     order = args.schedules.split(",")
     load = os.getloadavg()
     got = run_local(4, _rank, (order, args.iters, args.isolated_reps), timeout_s=3600)
-    result = {"load_average_before": load, "load_average_after": os.getloadavg(), "profile": PROFILE, "ranks": {}}
+    result = {"load_average_before": load, "load_average_after": os.getloadavg(), "profile": paths[0], "ranks": {},
+              "run_over_predicted": {}}
     for name in order:
         plan = table[name]
         pred = predict(plan, MODEL, cluster, profile=profile)
         stages = pred.replicas[0].stages
-        dur = action_duration(plan, plan.replicas[0], [s.forward_s for s in stages], [s.backward_s for s in stages])
+        dur = action_duration(plan, plan.replicas[0], [s.forward_s for s in stages], [s.backward_s for s in stages],
+                              ends=[s.ends_s for s in stages])
         from megatron_het.schedule import Action
         print(f"== {name}: host seconds per action (run = thread CPU in the pipeline; iso = alone, warm)")
         for rank in range(4):
@@ -153,6 +158,21 @@ def main() -> int:
                              f"pred {p * 1e3:.2f}ms (run/pred {t / p:.3f})")
             print(f"  rank {rank}: " + "; ".join(parts) + f"; wait {row['wait_s']:.3f}s")
             result["ranks"].setdefault(name, []).append({**row, "slowdown": k})
+        # every profile: the ratio of the pipeline's summed F/B/W CPU time to the profile's price of the same actions
+        for path in paths:
+            pr = predict(plan, MODEL, cluster, profile=load_profile(path))
+            sts = pr.replicas[0].stages
+            d = action_duration(plan, plan.replicas[0], [s.forward_s for s in sts], [s.backward_s for s in sts],
+                                ends=[s.ends_s for s in sts])
+            ratios = []
+            for rank in range(4):
+                k = cluster.slowdown(plan.replicas[0].stages[rank].island)
+                run = got[rank][name]["run"]
+                kinds = [kd for kd in run if kd != "opt"]
+                ratios.append(sum(run[kd] for kd in kinds) / sum(
+                    d(rank, Action(kind=kd[0], micro_batch=0, chunk=int(kd[1]))) / k for kd in kinds))
+            result["run_over_predicted"].setdefault(path, {})[name] = ratios
+            print(f"  {os.path.basename(path)}: run/predicted F+B(+W) per rank " + ", ".join(f"{r:.3f}" for r in ratios))
     if args.output:
         with open(args.output, "w") as f:
             json.dump(result, f, indent=1)
