@@ -51,7 +51,7 @@ def _rank(rank, world_size, order, iters, reps):
                                 clock=time.thread_time)
         st, timer = trainer.strategy, trainer.timer
         ex = st.executor
-        cur, calls, it = [None], [], [0]
+        cur, calls, it, timeline = [None], [], [0], []
         orig_run, orig_compute, orig_stretch = ex.run, timer.compute, timer.stretch
 
         def run(**kw):
@@ -59,6 +59,8 @@ def _rank(rank, world_size, order, iters, reps):
 
             def hook(i, a):
                 cur[0] = a
+                if it[0] == iters:  # the last iteration's timeline: when each action was reached
+                    timeline.append([f"{a.kind}{a.micro_batch}.{a.chunk}", time.perf_counter(), None, None])
                 if user is not None:
                     user(i, a)
             kw["on_action"] = hook
@@ -67,7 +69,11 @@ def _rank(rank, world_size, order, iters, reps):
 
         def compute(fn):
             c0 = time.thread_time()
+            if it[0] == iters:
+                timeline[-1][2] = time.perf_counter()
             r = orig_compute(fn)
+            if it[0] == iters:
+                timeline[-1][3] = time.perf_counter()
             if it[0] > WARMUP:
                 calls.append((f"{cur[0].kind}{cur[0].chunk}", time.thread_time() - c0))
             return r
@@ -111,7 +117,10 @@ def _rank(rank, world_size, order, iters, reps):
         out[name] = {"run": {k: statistics.median(v) for k, v in per_kind.items()},
                      "run_n": {k: len(v) for k, v in per_kind.items()},
                      "isolated": {k: statistics.median(v) for k, v in iso.items()},
-                     "wait_s": statistics.median(wait)}
+                     "wait_s": statistics.median(wait),
+                     # last iteration: (action, reached, compute start, compute end) seconds from its first action
+                     "timeline": [[n, *(None if t is None else t - timeline[0][1] for t in ts)]
+                                  for n, *ts in timeline]}
     return out
 
 
