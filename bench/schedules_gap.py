@@ -118,6 +118,8 @@ def _rank(rank, world_size, order, iters, reps):
                      "run_n": {k: len(v) for k, v in per_kind.items()},
                      "isolated": {k: statistics.median(v) for k, v in iso.items()},
                      "wait_s": statistics.median(wait),
+                     "elapsed_s": [log.elapsed_s for log in res.iterations],  # every iteration, warm-up included
+                     "compute_s": [log.compute_s for log in res.iterations],
                      # last iteration: (action, reached, compute start, compute end) seconds from its first action
                      "timeline": [[n, *(None if t is None else t - timeline[0][1] for t in ts)]
                                   for n, *ts in timeline]}
