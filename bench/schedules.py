@@ -2,15 +2,15 @@
 
 A CPU-emulated cluster of 4 pipeline stages (one rank each): three on island ``fast`` and the last on
 island ``slow``, emulated 2x slower than ``fast``. Four ranks share this 2-core machine, so both
-islands are emulated *slower than the host* (fast 3x, slow 6x) and the emulation clock is each
+islands are emulated *slower than the host* (fast 4x, slow 8x) and the emulation clock is each
 rank's thread CPU time (EmulationTimer ``clock=time.thread_time``): a rank's compute lasts its own
 CPU time x its island's factor whatever the other processes do, and the waiting uses no core.
 Layers follow the speeds (4/4/4/2 of 14; interleaved: chunks of 2/2/2/1 layers, the plan's uneven
 chunk_layers); m = 8 micro-batches of 2.
 
 Predicted: the planner's performance model (megatron_het.perf.predict) with a profile of this host
-measured by tools/profile_host.py just before the runs (one thread; layers, parts, AdamW step) and
-the cluster's factors; the same schedule action lists the runtime executes. Measured: one 4-process
+measured by tools/profile_host.py just before the runs (one thread; layers, parts, AdamW step; thread
+CPU time, caches swept before each repetition, as the run's ranks see them) and the cluster's factors; the same schedule action lists the runtime executes. Measured: one 4-process
 spawn runs the three plans one after another per round (rounds alternate the order), median over
 the iterations after warm-up of the slowest rank's iteration time. Bubble: mean over ranks of the
 share of the iteration not spent in forward/backward (predicted the same way from the simulation).
@@ -54,6 +54,7 @@ CLUSTER = {
 }
 SCHEDULES = ("1f1b", "interleaved", "zb-h1")
 PROFILE = os.path.join(ROOT, "bench", "results", "schedules_profile.json")
+SWEEP_MIB = 64  # swept through the caches before each profiled repetition: 2x this host's 32 MiB L3
 
 
 def plans() -> dict[str, Plan]:
@@ -160,8 +161,12 @@ def _split_overhead(rank, world_size, reps):
 
 
 def measure_profile(path: str) -> None:
-    """tools/profile_host.py: layers, embedding, output + loss and the AdamW step, one thread."""
-    cmd = [sys.executable, os.path.join(ROOT, "tools/profile_host.py"), "--num-layers", "2", "--hidden-size",
+    """tools/profile_host.py: layers, embedding, output + loss and the AdamW step, one thread, timed like the
+    run: thread CPU time (the emulation's clock) with the caches swept before each repetition (between two of
+    a rank's actions the other ranks run on its core). bench/schedules_gap.py measured the pipeline's F+B CPU
+    time at 1.14-1.17x a warm thread-time profile's price and 0.97-1.02x this one's (1F1B)."""
+    cmd = [sys.executable, os.path.join(ROOT, "tools/profile_host.py"), "--clock", "thread", "--sweep-mib",
+           str(SWEEP_MIB), "--num-layers", "2", "--hidden-size",
            str(MODEL.hidden_size), "--num-attention-heads", str(MODEL.num_attention_heads), "--seq-length",
            str(MODEL.seq_length), "--micro-batch-sizes", str(MICRO_BATCH), "--threads", "1", "--repeats", "7",
            "--device", "CPU", "--vocab-size", str(MODEL.vocab_size), "--optimizer", "--output", path]
@@ -245,7 +250,8 @@ def main() -> int:
         "setup": {"model": {k: v for k, v in MODEL.__dict__.items() if v is not None}, "cluster": CLUSTER,
                   "micro_batch_size": MICRO_BATCH, "micro_batches": MICRO_BATCHES, "iters": args.iters,
                   "warmup": WARMUP, "rounds": args.rounds, "plans": {n: p.to_dict() for n, p in table.items()},
-                  "emulation_clock": "time.thread_time", "threads_per_rank": 1,
+                  "emulation_clock": "time.thread_time", "threads_per_rank": 1, "profile_clock": "thread",
+                  "profile_sweep_mib": SWEEP_MIB,
                   "profile": os.path.relpath(PROFILE, ROOT)},
         "perf_commit": perf_commit(),
         "machine": machine(), "load_average_before": load_before, "load_average_after": load_after,

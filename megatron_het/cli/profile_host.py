@@ -62,6 +62,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--concurrent", type=int, default=1,
                     help="measure tp=1 parts on this many local processes at once (one thread each), as that many "
                          "ranks sharing this host see them when all compute; 1: this process alone")
+    ap.add_argument("--clock", choices=("wall", "thread"), default="wall",
+                    help="thread: time thread CPU time, the clock an emulated run on shared cores stretches "
+                         "(EmulationTimer clock=time.thread_time); wall counts other processes' turns too")
+    ap.add_argument("--sweep-mib", type=int, default=0,
+                    help="sweep this many MiB through the caches before each timed repetition, as the other ranks "
+                         "sharing the cores do between two of a rank's actions (0: warm, back-to-back)")
     ap.add_argument("--vocab-size", type=int, default=None,
                     help="also measure the embedding and the output layer + loss for this vocabulary (padded "
                          "like Megatron to a multiple of 128)")
@@ -76,7 +82,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     for flag, value, least in (("--threads", args.threads, 1), ("--warmup", args.warmup, 0),
                                ("--repeats", args.repeats, 1), ("--concurrent", args.concurrent, 1),
-                               ("--vocab-size", args.vocab_size, 1)):
+                               ("--vocab-size", args.vocab_size, 1), ("--sweep-mib", args.sweep_mib, 0)):
         if value is not None and value < least:
             ap.error(f"{flag} must be >= {least}, got {value}")
     if args.comm_ranks == 1 or args.comm_ranks < 0:
@@ -95,7 +101,8 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(args.threads)
     options = dict(num_layers=args.num_layers, micro_batch_sizes=args.micro_batch_sizes, device=args.device,
                    warmup=args.warmup, repeats=args.repeats, dtype=getattr(torch, args.dtype),
-                   implementation=args.implementation, vocab_size=vocab, optimizer=args.optimizer)
+                   implementation=args.implementation, vocab_size=vocab, optimizer=args.optimizer,
+                   clock=args.clock, sweep_mib=args.sweep_mib)
     profile = (profile_layers(model, **options) if args.concurrent == 1 else
                profile_concurrent(model, processes=args.concurrent, **options))
     tp_entries = tuple(e for tp in args.tp_sizes if tp > 1 for e in profile_tp_layers(

@@ -201,6 +201,8 @@ class StagePrediction:
     optimizer_s: float  # this stage's optimizer step
     memory: StageMemory  # peak bytes per rank, by part
     capacity_gib: float  # device memory per rank
+    # (embedding fwd, bwd, output fwd, bwd) seconds inside forward_s/backward_s (stage_ends)
+    ends_s: tuple[float, float, float, float] = (0.0, 0.0, 0.0, 0.0)
 
     @property
     def memory_gib(self) -> float:
@@ -366,7 +368,7 @@ def predict(plan: Plan, model: ModelSpec, cluster: ClusterSpec, *, profile: Prof
         return costs[key]
 
     # Simulate each distinct replica once; record when every stage's last backward ends.
-    sims: dict[tuple[object, ...], tuple[list[float], list[float], PipelineTimes]] = {}
+    sims: dict[tuple[object, ...], tuple[list[float], list[float], PipelineTimes, list[tuple[float, ...]]]] = {}
     keys = []
     for r in plan.replicas:
         key = (tuple(_stage_key(st) for st in r.stages), r.num_micro_batches)
@@ -450,32 +452,49 @@ def predict(plan: Plan, model: ModelSpec, cluster: ClusterSpec, *, profile: Prof
 
 
 def _simulate(plan: Plan, r: ReplicaPlan, model: ModelSpec, cluster: ClusterSpec, cost, *,
-              seq_length: int) -> tuple[list[float], list[float], PipelineTimes]:
-    """Per-stage forward and backward seconds per micro-batch and the simulated schedule."""
+              seq_length: int) -> tuple[list[float], list[float], PipelineTimes, list[tuple[float, ...]]]:
+    """Per-stage forward and backward seconds per micro-batch, the simulated schedule and the stages' ends."""
     p, m, v = len(r.stages), r.num_micro_batches, plan.virtual_pipeline_size
-    fwd, bwd = [], []
+    fwd, bwd, ends = [], [], []
     for i, st in enumerate(r.stages):
         c = cost(st)
         fwd.append(c.forward_s(st.num_layers, is_first=i == 0, is_last=i == p - 1))
         bwd.append(c.backward_s(st.num_layers, is_first=i == 0, is_last=i == p - 1))
-    duration = action_duration(plan, r, fwd, bwd)
+        ends.append(stage_ends(c, is_first=i == 0, is_last=i == p - 1))
+    duration = action_duration(plan, r, fwd, bwd, ends=ends)
     p2p = hop_time(plan, r, model, cluster, seq_length=seq_length)
 
     # duration and p2p depend on the stage and the action kind only: any micro-batch count costs the same
-    return fwd, bwd, pipeline_times(plan.schedule, p, m, v, duration, p2p)
+    return fwd, bwd, pipeline_times(plan.schedule, p, m, v, duration, p2p), ends
 
 
-def action_duration(plan: Plan, r: ReplicaPlan, fwd: list[float], bwd: list[float]):
-    """(stage, action) -> seconds: a chunk's share of its stage's forward/backward time is its share of the
-    stage's layers; with a split backward B and W take half the backward each. Shared by the prediction
-    and ``replica_trace`` (what ``predict --trace`` renders)."""
+def stage_ends(cost: StageCost, *, is_first: bool, is_last: bool) -> tuple[float, float, float, float]:
+    """(embedding forward, embedding backward, output forward, output backward) seconds inside a stage's
+    forward/backward: the parts only its first / last model chunk runs."""
+    return ((cost.embedding_forward_s, cost.embedding_backward_s) if is_first else (0.0, 0.0)) + (
+        (cost.output_forward_s, cost.output_backward_s) if is_last else (0.0, 0.0))
+
+
+def action_duration(plan: Plan, r: ReplicaPlan, fwd: list[float], bwd: list[float],
+                    ends: Sequence[tuple[float, float, float, float]] | None = None):
+    """(stage, action) -> seconds: a chunk's share of its stage's layer time is its share of the stage's
+    layers; the embedding (``ends[stage][:2]``) is its first chunk's and the output layer + loss
+    (``ends[stage][2:]``) its last chunk's alone; with a split backward B and W take half the backward each.
+    Shared by the prediction and ``replica_trace`` (what ``predict --trace`` renders)."""
     split = plan.schedule in SPLIT_BACKWARD_SCHEDULES
-    share = [[(b - a) / st.num_layers for a, b in ch] for st, ch in zip(r.stages, chunk_layers(r, plan.virtual_pipeline_size))]
+    chunks = chunk_layers(r, plan.virtual_pipeline_size)
+    share = [[(b - a) / st.num_layers for a, b in ch] for st, ch in zip(r.stages, chunks)]
+    ends = [(0.0, 0.0, 0.0, 0.0)] * len(r.stages) if ends is None else list(ends)
 
     def duration(stage: int, action: Action) -> float:
+        c, last = action.chunk, len(share[stage]) - 1
+        ef, eb, of, ob = ends[stage]
+        # interleaved: measured on the last stage, its last chunk's F/B took 1.3x a layer-share of the
+        # stage's time (it alone runs the output layer + loss), its first chunk 0.93x (bench/schedules_gap.py)
         if action.kind == "F":
-            return fwd[stage] * share[stage][action.chunk]
-        return bwd[stage] * share[stage][action.chunk] / (2 if split else 1)
+            return (fwd[stage] - ef - of) * share[stage][c] + (ef if c == 0 else 0.0) + (of if c == last else 0.0)
+        b = (bwd[stage] - eb - ob) * share[stage][c] + (eb if c == 0 else 0.0) + (ob if c == last else 0.0)
+        return b / (2 if split else 1)
 
     return duration
 
@@ -509,17 +528,18 @@ def replica_trace(plan: Plan, replica: int, model: ModelSpec, cluster: ClusterSp
 
     r = plan.replicas[replica]
     stages = prediction.replicas[replica].stages
-    duration = action_duration(plan, r, [s.forward_s for s in stages], [s.backward_s for s in stages])
+    duration = action_duration(plan, r, [s.forward_s for s in stages], [s.backward_s for s in stages],
+                               ends=[s.ends_s for s in stages])
     p2p = hop_time(plan, r, model, cluster, seq_length=model.seq_length if seq_length is None else seq_length)
     return simulate(build_schedule(plan.schedule, len(r.stages), r.num_micro_batches, plan.virtual_pipeline_size),
                     duration, p2p)
 
 
 def _replica(plan: Plan, r: ReplicaPlan, model: ModelSpec, cluster: ClusterSpec,
-             simulated: tuple[list[float], list[float], PipelineTimes], reduce_and_step, *, dp: int, dist_opt: bool,
+             simulated: tuple[list[float], list[float], PipelineTimes, list[tuple[float, ...]]], reduce_and_step, *, dp: int, dist_opt: bool,
              seq_length: int, flash_attention: bool | None = None, recompute_mode: str | None = None) -> ReplicaPrediction:
     p, m, v, mbs = len(r.stages), r.num_micro_batches, plan.virtual_pipeline_size, plan.micro_batch_size
-    fwd, bwd, sim = simulated
+    fwd, bwd, sim, ends = simulated
     stages = []
     for i, st in enumerate(r.stages):
         is_first, is_last = i == 0, i == p - 1
@@ -539,6 +559,7 @@ def _replica(plan: Plan, r: ReplicaPlan, model: ModelSpec, cluster: ClusterSpec,
             island=st.island, device_type=st.device_type, tp=st.tp, layers=st.layers, forward_s=fwd[i],
             backward_s=bwd[i], compute_s=sim.busy[i], idle_s=sim.idle[i], gradient_reduction_s=red,
             gradient_reduction_end_s=red_end, optimizer_s=opt, memory=mem, capacity_gib=device_capacity_bytes(device) / _GIB,
+            ends_s=tuple(ends[i]),
         ))
     return ReplicaPrediction(num_micro_batches=m, pipeline_time_s=sim.iteration_time,
                              bubble_fraction=sim.bubble_fraction, stages=tuple(stages))

@@ -17,11 +17,11 @@ predicts, so the two can be compared directly.
 
 from __future__ import annotations
 
-import os
 import platform
 import statistics
 import time
 from collections.abc import Callable
+from dataclasses import replace
 
 import torch
 
@@ -34,6 +34,21 @@ __all__ = ["TorchReferenceLayer", "measure", "profile_layers", "profile_parts", 
            "profile_tp_layers", "profile_concurrent"]
 
 LayerStack = Callable[[torch.Tensor], torch.Tensor]
+CLOCKS = {"wall": time.perf_counter, "thread": time.thread_time}
+
+
+class _Timing:
+    """How every measurement here is clocked (profile_layers sets it for its duration)."""
+
+    clock: Callable[[], float] = staticmethod(time.perf_counter)
+    sweep: torch.Tensor | None = None  # swept through the caches before each timed repetition (cold)
+
+    def before(self) -> None:
+        if self.sweep is not None:
+            self.sweep.add_(1.0)
+
+
+_TIMING = _Timing()
 
 
 class TorchReferenceLayer(torch.nn.Module):
@@ -89,9 +104,10 @@ def _build_megatron(model: ModelSpec, num_layers: int, dtype: torch.dtype,
 
     created_group = not dist.is_initialized()
     if created_group:
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(free_port()))
-        dist.init_process_group(detect_accelerator().world_backend, rank=0, world_size=1)
+        # a fresh port per call, not MASTER_PORT in os.environ: a port left there by an earlier call
+        # may have been taken by another process since (EADDRINUSE on the second profile in a process)
+        dist.init_process_group(detect_accelerator().world_backend, init_method=f"tcp://127.0.0.1:{free_port()}",
+                                rank=0, world_size=1)
     # A runtime in this process (megatron_het.model.groups.ensure_global_memory_buffer) may have
     # created the buffer initialize_model_parallel insists on creating itself; it is stateless scratch.
     parallel_state.destroy_global_memory_buffer()
@@ -149,11 +165,12 @@ def measure(run: LayerStack, params: list[torch.nn.Parameter], *, shape: tuple[i
         for p in params:
             p.grad = None
         synchronize()
-        t0 = time.perf_counter()
+        _TIMING.before()
+        t0 = _TIMING.clock()
         out = run(x)
-        t1 = time.perf_counter()
+        t1 = _TIMING.clock()
         out.backward(torch.ones_like(out))
-        t2 = time.perf_counter()
+        t2 = _TIMING.clock()
         if i >= warmup:
             forward.append(t1 - t0)
             backward.append(t2 - t1)
@@ -163,9 +180,34 @@ def measure(run: LayerStack, params: list[torch.nn.Parameter], *, shape: tuple[i
 
 def profile_layers(model: ModelSpec, *, num_layers: int, micro_batch_sizes: list[int], device: str,
                    warmup: int, repeats: int, dtype: torch.dtype, implementation: str,
-                   vocab_size: int | None = None, optimizer: bool = False, tp: int = 1) -> Profile:
+                   vocab_size: int | None = None, optimizer: bool = False, tp: int = 1, clock: str = "wall",
+                   sweep_mib: int = 0) -> Profile:
     """Build the layers (megatron-core, or the torch reference if that fails) and measure them.
-    ``tp > 1`` must run on every rank of a gloo world of ``tp`` processes (:func:`profile_tp_layers`)."""
+    ``tp > 1`` must run on every rank of a gloo world of ``tp`` processes (:func:`profile_tp_layers`).
+    ``clock`` "thread" times thread CPU time, the clock an emulated run on shared cores stretches
+    (EmulationTimer clock=time.thread_time; wall time would count other processes' turns); ``sweep_mib``
+    > 0 sweeps that many MiB through the caches before every timed repetition, as the other ranks
+    sharing the cores do between two of a rank's actions (a back-to-back profile runs with warm caches)."""
+    if clock not in CLOCKS or sweep_mib < 0:
+        raise ValueError(f"clock must be one of {sorted(CLOCKS)} and sweep_mib >= 0, got {clock!r}, {sweep_mib}")
+    _TIMING.clock = CLOCKS[clock]
+    _TIMING.sweep = torch.zeros(sweep_mib * 2**18) if sweep_mib else None
+    try:
+        profile = _profile_layers(model, num_layers=num_layers, micro_batch_sizes=micro_batch_sizes, device=device,
+                                  warmup=warmup, repeats=repeats, dtype=dtype, implementation=implementation,
+                                  vocab_size=vocab_size, optimizer=optimizer, tp=tp)
+    finally:
+        _TIMING.clock, _TIMING.sweep = time.perf_counter, None
+    if clock == "wall" and not sweep_mib:
+        return profile
+    how = f"; clock {clock} ({'thread CPU time' if clock == 'thread' else 'wall time'})" + (
+        f", {sweep_mib} MiB swept through the caches before each repetition" if sweep_mib else "")
+    return replace(profile, method=profile.method + how, optimizer_method=profile.optimizer_method and profile.optimizer_method + how)
+
+
+def _profile_layers(model: ModelSpec, *, num_layers: int, micro_batch_sizes: list[int], device: str,
+                    warmup: int, repeats: int, dtype: torch.dtype, implementation: str,
+                    vocab_size: int | None, optimizer: bool, tp: int) -> Profile:
     cleanup: Callable[[], None] = lambda: None
     fallback_reason = ""
     layers: list[torch.nn.Module] = []
@@ -230,6 +272,7 @@ def _median_times(step: Callable[[], tuple[float, float]], *, warmup: int, repea
 
     def synced() -> tuple[float, float]:
         sync()
+        _TIMING.before()
         return step()
 
     runs = [synced() for _ in range(warmup + repeats)][warmup:]
@@ -261,20 +304,20 @@ def profile_parts(model: ModelSpec, *, vocab_size: int, micro_batch_sizes: list[
         hidden = torch.randn(s, mbs, model.hidden_size, dtype=dtype, requires_grad=True)
 
         def embed() -> tuple[float, float]:
-            t0 = time.perf_counter()
+            t0 = _TIMING.clock()
             out = embedding(tokens, positions)
-            t1 = time.perf_counter()
+            t1 = _TIMING.clock()
             out.backward(torch.ones_like(out))
-            return t1 - t0, time.perf_counter() - t1
+            return t1 - t0, _TIMING.clock() - t1
 
         def head() -> tuple[float, float]:
-            t0 = time.perf_counter()
+            t0 = _TIMING.clock()
             logits, _ = output(norm(hidden))
             loss = tensor_parallel.vocab_parallel_cross_entropy(logits.float(), tokens.t().contiguous(),
                                                                 tp_group=tp_group).mean()
-            t1 = time.perf_counter()
+            t1 = _TIMING.clock()
             loss.backward()
-            return t1 - t0, time.perf_counter() - t1
+            return t1 - t0, _TIMING.clock() - t1
 
         for part, step in (("embedding", embed), ("output", head)):
             fwd, bwd = _median_times(step, warmup=warmup, repeats=repeats)
@@ -293,10 +336,11 @@ def profile_optimizer(params: list[torch.nn.Parameter], *, warmup: int, repeats:
     times, sync = [], _synchronize()
     for i in range(warmup + repeats):
         sync()
-        t0 = time.perf_counter()
+        _TIMING.before()
+        t0 = _TIMING.clock()
         optimizer.step()
         if i >= warmup:
-            times.append(time.perf_counter() - t0)
+            times.append(_TIMING.clock() - t0)
     n = sum(p.numel() for p in params)
     return statistics.median(times) / n, (f"torch.optim.AdamW step (defaults, two param groups) over {n} "
                                           f"parameters, median of {repeats} after {warmup} warm-up")
@@ -332,8 +376,6 @@ def profile_concurrent(model: ModelSpec, *, processes: int, timeout_s: float = 1
     """:func:`profile_layers` (tp=1) on ``processes`` local processes at once, one thread each, every
     repetition started together: what each of that many ranks sharing this host sees when they all
     compute (cores of a VM can share a physical core or memory bandwidth). Rank 0's profile."""
-    from dataclasses import replace
-
     from megatron_het.platform.local_launch import run_local
 
     if processes < 2:

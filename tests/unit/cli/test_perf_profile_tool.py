@@ -143,3 +143,30 @@ def test_tp2_layers_include_their_collectives(tmp_path):
     from megatron_het.perf.compute import layer_times
     lt = layer_times(model, CATALOG["CPU"], micro_batch_size=2, tp=2, profile=profile)
     assert lt.includes_tp_comm and lt.forward_s == by_tp[2].forward_s
+
+
+def test_profile_clock_and_cache_sweep(monkeypatch):
+    """``clock="thread"`` times with the emulation's clock (EmulationTimer clock=time.thread_time) and
+    ``sweep_mib`` sweeps the caches before every timed repetition; both are undone afterwards."""
+    tool = _tool()
+    import torch
+    ticks, swept = [0.0], []
+
+    def fake_thread_clock():  # one "second" per reading, and whether a sweep buffer was live then
+        ticks[0] += 1.0
+        swept.append(tool._TIMING.sweep is not None)
+        return ticks[0]
+
+    monkeypatch.setitem(tool.CLOCKS, "thread", fake_thread_clock)
+    model = ModelSpec(num_layers=1, hidden_size=64, num_attention_heads=4, seq_length=16, vocab_size=1)
+    profile = tool.profile_layers(model, num_layers=2, micro_batch_sizes=[1], device="CPU", warmup=1, repeats=2,
+                                  dtype=torch.float32, implementation="torch", optimizer=True, clock="thread",
+                                  sweep_mib=1)
+    (entry,) = profile.entries
+    assert entry.forward_s == entry.backward_s == 0.5  # one tick per stacked forward, 2 layers
+    assert swept and all(swept)
+    assert "clock thread" in profile.method and "1 MiB swept" in profile.method
+    assert tool._TIMING.sweep is None and tool._TIMING.clock is __import__("time").perf_counter
+    with pytest.raises(ValueError):
+        tool.profile_layers(model, num_layers=1, micro_batch_sizes=[1], device="CPU", warmup=0, repeats=1,
+                            dtype=torch.float32, implementation="torch", clock="cpu")

@@ -53,3 +53,27 @@ def test_cli_trace_prints_a_grid_with_chunks(tmp_path, capsys):
     assert "replica 0: schedule interleaved, 2 chunks per stage, 8 micro-batches" in out
     grid = [line for line in out.splitlines() if line.startswith("stage ")]
     assert len(grid) == 2 and "F0.1" in grid[0] and "B7.1" in grid[1]
+
+
+def test_output_layer_and_embedding_are_priced_on_their_own_chunk(tmp_path):
+    """Interleaved: only the last stage's last chunk runs the output layer + loss and only stage 0's first
+    chunk the embedding; the rest of a stage's time splits by layers (bench/schedules_gap.py measured the
+    last chunk at 1.3x a layer share)."""
+    from megatron_het.perf.predict import action_duration
+    from megatron_het.schedule import Action
+
+    plan, model = _interleaved(tmp_path)
+    pred = predict(plan, model, load_cluster(CLUSTER))
+    stages = pred.replicas[0].stages
+    ef, eb, _, _ = stages[0].ends_s
+    _, _, of, ob = stages[1].ends_s
+    assert ef > 0 and of > 0 and ob > 0
+    dur = action_duration(plan, plan.replicas[0], [s.forward_s for s in stages], [s.backward_s for s in stages],
+                          ends=[s.ends_s for s in stages])
+    f = [[dur(s, Action(kind="F", micro_batch=0, chunk=c)) for c in (0, 1)] for s in (0, 1)]
+    b1 = [dur(1, Action(kind="B", micro_batch=0, chunk=c)) for c in (0, 1)]
+    assert f[1][1] - f[1][0] == pytest.approx(of, rel=1e-9)  # the last chunk alone carries the output layer
+    assert b1[1] - b1[0] == pytest.approx(ob, rel=1e-9)
+    assert f[0][0] - f[0][1] == pytest.approx(ef, rel=1e-9)  # the first chunk alone carries the embedding
+    assert sum(f[1]) == pytest.approx(stages[1].forward_s, rel=1e-9)  # nothing priced twice or lost
+    assert sum(b1) == pytest.approx(stages[1].backward_s, rel=1e-9)
