@@ -18,7 +18,7 @@ import statistics
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+# `python bench/schedules_gap.py` runs with bench/ as the script directory: schedules.py imports like bench_record
 from schedules import CLUSTER, MICRO_BATCH, MICRO_BATCHES, MODEL, PROFILE, SCHEDULES, WARMUP, plans  # noqa: E402
 
 from megatron_het.cluster import cluster_from_dict  # noqa: E402
