@@ -11,17 +11,13 @@ import ast
 from collections import defaultdict
 from pathlib import Path
 
-from support.paths import REPO
+from support.paths import REPO, package_modules
 
 PACKAGE = "megatron_het"
 
 
 def _modules() -> dict[str, Path]:
-    out = {}
-    for path in sorted((REPO / PACKAGE).rglob("*.py")):
-        name = ".".join(path.relative_to(REPO).with_suffix("").parts)
-        out[name.removesuffix(".__init__")] = path
-    return out
+    return package_modules(PACKAGE)
 
 
 def _owner(name: str, modules: dict[str, Path]) -> str | None:

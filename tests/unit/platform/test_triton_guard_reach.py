@@ -13,18 +13,14 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-from support.paths import REPO
+from support.paths import package_modules
 
 PACKAGE = "megatron_het"
 GUARD = "megatron_het.platform"
 
 
 def _modules() -> dict[str, Path]:
-    out = {}
-    for path in sorted((REPO / PACKAGE).rglob("*.py")):
-        name = ".".join(path.relative_to(REPO).with_suffix("").parts)
-        out[name.removesuffix(".__init__")] = path
-    return out
+    return package_modules(PACKAGE)
 
 
 def _top_level_targets(mod: str, path: Path, modules: dict[str, Path]) -> set[str]:
