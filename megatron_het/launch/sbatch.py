@@ -153,14 +153,7 @@ def render_sbatch(components: Sequence[HetComponent], options: JobOptions) -> st
     if resilient:
         return _render_resilient(header, components, port, train)
     body = [
-        "set -euo pipefail",
-        "",
-        "# Inside a het job SLURM_HET_JOB_ID is unset; SLURM_JOB_ID and the *_HET_GROUP_<n> variables describe it.",
-        "# The rendezvous runs on the first node of component 0, at the address Slurm knows it by (NodeAddr).",
-        'MASTER_NODE=$(scontrol show hostnames "$SLURM_JOB_NODELIST_HET_GROUP_0" | head -n 1)',
-        'MASTER_ADDR=${MASTER_ADDR:-$(scontrol show node "$MASTER_NODE" | sed -n \'s/.*NodeAddr=\\([^ ]*\\).*/\\1/p\')}',
-        "MASTER_ADDR=${MASTER_ADDR:-$MASTER_NODE}",
-        f"MASTER_PORT=${{MASTER_PORT:-{port}}}",
+        *_rendezvous_lines(port),
         "TORCHRUN=${TORCHRUN:-torchrun}  # e.g. TORCHRUN=\"python -m torch.distributed.run\" sbatch ...",
         f"NNODES={total_nodes(components)}",
         "export MASTER_ADDR MASTER_PORT TORCHRUN NNODES",
@@ -195,11 +188,9 @@ def render_sbatch(components: Sequence[HetComponent], options: JobOptions) -> st
     return "\n".join(header + [""] + body) + "\n"
 
 
-def _render_resilient(header: list[str], components: Sequence[HetComponent], port: str, train: list[str]) -> str:
-    """The script of a ``--hetero-resilience`` run (see the module docstring)."""
-    ranks = sum(c.num_ranks for c in components)
-    store_given = "--hetero-resilience-store" in train
-    body = [
+def _rendezvous_lines(port: str) -> list[str]:
+    """The script's start, shared by the plain and the resilient job: strict mode and the rendezvous address."""
+    return [
         "set -euo pipefail",
         "",
         "# Inside a het job SLURM_HET_JOB_ID is unset; SLURM_JOB_ID and the *_HET_GROUP_<n> variables describe it.",
@@ -208,6 +199,15 @@ def _render_resilient(header: list[str], components: Sequence[HetComponent], por
         'MASTER_ADDR=${MASTER_ADDR:-$(scontrol show node "$MASTER_NODE" | sed -n \'s/.*NodeAddr=\\([^ ]*\\).*/\\1/p\')}',
         "MASTER_ADDR=${MASTER_ADDR:-$MASTER_NODE}",
         f"MASTER_PORT=${{MASTER_PORT:-{port}}}",
+    ]
+
+
+def _render_resilient(header: list[str], components: Sequence[HetComponent], port: str, train: list[str]) -> str:
+    """The script of a ``--hetero-resilience`` run (see the module docstring)."""
+    ranks = sum(c.num_ranks for c in components)
+    store_given = "--hetero-resilience-store" in train
+    body = [
+        *_rendezvous_lines(port),
         "RESILIENCE_PORT=${RESILIENCE_PORT:-$((MASTER_PORT + 1))}",
         "TORCHRUN=${TORCHRUN:-torchrun}  # e.g. TORCHRUN=\"python -m torch.distributed.run\" sbatch ...",
         "PYTHON=${PYTHON:-python}",
