@@ -19,11 +19,11 @@ from __future__ import annotations
 import argparse
 import datetime
 import itertools
-import json
 import os
-import platform
 import statistics
 import sys
+
+from bench_record import machine, perf_commit, write_result
 
 from megatron_het.perf import calibrated
 from megatron_het.perf import fit as fitting
@@ -124,16 +124,12 @@ def main() -> int:
     print(f"in-sample (shipped defaults): median |error| {100 * statistics.median(ins):.1f}%, worst {100 * max(ins):.1f}%")
     for k, ok in checks.items():
         print(f"  {k}: {'met' if ok else 'NOT met'}")
-    os.makedirs(os.path.dirname(OUT), exist_ok=True)
-    with open(OUT, "w", encoding="utf-8") as f:
-        json.dump({"benchmark": "published", "command": "python bench/published.py",
-                   "date": datetime.date.today().isoformat(), "machine": platform.platform(),
-                   "targets": {"median_abs_error": 0.10, "worst_abs_error": 0.25}, "checks": checks,
-                   "summary": {"rows": len(rows), "sources": len(signs), "median_abs_error": median,
-                               "worst_abs_error": worst},
-                   "fit_all_sources": full.theta, "per_source": signs, "orderings": orderings, "rows": table}, f,
-                  indent=2)
-        f.write("\n")
+    write_result(os.path.basename(OUT), {
+        "benchmark": "published", "command": "python bench/published.py", "date": datetime.date.today().isoformat(),
+        "machine": machine(), "perf_commit": perf_commit(),
+        "targets": {"median_abs_error": 0.10, "worst_abs_error": 0.25}, "checks": checks,
+        "summary": {"rows": len(rows), "sources": len(signs), "median_abs_error": median, "worst_abs_error": worst},
+        "fit_all_sources": full.theta, "per_source": signs, "orderings": orderings, "rows": table})
     print(f"wrote {os.path.relpath(OUT, ROOT)}")
     return 0
 

@@ -25,6 +25,7 @@ from megatron_het.errors import UserError
 from megatron_het.perf import fit as fitting
 from megatron_het.perf.profile import save_profile
 from megatron_het.perf.published import DEFAULT_DIR, load_published
+from megatron_het.utils.atomic import write_text_atomic
 
 CALIBRATED_PY = Path(__file__).resolve().parents[1] / "perf" / "calibrated.py"
 ROOT = Path(__file__).resolve().parents[2]
@@ -84,7 +85,7 @@ def main(argv: list[str] | None = None) -> int:
             save_profile(profile, path)
             written.append(str(path))
     if args.write_defaults:
-        CALIBRATED_PY.write_text(render_defaults(result, data=args.data), encoding="utf-8")
+        write_text_atomic(CALIBRATED_PY, render_defaults(result, data=args.data))
         written.append(str(CALIBRATED_PY))
     report = {
         "fit": {"sources": list(result.sources), "rows": len(result.rows), "theta": result.theta},

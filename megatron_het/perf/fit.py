@@ -48,9 +48,26 @@ PRIOR_SIGMA = 0.3  # log error a prior is believed to within
 # Device types the fit covers: family -> catalog names sharing its figures.
 FAMILIES = {"A100": ("A100-40GB", "A100-80GB"), "H100": ("H100-SXM", "H200")}
 
+# Fused attention written for Hopper (warp specialisation, TMA, wgmma: FlashAttention-3, cuDNN 9's
+# fused attention, which Transformer Engine runs on H100) over FlashAttention-2's Ampere design on the
+# same H100: Shah et al. 2024, "FlashAttention-3" (arXiv:2407.08608), abstract: "1.5-2.0x" faster in
+# 16-bit (FlashAttention-2 "only 35% utilization" on H100). The low end is taken; not fitted.
+HOPPER_ATTENTION_SPEEDUP = 1.5
+ATTENTION_KERNELS = ("fa2", "hopper")  # a row's fused attention kernel design (published.py)
 
-def device_params(theta: Mapping[str, float], *, source: str = "fit") -> dict[str, dict[str, ComputeParams]]:
-    """Device type name -> precision class -> ComputeParams for the parameter values ``theta``."""
+
+def device_params(theta: Mapping[str, float], *, source: str = "fit", attention_kernel: str = "hopper",
+                  fused_norm_casts: bool = True) -> dict[str, dict[str, ComputeParams]]:
+    """Device type name -> precision class -> ComputeParams for the parameter values ``theta``.
+
+    ``attention_kernel``: the fused attention the H100 family runs ("hopper": a Hopper-native kernel,
+    what megatron-core's Transformer Engine spec uses, the shipped default; "fa2": FlashAttention-2).
+    ``attention_over_gemm`` is the FlashAttention-2-class figure (the A100's kernel).
+    ``fused_norm_casts``: the run's norms write fp8 for QKV and fc1 (megatron-core's TE spec, the
+    shipped default) rather than each te.Linear casting its input (see ComputeParams)."""
+    if attention_kernel not in ATTENTION_KERNELS:
+        raise ValueError(f"attention_kernel={attention_kernel!r} is not one of {ATTENTION_KERNELS}. "
+                         "Fix: use 'hopper' or 'fa2'")
     def clip(x: float) -> float:
         return min(1.0, max(1e-3, x))
 
@@ -59,24 +76,37 @@ def device_params(theta: Mapping[str, float], *, source: str = "fit") -> dict[st
     base = PRIORS["nvidia"]["16bit"]
     k = max(0.0, theta["kernel_overhead_us"])
 
-    def params(gemm: float, sixteen: float) -> ComputeParams:
-        return ComputeParams(gemm_efficiency=clip(gemm), attention_efficiency=clip(sixteen * theta["attention_over_gemm"]),
+    def params(gemm: float, sixteen: float, attention_speedup: float = 1.0) -> ComputeParams:
+        return ComputeParams(gemm_efficiency=clip(gemm),
+                             attention_efficiency=clip(sixteen * theta["attention_over_gemm"] * attention_speedup),
                              kernel_overhead_us=k, memory_efficiency=base.memory_efficiency, k_half=base.k_half,
-                             elementwise_kernels=base.elementwise_kernels, source=source)
+                             elementwise_kernels=base.elementwise_kernels, fused_norm_casts=fused_norm_casts,
+                             source=source)
 
     out: dict[str, dict[str, ComputeParams]] = {}
     for name in FAMILIES["A100"]:
         out[name] = {"16bit": params(a16, a16)}
+    hop = HOPPER_ATTENTION_SPEEDUP if attention_kernel == "hopper" else 1.0
     for name in FAMILIES["H100"]:
-        out[name] = {"16bit": params(h16, h16), "fp8": params(h16 * theta["fp8_over_16bit"], h16)}
+        out[name] = {"16bit": params(h16, h16, hop), "fp8": params(h16 * theta["fp8_over_16bit"], h16, hop)}
     return out
 
 
-def profiles_for(theta: Mapping[str, float], *, source: str = "fit") -> list[Profile]:
+def profiles_for(theta: Mapping[str, float], *, source: str = "fit", attention_kernel: str = "hopper",
+                 fused_norm_casts: bool = True) -> list[Profile]:
     """One entry-less profile per fitted device type, carrying its compute_model."""
     return [Profile(device=name, entries=(), method="compute model fit", compute_model=cm, source=source,
                     compute_method=source)
-            for name, cm in device_params(theta, source=source).items()]
+            for name, cm in device_params(theta, source=source, attention_kernel=attention_kernel,
+                                          fused_norm_casts=fused_norm_casts).items()]
+
+
+def _row_profiles(theta: Mapping[str, float]) -> Callable[[PublishedRow], list[Profile]]:
+    """The profiles each row is priced with: its software stack (attention kernel, fp8 casts) picks
+    the stack-dependent figures; the fitted ones are shared."""
+    by_stack = {(kernel, fused): profiles_for(theta, attention_kernel=kernel, fused_norm_casts=fused)
+                for kernel in ATTENTION_KERNELS for fused in (True, False)}
+    return lambda row: by_stack[(row.attention_kernel, row.fused_norm_casts)]
 
 
 def _stage_seconds(row: PublishedRow, profiles: Sequence[Profile]) -> float:
@@ -93,8 +123,8 @@ def _stage_seconds(row: PublishedRow, profiles: Sequence[Profile]) -> float:
 
 
 def _exact(rows: Sequence[PublishedRow], theta: Mapping[str, float]) -> list[float]:
-    profiles = profiles_for(theta)
-    return [predict_row(r, profile=profiles).iteration_time_s for r in rows]
+    profiles = _row_profiles(theta)
+    return [predict_row(r, profile=profiles(r)).iteration_time_s for r in rows]
 
 
 def _nelder_mead(f: Callable[[list[float]], float], x0: list[float], *, step: float = 0.1, iters: int = 600,
@@ -148,19 +178,21 @@ def fit(rows: Sequence[PublishedRow], *, rounds: int = 3) -> FitResult:
     for _ in range(rounds):
         theta = dict(zip(_NAMES, map(math.exp, x)))
         ref = _exact(rows, theta)
-        s_ref = [_stage_seconds(r, profiles_for(theta)) for r in rows]
+        ref_profiles = _row_profiles(theta)
+        s_ref = [_stage_seconds(r, ref_profiles(r)) for r in rows]
         pert = dict(theta, a100_16bit_gemm=theta["a100_16bit_gemm"] * 0.85)
         t_pert = _exact(rows, pert)
-        s_pert = [_stage_seconds(r, profiles_for(pert)) for r in rows]
+        pert_profiles = _row_profiles(pert)
+        s_pert = [_stage_seconds(r, pert_profiles(r)) for r in rows]
         slope = [(tp - t) / (sp - s) if abs(sp - s) > 1e-15 else (t / s if s > 0 else 0.0)
                  for t, tp, s, sp in zip(ref, t_pert, s_ref, s_pert)]
 
         def objective_of(v: list[float]) -> float:
             th = dict(zip(_NAMES, map(math.exp, v)))
-            profiles = profiles_for(th)
+            profiles = _row_profiles(th)
             total = sum(((vi - math.log(priors[k])) / PRIOR_SIGMA) ** 2 for vi, k in zip(v, _NAMES))
             for r, t0, s0, k, pub in zip(rows, ref, s_ref, slope, published):
-                t = t0 + k * (_stage_seconds(r, profiles) - s0)
+                t = t0 + k * (_stage_seconds(r, profiles(r)) - s0)
                 t = max(t, 1e-3 * t0)
                 total += (math.log(t / pub) / ROW_SIGMA) ** 2
             return total

@@ -37,6 +37,10 @@ class ComputeParams:
     memory_efficiency: float = 0.8  # fraction of memory bandwidth element-wise kernels reach
     k_half: float = 64.0  # reduction depth at which a tile's main loop runs at half speed
     elementwise_kernels: int = 10  # non-GEMM kernels of one layer's forward (norms, residuals, activation, ...)
+    # fp8: the norms before the QKV and fc1 GEMMs write their output in fp8 themselves (Transformer
+    # Engine's LayerNormLinear, megatron-core's TE spec), so those two inputs need no cast kernel;
+    # False when every GEMM is a separate te.Linear whose input is cast by its own kernel.
+    fused_norm_casts: bool = True
     source: str = "prior"  # where the figures come from
 
     def __post_init__(self) -> None:
@@ -55,4 +59,5 @@ class ComputeParams:
     def to_dict(self) -> dict[str, object]:
         return {"gemm_efficiency": self.gemm_efficiency, "attention_efficiency": self.attention_efficiency,
                 "kernel_overhead_us": self.kernel_overhead_us, "memory_efficiency": self.memory_efficiency,
-                "k_half": self.k_half, "elementwise_kernels": self.elementwise_kernels, "source": self.source}
+                "k_half": self.k_half, "elementwise_kernels": self.elementwise_kernels,
+                "fused_norm_casts": self.fused_norm_casts, "source": self.source}

@@ -268,7 +268,7 @@ def _compute_model_from_dict(data: object) -> tuple[dict[str, Any], str]:
     check_keys(data, "compute_model", allowed=PRECISION_CLASSES + ("method",), required=())
     out = {}
     keys = ("gemm_efficiency", "attention_efficiency", "kernel_overhead_us", "memory_efficiency", "k_half",
-            "elementwise_kernels", "source")
+            "elementwise_kernels", "source", "fused_norm_casts")
     for cls in PRECISION_CLASSES:
         if cls not in data:
             continue
@@ -280,6 +280,8 @@ def _compute_model_from_dict(data: object) -> tuple[dict[str, Any], str]:
         if "kernel_overhead_us" in item:
             kwargs["kernel_overhead_us"] = as_float(item["kernel_overhead_us"], join(path, "kernel_overhead_us"),
                                                     inclusive=True)
+        if "fused_norm_casts" in item:
+            kwargs["fused_norm_casts"] = as_bool(item["fused_norm_casts"], join(path, "fused_norm_casts"))
         if "elementwise_kernels" in item:
             kwargs["elementwise_kernels"] = as_int(item["elementwise_kernels"], join(path, "elementwise_kernels"))
         kwargs["source"] = as_str(item.get("source", "profile"), join(path, "source"))

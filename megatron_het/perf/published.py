@@ -8,7 +8,11 @@ device type, GPUs per node, inter-node Gbit/s per GPU), ``defaults`` for its row
 A row: ``id``, ``where`` (table and row in the source), ``model`` (a name from ``models``, a file of
 examples/models/ without ``.yaml``, or a mapping of ModelSpec fields), ``tp``, ``pp``, ``gpus``,
 ``micro_batch_size``, ``global_batch_size``, optional ``virtual_pipeline_size``, ``precision``,
-``seq_length``, ``recompute`` (none | selective | full), ``flash_attention``, ``sequence_parallel``,
+``seq_length``, ``recompute`` (none | selective | full), ``flash_attention``, ``attention_kernel`` (the
+fused attention's design on H100: ``hopper`` for FlashAttention-3 or cuDNN 9's fused attention, which
+Transformer Engine runs; ``fa2``, the default, for FlashAttention-2 or kernels of its generation),
+``fused_norm_casts`` (fp8 runs: the norms before QKV and fc1 write fp8, as megatron-core's Transformer
+Engine spec does, the default; false when every linear is a separate te.Linear casting its input), ``sequence_parallel``,
 ``tp_comm_overlap``, ``distributed_optimizer``, ``overlap_grad_reduce``, ``group`` (rows comparing
 configurations of one model, whose ordering the predictor must reproduce), ``cluster`` overrides, and
 ``published`` (the figure, in the file's ``metric``).
@@ -55,6 +59,8 @@ class PublishedRow:
     recompute: str  # none | selective | full
     flash_attention: bool
     overlap_grad_reduce: bool
+    attention_kernel: str  # fused attention design: "hopper" (FlashAttention-3, cuDNN 9) or "fa2"
+    fused_norm_casts: bool  # fp8: the norms write fp8 for QKV and fc1 (TE LayerNormLinear); False: te.Linear casts
     metric: str  # tokens_per_s_per_gpu | tflops_per_gpu
     published: float  # the figure as published, in ``metric``
     published_iteration_s: float  # the same figure as seconds per iteration
@@ -101,6 +107,13 @@ def _published_iteration_s(metric: str, flops_kind: str, value: float, *, model:
     raise ConfigError("unknown metric", field="metric", value=metric, fix="use tokens_per_s_per_gpu or tflops_per_gpu")
 
 
+def _attention_kernel(value: object, where: str) -> str:
+    if value not in ("hopper", "fa2"):
+        raise ConfigError("unknown attention kernel", field=f"{where}.attention_kernel", value=value,
+                          fix="use hopper (FlashAttention-3, cuDNN 9 fused attention) or fa2 (FlashAttention-2)")
+    return str(value)
+
+
 def _row(data: Mapping[str, Any], raw: Mapping[str, Any], path: str) -> PublishedRow:
     row = {**data.get("defaults", {}), **raw}
     where = f"{path}:{raw.get('id')}"
@@ -135,6 +148,8 @@ def _row(data: Mapping[str, Any], raw: Mapping[str, Any], path: str) -> Publishe
         source=data["source"], id=str(row["id"]), where=str(row.get("where", "")), url=data.get("url", ""),
         device=cl["device"], precision=plan.precision, model=model, cluster=cluster, plan=plan, recompute=recompute,
         flash_attention=bool(row.get("flash_attention", True)),
+        attention_kernel=_attention_kernel(row.get("attention_kernel", "fa2"), where),
+        fused_norm_casts=bool(row.get("fused_norm_casts", True)),
         overlap_grad_reduce=bool(row.get("overlap_grad_reduce", False)), metric=metric, published=value,
         published_iteration_s=_published_iteration_s(metric, data.get("flops", "model"), value, model=model, gbs=gbs,
                                                       gpus=gpus, recompute=recompute),

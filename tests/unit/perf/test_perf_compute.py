@@ -133,3 +133,37 @@ def test_logits_time_positive_and_split_by_tp():
     one = logits_times(GPT, A100, micro_batch_size=2)
     two = logits_times(GPT, A100, micro_batch_size=2, tp=2)
     assert one.forward_s > two.forward_s > 0
+
+
+H100 = CATALOG["H100-SXM"]
+FP8 = ComputeParams(gemm_efficiency=0.5, attention_efficiency=0.4, kernel_overhead_us=5.0)
+
+
+def test_fp8_attention_is_priced_from_the_runs_own_figures():
+    # the fused kernel stays 16-bit in fp8 runs: its time is the causal score FLOPs at
+    # attention_efficiency of the 16-bit rate, from the fp8 class's figures (a profile's, a fit's)
+    b, s, heads, d = 2, 2048, GPT.num_attention_heads, GPT.kv_channels
+
+    def attention(eff):
+        p = ComputeParams(gemm_efficiency=0.5, attention_efficiency=eff, kernel_overhead_us=5.0)
+        return layer_times(GPT, H100, micro_batch_size=b, precision="fp8", params=p).parts["attention"]
+
+    flops = 4 * b * heads * s * s * d * 0.5
+    forward = flops / (H100.rate_tflops("bf16") * 1e12 * 0.4)
+    assert attention(0.4) == pytest.approx(forward * 3.5, rel=1e-9)  # backward 2.5x the forward
+    assert attention(0.2) == pytest.approx(2 * attention(0.4), rel=1e-9)
+
+
+def test_fused_norm_casts_drop_the_qkv_and_fc1_input_casts():
+    b, s, h = 2, 2048, GPT.hidden_size
+    bw = H100.memory_bandwidth_gbs * 1e9 * FP8.memory_efficiency
+    fused = layer_times(GPT, H100, micro_batch_size=b, precision="fp8", params=FP8)
+    separate = layer_times(GPT, H100, micro_batch_size=b, precision="fp8",
+                           params=ComputeParams(**{**FP8.to_dict(), "fused_norm_casts": False}))
+    # QKV and fc1 both read the [s*b, h] norm output: read 2 bytes, write 1, one kernel each
+    expected = 2 * (3 * s * b * h / bw + FP8.kernel_overhead_s)
+    assert separate.forward_s - fused.forward_s == pytest.approx(expected, rel=1e-9)
+    assert separate.backward_s == pytest.approx(fused.backward_s, rel=1e-12)  # gradient casts unchanged
+    bf16 = ComputeParams(**{**FP8.to_dict(), "fused_norm_casts": False})
+    assert layer_times(GPT, H100, micro_batch_size=b, params=bf16).forward_s == pytest.approx(
+        layer_times(GPT, H100, micro_batch_size=b, params=FP8).forward_s, rel=1e-12)  # no casts in bf16

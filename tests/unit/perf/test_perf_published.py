@@ -89,3 +89,50 @@ def test_breakdown_adds_up_and_names_the_parts():
             "tp_communication", "bubble", "gradient_reduction", "optimizer"} <= set(parts)
     assert max(parts, key=parts.get) == "gemm:fc1"
     assert all(v >= 0 and math.isfinite(v) for v in parts.values())
+
+
+def test_hopper_attention_kernel_is_faster_on_h100_only():
+    theta = {k: v for k, (v, _) in fitting.PARAMETERS.items()}
+    hopper = fitting.device_params(theta, attention_kernel="hopper")
+    fa2 = fitting.device_params(theta, attention_kernel="fa2")
+    for cls in ("16bit", "fp8"):
+        assert hopper["H100-SXM"][cls].attention_efficiency == pytest.approx(
+            fitting.HOPPER_ATTENTION_SPEEDUP * fa2["H100-SXM"][cls].attention_efficiency, rel=1e-12)
+        assert hopper["H100-SXM"][cls].gemm_efficiency == fa2["H100-SXM"][cls].gemm_efficiency
+    assert hopper["A100-80GB"] == fa2["A100-80GB"]  # the A100 has no Hopper kernel
+    with pytest.raises(ValueError, match="Fix:"):
+        fitting.device_params(theta, attention_kernel="fa3")
+
+
+def test_rows_record_their_stack_and_are_priced_with_it():
+    by_source = {}
+    for r in ROWS:
+        by_source.setdefault(r.source, set()).add((r.attention_kernel, r.fused_norm_casts))
+    assert by_source["nemo2412"] == {("hopper", True)}  # Transformer Engine: cuDNN attention, LayerNormLinear
+    assert by_source["llmfoundry"] == {("fa2", False)}  # 2023 FlashAttention-2, te.Linear per GEMM
+    row = next(r for r in ROWS if r.key == "nemo2412/llama2-7b")
+    theta = dict(calibrated.FIT["theta"])
+    as_fa2 = predict_row(row, profile=fitting.profiles_for(theta, attention_kernel="fa2")).iteration_time_s
+    (_, own, _), = fitting.row_errors([row], theta)
+    assert own < as_fa2  # the faster Hopper kernel is what the row is priced with
+
+
+def test_unknown_attention_kernel_is_a_config_error(tmp_path):
+    import shutil
+
+    from megatron_het.cluster import ConfigError
+
+    shutil.copy("examples/published/torchtitan.yaml", tmp_path / "t.yaml")
+    text = (tmp_path / "t.yaml").read_text().replace("  tp: 1\n", "  tp: 1\n  attention_kernel: fa3\n", 1)
+    (tmp_path / "t.yaml").write_text(text)
+    with pytest.raises(ConfigError, match="attention_kernel"):
+        load_published(tmp_path)
+
+
+def test_profile_round_trip_keeps_separate_fp8_casts(tmp_path):
+    theta = dict(calibrated.FIT["theta"])
+    profile = next(p for p in fitting.profiles_for(theta, fused_norm_casts=False) if p.device == "H100-SXM")
+    save_profile(profile, tmp_path / "h.json")
+    back = load_profile(tmp_path / "h.json")
+    assert back.compute_model["fp8"].fused_norm_casts is False
+    assert back.compute_model == profile.compute_model
