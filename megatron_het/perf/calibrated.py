@@ -20,11 +20,11 @@ FIT: dict[str, object] = {
     ],
     "rows": 45,
     "theta": {
-        "a100_16bit_gemm": 0.707728,
-        "h100_over_a100": 0.731764,
-        "fp8_over_16bit": 0.947728,
-        "attention_over_gemm": 0.538389,
-        "kernel_overhead_us": 6.642117
+        "a100_16bit_gemm": 0.707518,
+        "h100_over_a100": 0.732684,
+        "fp8_over_16bit": 0.968751,
+        "attention_over_gemm": 0.539717,
+        "kernel_overhead_us": 6.56201
     },
     "priors": {
         "a100_16bit_gemm": 0.8,
@@ -33,16 +33,16 @@ FIT: dict[str, object] = {
         "attention_over_gemm": 0.6,
         "kernel_overhead_us": 6.0
     },
-    "objective": 23.1736
+    "objective": 22.0659
 }
 
 # device type name -> precision class -> fitted figures.
 CALIBRATED: dict[str, dict[str, dict[str, object]]] = {
     "A100-40GB": {
         "16bit": {
-            "gemm_efficiency": 0.707728232763232,
-            "attention_efficiency": 0.38103285092988454,
-            "kernel_overhead_us": 6.642116987688501,
+            "gemm_efficiency": 0.7075176268357868,
+            "attention_efficiency": 0.38185933506126934,
+            "kernel_overhead_us": 6.5620100660997025,
             "memory_efficiency": 0.8,
             "k_half": 64.0,
             "elementwise_kernels": 10,
@@ -52,9 +52,9 @@ CALIBRATED: dict[str, dict[str, dict[str, object]]] = {
     },
     "A100-80GB": {
         "16bit": {
-            "gemm_efficiency": 0.707728232763232,
-            "attention_efficiency": 0.38103285092988454,
-            "kernel_overhead_us": 6.642116987688501,
+            "gemm_efficiency": 0.7075176268357868,
+            "attention_efficiency": 0.38185933506126934,
+            "kernel_overhead_us": 6.5620100660997025,
             "memory_efficiency": 0.8,
             "k_half": 64.0,
             "elementwise_kernels": 10,
@@ -64,9 +64,9 @@ CALIBRATED: dict[str, dict[str, dict[str, object]]] = {
     },
     "H100-SXM": {
         "16bit": {
-            "gemm_efficiency": 0.5178900466707107,
-            "attention_efficiency": 0.41823918804402627,
-            "kernel_overhead_us": 6.642116987688501,
+            "gemm_efficiency": 0.5183867098984681,
+            "attention_efficiency": 0.4196732282806548,
+            "kernel_overhead_us": 6.5620100660997025,
             "memory_efficiency": 0.8,
             "k_half": 64.0,
             "elementwise_kernels": 10,
@@ -74,9 +74,9 @@ CALIBRATED: dict[str, dict[str, dict[str, object]]] = {
             "source": "fit of 45 published rows (llmfoundry, narayanan2021, nemo2412, torchtitan); tools/calibrate.py"
         },
         "fp8": {
-            "gemm_efficiency": 0.4908187752439676,
-            "attention_efficiency": 0.41823918804402627,
-            "kernel_overhead_us": 6.642116987688501,
+            "gemm_efficiency": 0.5021877722417872,
+            "attention_efficiency": 0.4196732282806548,
+            "kernel_overhead_us": 6.5620100660997025,
             "memory_efficiency": 0.8,
             "k_half": 64.0,
             "elementwise_kernels": 10,
@@ -86,9 +86,9 @@ CALIBRATED: dict[str, dict[str, dict[str, object]]] = {
     },
     "H200": {
         "16bit": {
-            "gemm_efficiency": 0.5178900466707107,
-            "attention_efficiency": 0.41823918804402627,
-            "kernel_overhead_us": 6.642116987688501,
+            "gemm_efficiency": 0.5183867098984681,
+            "attention_efficiency": 0.4196732282806548,
+            "kernel_overhead_us": 6.5620100660997025,
             "memory_efficiency": 0.8,
             "k_half": 64.0,
             "elementwise_kernels": 10,
@@ -96,9 +96,9 @@ CALIBRATED: dict[str, dict[str, dict[str, object]]] = {
             "source": "fit of 45 published rows (llmfoundry, narayanan2021, nemo2412, torchtitan); tools/calibrate.py"
         },
         "fp8": {
-            "gemm_efficiency": 0.4908187752439676,
-            "attention_efficiency": 0.41823918804402627,
-            "kernel_overhead_us": 6.642116987688501,
+            "gemm_efficiency": 0.5021877722417872,
+            "attention_efficiency": 0.4196732282806548,
+            "kernel_overhead_us": 6.5620100660997025,
             "memory_efficiency": 0.8,
             "k_half": 64.0,
             "elementwise_kernels": 10,

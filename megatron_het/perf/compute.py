@@ -269,13 +269,15 @@ def _analytic_layer_cached(model: ModelSpec, device: DeviceType, micro_batch_siz
             core_fwd += f
         if precision == "fp8" and not core:
             # Transformer Engine casts the GEMM's activation input to fp8 in forward and the output
-            # gradient in backward (read 2 bytes, write 1); weights are cast once per iteration
-            # (Megatron passes is_first_microbatch), not per micro-batch, and are not counted. The
-            # inputs of QKV and fc1 come out of their norm already in fp8 when the norm is fused
-            # with the GEMM (LayerNormLinear): no cast kernel for them.
+            # gradient in backward with cast_transpose: read 2 bytes, write the fp8 copy and its
+            # transpose (Hopper's fp8 GEMMs take only the TN layout, so the gradient GEMMs need the
+            # transposed copy), 4 bytes per element. The inputs of QKV and fc1 come out of their norm
+            # already in fp8 when the norm is fused with the GEMM (LayerNormLinear): only the
+            # transpose is left (read 1, write 1). Weights are cast once per iteration (Megatron
+            # passes is_first_microbatch), not per micro-batch, and are not counted.
             fused = params.fused_norm_casts and g.name in ("qkv", "fc1")
-            cast_f = 0.0 if fused else 3 * g.m * g.k * g.batch / bw + overhead
-            cast_b = 3 * g.m * g.n * g.batch / bw + overhead
+            cast_f = (2 if fused else 4) * g.m * g.k * g.batch / bw + overhead
+            cast_b = 4 * g.m * g.n * g.batch / bw + overhead
             fwd, bwd = fwd + cast_f, bwd + cast_b
             parts["fp8_casts"] = parts.get("fp8_casts", 0.0) + cast_f + cast_b
     if flash_attention:

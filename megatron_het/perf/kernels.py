@@ -38,8 +38,8 @@ class ComputeParams:
     k_half: float = 64.0  # reduction depth at which a tile's main loop runs at half speed
     elementwise_kernels: int = 10  # non-GEMM kernels of one layer's forward (norms, residuals, activation, ...)
     # fp8: the norms before the QKV and fc1 GEMMs write their output in fp8 themselves (Transformer
-    # Engine's LayerNormLinear, megatron-core's TE spec), so those two inputs need no cast kernel;
-    # False when every GEMM is a separate te.Linear whose input is cast by its own kernel.
+    # Engine's LayerNormLinear, megatron-core's TE spec), so those two inputs need only a transpose,
+    # not a cast; False when every GEMM is a separate te.Linear whose input is cast by its own kernel.
     fused_norm_casts: bool = True
     source: str = "prior"  # where the figures come from
 
