@@ -24,7 +24,6 @@ the rank sleeps ``(slowdown - 1) x`` the measured time. Memory is emulated by a 
 from __future__ import annotations
 
 import logging
-import math
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Literal
@@ -168,19 +167,17 @@ class ShardedStrategy:
         t0 = time.perf_counter()
         opt = self.optimizer
         opt.reduce()  # uneven reduce-scatter: this rank's pieces of the summed gradient
-        sq = all_reduce_world(opt.grad_norm_sq_local().reshape(1))
-        norm = math.sqrt(float(sq))
+        # squared norm and loss sum in one world all-reduce, kept on the device (read at the log interval)
+        both = all_reduce_world(torch.cat([opt.grad_norm_sq_local().reshape(1).double(), loss_sum]))
+        norm = both[0].sqrt()
         comm += time.perf_counter() - t0
-        if train.clip_grad > 0:
-            coeff = train.clip_grad / (norm + 1e-6)  # megatron's clip_grad_by_total_norm_fp32
-            if coeff < 1.0:
-                opt.scale_grads(coeff)
+        if train.clip_grad > 0:  # megatron's clip_grad_by_total_norm_fp32, coefficient on the device (x 1.0 is exact)
+            opt.scale_grads((train.clip_grad / (norm + 1e-6)).clamp(max=1.0))
         t0 = time.perf_counter()
         opt.param_groups[0]["lr"] = lr
         opt.step()  # AdamW on the pieces, then the uneven all-gather into the working weights
         opt_s = time.perf_counter() - t0
-        all_reduce_world(loss_sum)
-        return StepResult(lm_loss=float(loss_sum), grad_norm=norm, comm_s=comm, optimizer_s=opt_s)
+        return StepResult(lm_loss=both[1], grad_norm=norm, comm_s=comm, optimizer_s=opt_s)
 
     @torch.no_grad()
     def evaluate(self, batch_fn: BatchFn, iteration: int) -> float:

@@ -13,6 +13,7 @@ import time
 from collections.abc import Callable, Mapping
 
 from megatron_het.train.config import TrainConfig
+from megatron_het.train.readout import Readout, read_all
 from megatron_het.train.strategy import BatchFn, IterationLog, RunResult, Strategy
 from megatron_het.train.timer import EmulationTimer
 
@@ -94,10 +95,10 @@ class Trainer:
         elapsed = time.perf_counter() - start
         self.iteration = it + 1
         tokens = self.train.global_batch_size * self.strategy.model_spec.seq_length
-        return IterationLog(iteration=self.iteration, lm_loss=result.lm_loss, grad_norm=result.grad_norm,
-                            elapsed_s=elapsed, compute_s=self.timer.compute_s, emulated_s=self.timer.emulated_s,
-                            comm_s=result.comm_s, optimizer_s=result.optimizer_s, tokens_per_s=tokens / elapsed,
-                            skipped=result.skipped, loss_scale=result.loss_scale, memory=self._memory())
+        readout = Readout(lm_loss=result.lm_loss, grad_norm=result.grad_norm, loss_scale=result.loss_scale)
+        return IterationLog(iteration=self.iteration, readout=readout, elapsed_s=elapsed,
+                            compute_s=self.timer.compute_s, emulated_s=self.timer.emulated_s, comm_s=result.comm_s, optimizer_s=result.optimizer_s, tokens_per_s=tokens / elapsed,
+                            skipped=result.skipped, memory=self._memory())
 
     def _memory(self):
         acc = getattr(self.strategy, "accelerator", None)
@@ -111,13 +112,21 @@ class Trainer:
             on_iteration: Callable[[IterationLog], None] | None = None) -> RunResult:
         """Train until ``iterations`` more steps are done (default ``train.train_iters``) counted from
         the current iteration, also when a re-plan rewinds to an older checkpoint; the logs, and with
-        ``return_shards`` the parameters before and after (on ranks whose strategy reports them)."""
+        ``return_shards`` the parameters before and after (on ranks whose strategy reports them).
+
+        Losses and norms stay on the device and are read once per ``train.log_interval`` (and at the
+        end), as Megatron does: ``on_iteration`` sees every log, with its values read on the
+        log-interval iterations (reading one earlier reads it alone)."""
         initial = self.shards() if return_shards else None
         target = self.iteration + (iterations if iterations is not None else self.train.train_iters)
-        logs = []
+        logs, unread = [], []
         while self.iteration < target:
             log = self.train_step()
             logs.append(log)
+            unread.append(log.readout)
+            if self.iteration % self.train.log_interval == 0 or self.iteration >= target:
+                read_all(unread)  # one host read for the window
+                unread = []
             if on_iteration is not None:
                 on_iteration(log)
         final = self.shards() if return_shards else None
