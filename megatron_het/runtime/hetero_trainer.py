@@ -110,10 +110,6 @@ class PipelineStrategy:
         check_tp_comm_overlap(plan)
         check_runtime_tp_grid(plan)  # what a 3D TP stage cannot run yet (#20): refused, never run as 1D
         check_schedule(plan, model)  # never run a schedule / virtual size the executor does not implement
-        if train.precision != "fp32" and train.overlap_grad_reduce:
-            raise ConfigError("overlapped gradient reduction hooks the model's parameters, while mixed precision "
-                              "reduces fp32 main gradients", field="--overlap-grad-reduce", value=train.precision,
-                              fix="drop --overlap-grad-reduce with --bf16/--fp16 (this build)")
         if plan.micro_batch_size != train.micro_batch_size or plan.global_batch_size != train.global_batch_size:
             raise ConfigError(f"the plan has micro {plan.micro_batch_size} / global {plan.global_batch_size}",
                               field="--micro-batch-size / --global-batch-size",
@@ -316,11 +312,10 @@ class PipelineStrategy:
         from megatron_het.runtime.mixed_precision import MainGrads
 
         train = self.train
-        if train.fp16 or train.overlap_grad_reduce:
-            raise ConfigError("the distributed optimizer reduce-scatters after the backward and unscales its "
-                              "shards only with bf16/fp32", field="--use-distributed-optimizer",
-                              value="--fp16" if train.fp16 else "--overlap-grad-reduce",
-                              fix="use --bf16 (or fp32), without --overlap-grad-reduce, with the distributed optimizer")
+        if train.overlap_grad_reduce:
+            raise ConfigError("the distributed optimizer reduce-scatters after the backward",
+                              field="--use-distributed-optimizer", value="--overlap-grad-reduce",
+                              fix="drop --overlap-grad-reduce with the distributed optimizer")
         if self.main is not None:  # no full fp32 copy: the optimizer keeps main values as shards
             self.main.remove_hooks()
             self.main = MainGrads(self.params)
@@ -383,7 +378,10 @@ class PipelineStrategy:
         from megatron_het.runtime.overlap_grad import OverlappedGradientSynchronizer
 
         size = self.train.ddp_bucket_size or bucket_parameters(len(self.plan.replicas))
-        return OverlappedGradientSynchronizer(self.holdings(), self.params, placement=self.placement,
+        # mixed precision: the fp32 main gradients are reduced, bucket by bucket as the half-precision
+        # parameters' gradients arrive (MainParams' hooks, registered before these, fill them first)
+        return OverlappedGradientSynchronizer(self.holdings(), self.opt_params, hook_params=self.params,
+                                              placement=self.placement,
                                               bucket_numel=size, timeout=self.train.group_timeout,
                                               accelerator=self.accelerator)
 
@@ -426,7 +424,7 @@ class PipelineStrategy:
         # the loss scale of this step, read at the log interval (the scaler replaces its tensor on update)
         scale = self.scaler.scale.clone() if self.scaler is not None else None
         # fp16: one host read per step (the agreed overflow flag decides whether to step), as Megatron's found_inf
-        skipped = self.scaler.unscale_and_check(self.opt_params) if self.scaler is not None else False
+        skipped = self.scaler.unscale_and_check(self._main_grads()) if self.scaler is not None else False
         staggered = self.staggered_step and not skipped
         if staggered:  # ReCycle's staggered step: no world-wide collective before it (hence no clipping)
             if self.train.clip_grad > 0:
@@ -443,6 +441,13 @@ class PipelineStrategy:
             timer.stretch(self._optimizer_step)  # a slower device steps its optimizer slower too (priced so)
         return StepResult(lm_loss=report / self.total_micro_batches, grad_norm=norm if not skipped else math.nan,
                           skipped=skipped, loss_scale=scale)
+
+    def _main_grads(self) -> list[torch.Tensor]:
+        """This rank's fp32 main gradients as the optimizer will read them: the distributed optimizer's
+        reduced pieces, else every main parameter's (reduced) gradient."""
+        if self.plan.use_distributed_optimizer:
+            return [self.sync.shard_grad]
+        return [m.grad for m in self.opt_params.values()]
 
     def _optimizer_step(self) -> None:
         self.optimizer.step()
