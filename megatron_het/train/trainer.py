@@ -72,6 +72,13 @@ class Trainer:
         self.hooks = hooks or TrainerHooks()  # the defaults do nothing: an exception ends the run
         self.timer = timer or EmulationTimer()  # compute measurement and device emulation of this rank
         self.iteration = 0  # optimizer steps taken (= the next 0-based iteration)
+        self._unread: list[Readout] = []  # device values of the current log window, not read yet
+
+    def read_logs(self) -> None:
+        """Read every log value still on the device (one host transfer): done at each log interval,
+        before the hooks see that iteration, and at the end of ``run``."""
+        read_all(self._unread)
+        self._unread = []
 
     def train_step(self) -> IterationLog:
         """One iteration; on an exception the hooks may repair the trainer and the iteration is redone."""
@@ -84,6 +91,9 @@ class Trainer:
                 if not self.hooks.on_failure(self, it, error):
                     raise
                 continue
+            self._unread.append(log.readout)
+            if self.iteration % self.train.log_interval == 0:
+                self.read_logs()  # as Megatron: losses are read once per --log-interval
             self.hooks.on_step_end(self, log)
             return log
 
@@ -119,14 +129,12 @@ class Trainer:
         log-interval iterations (reading one earlier reads it alone)."""
         initial = self.shards() if return_shards else None
         target = self.iteration + (iterations if iterations is not None else self.train.train_iters)
-        logs, unread = [], []
+        logs = []
         while self.iteration < target:
             log = self.train_step()
             logs.append(log)
-            unread.append(log.readout)
-            if self.iteration % self.train.log_interval == 0 or self.iteration >= target:
-                read_all(unread)  # one host read for the window
-                unread = []
+            if self.iteration >= target:
+                self.read_logs()  # the last window's values
             if on_iteration is not None:
                 on_iteration(log)
         final = self.shards() if return_shards else None
