@@ -29,10 +29,11 @@ class Readout:
         return bool(self._pending)
 
     def get(self, key: str) -> float | None:
-        """The value of ``key`` as a Python float (None stays None); reads this readout if pending."""
+        """The value of ``key`` as a Python float (None stays None, as does a key never given); reads
+        this readout if pending."""
         if key in self._pending:
             read_all([self])
-        return self._values[key]
+        return self._values.get(key)
 
     def __getstate__(self) -> dict:  # pickled (gathered, returned by a spawned rank) as host numbers
         read_all([self])
