@@ -212,7 +212,7 @@ def run(args: PretrainArgs, acc, *, plan: AnyPlan | None = None,
                 train, resilience = pretrain_hooks(args.resilience, model=args.model, plan=plan, train=train,
                                                    batch_fn=batch_fn, padded_vocab=padded_vocab,
                                                    checkpoint_dir=args.loop.save,
-                                                   staggered_step=args.staggered_step)
+                                                   staggered_step=args.staggered_step, cluster=cluster)
                 hooks.append(resilience)
             trainer = HeteroTrainer(model=args.model, plan=plan, train=train, batch_fn=batch_fn,
                                     cluster=cluster, padded_vocab=padded_vocab,

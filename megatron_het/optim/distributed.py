@@ -260,7 +260,7 @@ class DistributedOptimizer:
         """This rank's share of the squared global norm (each element is owned exactly once)."""
         return self.shard_grad.double().pow(2).sum()
 
-    def scale_grads(self, coeff: float) -> None:
+    def scale_grads(self, coeff: float | torch.Tensor) -> None:
         """Clipping: scale the reduced gradient pieces."""
         self.shard_grad.mul_(coeff)
 

@@ -20,7 +20,7 @@ import logging
 import os
 import signal
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -34,6 +34,7 @@ from megatron_het.resilience.policy import Decision, PolicyConfig, decide
 from megatron_het.resilience.routed_schedule import routed_schedule
 from megatron_het.resilience.routing import InstanceKey, Routing, describe, reroute
 from megatron_het.runtime.boundary import BoundaryLink, Neighbour
+from megatron_het.runtime.comm_routing import RankPlacement
 from megatron_het.runtime.hetero_trainer import PipelineStrategy
 from megatron_het.train.trainer import Trainer, TrainerHooks
 
@@ -114,16 +115,48 @@ def instances_plan(routing: Routing, template: Plan) -> Plan:
                 global_batch_size=template.micro_batch_size * len(replicas))
 
 
+def routed_placement(routing: Routing, placement: RankPlacement) -> RankPlacement:
+    """``placement`` (ranks of the plan) renumbered to the survivors' new ranks (pure)."""
+    return RankPlacement(island={routing.new_rank(r): placement.island[r] for r in routing.survivors},
+                         library={routing.new_rank(r): placement.library[r] for r in routing.survivors})
+
+
+def routed_boundary_ranks(routing: Routing) -> list[tuple[int, ...]]:
+    """New ranks of every distinct pair of neighbouring instances on the routed pipelines, in
+    pipeline order (the same list on every survivor: groups over them are created in this order)."""
+    out: list[tuple[int, ...]] = []
+    for pipe in routing.pipelines:
+        for a, b in zip(pipe.hops, pipe.hops[1:]):
+            ranks = tuple(sorted(routing.new_rank(r) for r in (*routing.instance(a).ranks, *routing.instance(b).ranks)))
+            if ranks not in out:
+                out.append(ranks)
+    return out
+
+
+def routed_bridges(routing: Routing, placement: RankPlacement, *, accelerator, timeout=None) -> dict:
+    """New ranks of a routed boundary -> its het bridge group, for every boundary whose two instances
+    use different collective libraries (None on non-members), as the plan's own boundaries get them.
+    ``placement``: over the new ranks. Collective over the survivors' world."""
+    from megatron_het.runtime.comm_routing import new_bridge_group
+
+    return {ranks: new_bridge_group(ranks, placement, accelerator=accelerator, timeout=timeout)
+            for ranks in routed_boundary_ranks(routing) if placement.spans_libraries(ranks)}
+
+
 def routed_links(routing: Routing, key: InstanceKey, plan: Plan, *, tp_rank: int,
-                 device=None) -> dict[int, BoundaryLink]:
+                 device=None, bridges: Mapping[tuple[int, ...], object] | None = None) -> dict[int, BoundaryLink]:
     """Per global micro-batch of instance ``key``: the link to its neighbours on that micro-batch's
-    pipeline (received tensors on ``device``, the accelerator's; None: the host)."""
+    pipeline (received tensors on ``device``, the accelerator's; None: the host). ``bridges``
+    (``routed_bridges``): a neighbour across collective libraries is reached through its bridge."""
     links: dict[int, BoundaryLink] = {}
     mine = routing.instance(key)
+    bridges = bridges or {}
 
     def neighbour(hop: InstanceKey) -> Neighbour:  # island and stage are named when a transfer fails
-        return Neighbour(ranks=tuple(routing.new_rank(r) for r in routing.instance(hop).ranks),
-                         island=plan.replicas[hop[0]].stages[hop[1]].island, stage=hop[1])
+        ranks = tuple(routing.new_rank(r) for r in routing.instance(hop).ranks)
+        pair = tuple(sorted((*ranks, *(routing.new_rank(r) for r in mine.ranks))))
+        return Neighbour(ranks=ranks, island=plan.replicas[hop[0]].stages[hop[1]].island, stage=hop[1],
+                         bridge=bridges.get(pair))
 
     for pipe in routing.pipelines:
         if key not in pipe.hops:
@@ -139,18 +172,27 @@ def routed_links(routing: Routing, key: InstanceKey, plan: Plan, *, tp_rank: int
 
 def rebind(strategy: PipelineStrategy, routing: Routing, rank: int, *, split_backward: bool) -> None:
     """Move ``strategy`` (this rank = ``rank`` of ``strategy.plan``) onto the current, rebuilt world and
-    the routed schedule of ``routing`` (collective over the survivors); groups get the run's timeout."""
+    the routed schedule of ``routing`` (collective over the survivors); groups get the run's timeout.
+    Routed boundaries across collective libraries go through the het bridge (``routed_bridges``), as
+    the plan's own boundaries do; the rebuilt gradient groups choose their path in ``strategy.rebind``."""
     from megatron_het.runtime.stage_groups import build_stage_groups
 
     acc = strategy.accelerator
-    library = strategy.plan_placement.library
+    library = {strategy.plan_placement.island[r]: lib for r, lib in strategy.plan_placement.library.items()}
     pgc, _ = build_stage_groups(instances_plan(routing, strategy.plan), timeout=strategy.train.group_timeout,
-                                backend_of=lambda island: acc.backend_for(library[rank]))
+                                backend_of=lambda island: acc.backend_for(library[island]))
     key = routing.instance_of(rank).key
     schedule = routed_schedule(routing, split_backward=split_backward)
-    links = routed_links(routing, key, strategy.plan, tp_rank=strategy.role.tp_rank, device=strategy.device)
+    bridges = routed_bridges(routing, routed_placement(routing, strategy.plan_placement), accelerator=acc,
+                             timeout=strategy.train.group_timeout)
+    links = routed_links(routing, key, strategy.plan, tp_rank=strategy.role.tp_rank, device=strategy.device,
+                         bridges=bridges)
     strategy.rebind(pgc=pgc, ranks={r: routing.new_rank(r) for r in routing.survivors}, actions=schedule.actions[key],
                     links=links, split_backward=split_backward)
+    strategy.boundary_bridges = {ranks: g for ranks, g in bridges.items() if g is not None}  # counters, logs
+    if bridges and routing.new_rank(rank) == 0:
+        logger.info("routed pipeline boundaries: %d native (%s), %d het-bridge",
+                    len(routed_boundary_ranks(routing)) - len(bridges), acc.torch_backend, len(bridges))
 
 
 def forced(decision: Decision, mode: str) -> Decision:

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 import torch.distributed as dist
 
-from megatron_het.cluster import ModelSpec
+from megatron_het.cluster import ClusterSpec, ModelSpec
 from megatron_het.plan import Plan, ReplicaPlan
 from megatron_het.resilience.agreement import StoreAddress
 from megatron_het.resilience.recovery import (
@@ -44,6 +44,10 @@ class RankReport:
     scored: dict[int, tuple[int, ...]] = field(default_factory=dict)  # same, scored as TP rank 0 of a last stage
     events: tuple[FailureEvent, ...] = ()  # failures this rank survived
     replans: tuple[str, ...] = ()  # one line per automatic re-plan
+    # at the end of the run: bytes this rank's boundary groups carried through the het bridge (since the
+    # last rebuild of the groups) and the path of each of its gradient groups ("native" | "het-bridge")
+    boundary_bridge_bytes: int = 0
+    gradient_routes: tuple[str, ...] = ()
 
 
 class LogLines(logging.Handler):
@@ -78,44 +82,53 @@ def homogeneous_replan(plan: Plan, num_ranks: int) -> Plan:
 def resilient_train(*, rank: int, model: ModelSpec, plan: Plan, train: TrainConfig, batch_fn, iterations: int,
                     config: ResilienceConfig, faults: Sequence[FaultSpec] = (), padded_vocab: int | None = None,
                     init_full_state=None, slowdown: float | None = None, clock: Callable[[], float] | None = None,
-                    replan: Callable[[Plan, int], Plan] = homogeneous_replan) -> RankReport:
+                    replan: Callable[[Plan, int], Plan] = homogeneous_replan, cluster: ClusterSpec | None = None
+                    ) -> RankReport:
     """Train ``iterations`` steps of ``plan`` on this rank, surviving failures (the default group must exist).
 
     One trainer with ResilienceHooks; a re-plan continues in it on a strategy rebuilt for the new plan.
+    ``cluster``: where the plan's islands are (their collective libraries choose native or het-bridge paths).
     Every group of the run, rebuilt ones included, gets ``config.pg_timeout_s`` (bounds a hang on a stuck peer)."""
     from megatron_het.runtime.hetero_trainer import HeteroTrainer, PipelineStrategy
 
     train = dataclasses.replace(train, distributed_timeout_minutes=config.pg_timeout_s / 60)
 
     def rebuild(new_plan: Plan) -> PipelineStrategy:
-        return PipelineStrategy(model=model, plan=new_plan, train=train, batch_fn=batch_fn, padded_vocab=padded_vocab)
+        return PipelineStrategy(model=model, plan=new_plan, train=train, batch_fn=batch_fn, padded_vocab=padded_vocab,
+                                cluster=cluster)
 
-    losses, elapsed = {}, {}
+    logs, elapsed = {}, {}
 
-    def record(log) -> None:
-        losses[log.iteration], elapsed[log.iteration] = log.lm_loss, log.elapsed_s
+    def record(log) -> None:  # the loss is read when the report is built (no host read per iteration)
+        logs[log.iteration], elapsed[log.iteration] = log, log.elapsed_s
 
     hooks = ResilienceHooks(config=config, rank=rank, plan=plan, fault=next((f for f in faults if f.rank == rank), None),
                             rebuild=rebuild, replan=replan)
+    trainer = None
     try:
         trainer = HeteroTrainer(model=model, plan=plan, train=train, batch_fn=batch_fn, hooks=hooks,
                                 padded_vocab=padded_vocab, slowdown=slowdown, clock=clock,
-                                init_full_state=init_full_state)
+                                init_full_state=init_full_state, cluster=cluster)
         trainer.run(iterations, on_iteration=record)
         status = "finished"
     except RankRetired:
         status = "retired"
     finally:
         hooks.close()
-    return RankReport(rank=rank, status=status, losses=losses, elapsed_s=elapsed,
+    strategy = trainer.strategy if trainer is not None and status == "finished" else None
+    return RankReport(rank=rank, status=status, losses={it: log.lm_loss for it, log in logs.items()},
+                      elapsed_s=elapsed,
                       embedded={k: tuple(v) for k, v in hooks.embedded.items()},
                       scored={k: tuple(v) for k, v in hooks.scored.items()}, events=tuple(hooks.events),
-                      replans=tuple(hooks.replans))
+                      replans=tuple(hooks.replans),
+                      boundary_bridge_bytes=sum(g.bridge_bytes() for g in strategy.boundary_bridges.values())
+                      if strategy is not None else 0,
+                      gradient_routes=tuple(kind for _, kind in strategy.sync.routes) if strategy is not None else ())
 
 
 def pretrain_hooks(options: ResilienceOptions, *, model: ModelSpec, plan: Plan, train: TrainConfig, batch_fn,
-                   padded_vocab: int | None, checkpoint_dir: str | None, staggered_step: bool = False
-                   ) -> tuple[TrainConfig, ResilienceHooks]:
+                   padded_vocab: int | None, checkpoint_dir: str | None, staggered_step: bool = False,
+                   cluster: ClusterSpec | None = None) -> tuple[TrainConfig, ResilienceHooks]:
     """The hooks ``pretrain_gpt.py --hetero-resilience`` adds to its trainer (this rank = the default
     group's rank, which must exist), and the training config with the failure timeout on every group.
 
@@ -130,8 +143,9 @@ def pretrain_hooks(options: ResilienceOptions, *, model: ModelSpec, plan: Plan, 
                               agreement_timeout_s=options.agreement_timeout_s, checkpoint_dir=checkpoint_dir,
                               mode=options.policy, staggered_step=staggered_step)
 
-    def rebuild(new_plan: Plan) -> PipelineStrategy:
-        return PipelineStrategy(model=model, plan=new_plan, train=train, batch_fn=batch_fn, padded_vocab=padded_vocab)
+    def rebuild(new_plan: Plan) -> PipelineStrategy:  # on the cluster's islands: cross-vendor paths bridged
+        return PipelineStrategy(model=model, plan=new_plan, train=train, batch_fn=batch_fn, padded_vocab=padded_vocab,
+                                cluster=cluster)
 
     rank = dist.get_rank()
     f = options.fault
@@ -145,18 +159,20 @@ def resilient_worker(rank: int, world_size: int, address: StoreAddress, model: M
                      train: TrainConfig, iterations: int, faults: Sequence[FaultSpec] = (),
                      config_overrides: dict | None = None, reference: bool = False, padded_vocab: int | None = None,
                      slowdown: float | None = None, init_full_state=None,
-                     clock: Callable[[], float] | None = None) -> dict:
+                     clock: Callable[[], float] | None = None, cluster: dict | None = None) -> dict:
     """Module-level rank function for ``run_resilient_local``.
 
     ``init_full_state``: full initial tensors (same on every rank), for runs that must resume
     exactly from a checkpoint: a HeteroTrainer built without it initialises the last stage's copy of
     a tied word embedding independently of the first stage's, and a checkpoint keeps only one.
     ``clock``: the emulation timer's clock (None: wall time; the bench passes thread CPU time).
+    ``cluster``: a cluster file's dict (islands' collective libraries: cross-vendor paths are bridged).
 
     Returns {"reference": losses of a failure-free run of the same plan (when ``reference``),
     "reference_elapsed" / "reference_compute": its step times / forward+backward times, "report": RankReport of the resilient run, "wall_s": its wall
     time, "log": the lines this rank logged under ``megatron_het.resilience``}.
     """
+    from megatron_het.cluster import cluster_from_dict
     from megatron_het.data.synthetic import synthetic_batch
     from megatron_het.platform import enable_cpu_backend
     from megatron_het.runtime.hetero_trainer import HeteroTrainer
@@ -170,10 +186,11 @@ def resilient_worker(rank: int, world_size: int, address: StoreAddress, model: M
         return synthetic_batch(seed=train.seed, iteration=iteration, indices=indices,
                                seq_length=model.seq_length, vocab_size=model.vocab_size)
 
+    spec = cluster_from_dict(cluster) if cluster is not None else None
     out = {}
     if reference:
         ref = HeteroTrainer(model=model, plan=plan, train=train, batch_fn=batch_fn, padded_vocab=padded_vocab,
-                            slowdown=slowdown, clock=clock, init_full_state=init_full_state)
+                            slowdown=slowdown, clock=clock, init_full_state=init_full_state, cluster=spec)
         logs = ref.run(iterations).iterations
         out["reference"] = {log.iteration: log.lm_loss for log in logs}
         out["reference_elapsed"] = {log.iteration: log.elapsed_s for log in logs}
@@ -185,7 +202,7 @@ def resilient_worker(rank: int, world_size: int, address: StoreAddress, model: M
     out["report"] = resilient_train(rank=rank, model=model, plan=plan, train=train, batch_fn=batch_fn,
                                     iterations=iterations, config=config, faults=faults,
                                     padded_vocab=padded_vocab, slowdown=slowdown, clock=clock,
-                                    init_full_state=init_full_state)
+                                    init_full_state=init_full_state, cluster=spec)
     out["wall_s"] = time.time() - start
     out["log"] = list(log_lines.lines)
     return out

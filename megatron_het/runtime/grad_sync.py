@@ -295,7 +295,7 @@ class GradientSynchronizer:
             p.copy_(p.grad)
             p.grad = saved[name]
 
-    def scale_grads(self, coeff: float) -> None:
+    def scale_grads(self, coeff: float | torch.Tensor) -> None:
         """Clipping: scale every gradient the optimizer will read."""
         for name in self.local:
             self._grad(name).mul_(coeff)

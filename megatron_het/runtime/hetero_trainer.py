@@ -110,10 +110,6 @@ class PipelineStrategy:
         check_tp_comm_overlap(plan)
         check_runtime_tp_grid(plan)  # what a 3D TP stage cannot run yet (#20): refused, never run as 1D
         check_schedule(plan, model)  # never run a schedule / virtual size the executor does not implement
-        if train.precision != "fp32" and train.overlap_grad_reduce:
-            raise ConfigError("overlapped gradient reduction hooks the model's parameters, while mixed precision "
-                              "reduces fp32 main gradients", field="--overlap-grad-reduce", value=train.precision,
-                              fix="drop --overlap-grad-reduce with --bf16/--fp16 (this build)")
         if plan.micro_batch_size != train.micro_batch_size or plan.global_batch_size != train.global_batch_size:
             raise ConfigError(f"the plan has micro {plan.micro_batch_size} / global {plan.global_batch_size}",
                               field="--micro-batch-size / --global-batch-size",
@@ -316,11 +312,10 @@ class PipelineStrategy:
         from megatron_het.runtime.mixed_precision import MainGrads
 
         train = self.train
-        if train.fp16 or train.overlap_grad_reduce:
-            raise ConfigError("the distributed optimizer reduce-scatters after the backward and unscales its "
-                              "shards only with bf16/fp32", field="--use-distributed-optimizer",
-                              value="--fp16" if train.fp16 else "--overlap-grad-reduce",
-                              fix="use --bf16 (or fp32), without --overlap-grad-reduce, with the distributed optimizer")
+        if train.overlap_grad_reduce:
+            raise ConfigError("the distributed optimizer reduce-scatters after the backward",
+                              field="--use-distributed-optimizer", value="--overlap-grad-reduce",
+                              fix="drop --overlap-grad-reduce with the distributed optimizer")
         if self.main is not None:  # no full fp32 copy: the optimizer keeps main values as shards
             self.main.remove_hooks()
             self.main = MainGrads(self.params)
@@ -383,7 +378,10 @@ class PipelineStrategy:
         from megatron_het.runtime.overlap_grad import OverlappedGradientSynchronizer
 
         size = self.train.ddp_bucket_size or bucket_parameters(len(self.plan.replicas))
-        return OverlappedGradientSynchronizer(self.holdings(), self.params, placement=self.placement,
+        # mixed precision: the fp32 main gradients are reduced, bucket by bucket as the half-precision
+        # parameters' gradients arrive (MainParams' hooks, registered before these, fill them first)
+        return OverlappedGradientSynchronizer(self.holdings(), self.opt_params, hook_params=self.params,
+                                              placement=self.placement,
                                               bucket_numel=size, timeout=self.train.group_timeout,
                                               accelerator=self.accelerator)
 
@@ -423,23 +421,33 @@ class PipelineStrategy:
         loss_sum = self.executor.run(iteration=iteration, batch_fn=self.batch_fn, forward=self._forward,
                                      params=list(self.params.values()), timer=timer, on_action=on_action)
         self.sync.reduce()
-        scale = float(self.scaler.scale) if self.scaler is not None else None
-        skipped = self.scaler.unscale_and_check(self.opt_params) if self.scaler is not None else False
+        # the loss scale of this step, read at the log interval (the scaler replaces its tensor on update)
+        scale = self.scaler.scale.clone() if self.scaler is not None else None
+        # fp16: one host read per step (the agreed overflow flag decides whether to step), as Megatron's found_inf
+        skipped = self.scaler.unscale_and_check(self._main_grads()) if self.scaler is not None else False
         staggered = self.staggered_step and not skipped
         if staggered:  # ReCycle's staggered step: no world-wide collective before it (hence no clipping)
             if self.train.clip_grad > 0:
                 raise ConfigError("the staggered optimizer step cannot wait for the global gradient norm",
                                   field="--clip-grad", value=self.train.clip_grad, fix="use --clip-grad 0")
             timer.stretch(self._optimizer_step)
-        grad_norm = self._clip() if not skipped else math.nan
-        # Global mean loss: last stages hold their replicas' per-micro-batch mean sums. Reported
-        # before the step so that a failure in any collective leaves every survivor un-stepped
+        # Global norm and global mean loss in one world all-reduce, kept on the device (read at the log
+        # interval). Before the step, so that a failure in any collective leaves every survivor un-stepped
         # (a staggered step is taken before it: the resilience hooks then undo it on a failure).
-        report = self._loss_report(loss_sum)
+        norm, report = self._world_norm_and_loss(loss_sum)
+        if not skipped:
+            self._clip(norm)
         if not skipped and not staggered:
             timer.stretch(self._optimizer_step)  # a slower device steps its optimizer slower too (priced so)
-        return StepResult(lm_loss=float(report) / self.total_micro_batches, grad_norm=grad_norm, skipped=skipped,
-                          loss_scale=scale)
+        return StepResult(lm_loss=report / self.total_micro_batches, grad_norm=norm if not skipped else math.nan,
+                          skipped=skipped, loss_scale=scale)
+
+    def _main_grads(self) -> list[torch.Tensor]:
+        """This rank's fp32 main gradients as the optimizer will read them: the distributed optimizer's
+        reduced pieces, else every main parameter's (reduced) gradient."""
+        if self.plan.use_distributed_optimizer:
+            return [self.sync.shard_grad]
+        return [m.grad for m in self.opt_params.values()]
 
     def _optimizer_step(self) -> None:
         self.optimizer.step()
@@ -453,10 +461,19 @@ class PipelineStrategy:
         return float(self._loss_report(loss_sum)) / self.total_micro_batches
 
     def _loss_report(self, loss_sum: torch.Tensor) -> torch.Tensor:
-        """Sum of the last stages' loss sums over the world, on the device (one read per iteration)."""
+        """Sum of the last stages' loss sums over the world, on the device (read when logged)."""
+        return all_reduce_world(self._my_loss(loss_sum))
+
+    def _my_loss(self, loss_sum: torch.Tensor) -> torch.Tensor:
+        """This rank's share of the global loss sum: its loss sum on a last stage's TP rank 0, else 0."""
         mine = self.is_last and self.role.tp_rank == 0
-        report = loss_sum.reshape(1) if mine else torch.zeros(1, dtype=loss_sum.dtype, device=self.device)
-        return all_reduce_world(report)
+        return loss_sum.reshape(1) if mine else torch.zeros(1, dtype=loss_sum.dtype, device=self.device)
+
+    def _world_norm_and_loss(self, loss_sum: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(global gradient norm, global loss sum) as device tensors, from one world all-reduce."""
+        both = torch.cat([self.sync.grad_norm_sq_local().reshape(1).double(), self._my_loss(loss_sum).double()])
+        all_reduce_world(both)
+        return both[0].sqrt(), both[1]
 
     def _forward(self, chunk: int, tokens: torch.Tensor | None, inp: torch.Tensor | None) -> torch.Tensor:
         module, gpt = self.modules[chunk], self.gpts[chunk]
@@ -478,14 +495,11 @@ class PipelineStrategy:
             return out.float().mean() / self.total_micro_batches
         return out
 
-    def _clip(self) -> float:
-        sq = all_reduce_world(self.sync.grad_norm_sq_local())
-        norm = math.sqrt(float(sq))
+    def _clip(self, norm: torch.Tensor) -> None:
+        """Megatron's clip_grad_by_total_norm_fp32 without reading the norm on the host: the
+        coefficient min(1, clip / (norm + 1e-6)) scales the gradients on the device (x 1.0 is exact)."""
         if self.train.clip_grad > 0:
-            coeff = self.train.clip_grad / (norm + 1e-6)
-            if coeff < 1.0:
-                self.sync.scale_grads(coeff)
-        return norm
+            self.sync.scale_grads((self.train.clip_grad / (norm + 1e-6)).clamp(max=1.0))
 
     # ---- after a group change (resilience) -----------------------------------------------------
     def rebind(self, *, pgc, ranks: Mapping[int, int], actions: Sequence[Action],

@@ -16,12 +16,14 @@ Megatron's pieces and what this runtime uses of them:
   result is copied back into the model (Megatron's ``_copy_main_params_to_model_params``).
 - ``megatron.core.optimizer.grad_scaler`` (``DynamicGradScaler`` / ``ConstantGradScaler``): used as is
   for fp16; the overflow check is torch's ``_amp_foreach_non_finite_check_and_unscale_`` (what
-  Megatron's ``_unscale_main_grads_and_check_for_nan`` calls), agreed over the whole world.
+  Megatron's ``_unscale_main_grads_and_check_for_nan`` calls), agreed over the whole world. With the
+  distributed optimizer it unscales the reduced fp32 pieces each rank owns, as Megatron's distributed
+  optimizer unscales its main-gradient shards.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 import torch
 import torch.distributed as dist
@@ -147,10 +149,12 @@ class LossScaler:
     def scale(self) -> torch.Tensor:
         return self.scaler.scale.to(self.device)
 
-    def unscale_and_check(self, mains: Mapping[str, torch.nn.Parameter]) -> bool:
-        """Divide every main gradient by the scale; True when any rank saw inf/NaN (collective)."""
+    def unscale_and_check(self, grads: Sequence[torch.Tensor]) -> bool:
+        """Divide this rank's fp32 main gradients (full main gradients, or the distributed optimizer's
+        reduced pieces) by the scale; True when any rank saw inf/NaN (collective). One host read per
+        step: whether to step, as Megatron's ``found_inf.item()``."""
         found = torch.zeros(1, dtype=torch.float32, device=self.device)
-        grads = [m.grad for m in mains.values()]
+        grads = [g for g in grads if g.numel()]
         if grads:
             torch._amp_foreach_non_finite_check_and_unscale_(grads, found, self.scaler.inv_scale.to(self.device))
         all_reduce_world(found, op=dist.ReduceOp.MAX)

@@ -18,9 +18,12 @@ buckets, same groups, same packing as the parent, so the result is the same sum)
         loss(mb).backward()
     sync.reduce()               # waits; launches any bucket that did not fire; copies results back
 
-Without ``arm()`` it behaves exactly like the parent (everything in ``reduce()``). Buckets routed
-through the cross-vendor bridge (``placement=``) have no async form: they reduce inside the hook,
-blocking, so they gain nothing but stay correct. Each bucket has
+Without ``arm()`` it behaves exactly like the parent (everything in ``reduce()``). In bf16/fp16 it
+reduces the fp32 main gradients (``hook_params``: the model's half-precision parameters). Buckets routed
+through the cross-vendor bridge (``placement=``) have no async form: they wait for ``reduce()``
+(all ranks reduce them there in bucket order). Reducing them inside the hook would block a rank's
+backward before it sends its input gradient upstream, while a peer of the bucket waits for that
+gradient: a deadlock across stages (seen on the bridged bf16 parity plan). Each bucket has
 its own process group (the parent creates one per bucket), so launching buckets in a different
 order on different ranks cannot deadlock. Parameters that got no gradient in the armed backward
 keep their bucket from firing; ``reduce()`` then launches it (zeros filled in, as the parent does).
@@ -39,9 +42,14 @@ from megatron_het.runtime.grad_sync import GradientSynchronizer, Holding
 __all__ = ["OverlappedGradientSynchronizer"]
 
 
+def _is_async(group: Any) -> bool:
+    """A torch group (raw or the parent's ``NativeGroup``): its all-reduce can start without blocking."""
+    return isinstance(group, dist.ProcessGroup) or getattr(group, "kind", None) == "native"
+
+
 def _start_all_reduce(group: Any, flat: torch.Tensor) -> Any:
     """Async all-reduce on a torch group (raw or the parent's ``NativeGroup`` wrapper); a bridged
-    cross-vendor group has no async form, so it reduces now (blocking, inside the hook)."""
+    cross-vendor group has no async form, so it reduces now (blocking: only from ``reduce()``)."""
     if isinstance(group, dist.ProcessGroup):
         return dist.all_reduce(flat, group=group, async_op=True)
     if getattr(group, "kind", None) == "native":
@@ -53,9 +61,16 @@ def _start_all_reduce(group: Any, flat: torch.Tensor) -> Any:
 class OverlappedGradientSynchronizer(GradientSynchronizer):
     """``GradientSynchronizer`` whose bucket all-reduces start from gradient hooks when armed."""
 
-    def __init__(self, local: Sequence[Holding], params: Mapping[str, torch.nn.Parameter], **kwargs: Any) -> None:
-        """``kwargs`` go to ``GradientSynchronizer`` unchanged (e.g. ``placement``)."""
+    def __init__(self, local: Sequence[Holding], params: Mapping[str, torch.nn.Parameter], *,
+                 hook_params: Mapping[str, torch.nn.Parameter] | None = None, **kwargs: Any) -> None:
+        """``params``: what is reduced (their ``.grad``); ``hook_params``: the parameters autograd
+        accumulates into, whose hooks tell that a gradient is final (None: ``params``). Mixed precision
+        reduces the fp32 main gradients (``params`` = main parameters) as the half-precision model
+        parameters' hooks fire, after ``MainParams``' own hook (registered first) has added the
+        half-precision gradient into the main gradient, as Megatron's DDP reduces its fp32 main_grad
+        buckets. ``kwargs`` go to ``GradientSynchronizer`` unchanged (e.g. ``placement``)."""
         super().__init__(local, params, **kwargs)
+        hook_params = self.params if hook_params is None else hook_params
         self._armed = False
         self._pending: dict[int, set[str]] = {}  # bucket index -> names whose grad is not final yet
         self._inflight: dict[int, tuple[torch.Tensor, Any]] = {}  # bucket index -> (flat buffer, work)
@@ -64,7 +79,7 @@ class OverlappedGradientSynchronizer(GradientSynchronizer):
         for i, (bucket, _) in enumerate(self._groups):
             for name in bucket.names:
                 self._bucket_of.setdefault(name, []).append(i)
-        self._handles = [self.params[name].register_post_accumulate_grad_hook(self._hook(name))
+        self._handles = [hook_params[name].register_post_accumulate_grad_hook(self._hook(name))
                          for name in self._bucket_of]
 
     def arm(self) -> None:
@@ -84,8 +99,9 @@ class OverlappedGradientSynchronizer(GradientSynchronizer):
                 waiting.discard(name)
                 if not waiting:
                     del self._pending[i]
-                    self._launch(i)
-                    self.launched_in_backward += 1
+                    if _is_async(self._groups[i][1]):  # a bridged bucket waits for reduce() (no deadlock)
+                        self._launch(i)
+                        self.launched_in_backward += 1
 
         return hook
 

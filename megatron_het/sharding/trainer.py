@@ -17,6 +17,12 @@ One iteration:
 3. global-norm clipping (squared norms summed over pieces) and AdamW on the pieces;
 4. all-gather the updated pieces (uneven) into every rank's working weights.
 
+Mixed precision as the pipeline strategy's distributed optimizer does it: ``--bf16``/``--fp16`` build the
+model in half precision inside megatron-core's ``Float16Module``, gradients accumulate into fp32 main
+gradients (``runtime/mixed_precision.MainGrads``), the fp32 main values exist only as each rank's
+shard; with ``--fp16`` the loss is scaled and each rank unscales and checks its reduced pieces
+(overflow agreed over the world, the step skipped everywhere).
+
 Speed is emulated on CPU by the trainer's timer (``train/timer.py``): after each forward/backward
 the rank sleeps ``(slowdown - 1) x`` the measured time. Memory is emulated by a per-rank byte budget.
 """
@@ -42,6 +48,7 @@ from megatron_het.plan import ShardedPlan
 from megatron_het.platform import Accelerator, detect_accelerator
 from megatron_het.runtime.comm_routing import all_reduce_world
 from megatron_het.runtime.megatron_trainer import split_tokens
+from megatron_het.runtime.mixed_precision import LossScaler, MainGrads, params_dtype, wrap_float16
 from megatron_het.sharding.budget import check_budget
 from megatron_het.sharding.checkpoint import load_sharded, save_sharded
 from megatron_het.train.config import TrainConfig
@@ -72,9 +79,6 @@ class ShardedStrategy:
         if plan.world_size != world:
             raise ValueError(f"plan.ranks: the plan has {plan.world_size} ranks, the world {world}. "
                              f"Fix: launch {plan.world_size} processes or re-plan for {world}")
-        if train.precision != "fp32":
-            raise ConfigError("sharded plans train in fp32 in this build", field="--bf16/--fp16",
-                              value=train.precision, fix="drop --bf16/--fp16, or use a pipeline plan for mixed precision")
         if plan.global_batch_size != train.global_batch_size:
             raise ConfigError(f"the plan has {plan.global_batch_size}", field="--global-batch-size",
                               value=train.global_batch_size, fix="pass the plan's global batch size")
@@ -112,9 +116,12 @@ class ShardedStrategy:
         self.stage = StageModelSpec(model=model, num_layers=model.num_layers, layer_offset=0, tp=1,
                                     pre_process=True, post_process=True,
                                     vocab_size=padded_vocab or padded_vocab_size(model.vocab_size, tp=1),
-                                    recompute=self.share.recompute, transformer_impl=train.transformer_impl)
+                                    recompute=self.share.recompute, transformer_impl=train.transformer_impl,
+                                    params_dtype=params_dtype(train.precision))
         self.config = transformer_config(self.stage, cpu_initialization=not acc.is_gpu)
         self.gpt = build_gpt_stage(self.stage, self.config, self.pgc, device=self.device)
+        # bf16: Megatron's Float16Module (bf16 weights and activations, fp32 per-token losses)
+        self.module = wrap_float16(self.config, self.gpt) if train.precision != "fp32" else self.gpt
         self.tied = not model.untie_embeddings_and_output_weights
         if init_full_state is not None:
             load_full_state(self.gpt, init_full_state, layer_offset=0, tp_rank=0, tp_size=1, tied=self.tied)
@@ -123,6 +130,11 @@ class ShardedStrategy:
         self.params = dict(named)
         self.shapes = {n: tuple(p.shape) for n, p in named}
         self.index = FlatIndex(names=tuple(n for n, _ in named), numels=tuple(p.numel() for _, p in named))
+        # bf16: fp32 main gradients, accumulated from autograd's hooks; the optimizer keeps the fp32
+        # main values as shards (no full fp32 copy), as the pipeline's distributed optimizer
+        self.main = MainGrads(self.params) if train.precision != "fp32" else None
+        # fp16: megatron-core's grad scaler; the reduced fp32 pieces are unscaled and checked (all ranks agree)
+        self.scaler = LossScaler(train, self.device) if train.fp16 else None
         # The state is sharded by the pipeline runtime's distributed optimizer (one implementation,
         # optim/distributed.py): every rank holds every parameter (TP=1), so one group over the world
         # splits each parameter in proportion to the plan's shard fractions.
@@ -130,7 +142,8 @@ class ShardedStrategy:
         self.samples = sample_ranges(plan.samples_per_rank)[rank]
         self.memory = sharded_rank_memory(model, shard_fraction=plan.shard_fractions[rank],
                                           micro_batch_size=self.share.micro_batch_size,
-                                          recompute=self.share.recompute, precision="fp32", overhead_bytes=0,
+                                          recompute=self.share.recompute,
+                                          precision="fp32" if train.precision == "fp32" else "mixed", overhead_bytes=0,
                                           num_parameters=self.index.numel)
         if memory_budget_bytes is not None:
             check_budget(self.memory, rank=rank, budget_bytes=int(memory_budget_bytes[rank]),
@@ -147,6 +160,7 @@ class ShardedStrategy:
         group = BridgedGroup(self.bridge) if self.bridge is not None else NativeGroup(None)  # the whole world
         return DistributedOptimizer(local, self.params, train=self.train, device=self.device,
                                     owned=owned_norm_holdings, new_group=lambda ranks: group,
+                                    main_grads=self.main.grads if self.main is not None else None,
                                     weights={r: float(f) for r, f in enumerate(self.plan.shard_fractions)},
                                     gather_method=self.gather_method, reduce_scatter_method=self.reduce_scatter_method)
 
@@ -154,33 +168,39 @@ class ShardedStrategy:
     def step(self, iteration: int, *, lr: float, timer: EmulationTimer, on_action: ActionHook | None) -> StepResult:
         it, share, train = iteration, self.share, self.train
         comm = 0.0
-        for p in self.params.values():
-            p.grad = None
+        if self.main is not None:
+            self.main.zero_grad()
+        else:
+            for p in self.params.values():
+                p.grad = None
         scale = 1.0 / (train.global_batch_size * self.model_spec.seq_length)
+        loss_scale = self.scaler.scale.clone() if self.scaler is not None else None  # read at the log interval
         loss_sum = torch.zeros(1, dtype=torch.float64, device=self.device)  # on the device: no sync per micro-batch
         for m in range(share.num_micro_batches):
             first = self.samples.start + m * share.micro_batch_size
             tokens = self.batch_fn(it, range(first, first + share.micro_batch_size))
             inputs, labels, position_ids, _ = split_tokens(tokens, self.device)
-            loss = timer.compute(lambda: self.gpt(inputs, position_ids, None, labels=labels).float().sum() * scale)
-            timer.compute(lambda: loss.backward())
+            loss = timer.compute(lambda: self.module(inputs, position_ids, None, labels=labels).float().sum() * scale)
+            scaled = loss * loss_scale if loss_scale is not None else loss  # fp16: the scaled loss's backward
+            timer.compute(lambda: scaled.backward())
             loss_sum += loss.detach().double()
         t0 = time.perf_counter()
         opt = self.optimizer
         opt.reduce()  # uneven reduce-scatter: this rank's pieces of the summed gradient
-        sq = all_reduce_world(opt.grad_norm_sq_local().reshape(1))
-        norm = math.sqrt(float(sq))
+        skipped = self.scaler.unscale_and_check([opt.shard_grad]) if self.scaler is not None else False
+        # squared norm and loss sum in one world all-reduce, kept on the device (read at the log interval)
+        both = all_reduce_world(torch.cat([opt.grad_norm_sq_local().reshape(1).double(), loss_sum]))
+        norm = both[0].sqrt()
         comm += time.perf_counter() - t0
-        if train.clip_grad > 0:
-            coeff = train.clip_grad / (norm + 1e-6)  # megatron's clip_grad_by_total_norm_fp32
-            if coeff < 1.0:
-                opt.scale_grads(coeff)
+        if train.clip_grad > 0 and not skipped:  # megatron's clip_grad_by_total_norm_fp32, coefficient on the device
+            opt.scale_grads((train.clip_grad / (norm + 1e-6)).clamp(max=1.0))  # (x 1.0 is exact)
         t0 = time.perf_counter()
         opt.param_groups[0]["lr"] = lr
-        opt.step()  # AdamW on the pieces, then the uneven all-gather into the working weights
+        if not skipped:
+            opt.step()  # AdamW on the pieces, then the uneven all-gather into the working weights
         opt_s = time.perf_counter() - t0
-        all_reduce_world(loss_sum)
-        return StepResult(lm_loss=float(loss_sum), grad_norm=norm, comm_s=comm, optimizer_s=opt_s)
+        return StepResult(lm_loss=both[1], grad_norm=norm if not skipped else math.nan, comm_s=comm,
+                          optimizer_s=opt_s, skipped=skipped, loss_scale=loss_scale)
 
     @torch.no_grad()
     def evaluate(self, batch_fn: BatchFn, iteration: int) -> float:
@@ -194,7 +214,7 @@ class ShardedStrategy:
         for m in range(self.share.num_micro_batches):
             first = self.samples.start + m * mbs
             inputs, labels, position_ids, _ = split_tokens(batch_fn(iteration, range(first, first + mbs)), self.device)
-            loss_sum += self.gpt(inputs, position_ids, None, labels=labels).double().sum() * scale
+            loss_sum += self.module(inputs, position_ids, None, labels=labels).double().sum() * scale
         all_reduce_world(loss_sum)
         return float(loss_sum)
 

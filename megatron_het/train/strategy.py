@@ -14,6 +14,8 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
+from megatron_het.train.readout import Readout
+
 if TYPE_CHECKING:
     from megatron_het.cluster import ModelSpec
     from megatron_het.platform import MemoryStats
@@ -32,12 +34,14 @@ ActionHook = Callable[[int, object], None]
 class StepResult:
     """What a strategy's step reports; the trainer adds the timing common to every strategy."""
 
-    lm_loss: float | None  # mean token loss over the global batch (None where the rank does not see it)
-    grad_norm: float  # global gradient norm before clipping
+    # lm_loss, grad_norm, loss_scale: Python numbers or one-element device tensors, which the trainer
+    # reads once per log interval (train/readout.py): a step must not wait for the device to report them
+    lm_loss: float | torch.Tensor | None  # mean token loss over the global batch (None where the rank does not see it)
+    grad_norm: float | torch.Tensor  # global gradient norm before clipping
     comm_s: float = 0.0  # collectives over the training state (sharded: gather, reduce-scatter, norm)
     optimizer_s: float = 0.0  # the optimizer step, where a strategy measures it apart
     skipped: bool = False  # fp16: the step was skipped (gradients overflowed at this loss scale)
-    loss_scale: float | None = None  # fp16: the loss scale the step ran with (None: no scaling)
+    loss_scale: float | torch.Tensor | None = None  # fp16: the loss scale the step ran with (None: no scaling)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -45,8 +49,10 @@ class IterationLog:
     """What one rank saw of one iteration."""
 
     iteration: int  # 1-based, as Megatron logs it
-    lm_loss: float | None  # mean token loss over the global batch (None: not known on this rank)
-    grad_norm: float  # global gradient norm before clipping
+    # lm_loss (mean token loss over the global batch; None: not known on this rank), grad_norm (global
+    # gradient norm before clipping) and loss_scale (StepResult.loss_scale), read from the device at
+    # the log interval (properties below)
+    readout: Readout
     elapsed_s: float  # wall time of the step on this rank
     compute_s: float = 0.0  # forward + backward, emulated slowdown included
     emulated_s: float = 0.0  # of which (plus the optimizer's): waiting to emulate a slower device
@@ -54,8 +60,19 @@ class IterationLog:
     optimizer_s: float = 0.0  # StepResult.optimizer_s
     tokens_per_s: float = 0.0  # global batch tokens / elapsed_s
     skipped: bool = False  # StepResult.skipped
-    loss_scale: float | None = None  # StepResult.loss_scale
     memory: MemoryStats | None = None  # this rank's memory after the step (GPU: allocator; CPU: RSS)
+
+    @property
+    def lm_loss(self) -> float | None:
+        return self.readout.get("lm_loss")
+
+    @property
+    def grad_norm(self) -> float:
+        return self.readout.get("grad_norm")
+
+    @property
+    def loss_scale(self) -> float | None:
+        return self.readout.get("loss_scale")
 
     @property
     def idle_s(self) -> float:

@@ -7,7 +7,8 @@ this object, so benches choose the clock here instead of patching a trainer.
 On a GPU the work is asynchronous: a host clock around a forward would measure its kernel launches.
 With ``events`` (the accelerator's ``event``: CUDA/HIP timing events) each forward/backward is
 bracketed by two recorded events and the elapsed times are read when ``compute_s`` is read (after
-the step, whose loss read has synchronised anyway): no synchronisation per micro-batch.
+the step, whose world all-reduce of the gradient norm goes through the host and so has waited for
+the device anyway): no synchronisation per micro-batch.
 """
 
 from __future__ import annotations

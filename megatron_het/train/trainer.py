@@ -13,6 +13,7 @@ import time
 from collections.abc import Callable, Mapping
 
 from megatron_het.train.config import TrainConfig
+from megatron_het.train.readout import Readout, read_all
 from megatron_het.train.strategy import BatchFn, IterationLog, RunResult, Strategy
 from megatron_het.train.timer import EmulationTimer
 
@@ -71,6 +72,13 @@ class Trainer:
         self.hooks = hooks or TrainerHooks()  # the defaults do nothing: an exception ends the run
         self.timer = timer or EmulationTimer()  # compute measurement and device emulation of this rank
         self.iteration = 0  # optimizer steps taken (= the next 0-based iteration)
+        self._unread: list[Readout] = []  # device values of the current log window, not read yet
+
+    def read_logs(self) -> None:
+        """Read every log value still on the device (one host transfer): done at each log interval,
+        before the hooks see that iteration, and at the end of ``run``."""
+        read_all(self._unread)
+        self._unread = []
 
     def train_step(self) -> IterationLog:
         """One iteration; on an exception the hooks may repair the trainer and the iteration is redone."""
@@ -83,6 +91,9 @@ class Trainer:
                 if not self.hooks.on_failure(self, it, error):
                     raise
                 continue
+            self._unread.append(log.readout)
+            if self.iteration % self.train.log_interval == 0:
+                self.read_logs()  # as Megatron: losses are read once per --log-interval
             self.hooks.on_step_end(self, log)
             return log
 
@@ -94,10 +105,10 @@ class Trainer:
         elapsed = time.perf_counter() - start
         self.iteration = it + 1
         tokens = self.train.global_batch_size * self.strategy.model_spec.seq_length
-        return IterationLog(iteration=self.iteration, lm_loss=result.lm_loss, grad_norm=result.grad_norm,
-                            elapsed_s=elapsed, compute_s=self.timer.compute_s, emulated_s=self.timer.emulated_s,
-                            comm_s=result.comm_s, optimizer_s=result.optimizer_s, tokens_per_s=tokens / elapsed,
-                            skipped=result.skipped, loss_scale=result.loss_scale, memory=self._memory())
+        readout = Readout(lm_loss=result.lm_loss, grad_norm=result.grad_norm, loss_scale=result.loss_scale)
+        return IterationLog(iteration=self.iteration, readout=readout, elapsed_s=elapsed,
+                            compute_s=self.timer.compute_s, emulated_s=self.timer.emulated_s, comm_s=result.comm_s, optimizer_s=result.optimizer_s, tokens_per_s=tokens / elapsed,
+                            skipped=result.skipped, memory=self._memory())
 
     def _memory(self):
         acc = getattr(self.strategy, "accelerator", None)
@@ -111,13 +122,19 @@ class Trainer:
             on_iteration: Callable[[IterationLog], None] | None = None) -> RunResult:
         """Train until ``iterations`` more steps are done (default ``train.train_iters``) counted from
         the current iteration, also when a re-plan rewinds to an older checkpoint; the logs, and with
-        ``return_shards`` the parameters before and after (on ranks whose strategy reports them)."""
+        ``return_shards`` the parameters before and after (on ranks whose strategy reports them).
+
+        Losses and norms stay on the device and are read once per ``train.log_interval`` (and at the
+        end), as Megatron does: ``on_iteration`` sees every log, with its values read on the
+        log-interval iterations (reading one earlier reads it alone)."""
         initial = self.shards() if return_shards else None
         target = self.iteration + (iterations if iterations is not None else self.train.train_iters)
         logs = []
         while self.iteration < target:
             log = self.train_step()
             logs.append(log)
+            if self.iteration >= target:
+                self.read_logs()  # the last window's values
             if on_iteration is not None:
                 on_iteration(log)
         final = self.shards() if return_shards else None

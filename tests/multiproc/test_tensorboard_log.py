@@ -138,9 +138,10 @@ def test_stage_times_average_each_stage_over_its_ranks():
 
 
 def test_iteration_scalars_follow_the_flags():
+    from megatron_het.train.readout import Readout
     from megatron_het.train.strategy import IterationLog
 
-    log = IterationLog(iteration=4, lm_loss=6.5, grad_norm=0.25, elapsed_s=0.5)
+    log = IterationLog(iteration=4, readout=Readout(lm_loss=6.5, grad_norm=0.25), elapsed_s=0.5)
     base = iteration_scalars(log, lr=2e-4, global_batch_size=8, seq_length=64, config=TensorBoardConfig(log_dir="x"))
     assert base == {"lm loss": 6.5, "learning-rate": 2e-4, "grad-norm": 0.25, "batch-size": 8.0}
     full = iteration_scalars(log, lr=2e-4, global_batch_size=8, seq_length=64,

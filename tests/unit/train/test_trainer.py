@@ -114,3 +114,35 @@ def test_timer_adds_the_emulated_wait_and_a_cpu_clock_ignores_sleeping():
     same = EmulationTimer()
     same.compute(lambda: time.sleep(0.01))
     assert same.emulated_s == 0.0
+
+
+class OnDevice(Scripted):
+    """Reports its loss and norm as tensors, as the real strategies do (values stay on the device)."""
+
+    def step(self, iteration, *, lr, timer, on_action):
+        import torch
+
+        result = super().step(iteration, lr=lr, timer=timer, on_action=on_action)
+        return StepResult(lm_loss=torch.tensor([result.lm_loss]), grad_norm=torch.tensor(0.5))
+
+
+class PendingAtEnd(TrainerHooks):
+    def __init__(self):
+        self.pending = []
+
+    def on_step_end(self, trainer, log):
+        self.pending.append((log.iteration, log.readout.pending))
+
+
+def test_device_values_are_read_once_per_log_interval_and_at_the_end():
+    from workers.sync_workers import counting_host_reads
+
+    hooks = PendingAtEnd()
+    train = TrainConfig(micro_batch_size=1, global_batch_size=4, train_iters=7, lr=1.0, log_interval=3)
+    with counting_host_reads({}) as reads:
+        result = Trainer(strategy=OnDevice(), train=train, hooks=hooks).run()
+    assert sum(reads.values()) == 3, reads  # one read at iterations 3, 6 and the end (7)
+    # the hooks see a log-interval iteration already read (e.g. TensorBoard: no read of its own)
+    assert [it for it, pending in hooks.pending if not pending] == [3, 6]
+    assert [log.lm_loss for log in result.iterations] == [10.0 - i for i in range(7)]
+    assert all(log.grad_norm == 0.5 for log in result.iterations)
