@@ -21,11 +21,17 @@ slowest rank counts in every sample.
   ``GRID_3D`` = [2, 1, 2] (weight all-gather and weight-gradient reduce-scatter over z, forward and
   input-gradient all-reduces over x), plain (one blocking collective each) vs chunked blocking vs
   chunked overlapped, interleaved; the gain from overlap alone is chunked-blocking / overlapped;
-* 4D model vs measurement: for each of the six 4-rank grids (interleaved, medians of
-  ``RANKING_REPEATS``), the collectives one transformer layer's four distributed GEMMs run (``perf/axonn.AXONN_GEMMS``: weight all-gather, forward
-  all-reduce, input-gradient all-reduce, weight-gradient reduce-scatter), each blocking and timed,
-  against ``grid_cost(...).comm_s`` summed (CPU catalog island, one node, fp32); Spearman rank
-  correlation of the two orders (target >= 0.8).
+* 4D model vs measurement (``OVERLAP_BENCH_ONLY=ranking`` runs only this, ~1 min, and updates
+  that part of the json, appending to ``ranking_history``): first a host profile, every collective
+  kind the layer runs (all-gather, all-reduce, reduce-scatter) at 64 KiB-16 MiB over 2- and 4-rank
+  groups, to which the model's per-collective links are fitted (``perf/link_fit``; the layer
+  measurements never enter the fit); then for each of the six 4-rank grids x ``SHAPES_3D`` (18
+  points), the collectives one transformer layer's four distributed GEMMs run
+  (``perf/axonn.AXONN_GEMMS``: weight all-gather, forward all-reduce, input-gradient all-reduce,
+  weight-gradient reduce-scatter), each blocking, medians of ``RANKING_REPEATS`` rounds that run
+  every point (rotated start), against ``grid_cost(..., links=...).comm_s`` summed (fp32). Spearman
+  rank correlation over all points (target >= 0.8), and per shape over its 6 grids; beside it the
+  previous model (one link fitted to the 4-rank all-reduce) and the nominal CPU catalog link.
 """
 
 from __future__ import annotations
