@@ -545,7 +545,9 @@ def main() -> None:
         mlp = _figures_mlp(run_local(WORLD_3D, bench3d_rank, timeout_s=1800)[0]["mlp"])
         _print_mlp(mlp)
         ranking, rho_met = _ranking(start)
-        figures["tp3d"] = {"mlp": mlp, "ranking": ranking, "ranking_history": [_history_entry(ranking)]}
+        previous = json.loads(OUT.read_text())["figures"].get("tp3d", {}) if OUT.exists() else {}
+        figures["tp3d"] = {"mlp": mlp, "ranking": ranking,
+                           "ranking_history": [*previous.get("ranking_history", []), _history_entry(ranking)]}
         targets.update(spearman_min=TARGET_SPEARMAN, spearman_met=rho_met)
     _write({"figures": figures, "targets": targets, "command": "python bench/overlap.py", "machine": _machine(),
             "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")})
