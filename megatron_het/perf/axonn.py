@@ -16,7 +16,8 @@ reduce-scatter wgrad    z       ``B*n*k/(x*y)``          backward
 all-reduce wgrad        data    ``B*n*k/(x*y*z)``        backward
 ======================  ======  =======================  ===========================
 
-Times are the ring collectives of ``perf/comm.py`` over each axis's link, except that on an island
+Times are the ring collectives of ``perf/comm.py`` over each axis's link (with ``links``, a host
+profile's fitted link of that collective kind on intra-node axes), except that on an island
 whose collective library is gloo a reduce-scatter is priced as an all-reduce of the whole buffer:
 torch's gloo backend implements ``reduce_scatter_tensor`` that way (``ProcessGroupGloo::
 reduce_scatter_tensor_coalesced`` clones the input, all-reduces it and copies out this rank's
