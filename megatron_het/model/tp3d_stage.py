@@ -112,7 +112,7 @@ def attach_grid_ends(gpt: torch.nn.Module, groups: GridGroups) -> list[Any]:
 
 
 def check_tp3d_stage(*, grid: tuple[int, int, int], hidden_size: int, micro_batch_size: int, gated: bool,
-                     sequence_parallel: bool, recompute: bool) -> None:
+                     sequence_parallel: bool) -> None:
     """What a 3D stage cannot run yet, refused by value (ValueError naming both numbers)."""
     gx, gy, gz = grid
     if gated:
@@ -121,9 +121,6 @@ def check_tp3d_stage(*, grid: tuple[int, int, int], hidden_size: int, micro_batc
     if sequence_parallel:
         raise ValueError("sequence_parallel: a 3D stage splits the batch over z, not the sequence (got True). "
                          "Fix: turn sequence parallelism off in a plan with a tp_grid stage")
-    if recompute:
-        raise ValueError("recompute: activation recomputation of 3D layers is not built yet (got True). "
-                         "Fix: set recompute false on the tp_grid stage")
     if hidden_size % gx:
         raise ValueError(f"hidden_size: {hidden_size} must be a multiple of the grid's x = {gx}. "
                          f"Fix: choose a grid whose x divides {hidden_size}")
@@ -148,7 +145,7 @@ def build_tp3d_gpt_stage(spec, config, pg_collection, grid_groups: GridGroups, *
                          f"config has {config.tensor_model_parallel_size}. Fix: build the config with tp={g.y}")
     m = spec.model
     check_tp3d_stage(grid=(g.x, g.y, g.z), hidden_size=m.hidden_size, micro_batch_size=micro_batch_size,
-                     gated=m.swiglu, sequence_parallel=config.sequence_parallel, recompute=spec.recompute)
+                     gated=m.swiglu, sequence_parallel=config.sequence_parallel)
     gpt = GPTModel(
         config=config,
         transformer_layer_spec=grid_layer_spec(grid_groups, chunks=chunks, overlap=overlap),

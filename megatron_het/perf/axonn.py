@@ -16,7 +16,8 @@ reduce-scatter wgrad    z       ``B*n*k/(x*y)``          backward
 all-reduce wgrad        data    ``B*n*k/(x*y*z)``        backward
 ======================  ======  =======================  ===========================
 
-Times are the ring collectives of ``perf/comm.py`` over each axis's link, except that on an island
+Times are the ring collectives of ``perf/comm.py`` over each axis's link (with ``links``, a host
+profile's fitted link of that collective kind on intra-node axes), except that on an island
 whose collective library is gloo a reduce-scatter is priced as an all-reduce of the whole buffer:
 torch's gloo backend implements ``reduce_scatter_tensor`` that way (``ProcessGroupGloo::
 reduce_scatter_tensor_coalesced`` clones the input, all-reduces it and copies out this rank's
@@ -51,6 +52,7 @@ from megatron_het.tp.grid import AXES, Grid4D
 
 __all__ = [
     "AXONN_GEMMS",
+    "CollectiveLinks",
     "GridCost",
     "axis_channel",
     "best_grid",
@@ -80,14 +82,35 @@ def chunked_overlap_time(comm_s: float, compute_s: float, chunks: int) -> float:
     return comm_s / k + (k - 1) * max(comm_s, compute_s) / k + compute_s / k
 
 
+def _intra_node(grid: Grid4D, axis: str, island: IslandSpec) -> bool:
+    return grid.stride(axis) * getattr(grid, axis) <= island.gpus_per_node
+
+
 def axis_channel(grid: Grid4D, axis: str, island: IslandSpec) -> Channel:
     """The link an axis's collective runs over: intra-node when its group fits in one node."""
-    span = grid.stride(axis) * getattr(grid, axis)
-    if span <= island.gpus_per_node:
+    if _intra_node(grid, axis, island):
         return Channel(bandwidth_gbps=island.intra_node_bandwidth_gbps, latency_us=island.intra_node_latency_us,
                        host_staged=False)
     return Channel(bandwidth_gbps=island.inter_node_bandwidth_gbps, latency_us=island.inter_node_latency_us,
                    host_staged=False)
+
+
+@dataclass(frozen=True, kw_only=True)
+class CollectiveLinks:
+    """A host profile's link per collective kind (``perf/link_fit.fit_ring_link`` of timed
+    collectives): gloo on CPU runs each kind through different code (the all-gather into a fresh
+    flat buffer then copied out, the reduce-scatter as a clone + all-reduce + copy), so one fitted
+    link cannot price them all. Applies to the intra-node axes only (it is measured on one host)."""
+
+    all_gather: Channel  # weight all-gathers, priced with the ring all-gather formula
+    all_reduce: Channel  # forward, input-gradient and data-parallel all-reduces (ring all-reduce)
+    reduce_scatter: Channel  # weight-gradient reduce-scatters, priced with reduce_scatter_kind's formula
+
+    def for_item(self, key: str) -> Channel:
+        """The link of one of ``GridCost.comm_s``'s collectives."""
+        if key == "ag_weight":
+            return self.all_gather
+        return self.reduce_scatter if key == "rs_wgrad" else self.all_reduce
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -130,11 +153,12 @@ def _ring_bytes(kind: str, nbytes: float, n: int) -> float:
 
 
 def grid_cost(model: ModelSpec, island: IslandSpec, grid: Grid4D, *, batch_tokens: int,
-              bytes_per_element: int = 2, chunks: int = 4) -> GridCost:
+              bytes_per_element: int = 2, chunks: int = 4, links: CollectiveLinks | None = None) -> GridCost:
     """Communication and GEMM time per iteration of ``model`` on ``grid`` inside ``island``.
 
     ``batch_tokens``: tokens of the global batch (global batch size * sequence length); each data
-    replica processes ``batch_tokens / grid.data``.
+    replica processes ``batch_tokens / grid.data``. ``links``: a host profile's per-collective links
+    for the intra-node axes (None: the island's intra-node link for every collective).
     """
     if batch_tokens % (grid.data * grid.z):
         raise ValueError(f"batch_tokens: {batch_tokens} must be a multiple of data*z = {grid.data}*{grid.z} = "
@@ -173,6 +197,8 @@ def grid_cost(model: ModelSpec, island: IslandSpec, grid: Grid4D, *, batch_token
             n = getattr(grid, axis)
             fn = {"ag": ring_all_gather_time, "ar": ring_all_reduce_time, "rs": ring_reduce_scatter_time}[kind]
             c = ch[axis]
+            if links is not None and _intra_node(grid, axis, island):
+                c = links.for_item(key)
             per_gemm[key] = model.num_layers * fn(nbytes, n=n, bandwidth_gbps=c.bandwidth_gbps,
                                                   latency_us=c.latency_us)
             # cut into `chunks` collectives: the same bytes, `chunks` times the latency steps

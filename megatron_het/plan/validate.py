@@ -45,7 +45,6 @@ def check_runtime_tp_grid(plan: Plan) -> None:
                  f"{plan.virtual_pipeline_size}) on a 3D stage", 'use virtual_pipeline_size 1'),
                 (plan.use_distributed_optimizer, "the distributed optimizer's shards of 3D blocks",
                  'set "use_distributed_optimizer": false'),
-                (s.recompute, "activation recomputation of 3D layers", 'set "recompute": false on this stage'),
                 (plan.micro_batch_size % s.tp_grid[2] != 0, f"micro_batch_size {plan.micro_batch_size} not divisible "
                  f"by the grid's z = {s.tp_grid[2]} (z splits the batch)", "choose z dividing the micro-batch size"),
             ) if cond]

@@ -1,12 +1,18 @@
 """Plans with a 3D tensor-parallel stage (plan tp_grid, model/tp3d_stage.py) train exactly like one
 process (issue #20 item 3): a [2,2,1] stage before a TP=2 stage, and a [1,2,2] replica (z splits
-the micro-batch) beside a TP=2 replica of the same layers. One 6-process spawn runs both from the
+the micro-batch) beside a TP=2 replica of the same layers, and the first plan with activation
+recomputation on the 3D stage. One 6-process spawn runs both from the
 single-process megatron-core reference's initial weights; every iteration's loss within 1e-5
 relative (fp32) and the final parameters within 1e-4 absolute, as tests/multiproc/test_runtime_parity.py.
 Checkpoints: saved under the [2,2,1] plan, loaded under a homogeneous 3 x TP=2 plan, saved again and
-loaded under the [1,2,2] replica plan: the 5 losses equal the uninterrupted reference's."""
+loaded under the [1,2,2] replica plan: the 5 losses equal the uninterrupted reference's.
+bf16: the [2,2,1] -> TP=2 plan in bf16 against megatron-core's bf16 single process, at the tolerance
+and with the reference of tests/multiproc/test_mixed_precision.py (1e-3 relative per loss; the
+reasoning is in that module's docstring)."""
 
 from __future__ import annotations
+
+import dataclasses
 
 import pytest
 
@@ -18,12 +24,14 @@ from megatron_het.train.config import TrainConfig
 
 from support.parity_plans import GLOBAL_BATCH_SIZE, MICRO_BATCH_SIZE, MODEL, PADDED_VOCAB, plan, stage
 from workers.megatron_workers import checkpoint_worker, hetero_cases_worker, megatron_block_worker
+from workers.precision_workers import precision_cases_worker
 
 TRAIN = TrainConfig(micro_batch_size=MICRO_BATCH_SIZE, global_batch_size=GLOBAL_BATCH_SIZE, train_iters=5, lr=1e-3)
 
 
-def grid_stage(ranks, layers, grid) -> StagePlan:
-    return StagePlan(island="fast", device_type="CPU", ranks=tuple(ranks), layers=layers, tp_grid=grid)
+def grid_stage(ranks, layers, grid, *, recompute=False) -> StagePlan:
+    return StagePlan(island="fast", device_type="CPU", ranks=tuple(ranks), layers=layers, tp_grid=grid,
+                     recompute=recompute)
 
 
 CASES = {
@@ -31,7 +39,12 @@ CASES = {
     "tp3d221_tp2": plan(([grid_stage(range(4), (0, 2), (2, 2, 1)), stage([4, 5], (2, 4))], 4)),
     # two replicas of the whole model: 3D [1,2,2] (z = 2 splits each micro-batch of 2) and 1D TP=2
     "tp3d122_x2_tp2_x2": plan(([grid_stage(range(4), (0, 4), (1, 2, 2))], 2), ([stage([4, 5], (0, 4))], 2)),
+    # the first case with megatron-core's full activation recomputation on the 3D stage (each 3D layer
+    # checkpointed: its forward, collectives included, runs again in the backward)
+    "tp3d221_recompute_tp2": plan(([grid_stage(range(4), (0, 2), (2, 2, 1), recompute=True), stage([4, 5], (2, 4))], 4)),
 }
+BF16_TRAIN = dataclasses.replace(TRAIN, bf16=True)
+BF16_RTOL = 1e-3  # as tests/multiproc/test_mixed_precision.py
 # every replica the same layout (TP=2, all layers), uneven micro-batches
 HOMOGENEOUS6 = plan(([stage([0, 1], (0, 4))], 2), ([stage([2, 3], (0, 4))], 1), ([stage([4, 5], (0, 4))], 1))
 
@@ -57,6 +70,10 @@ def test_tp3d_plan_matches_single_process(runs, name):
     assert grids == {CASES[name].replicas[0].stages[0].tp_grid}, grids
     for i, (a, b) in enumerate(zip(losses, ref_losses)):
         assert abs(a - b) <= 1e-5 * abs(b), f"{name} iteration {i + 1}: {a} vs single-process {b}"
+    # recompute really ran on the 3D stage: its first layer's forward twice per micro-batch, once without
+    micro = CASES[name].replicas[0].num_micro_batches * TRAIN.train_iters
+    recomputes = CASES[name].replicas[0].stages[0].recompute
+    assert [out[("first_layer_calls", name)] for out in per_rank[:4]] == [micro * (2 if recomputes else 1)] * 4
     final = assemble_full_state([out[name][0].shards for out in per_rank if out[name][0].shards])
     ref_final = assemble_full_state([ref.shards])
     assert set(final) == set(ref_final), set(final) ^ set(ref_final)
@@ -81,3 +98,23 @@ def test_tp3d_checkpoint_resumes_under_homogeneous_and_back(runs, tmp_path):
     print(f"resumed {resumed}")
     for i, (a, b) in enumerate(zip(resumed, expected)):
         assert abs(a - b) <= 1e-5 * abs(b), f"iteration {i + 1}: resumed {a} vs uninterrupted {b}"
+
+
+@pytest.mark.slow
+@pytest.mark.multiproc
+def test_tp3d_stage_in_bf16_matches_megatron_core_bf16():
+    """A [2,2,1] stage (bf16 parameters and activations, fp32 main gradients and parameters) next to a
+    TP=2 stage, 5 iterations, against one process of megatron-core in bf16 from the same weights."""
+    ref = run_local(1, megatron_block_worker, (MODEL, BF16_TRAIN, BlockShape(tp=1, pp=1, dp=1), None, PADDED_VOCAB))[0]
+    init = assemble_full_state([ref.initial_shards])
+    per_rank = run_local(6, precision_cases_worker,
+                         (MODEL, [("tp3d221_tp2_bf16", CASES["tp3d221_tp2"], BF16_TRAIN, None)], init, PADDED_VOCAB))
+    res = per_rank[0]["tp3d221_tp2_bf16"][0]
+    grids = {s.grid for out in per_rank[:4] for s in out["tp3d221_tp2_bf16"][0].shards.values() if s.grid is not None}
+    assert grids == {(2, 2, 1)}, grids  # the 3D stage really ran as one
+    got, want = [log.lm_loss for log in res.iterations], [log.lm_loss for log in ref.iterations]
+    worst = max(abs(g - w) / abs(w) for g, w in zip(got, want, strict=True))
+    print(f"tp3d221_tp2 bf16: losses {[f'{g:.5f}' for g in got]} vs megatron-core bf16 "
+          f"{[f'{w:.5f}' for w in want]}; max relative difference {worst:.2e}")
+    assert len(got) == 5 and worst <= BF16_RTOL
+    assert got[-1] < got[0]  # it trains

@@ -69,9 +69,15 @@ def hetero_cases_worker(rank, world_size, model: ModelSpec, cases, train: TrainC
             with captured_log("megatron_het.runtime.hetero_trainer") as lines:
                 trainer = HeteroTrainer(model=model, plan=plan, train=train, batch_fn=batch_fn(model, train.seed),
                                         init_full_state=init_full_state, padded_vocab=padded_vocab, cluster=cluster)
+            calls = []  # forward calls of the stage's first layer: twice per micro-batch under recompute
+            layers = getattr(getattr(trainer.strategy.gpt, "decoder", None), "layers", None)
+            hook = layers[0].register_forward_hook(lambda *_: calls.append(1)) if layers else None
             res = trainer.run(return_shards=True)
+            if hook is not None:
+                hook.remove()
             res = dataclasses.replace(res, routes=tuple(trainer.strategy.sync.routes))
             out[("comm", name)] = comm_report(trainer.strategy, lines)
+            out[("first_layer_calls", name)] = len(calls)
         out[name] = (res, time.perf_counter() - start)
     return out
 

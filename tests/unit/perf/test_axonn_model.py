@@ -95,3 +95,30 @@ def test_gloo_reduce_scatter_priced_as_whole_buffer_all_reduce():
     assert gloo.volume_bytes["rs_wgrad"] == pytest.approx(2 * gloo.volume_bytes["ag_weight"])
     ring = grid_cost(TINY, POD, grid, batch_tokens=4096, bytes_per_element=4)
     assert ring.volume_bytes["rs_wgrad"] == pytest.approx(ring.volume_bytes["ag_weight"])
+
+
+def test_collective_links_price_each_kind_on_intra_node_axes_only():
+    """A host profile's per-collective links replace the island's intra-node link collective by
+    collective; axes that cross nodes keep the inter-node link."""
+    from megatron_het.perf.axonn import CollectiveLinks
+    from megatron_het.perf.comm import Channel, ring_all_gather_time
+
+    slow_ag = Channel(bandwidth_gbps=1.0, latency_us=1000.0, host_staged=False)
+    same = Channel(bandwidth_gbps=POD.intra_node_bandwidth_gbps, latency_us=POD.intra_node_latency_us,
+                   host_staged=False)
+    links = CollectiveLinks(all_gather=slow_ag, all_reduce=same, reduce_scatter=same)
+    grid = Grid4D(x=2, y=1, z=4)  # x and z inside one 8-GPU node
+    base = grid_cost(TINY, POD, grid, batch_tokens=4096)
+    prof = grid_cost(TINY, POD, grid, batch_tokens=4096, links=links)
+    weights = 2 * (1024 * 3072 + 1024 * 1024 + 1024 * 4096 + 4096 * 1024) / 2  # bf16, blocks over x*y=2
+    expect = sum(ring_all_gather_time(2 * n * k / 2, n=4, bandwidth_gbps=1.0, latency_us=1000.0)
+                 for n, k in ((3072, 1024), (1024, 1024), (4096, 1024), (1024, 4096)))
+    assert sum(2 * n * k / 2 for n, k in ((3072, 1024), (1024, 1024), (4096, 1024), (1024, 4096))) == weights
+    assert prof.comm_s["ag_weight"] == pytest.approx(expect)
+    for key in ("ar_forward", "ar_backward", "rs_wgrad"):
+        assert prof.comm_s[key] == pytest.approx(base.comm_s[key])
+    assert prof.volume_bytes == base.volume_bytes  # links change times, never bytes
+    # z spans 16 ranks = two nodes: the all-gather stays on the inter-node link
+    wide = Grid4D(x=4, y=1, z=4)
+    assert grid_cost(TINY, POD, wide, batch_tokens=4096, links=links).comm_s["ag_weight"] == pytest.approx(
+        grid_cost(TINY, POD, wide, batch_tokens=4096).comm_s["ag_weight"])

@@ -81,7 +81,6 @@ def test_tp_grid_excludes_the_1d_overlap_flag():
     ({"sequence_parallel": True}, {}, "with sequence parallelism"),
     ({"use_distributed_optimizer": True}, {}, "with the distributed optimizer's shards of 3D blocks"),
     ({"schedule": "interleaved", "virtual_pipeline_size": 2}, {}, "interleaved model chunks (virtual_pipeline_size 2)"),
-    ({}, {"recompute": True}, "activation recomputation of 3D layers"),
     ({}, {"grid": (1, 1, 4)}, "micro_batch_size 2 not divisible by the grid's z = 4"),
 ])
 def test_runtime_refuses_what_a_3d_stage_cannot_run_yet(plan_kw, stage_kw, needle):
@@ -95,6 +94,7 @@ def test_runtime_refuses_what_a_3d_stage_cannot_run_yet(plan_kw, stage_kw, needl
 
     check_runtime_tp_grid(_plan(None))  # 1D plans pass
     check_runtime_tp_grid(_plan((2, 2, 1)))  # a plain 3D stage runs
+    check_runtime_tp_grid(_plan((2, 2, 1), recompute=True))  # and with recompute (parity: test_runtime_tp3d_parity)
     grid = stage_kw.pop("grid", (2, 2, 1))
     plan = dataclasses.replace(_plan(grid, **stage_kw), **plan_kw)
     with pytest.raises(PlanError) as e:
