@@ -226,8 +226,8 @@ def multi_cases(models: list[ModelSpec], names=MULTI) -> list[dict]:
             print(f"    chosen: pipeline {c['pipeline_s']:.3f} s + reduction {c['gradient_reduction_s']:.3f} s + optimizer "
                   f"{c['optimizer_s']:.3f} s, {c['sequences_per_gpu']} sequences/GPU; fluid ceiling / same-batch bound "
                   f"{row['fluid_over_same_batch_bound']:.3f}")
-            for name, a in row["alone_same_batch_breakdown"].items():
-                print(f"    alone {name}: pipeline {a['pipeline_s']:.3f} s + reduction {a['gradient_reduction_s']:.3f} s, "
+            for island_name, a in row["alone_same_batch_breakdown"].items():
+                print(f"    alone {island_name}: pipeline {a['pipeline_s']:.3f} s + reduction {a['gradient_reduction_s']:.3f} s, "
                       f"{a['sequences_per_gpu']} sequences/GPU")
             if row["miss_reason"]:
                 print(f"    miss: {row['miss_reason']}")
