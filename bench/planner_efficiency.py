@@ -17,6 +17,13 @@ Baselines for the pairs: Megatron's uniform plan on the whole cluster (same TP/P
 layers, equal micro-batches per replica; the best such plan that fits) and the fastest device type
 alone. For every case: GPUs used, and whether every island with idle GPUs has an explanation
 (PlannerResult.idle). Target: chosen / bound >= 0.95. Writes bench/results/planner_efficiency.json.
+
+For the clusters of three or more types, also where the iteration goes (``chosen_breakdown`` and
+``alone_same_batch_breakdown``: pipeline, exposed gradient reduction, optimizer step, sequences per
+GPU) and why a case misses the same-batch bound (``miss_reason``), from planner/gap.py's bounds: the
+fluid ceiling, the least time replicas kept on one island need for the batch with no
+synchronisation (vs the time a 0.95 ratio allows), and what reducing their gradients across the
+islands costs (as priced, and the sharded what-if of perf.comm.sharded_gradient_reduction).
 """
 
 from __future__ import annotations
