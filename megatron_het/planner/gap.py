@@ -51,11 +51,12 @@ def _families(est: Estimator, isl: int):
             for mbs in _MICRO_BATCH_SIZES:
                 if est.global_batch_size % mbs:
                     continue
-                # Memory as in such a plan: pp micro-batches in flight on stage 0, the optimizer
-                # state sharded over as many replicas as the whole cluster could hold (distributed
-                # optimizer; the most sharding, so the bound stays a bound for cross-island DP).
+                # The most permissive memory any stage of such a plan sees, so that the bound stays
+                # a bound: a middle stage (no embedding or output layer) with one micro-batch in
+                # flight (1F1B's last stage), the optimizer state sharded over as many replicas as
+                # the whole cluster could hold (distributed optimizer; cross-island DP shards wider).
                 replicas = est.cluster.num_gpus // (tp * pp)
-                rows = est.rows(isl, tp, mbs, True, True, pp == 1, pp, replicas)
+                rows = est.rows(isl, tp, mbs, True, pp == 1, pp == 1, 1, replicas)
                 for rc, (fixed, per_layer, cap) in enumerate(rows):
                     if per_layer <= 0 or cap < -(-L // pp):
                         continue
