@@ -17,6 +17,13 @@ Baselines for the pairs: Megatron's uniform plan on the whole cluster (same TP/P
 layers, equal micro-batches per replica; the best such plan that fits) and the fastest device type
 alone. For every case: GPUs used, and whether every island with idle GPUs has an explanation
 (PlannerResult.idle). Target: chosen / bound >= 0.95. Writes bench/results/planner_efficiency.json.
+
+For the clusters of three or more types, also where the iteration goes (``chosen_breakdown`` and
+``alone_same_batch_breakdown``: pipeline, exposed gradient reduction, optimizer step, sequences per
+GPU) and why a case misses the same-batch bound (``miss_reason``), from planner/gap.py's bounds: the
+fluid ceiling, the least time replicas kept on one island need for the batch with no
+synchronisation (vs the time a 0.95 ratio allows), and what reducing their gradients across the
+islands costs (as priced, and the sharded what-if of perf.comm.sharded_gradient_reduction).
 """
 
 from __future__ import annotations
@@ -34,8 +41,12 @@ from bench_record import machine, perf_commit, write_result  # noqa: E402
 
 from megatron_het.cluster import CATALOG, ClusterSpec, IslandSpec, LinkSpec, ModelSpec, load_cluster, load_model  # noqa: E402
 from megatron_het.perf import predict  # noqa: E402
+from megatron_het.perf.comm import dp_gradient_reduction, sharded_gradient_reduction  # noqa: E402
+from megatron_het.perf.memory import state_bytes  # noqa: E402
 from megatron_het.plan import PlanError, validate_plan  # noqa: E402
 from megatron_het.planner import InfeasibleError, Segment, Template, build_plan, plan_cluster, tp_options  # noqa: E402
+from megatron_het.planner.estimate import Estimator  # noqa: E402
+from megatron_het.planner.gap import fluid_tokens_per_s, island_capacity, one_island_time  # noqa: E402
 
 PAIRS = (("A100-80GB", "H100-SXM"), ("A100-80GB", "MI250X"), ("H100-SXM", "MI300X"), ("V100-32GB", "A100-80GB"),
          ("A100-80GB", "L40S"), ("H100-SXM", "H200"))
@@ -90,25 +101,97 @@ def load() -> str:
     return " ".join(f"{x:.2f}" for x in os.getloadavg())
 
 
-def alone(model: ModelSpec, cluster: ClusterSpec, global_batch: int) -> tuple[dict, dict]:
-    """Per island: best tokens/s alone at its peak share of the batch, and alone at the whole batch."""
+def breakdown(plan, pred) -> dict:
+    """Where one plan's iteration goes: pipeline, exposed gradient reduction, optimizer step, and how
+    many sequences each GPU runs (the batch's granularity)."""
+    return {"iteration_s": round(pred.iteration_time_s, 4), "pipeline_s": round(pred.pipeline_time_s, 4),
+            "gradient_reduction_s": round(pred.gradient_reduction_s, 4), "optimizer_s": round(pred.optimizer_s, 4),
+            "micro_batch_size": plan.micro_batch_size,
+            "max_micro_batches_per_replica": max(r.num_micro_batches for r in plan.replicas),
+            "sequences_per_gpu": round(plan.global_batch_size / pred.num_gpus, 2), "gpus": pred.num_gpus}
+
+
+def alone(model: ModelSpec, cluster: ClusterSpec, global_batch: int, parts: dict | None = None) -> tuple[dict, dict]:
+    """Per island: best tokens/s alone at its peak share of the batch, and alone at the whole batch
+    (``parts``, if given, receives the latter's breakdown per island)."""
     share_tps, same_tps, peak = {}, {}, sum(i.peak_tflops for i in cluster.islands)
     for island in cluster.islands:
         share = max(8, round(global_batch * island.peak_tflops / peak / 8) * 8)
         for gbs, out in ((share, share_tps), (global_batch, same_tps)):
             try:
-                out[island.name] = plan_cluster(model, cluster, global_batch_size=gbs,
-                                                islands=[island.name]).candidates[0][1].tokens_per_s
+                plan, pred = plan_cluster(model, cluster, global_batch_size=gbs, islands=[island.name]).candidates[0]
             except InfeasibleError:
                 out[island.name] = 0.0
+                continue
+            out[island.name] = pred.tokens_per_s
+            if parts is not None and out is same_tps:
+                parts[island.name] = breakdown(plan, pred)
     return share_tps, same_tps
+
+
+def cross_island_reduction(est: Estimator, families: dict) -> tuple[float, float]:
+    """Gradient synchronisation of data parallelism over every island, each island running the
+    family its capacity was counted with (``families``: island index -> Family): the largest stage's
+    per-rank parameters, reduce-scatter of the gradients + all-gather of the weights (distributed
+    optimizer), as the predictor prices it (one leader per island) and as the sharded what-if
+    (perf.comm.sharded_gradient_reduction)."""
+    cluster, L = est.cluster, est.model.num_layers
+    used = {i: f for i, f in families.items() if f is not None}
+    counts = {i: cluster.islands[i].num_gpus // (f.tp * f.pp) for i, f in used.items()}
+    params = max(est.params(-(-L // f.pp), True, f.pp == 1, f.tp) for f in used.values())
+    rpn = min(est.ranks_per_node(i, f.tp, f.pp, counts[i]) for i, f in used.items())
+    names = [cluster.islands[i].name for i, n in counts.items() for _ in range(n)]
+    weight, grad = state_bytes("bf16")[:2]
+    priced = [sum(0.5 * f(b * params, cluster, replica_islands=names, ranks_per_node=rpn).total_s for b in (grad, weight))
+              for f in (dp_gradient_reduction, sharded_gradient_reduction)]
+    return priced[0], priced[1]
+
+
+def gap(model: ModelSpec, cluster: ClusterSpec, global_batch: int, row: dict) -> dict:
+    """Why a case misses the same-batch bound (planner/gap.py): the fluid ceiling (every GPU at its
+    best rate, no whole sequences, no synchronisation); the sequences replicas kept on one island
+    complete, with no synchronisation at all, in the time a 0.95 ratio allows, and the least time
+    they need for the whole batch; and what reducing the whole model's gradients across all the
+    islands costs (data parallelism of one-island replicas pays it)."""
+    est = Estimator(model, cluster, global_batch_size=global_batch, profile=None, distributed_optimizer=True)
+    islands = list(range(len(cluster.islands)))
+    fluid = fluid_tokens_per_s(est, islands)
+    target_s = global_batch * model.seq_length / (TARGET * row["upper_bound_same_batch"])
+    caps = {cluster.islands[i].name: island_capacity(est, i, target_s) for i in islands}
+    capacity = sum(c for c, _ in caps.values())
+    least_s = one_island_time(est, islands, global_batch)
+    cross_s, sharded_s = cross_island_reduction(est, {i: caps[cluster.islands[i].name][1] for i in islands})
+    out = {"fluid_tokens_per_s": fluid, "fluid_over_same_batch_bound": fluid / row["upper_bound_same_batch"],
+           "target_iteration_s": round(target_s, 4), "one_island_capacity_at_target": round(capacity, 1),
+           "one_island_capacity_per_island": {
+               name: {"sequences": round(c, 1), **({"tp": f.tp, "pp": f.pp, "micro_batch_size": f.micro_batch_size,
+                                                    "recompute": f.recompute} if f else {})}
+               for name, (c, f) in caps.items()},
+           "one_island_least_pipeline_s": round(least_s, 4), "cross_island_reduction_s": round(cross_s, 4),
+           "cross_island_reduction_sharded_what_if_s": round(sharded_s, 4)}
+    chosen = row["chosen_breakdown"]
+    spent = (f"chosen: pipeline {chosen['pipeline_s']:.3f} s + reduction {chosen['gradient_reduction_s']:.3f} s "
+             f"({chosen['sequences_per_gpu']} sequences/GPU)")
+    if row["ratio_same_batch"] >= TARGET:
+        out["miss_reason"] = ""
+    elif least_s > target_s:
+        out["miss_reason"] = (
+            f"granularity: replicas kept on one island need >= {least_s:.3f} s for {global_batch} whole sequences "
+            f"(any TP/PP/micro-batch size, no synchronisation; {capacity:.0f} fit in the {target_s:.3f} s a 0.95 "
+            f"ratio allows); {spent}")
+    else:
+        out["miss_reason"] = (
+            f"synchronisation: replicas kept on one island need >= {least_s:.3f} s of the {target_s:.3f} s a 0.95 "
+            f"ratio allows, but reducing their gradients across the islands costs {cross_s:.3f} s (sharded what-if: "
+            f"{sharded_s:.3f} s); {spent}")
+    return out
 
 
 def joint(model: ModelSpec, cluster: ClusterSpec, global_batch: int) -> dict:
     start, cpu = time.perf_counter(), time.process_time()
     result = plan_cluster(model, cluster, global_batch_size=global_batch)
     wall, cpu = time.perf_counter() - start, time.process_time() - cpu
-    pred = result.candidates[0][1]
+    plan, pred = result.candidates[0]
     used: dict[str, int] = {}
     for r in result.best.replicas:
         for st in r.stages:
@@ -119,7 +202,7 @@ def joint(model: ModelSpec, cluster: ClusterSpec, global_batch: int) -> dict:
             "gpus_used_per_island": used, "idle_gpus_per_island": idle, "idle_explained": explained,
             "idle_explanations": list(result.idle), "layouts": len({tuple((s.island, s.tp, s.layers) for s in r.stages)
                                                                      for r in result.best.replicas}),
-            "planning_time_s": round(wall, 2), "planning_cpu_s": round(cpu, 2)}
+            "planning_time_s": round(wall, 2), "planning_cpu_s": round(cpu, 2), "chosen_breakdown": breakdown(plan, pred)}
 
 
 def multi_cases(models: list[ModelSpec], names=MULTI) -> list[dict]:
@@ -132,17 +215,29 @@ def multi_cases(models: list[ModelSpec], names=MULTI) -> list[dict]:
             row = {"cluster": name, "devices": "+".join(f"{i.num_gpus}x{i.device.name}" for i in cluster.islands),
                    "model": model.name, "global_batch_size": gbs, "load_before": load()}
             row.update(joint(model, cluster, gbs))
-            share, same = alone(model, cluster, gbs)
+            parts: dict = {}
+            share, same = alone(model, cluster, gbs, parts)
             row.update({"alone_peak_share_tokens_per_s": share, "alone_same_batch_tokens_per_s": same,
+                        "alone_same_batch_breakdown": parts,
                         "upper_bound_peak_share": sum(share.values()), "upper_bound_same_batch": sum(same.values())})
             row["ratio_peak_share"] = row["chosen_tokens_per_s"] / row["upper_bound_peak_share"]
             row["ratio_same_batch"] = row["chosen_tokens_per_s"] / row["upper_bound_same_batch"]
+            row.update(gap(model, cluster, gbs, row))
             rows.append(row)
             print(f"{name[:-5]:<24} {model.name:<11} {row['chosen_tokens_per_s']:>12.4g} "
                   f"{row['upper_bound_same_batch']:>10.4g} {row['ratio_same_batch']:>6.3f} "
                   f"{row['upper_bound_peak_share']:>10.4g} {row['ratio_peak_share']:>6.3f} "
                   f"{row['gpus_used']:>4}/{row['gpus']:<4} {str(row['idle_explained']):>9} "
                   f"{row['planning_time_s']:>6.1f} {row['planning_cpu_s']:>6.1f}")
+            c = row["chosen_breakdown"]
+            print(f"    chosen: pipeline {c['pipeline_s']:.3f} s + reduction {c['gradient_reduction_s']:.3f} s + optimizer "
+                  f"{c['optimizer_s']:.3f} s, {c['sequences_per_gpu']} sequences/GPU; fluid ceiling / same-batch bound "
+                  f"{row['fluid_over_same_batch_bound']:.3f}")
+            for island_name, a in row["alone_same_batch_breakdown"].items():
+                print(f"    alone {island_name}: pipeline {a['pipeline_s']:.3f} s + reduction {a['gradient_reduction_s']:.3f} s, "
+                      f"{a['sequences_per_gpu']} sequences/GPU")
+            if row["miss_reason"]:
+                print(f"    miss: {row['miss_reason']}")
             for line in row["idle_explanations"]:
                 print(f"    {line[:150]}")
     return rows
@@ -203,6 +298,9 @@ def main(argv: list[str] | None = None) -> int:
            "targets": {"ratio_min": TARGET,
                        "multi_type_min_ratio_peak_share": multi_min, "multi_type_min_ratio_same_batch": multi_same_min,
                        "multi_type_met_peak_share": multi_min >= TARGET, "multi_type_met_same_batch": multi_same_min >= TARGET,
+                       "multi_type_cases_met_same_batch": sum(r["ratio_same_batch"] >= TARGET for r in multi),
+                       "multi_type_cases_met_peak_share": sum(r["ratio_peak_share"] >= TARGET for r in multi),
+                       "multi_type_cases": len(multi),
                        "idle_explained": all(r["idle_explained"] for r in multi),
                        "pairs_min_ratio": pair_min, "pairs_met": pair_min is not None and pair_min >= TARGET},
            "command": "python bench/planner_efficiency.py" + (" --quick" if args.quick else ""),

@@ -12,6 +12,7 @@ from megatron_het.perf.comm import (
     ring_all_gather_time,
     ring_all_reduce_time,
     ring_reduce_scatter_time,
+    sharded_gradient_reduction,
     tp_layer_comm_times,
 )
 
@@ -94,6 +95,24 @@ def test_dp_reduction_hierarchical_across_islands():
     three = dp_gradient_reduction(GB, CLUSTER, replica_islands=["a100", "a100-box", "mi300"])
     # ring a100 -> a100-box -> mi300 -> a100: slowest is a100-box<->mi300, 50 Gbit/s staged -> 33.3 Gbit/s
     assert three.inter_island_s == pytest.approx(4 * 20e-6 + 2 * 2 / 3 * GB / (100 / 3 * 1e9 / 8))
+
+
+def test_sharded_reduction_what_if():
+    """Reduce-scatter inside, shards exchanged by every rank at once, all-gather inside: the
+    exchange moves GB / (fewest replicas on an island); one island is the flat ring."""
+    one = sharded_gradient_reduction(GB, CLUSTER, replica_islands=["a100"] * 4)
+    assert one == dp_gradient_reduction(GB, CLUSTER, replica_islands=["a100"] * 4)
+    r = sharded_gradient_reduction(GB, CLUSTER, replica_islands=["a100"] * 3 + ["mi300"] * 2)
+    inside = max(4 * 5e-6 + 2 * 2 / 3 * GB / 25e9, 2 * 5e-6 + GB / 50e9)  # a100 ring of 3, mi300 ring of 2
+    assert r.reduce_s + r.broadcast_s == pytest.approx(inside)
+    assert r.inter_island_s == pytest.approx(2 * 10e-6 + (GB / 2) / 6.25e9)  # half the bytes, staged 50 Gbit/s
+    # With 64 replicas per island the exchange is 1/64 of the leaders' (the links' share vanishes);
+    # what is left is the islands' own reduce-scatter + all-gather.
+    many = ["a100"] * 64 + ["mi300"] * 64
+    sharded, leader = (f(GB, CLUSTER, replica_islands=many) for f in (sharded_gradient_reduction, dp_gradient_reduction))
+    assert sharded.inter_island_s == pytest.approx(2 * 10e-6 + (GB / 64) / 6.25e9)
+    assert leader.inter_island_s == pytest.approx(2 * 10e-6 + GB / 6.25e9)
+    assert sharded.total_s < 0.5 * leader.total_s
 
 
 def test_dp_reduction_validation():
