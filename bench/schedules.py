@@ -4,15 +4,22 @@ A CPU-emulated cluster of 4 pipeline stages (one rank each): three on island ``f
 island ``slow``, emulated 2x slower than ``fast``. Four ranks share this 2-core machine, so both
 islands are emulated *slower than the host* (fast 4x, slow 8x) and the emulation clock is each
 rank's thread CPU time (EmulationTimer ``clock=time.thread_time``): a rank's compute lasts its own
-CPU time x its island's factor whatever the other processes do, and the waiting uses no core.
+CPU time x its island's factor whatever the other processes do, and the waiting uses no core. When the
+host takes longer than that (the rank preempted mid-action: bench/schedules_waits.py measured up to
+0.6 s per rank and iteration at load 7-13, 11% of interleaved's iteration, whose 32 short actions per
+rank are caught more often than 1F1B's 16), the rank repays the lag from its next sleeps
+(EmulationTimer.catch_up) instead of the emulated device running slower.
 Layers follow the speeds (4/4/4/2 of 14; interleaved: chunks of 2/2/2/1 layers, the plan's uneven
 chunk_layers); m = 8 micro-batches of 2.
 
 Predicted: the planner's performance model (megatron_het.perf.predict) with a profile of this host
-measured by tools/profile_host.py just before the runs (one thread; layers, parts, AdamW step; thread
-CPU time, caches swept before each repetition, as the run's ranks see them) and the cluster's factors; the same schedule action lists the runtime executes. Measured: one 4-process
+measured by tools/profile_host.py just before the runs (one thread; layers, parts, AdamW step, the B/W
+split's shares of the fused backward for ZB-H1; thread CPU time, caches swept before each forward and
+backward, as the run's ranks see them) and the cluster's factors; the same schedule action lists the
+runtime executes. Measured: one 4-process
 spawn runs the three plans one after another per round (rounds alternate the order), median over
-the iterations after warm-up of the slowest rank's iteration time. Bubble: mean over ranks of the
+the iterations after warm-up of the slowest rank's iteration time (robust to the shared machine's
+spikes; the mean is reported beside it). Bubble: mean over ranks of the
 share of the iteration not spent in forward/backward (predicted the same way from the simulation).
 B/W split overhead: one process, one 4-layer stage of the same model, the executor's F + fused B
 against F + B + W (thread CPU time, alternated pairs, median ratio); ZB-H1's against 1F1B's per-rank
@@ -98,6 +105,7 @@ def _rank(rank, world_size, order, iters):
     for name in order:
         trainer = HeteroTrainer(model=MODEL, plan=table[name], train=train, batch_fn=batch_fn, cluster=cluster,
                                 clock=time.thread_time)
+        trainer.timer.catch_up = True  # host preemption mid-action is paid back from the rank's next sleeps
         res = trainer.run(iters)
         out[name] = [(log.elapsed_s, log.compute_s) for log in res.iterations[WARMUP:]]
     return out
@@ -169,7 +177,8 @@ def measure_profile(path: str) -> None:
            str(SWEEP_MIB), "--num-layers", "2", "--hidden-size",
            str(MODEL.hidden_size), "--num-attention-heads", str(MODEL.num_attention_heads), "--seq-length",
            str(MODEL.seq_length), "--micro-batch-sizes", str(MICRO_BATCH), "--threads", "1", "--repeats", "7",
-           "--device", "CPU", "--vocab-size", str(MODEL.vocab_size), "--optimizer", "--output", path]
+           "--device", "CPU", "--vocab-size", str(MODEL.vocab_size), "--optimizer", "--split-backward",
+           "--output", path]
     subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
 
 
@@ -205,10 +214,11 @@ def main() -> int:
     split_ratios = [b / a for a, b in zip(pairs["fused"], pairs["split"])]
     split_overhead = statistics.median(split_ratios) - 1
 
-    measured, bubble, compute, predicted, pred_bubble = {}, {}, {}, {}, {}
+    measured, measured_mean, bubble, compute, predicted, pred_bubble = {}, {}, {}, {}, {}, {}
     for name in table:
         rows = list(zip(*per_rank[name]))  # per iteration: one (elapsed, compute) per rank
         measured[name] = statistics.median(max(e for e, _ in it) for it in rows)
+        measured_mean[name] = statistics.mean(max(e for e, _ in it) for it in rows)
         bubble[name] = statistics.median(statistics.mean(1 - c / max(e for e, _ in it) for _, c in it) for it in rows)
         compute[name] = [statistics.median(c for _, c in per_rank[name][k]) for k in range(4)]
         pred = predictions[name]
@@ -220,11 +230,13 @@ def main() -> int:
     ok_ratio = all(abs(r - 1) <= 0.15 for r in ratio.values())
     ok_rank = ranking(bubble) == ranking(pred_bubble)
 
-    print(f"{'schedule':12s} {'predicted s':>11s} {'measured s':>10s} {'meas/pred':>9s} {'bubble pred':>11s} "
-          f"{'bubble meas':>11s}")
+    print(f"{'schedule':12s} {'predicted s':>11s} {'measured s':>10s} {'meas/pred':>9s} {'mean/pred':>9s} "
+          f"{'bubble pred':>11s} {'bubble meas':>11s}")
     for n in table:
-        print(f"{n:12s} {predicted[n]:11.3f} {measured[n]:10.3f} {ratio[n]:9.3f} {pred_bubble[n]:11.1%} "
-              f"{bubble[n]:11.1%}")
+        print(f"{n:12s} {predicted[n]:11.3f} {measured[n]:10.3f} {ratio[n]:9.3f} {measured_mean[n] / predicted[n]:9.3f} "
+              f"{pred_bubble[n]:11.1%} {bubble[n]:11.1%}")
+    print(f"profile: ZB-H1's B and W priced at {profile.backward_split[0]:.3f} and {profile.backward_split[1]:.3f} "
+          "of the fused backward (measured split)" if profile.backward_split else "profile: no measured B/W split")
     print(f"bubble ranking (least first): predicted {ranking(pred_bubble)}, measured {ranking(bubble)} "
           f"({'equal' if ok_rank else 'DIFFERENT'})")
     print(f"B/W split overhead, one 4-layer stage, F+B+W vs F+fused B thread CPU time (median of {len(split_ratios)} "
@@ -234,7 +246,9 @@ def main() -> int:
           f"after {load_after[0]:.1f}")
     write_result("schedules.json", {
         "figures": {"predicted_iteration_s": predicted, "measured_iteration_s": measured,
-                    "measured_over_predicted": ratio, "predicted_bubble": pred_bubble, "measured_bubble": bubble,
+                    "measured_over_predicted": ratio, "measured_iteration_mean_s": measured_mean,
+                    "measured_mean_over_predicted": {n: measured_mean[n] / predicted[n] for n in table},
+                    "profile_backward_split": profile.backward_split, "predicted_bubble": pred_bubble, "measured_bubble": bubble,
                     "predicted_bubble_ranking": ranking(pred_bubble), "measured_bubble_ranking": ranking(bubble),
                     "split_overhead": split_overhead, "split_overhead_pair_ratios": split_ratios,
                     "split_fused_s": pairs["fused"], "split_split_s": pairs["split"],

@@ -36,6 +36,11 @@ class EmulationTimer:
         self._compute_s = 0.0  # forward + backward this iteration measured so far, emulated waiting included
         self._pending: list[tuple[Any, Any]] = []  # recorded (start, end) events not yet read
         self.emulated_s = 0.0  # waiting added to emulate the slower device (compute and optimizer)
+        # catch_up: time the host took beyond the emulated duration (this rank preempted mid-action on
+        # shared cores, a late wake-up from the emulation's sleep) is paid back from the rank's next sleeps,
+        # so its timeline keeps to clock time x slowdown; off: each action lasts max(wall, clock x slowdown)
+        self.catch_up = False
+        self.lag_s = 0.0  # with catch_up: how far this rank runs behind its emulated timeline, not yet repaid
 
     @property
     def compute_s(self) -> float:
@@ -58,11 +63,26 @@ class EmulationTimer:
         if self.slowdown > 1.0:
             spent = wall if self.clock is None else self.clock() - c0
             extra = spent * self.slowdown - wall
+            if self.catch_up:
+                return out, self._catch_up(wall, extra)
             if extra > 0:
                 time.sleep(extra)
                 self.emulated_s += extra
                 wall += extra
         return out, wall
+
+    def _catch_up(self, wall: float, extra: float) -> float:
+        """Sleep ``extra`` less the lag owed; the lag becomes what is left unpaid (or the sleep's late wake-up)."""
+        extra -= self.lag_s
+        if extra <= 0:
+            self.lag_s = -extra
+            return wall
+        t0 = time.perf_counter()
+        time.sleep(extra)
+        slept = time.perf_counter() - t0
+        self.lag_s = max(0.0, slept - extra)
+        self.emulated_s += slept
+        return wall + slept
 
     def compute(self, fn: Callable[[], T]) -> T:
         """A forward or backward: counted as compute, stretched to the emulated device's speed."""
