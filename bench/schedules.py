@@ -25,6 +25,11 @@ B/W split overhead: one process, one 4-layer stage of the same model, the execut
 against F + B + W (thread CPU time, alternated pairs, median ratio); ZB-H1's against 1F1B's per-rank
 compute in the pipeline runs is reported beside it (noisier: other processes share the cores).
 
+``--serialize``: one rank computes at a time (EmulationTimer.host_lock, repaid through catch_up), so the
+emulated devices cannot inflate each other's CPU time through the shared caches. Measured 2026-11-25 (load
+1.1-2.1, results/schedules_serialized.json): interleaved 1.256, per-rank compute 1.12-1.15x its price against
+1F1B's 1.07-1.09x: contention is not what makes interleaved's actions dearer in the run.
+
 Targets: |measured/predicted - 1| <= 15% per schedule; measured bubble ranking == predicted;
 split overhead <= 5%.
 
@@ -34,11 +39,14 @@ split overhead <= 5%.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
+import fcntl
 import os
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -81,7 +89,18 @@ def plans() -> dict[str, Plan]:
     return {s: plan(s) for s in SCHEDULES}
 
 
-def _rank(rank, world_size, order, iters):
+@contextlib.contextmanager
+def host_lock(path: str):
+    """One emulated rank computing at a time on this host (an exclusive flock on ``path``)."""
+    with open(path, "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def _rank(rank, world_size, order, iters, lock_path=None):
     """Every plan in ``order`` on this rank: per plan, per iteration after warm-up, (elapsed, compute) s."""
     import torch
 
@@ -106,6 +125,8 @@ def _rank(rank, world_size, order, iters):
         trainer = HeteroTrainer(model=MODEL, plan=table[name], train=train, batch_fn=batch_fn, cluster=cluster,
                                 clock=time.thread_time)
         trainer.timer.catch_up = True  # host preemption mid-action is paid back from the rank's next sleeps
+        if lock_path:
+            trainer.timer.host_lock = lambda: host_lock(lock_path)
         res = trainer.run(iters)
         out[name] = [(log.elapsed_s, log.compute_s) for log in res.iterations[WARMUP:]]
     return out
@@ -190,6 +211,9 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--iters", type=int, default=6, help=f"iterations per plan and round (first {WARMUP} warm-up)")
     ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--serialize", action="store_true",
+                    help="one rank computes at a time (EmulationTimer.host_lock): no cache/memory contention between "
+                         "the emulated devices, which the model does not price")
     ap.add_argument("--split-reps", type=int, default=20, help="fused/split iteration pairs of the overhead measurement")
     args = ap.parse_args()
     from megatron_het.perf import predict
@@ -206,7 +230,8 @@ def main() -> int:
     per_rank: dict[str, list[list[tuple[float, float]]]] = {n: [[] for _ in range(4)] for n in table}
     for r in range(args.rounds):
         order = list(SCHEDULES) if r % 2 == 0 else list(reversed(SCHEDULES))
-        for rank, got in enumerate(run_local(4, _rank, (order, args.iters), timeout_s=3600)):
+        lock = os.path.join(tempfile.gettempdir(), f"schedules-{os.getpid()}.lock") if args.serialize else None
+        for rank, got in enumerate(run_local(4, _rank, (order, args.iters, lock), timeout_s=3600)):
             for name, rows in got.items():
                 per_rank[name][rank].extend(rows)
     load_after = os.getloadavg()
@@ -263,7 +288,7 @@ def main() -> int:
         "command": "python bench/schedules.py " + " ".join(sys.argv[1:]),
         "setup": {"model": {k: v for k, v in MODEL.__dict__.items() if v is not None}, "cluster": CLUSTER,
                   "micro_batch_size": MICRO_BATCH, "micro_batches": MICRO_BATCHES, "iters": args.iters,
-                  "warmup": WARMUP, "rounds": args.rounds, "plans": {n: p.to_dict() for n, p in table.items()},
+                  "warmup": WARMUP, "rounds": args.rounds, "serialized_compute": args.serialize, "plans": {n: p.to_dict() for n, p in table.items()},
                   "emulation_clock": "time.thread_time", "threads_per_rank": 1, "profile_clock": "thread",
                   "profile_sweep_mib": SWEEP_MIB,
                   "profile": os.path.relpath(PROFILE, ROOT)},

@@ -41,6 +41,12 @@ class EmulationTimer:
         # so its timeline keeps to clock time x slowdown; off: each action lasts max(wall, clock x slowdown)
         self.catch_up = False
         self.lag_s = 0.0  # with catch_up: how far this rank runs behind its emulated timeline, not yet repaid
+        # held around each timed call when set (a context manager factory, e.g. a lock shared by the ranks
+        # emulated on one host: their compute then never runs at once and cannot inflate each other's CPU
+        # time through the shared caches). Only for compute without collectives (TP = 1): a rank waiting
+        # for a peer inside it would hold the lock the peer needs. Waiting for it costs no CPU time; with
+        # catch_up it is repaid like any host lag
+        self.host_lock: Callable[[], Any] | None = None
 
     @property
     def compute_s(self) -> float:
@@ -57,8 +63,14 @@ class EmulationTimer:
 
     def _run(self, fn: Callable[[], T]) -> tuple[T, float]:
         """Run ``fn``, wait what the emulated device would need on top; (result, wall time incl. wait)."""
-        c0, w0 = (self.clock() if self.clock is not None else 0.0), time.perf_counter()
-        out = fn()
+        w0 = time.perf_counter()
+        if self.host_lock is None:
+            c0 = self.clock() if self.clock is not None else 0.0
+            out = fn()
+        else:
+            with self.host_lock():
+                c0 = self.clock() if self.clock is not None else 0.0
+                out = fn()
         wall = time.perf_counter() - w0
         if self.slowdown > 1.0:
             spent = wall if self.clock is None else self.clock() - c0
