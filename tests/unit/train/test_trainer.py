@@ -136,4 +136,23 @@ def test_timer_catch_up_pays_back_host_delays_from_later_sleeps():
     caught, plain = run(True), run(False)
     assert plain.compute_s >= 0.11  # 0.05 + 0.06: the overrun stays
     assert caught.compute_s == pytest.approx(0.09 + caught.lag_s, abs=2e-3)  # 0.03 + 0.06, + the lag still owed
-    assert caught.compute_s < plain.compute_s
+
+
+def test_timer_host_lock_is_held_around_the_timed_call_only():
+    import contextlib
+
+    held, seen = [False], []
+
+    @contextlib.contextmanager
+    def lock():
+        held[0] = True
+        try:
+            yield
+        finally:
+            held[0] = False
+
+    timer = EmulationTimer(slowdown=2.0, clock=time.thread_time)
+    timer.host_lock = lock
+    timer.compute(lambda: seen.append(held[0]))
+    timer.stretch(lambda: seen.append(held[0]))
+    assert seen == [True, True] and not held[0]  # released before the emulation's sleep
