@@ -13,6 +13,9 @@ stretched compute ended. Then, per schedule (iterations after warm-up):
 - replay: the simulator (schedule.simulate) run with the *measured* duration of every action and no transfer
   time, against the measured pipeline time (first action start to last action end over the ranks).
 
+It times the plain emulation (each action lasts max(wall, CPU x slowdown), no EmulationTimer.catch_up): the
+overshoot it reports is what catch_up repays in bench/schedules.py.
+
     python bench/schedules_waits.py [--iters 6]
 """
 
