@@ -228,12 +228,13 @@ def main() -> int:
     predictions = {n: predict(p, MODEL, cluster, profile=profile) for n, p in table.items()}
 
     per_rank: dict[str, list[list[tuple[float, float]]]] = {n: [[] for _ in range(4)] for n in table}
-    for r in range(args.rounds):
-        order = list(SCHEDULES) if r % 2 == 0 else list(reversed(SCHEDULES))
-        lock = os.path.join(tempfile.gettempdir(), f"schedules-{os.getpid()}.lock") if args.serialize else None
-        for rank, got in enumerate(run_local(4, _rank, (order, args.iters, lock), timeout_s=3600)):
-            for name, rows in got.items():
-                per_rank[name][rank].extend(rows)
+    with tempfile.TemporaryDirectory() as tmp:
+        lock = os.path.join(tmp, "compute.lock") if args.serialize else None
+        for r in range(args.rounds):
+            order = list(SCHEDULES) if r % 2 == 0 else list(reversed(SCHEDULES))
+            for rank, got in enumerate(run_local(4, _rank, (order, args.iters, lock), timeout_s=3600)):
+                for name, rows in got.items():
+                    per_rank[name][rank].extend(rows)
     load_after = os.getloadavg()
     pairs = run_local(1, _split_overhead, (args.split_reps,), timeout_s=1800)[0]
     split_ratios = [b / a for a, b in zip(pairs["fused"], pairs["split"])]
