@@ -4,19 +4,31 @@ A CPU-emulated cluster of 4 pipeline stages (one rank each): three on island ``f
 island ``slow``, emulated 2x slower than ``fast``. Four ranks share this 2-core machine, so both
 islands are emulated *slower than the host* (fast 4x, slow 8x) and the emulation clock is each
 rank's thread CPU time (EmulationTimer ``clock=time.thread_time``): a rank's compute lasts its own
-CPU time x its island's factor whatever the other processes do, and the waiting uses no core.
+CPU time x its island's factor whatever the other processes do, and the waiting uses no core. When the
+host takes longer than that (the rank preempted mid-action: bench/schedules_waits.py measured up to
+0.6 s per rank and iteration at load 7-13, 11% of interleaved's iteration, whose 32 short actions per
+rank are caught more often than 1F1B's 16), the rank repays the lag from its next sleeps
+(EmulationTimer.catch_up) instead of the emulated device running slower.
 Layers follow the speeds (4/4/4/2 of 14; interleaved: chunks of 2/2/2/1 layers, the plan's uneven
 chunk_layers); m = 8 micro-batches of 2.
 
 Predicted: the planner's performance model (megatron_het.perf.predict) with a profile of this host
-measured by tools/profile_host.py just before the runs (one thread; layers, parts, AdamW step; thread
-CPU time, caches swept before each repetition, as the run's ranks see them) and the cluster's factors; the same schedule action lists the runtime executes. Measured: one 4-process
+measured by tools/profile_host.py just before the runs (one thread; layers, parts, AdamW step, the B/W
+split's shares of the fused backward for ZB-H1; thread CPU time, caches swept before each forward and
+backward, as the run's ranks see them) and the cluster's factors; the same schedule action lists the
+runtime executes. Measured: one 4-process
 spawn runs the three plans one after another per round (rounds alternate the order), median over
-the iterations after warm-up of the slowest rank's iteration time. Bubble: mean over ranks of the
+the iterations after warm-up of the slowest rank's iteration time (robust to the shared machine's
+spikes; the mean is reported beside it). Bubble: mean over ranks of the
 share of the iteration not spent in forward/backward (predicted the same way from the simulation).
 B/W split overhead: one process, one 4-layer stage of the same model, the executor's F + fused B
 against F + B + W (thread CPU time, alternated pairs, median ratio); ZB-H1's against 1F1B's per-rank
 compute in the pipeline runs is reported beside it (noisier: other processes share the cores).
+
+``--serialize``: one rank computes at a time (EmulationTimer.host_lock, repaid through catch_up), so the
+emulated devices cannot inflate each other's CPU time through the shared caches. Measured 2026-11-25 (load
+1.1-2.1, results/schedules_serialized.json): interleaved 1.256, per-rank compute 1.12-1.15x its price against
+1F1B's 1.07-1.09x: contention is not what makes interleaved's actions dearer in the run.
 
 Targets: |measured/predicted - 1| <= 15% per schedule; measured bubble ranking == predicted;
 split overhead <= 5%.
@@ -27,11 +39,14 @@ split overhead <= 5%.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
+import fcntl
 import os
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -74,7 +89,18 @@ def plans() -> dict[str, Plan]:
     return {s: plan(s) for s in SCHEDULES}
 
 
-def _rank(rank, world_size, order, iters):
+@contextlib.contextmanager
+def host_lock(path: str):
+    """One emulated rank computing at a time on this host (an exclusive flock on ``path``)."""
+    with open(path, "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def _rank(rank, world_size, order, iters, lock_path=None):
     """Every plan in ``order`` on this rank: per plan, per iteration after warm-up, (elapsed, compute) s."""
     import torch
 
@@ -98,6 +124,9 @@ def _rank(rank, world_size, order, iters):
     for name in order:
         trainer = HeteroTrainer(model=MODEL, plan=table[name], train=train, batch_fn=batch_fn, cluster=cluster,
                                 clock=time.thread_time)
+        trainer.timer.catch_up = True  # host preemption mid-action is paid back from the rank's next sleeps
+        if lock_path:
+            trainer.timer.host_lock = lambda: host_lock(lock_path)
         res = trainer.run(iters)
         out[name] = [(log.elapsed_s, log.compute_s) for log in res.iterations[WARMUP:]]
     return out
@@ -169,7 +198,8 @@ def measure_profile(path: str) -> None:
            str(SWEEP_MIB), "--num-layers", "2", "--hidden-size",
            str(MODEL.hidden_size), "--num-attention-heads", str(MODEL.num_attention_heads), "--seq-length",
            str(MODEL.seq_length), "--micro-batch-sizes", str(MICRO_BATCH), "--threads", "1", "--repeats", "7",
-           "--device", "CPU", "--vocab-size", str(MODEL.vocab_size), "--optimizer", "--output", path]
+           "--device", "CPU", "--vocab-size", str(MODEL.vocab_size), "--optimizer", "--split-backward",
+           "--output", path]
     subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
 
 
@@ -181,6 +211,9 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--iters", type=int, default=6, help=f"iterations per plan and round (first {WARMUP} warm-up)")
     ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--serialize", action="store_true",
+                    help="one rank computes at a time (EmulationTimer.host_lock): no cache/memory contention between "
+                         "the emulated devices, which the model does not price")
     ap.add_argument("--split-reps", type=int, default=20, help="fused/split iteration pairs of the overhead measurement")
     args = ap.parse_args()
     from megatron_het.perf import predict
@@ -195,20 +228,23 @@ def main() -> int:
     predictions = {n: predict(p, MODEL, cluster, profile=profile) for n, p in table.items()}
 
     per_rank: dict[str, list[list[tuple[float, float]]]] = {n: [[] for _ in range(4)] for n in table}
-    for r in range(args.rounds):
-        order = list(SCHEDULES) if r % 2 == 0 else list(reversed(SCHEDULES))
-        for rank, got in enumerate(run_local(4, _rank, (order, args.iters), timeout_s=3600)):
-            for name, rows in got.items():
-                per_rank[name][rank].extend(rows)
+    with tempfile.TemporaryDirectory() as tmp:
+        lock = os.path.join(tmp, "compute.lock") if args.serialize else None
+        for r in range(args.rounds):
+            order = list(SCHEDULES) if r % 2 == 0 else list(reversed(SCHEDULES))
+            for rank, got in enumerate(run_local(4, _rank, (order, args.iters, lock), timeout_s=3600)):
+                for name, rows in got.items():
+                    per_rank[name][rank].extend(rows)
     load_after = os.getloadavg()
     pairs = run_local(1, _split_overhead, (args.split_reps,), timeout_s=1800)[0]
     split_ratios = [b / a for a, b in zip(pairs["fused"], pairs["split"])]
     split_overhead = statistics.median(split_ratios) - 1
 
-    measured, bubble, compute, predicted, pred_bubble = {}, {}, {}, {}, {}
+    measured, measured_mean, bubble, compute, predicted, pred_bubble = {}, {}, {}, {}, {}, {}
     for name in table:
         rows = list(zip(*per_rank[name]))  # per iteration: one (elapsed, compute) per rank
         measured[name] = statistics.median(max(e for e, _ in it) for it in rows)
+        measured_mean[name] = statistics.mean(max(e for e, _ in it) for it in rows)
         bubble[name] = statistics.median(statistics.mean(1 - c / max(e for e, _ in it) for _, c in it) for it in rows)
         compute[name] = [statistics.median(c for _, c in per_rank[name][k]) for k in range(4)]
         pred = predictions[name]
@@ -220,11 +256,13 @@ def main() -> int:
     ok_ratio = all(abs(r - 1) <= 0.15 for r in ratio.values())
     ok_rank = ranking(bubble) == ranking(pred_bubble)
 
-    print(f"{'schedule':12s} {'predicted s':>11s} {'measured s':>10s} {'meas/pred':>9s} {'bubble pred':>11s} "
-          f"{'bubble meas':>11s}")
+    print(f"{'schedule':12s} {'predicted s':>11s} {'measured s':>10s} {'meas/pred':>9s} {'mean/pred':>9s} "
+          f"{'bubble pred':>11s} {'bubble meas':>11s}")
     for n in table:
-        print(f"{n:12s} {predicted[n]:11.3f} {measured[n]:10.3f} {ratio[n]:9.3f} {pred_bubble[n]:11.1%} "
-              f"{bubble[n]:11.1%}")
+        print(f"{n:12s} {predicted[n]:11.3f} {measured[n]:10.3f} {ratio[n]:9.3f} {measured_mean[n] / predicted[n]:9.3f} "
+              f"{pred_bubble[n]:11.1%} {bubble[n]:11.1%}")
+    print(f"profile: ZB-H1's B and W priced at {profile.backward_split[0]:.3f} and {profile.backward_split[1]:.3f} "
+          "of the fused backward (measured split)" if profile.backward_split else "profile: no measured B/W split")
     print(f"bubble ranking (least first): predicted {ranking(pred_bubble)}, measured {ranking(bubble)} "
           f"({'equal' if ok_rank else 'DIFFERENT'})")
     print(f"B/W split overhead, one 4-layer stage, F+B+W vs F+fused B thread CPU time (median of {len(split_ratios)} "
@@ -234,7 +272,9 @@ def main() -> int:
           f"after {load_after[0]:.1f}")
     write_result("schedules.json", {
         "figures": {"predicted_iteration_s": predicted, "measured_iteration_s": measured,
-                    "measured_over_predicted": ratio, "predicted_bubble": pred_bubble, "measured_bubble": bubble,
+                    "measured_over_predicted": ratio, "measured_iteration_mean_s": measured_mean,
+                    "measured_mean_over_predicted": {n: measured_mean[n] / predicted[n] for n in table},
+                    "profile_backward_split": profile.backward_split, "predicted_bubble": pred_bubble, "measured_bubble": bubble,
                     "predicted_bubble_ranking": ranking(pred_bubble), "measured_bubble_ranking": ranking(bubble),
                     "split_overhead": split_overhead, "split_overhead_pair_ratios": split_ratios,
                     "split_fused_s": pairs["fused"], "split_split_s": pairs["split"],
@@ -249,7 +289,7 @@ def main() -> int:
         "command": "python bench/schedules.py " + " ".join(sys.argv[1:]),
         "setup": {"model": {k: v for k, v in MODEL.__dict__.items() if v is not None}, "cluster": CLUSTER,
                   "micro_batch_size": MICRO_BATCH, "micro_batches": MICRO_BATCHES, "iters": args.iters,
-                  "warmup": WARMUP, "rounds": args.rounds, "plans": {n: p.to_dict() for n, p in table.items()},
+                  "warmup": WARMUP, "rounds": args.rounds, "serialized_compute": args.serialize, "plans": {n: p.to_dict() for n, p in table.items()},
                   "emulation_clock": "time.thread_time", "threads_per_rank": 1, "profile_clock": "thread",
                   "profile_sweep_mib": SWEEP_MIB,
                   "profile": os.path.relpath(PROFILE, ROOT)},

@@ -151,7 +151,7 @@ def main() -> int:
         pred = predict(plan, MODEL, cluster, profile=profile)
         stages = pred.replicas[0].stages
         dur = action_duration(plan, plan.replicas[0], [s.forward_s for s in stages], [s.backward_s for s in stages],
-                              ends=[s.ends_s for s in stages])
+                              ends=[s.ends_s for s in stages], split=[s.backward_split for s in stages])
         from megatron_het.schedule import Action
         print(f"== {name}: host seconds per action (run = thread CPU in the pipeline; iso = alone, warm)")
         for rank in range(4):
@@ -174,7 +174,7 @@ def main() -> int:
             pr = predict(plan, MODEL, cluster, profile=load_profile(path))
             sts = pr.replicas[0].stages
             d = action_duration(plan, plan.replicas[0], [s.forward_s for s in sts], [s.backward_s for s in sts],
-                                ends=[s.ends_s for s in sts])
+                                ends=[s.ends_s for s in sts], split=[s.backward_split for s in sts])
             ratios = []
             for rank in range(4):
                 k = cluster.slowdown(plan.replicas[0].stages[rank].island)

@@ -72,6 +72,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="also measure the embedding and the output layer + loss for this vocabulary (padded "
                          "like Megatron to a multiple of 128)")
     ap.add_argument("--optimizer", action="store_true", help="also measure the AdamW step per parameter")
+    ap.add_argument("--split-backward", action="store_true",
+                    help="also time the zero-bubble B/W split of the layers against their fused backward (what "
+                         "the model prices ZB-H1's B and W from; without it, half the backward each)")
     ap.add_argument("--comm-ranks", type=int, default=0,
                     help="also measure all-reduce and send/recv among this many local gloo processes and fit "
                          "the latency/bandwidth the model uses for links of this host (0: skip)")
@@ -102,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
     options = dict(num_layers=args.num_layers, micro_batch_sizes=args.micro_batch_sizes, device=args.device,
                    warmup=args.warmup, repeats=args.repeats, dtype=getattr(torch, args.dtype),
                    implementation=args.implementation, vocab_size=vocab, optimizer=args.optimizer,
-                   clock=args.clock, sweep_mib=args.sweep_mib)
+                   clock=args.clock, sweep_mib=args.sweep_mib, split_backward=args.split_backward)
     profile = (profile_layers(model, **options) if args.concurrent == 1 else
                profile_concurrent(model, processes=args.concurrent, **options))
     tp_entries = tuple(e for tp in args.tp_sizes if tp > 1 for e in profile_tp_layers(

@@ -142,6 +142,13 @@ def small_all_reduce_s(cluster: ClusterSpec, ranks: int, *, profile: Profile | S
     return 0.0
 
 
+def backward_split_shares(profile: Profile | Sequence[Profile] | None, device_name: str) -> tuple[float, float]:
+    """(B, W) of a split backward as shares of the fused backward on ``device_name``: measured by the
+    device's profile (profile_host times the split of the same layers), else half each."""
+    prof = profile_for(profile, device_name)
+    return prof.backward_split if prof is not None and prof.backward_split is not None else (0.5, 0.5)
+
+
 def profile_for(profile: Profile | Sequence[Profile] | None, device_name: str) -> Profile | None:
     """The profile measured on ``device_name`` among those given, or None (analytic model)."""
     if profile is None:
@@ -203,6 +210,8 @@ class StagePrediction:
     capacity_gib: float  # device memory per rank
     # (embedding fwd, bwd, output fwd, bwd) seconds inside forward_s/backward_s (stage_ends)
     ends_s: tuple[float, float, float, float] = (0.0, 0.0, 0.0, 0.0)
+    # with a split-backward schedule, B's and W's shares of a fused backward (backward_split_shares)
+    backward_split: tuple[float, float] = (0.5, 0.5)
 
     @property
     def memory_gib(self) -> float:
@@ -373,7 +382,7 @@ def predict(plan: Plan, model: ModelSpec, cluster: ClusterSpec, *, profile: Prof
     for r in plan.replicas:
         key = (tuple(_stage_key(st) for st in r.stages), r.num_micro_batches)
         if key not in sims:
-            sims[key] = _simulate(plan, r, model, cluster, cost, seq_length=s_len)
+            sims[key] = _simulate(plan, r, model, cluster, cost, seq_length=s_len, profile=profile)
         keys.append(key)
     # Reduction peers of a stage: in every replica, the stage holding its first layer.
     holders: dict[int, list[tuple[str, float, int]]] = {}
@@ -428,7 +437,8 @@ def predict(plan: Plan, model: ModelSpec, cluster: ClusterSpec, *, profile: Prof
     for r, key in zip(plan.replicas, keys):
         if key not in built:
             built[key] = _replica(plan, r, model, cluster, sims[key], reduce_and_step, dp=dp, dist_opt=dist_opt,
-                                  seq_length=s_len, flash_attention=flash_attention, recompute_mode=recompute_mode)
+                                  seq_length=s_len, flash_attention=flash_attention, recompute_mode=recompute_mode,
+                                  profile=profile)
         replicas.append(built[key])
 
     pipeline = max(r.pipeline_time_s for r in replicas)
@@ -451,8 +461,9 @@ def predict(plan: Plan, model: ModelSpec, cluster: ClusterSpec, *, profile: Prof
     )
 
 
-def _simulate(plan: Plan, r: ReplicaPlan, model: ModelSpec, cluster: ClusterSpec, cost, *,
-              seq_length: int) -> tuple[list[float], list[float], PipelineTimes, list[tuple[float, ...]]]:
+def _simulate(plan: Plan, r: ReplicaPlan, model: ModelSpec, cluster: ClusterSpec, cost, *, seq_length: int,
+              profile: Profile | Sequence[Profile] | None = None,
+              ) -> tuple[list[float], list[float], PipelineTimes, list[tuple[float, ...]]]:
     """Per-stage forward and backward seconds per micro-batch, the simulated schedule and the stages' ends."""
     p, m, v = len(r.stages), r.num_micro_batches, plan.virtual_pipeline_size
     fwd, bwd, ends = [], [], []
@@ -461,7 +472,8 @@ def _simulate(plan: Plan, r: ReplicaPlan, model: ModelSpec, cluster: ClusterSpec
         fwd.append(c.forward_s(st.num_layers, is_first=i == 0, is_last=i == p - 1))
         bwd.append(c.backward_s(st.num_layers, is_first=i == 0, is_last=i == p - 1))
         ends.append(stage_ends(c, is_first=i == 0, is_last=i == p - 1))
-    duration = action_duration(plan, r, fwd, bwd, ends=ends)
+    split = [backward_split_shares(profile, cluster.island(st.island).device.name) for st in r.stages]
+    duration = action_duration(plan, r, fwd, bwd, ends=ends, split=split)
     p2p = hop_time(plan, r, model, cluster, seq_length=seq_length)
 
     # duration and p2p depend on the stage and the action kind only: any micro-batch count costs the same
@@ -476,12 +488,15 @@ def stage_ends(cost: StageCost, *, is_first: bool, is_last: bool) -> tuple[float
 
 
 def action_duration(plan: Plan, r: ReplicaPlan, fwd: list[float], bwd: list[float],
-                    ends: Sequence[tuple[float, float, float, float]] | None = None):
+                    ends: Sequence[tuple[float, float, float, float]] | None = None,
+                    split: Sequence[tuple[float, float]] | None = None):
     """(stage, action) -> seconds: a chunk's share of its stage's layer time is its share of the stage's
     layers; the embedding (``ends[stage][:2]``) is its first chunk's and the output layer + loss
-    (``ends[stage][2:]``) its last chunk's alone; with a split backward B and W take half the backward each.
+    (``ends[stage][2:]``) its last chunk's alone; with a split backward B and W take ``split[stage]``
+    (B's, W's share of the fused backward; default half each; measured: ``backward_split_shares``).
     Shared by the prediction and ``replica_trace`` (what ``predict --trace`` renders)."""
-    split = plan.schedule in SPLIT_BACKWARD_SCHEDULES
+    is_split = plan.schedule in SPLIT_BACKWARD_SCHEDULES
+    shares = [(0.5, 0.5)] * len(r.stages) if split is None else list(split)
     chunks = chunk_layers(r, plan.virtual_pipeline_size)
     share = [[(b - a) / st.num_layers for a, b in ch] for st, ch in zip(r.stages, chunks)]
     ends = [(0.0, 0.0, 0.0, 0.0)] * len(r.stages) if ends is None else list(ends)
@@ -494,7 +509,9 @@ def action_duration(plan: Plan, r: ReplicaPlan, fwd: list[float], bwd: list[floa
         if action.kind == "F":
             return (fwd[stage] - ef - of) * share[stage][c] + (ef if c == 0 else 0.0) + (of if c == last else 0.0)
         b = (bwd[stage] - eb - ob) * share[stage][c] + (eb if c == 0 else 0.0) + (ob if c == last else 0.0)
-        return b / (2 if split else 1)
+        if not is_split:
+            return b
+        return b * shares[stage][0 if action.kind == "B" else 1]
 
     return duration
 
@@ -529,7 +546,7 @@ def replica_trace(plan: Plan, replica: int, model: ModelSpec, cluster: ClusterSp
     r = plan.replicas[replica]
     stages = prediction.replicas[replica].stages
     duration = action_duration(plan, r, [s.forward_s for s in stages], [s.backward_s for s in stages],
-                               ends=[s.ends_s for s in stages])
+                               ends=[s.ends_s for s in stages], split=[s.backward_split for s in stages])
     p2p = hop_time(plan, r, model, cluster, seq_length=model.seq_length if seq_length is None else seq_length)
     return simulate(build_schedule(plan.schedule, len(r.stages), r.num_micro_batches, plan.virtual_pipeline_size),
                     duration, p2p)
@@ -537,7 +554,8 @@ def replica_trace(plan: Plan, replica: int, model: ModelSpec, cluster: ClusterSp
 
 def _replica(plan: Plan, r: ReplicaPlan, model: ModelSpec, cluster: ClusterSpec,
              simulated: tuple[list[float], list[float], PipelineTimes, list[tuple[float, ...]]], reduce_and_step, *, dp: int, dist_opt: bool,
-             seq_length: int, flash_attention: bool | None = None, recompute_mode: str | None = None) -> ReplicaPrediction:
+             seq_length: int, flash_attention: bool | None = None, recompute_mode: str | None = None,
+             profile: Profile | Sequence[Profile] | None = None) -> ReplicaPrediction:
     p, m, v, mbs = len(r.stages), r.num_micro_batches, plan.virtual_pipeline_size, plan.micro_batch_size
     fwd, bwd, sim, ends = simulated
     stages = []
@@ -559,7 +577,7 @@ def _replica(plan: Plan, r: ReplicaPlan, model: ModelSpec, cluster: ClusterSpec,
             island=st.island, device_type=st.device_type, tp=st.tp, layers=st.layers, forward_s=fwd[i],
             backward_s=bwd[i], compute_s=sim.busy[i], idle_s=sim.idle[i], gradient_reduction_s=red,
             gradient_reduction_end_s=red_end, optimizer_s=opt, memory=mem, capacity_gib=device_capacity_bytes(device) / _GIB,
-            ends_s=tuple(ends[i]),
+            ends_s=tuple(ends[i]), backward_split=backward_split_shares(profile, device.name),
         ))
     return ReplicaPrediction(num_micro_batches=m, pipeline_time_s=sim.iteration_time,
                              bubble_fraction=sim.bubble_fraction, stages=tuple(stages))

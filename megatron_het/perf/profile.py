@@ -154,6 +154,10 @@ class Profile:
     # precision class -> megatron_het.perf.compute.ComputeParams fitted for this device type (tools/calibrate.py)
     compute_model: Mapping[str, Any] = field(default_factory=dict)  # (a dict: profiles cross process boundaries)
     compute_method: str = ""  # how compute_model was obtained
+    # measured split backward (zero-bubble B and W) of the same layers, each as a share of their fused
+    # backward: (input-gradient share, weight-gradient share); None: the model assumes half each
+    backward_split: tuple[float, float] | None = None
+    backward_split_method: str = ""  # how backward_split was measured
 
 
 def _entry_from_dict(data: object, path: str) -> ProfileEntry:
@@ -213,7 +217,7 @@ def profile_from_dict(data: object, *, source: str | None = None) -> Profile:
     try:
         data = as_mapping(data, "(top level)", example='{"format": "megatron-het-profile", ...}')
         check_keys(data, "", allowed=("format", "version", "device", "method", "machine", "entries", "parts",
-                                      "optimizer", "communication", "compute_model"),
+                                      "optimizer", "communication", "compute_model", "backward_split"),
                    required=("format", "version", "device", "entries"))
         if data["format"] != PROFILE_FORMAT:
             raise ConfigError("not a megatron-het profile", field="format", value=data["format"],
@@ -252,11 +256,23 @@ def profile_from_dict(data: object, *, source: str | None = None) -> Profile:
             opt_s = as_float(opt["seconds_per_parameter"], "optimizer.seconds_per_parameter")
             opt_method = as_str(opt.get("method", "unspecified"), "optimizer.method")
         link = _link_from_dict(data["communication"], "communication") if "communication" in data else None
+        split, split_method = None, ""
+        if "backward_split" in data:
+            raw_split = as_mapping(data["backward_split"], "backward_split",
+                                   example='{"input_share": 0.55, "weight_share": 0.5}')
+            check_keys(raw_split, "backward_split", allowed=("input_share", "weight_share", "method"),
+                       required=("input_share", "weight_share"))
+            split = tuple(as_float(raw_split[k], f"backward_split.{k}") for k in ("input_share", "weight_share"))
+            if not all(0.0 < x < 2.0 for x in split):
+                raise ConfigError("shares of the fused backward must be in (0, 2)", field="backward_split",
+                                  value=list(split), fix="regenerate the profile with tools/profile_host.py")
+            split_method = as_str(raw_split.get("method", "unspecified"), "backward_split.method")
         return Profile(device=as_str(data["device"], "device"), entries=entries,
                        method=as_str(data.get("method", "unspecified"), "method"),
                        machine=types.MappingProxyType(dict(machine)), source=source, parts=parts,
                        optimizer_s_per_parameter=opt_s, optimizer_method=opt_method, link=link,
-                       compute_model=dict(compute_model), compute_method=compute_method)
+                       compute_model=dict(compute_model), compute_method=compute_method,
+                       backward_split=split, backward_split_method=split_method)
     except ConfigError as err:
         raise err.located(file=source) from None
 
@@ -311,6 +327,9 @@ def profile_to_dict(profile: Profile) -> dict[str, Any]:
         out["communication"] = {"ranks": link.ranks, "latency_us": link.latency_us,
                                 "bandwidth_gbps": link.bandwidth_gbps, "method": link.method,
                                 "samples": [{"op": o, "bytes": b, "seconds": t} for o, b, t in link.samples]}
+    if profile.backward_split is not None:
+        out["backward_split"] = {"input_share": profile.backward_split[0], "weight_share": profile.backward_split[1],
+                                 "method": profile.backward_split_method}
     if profile.compute_model:
         out["compute_model"] = {cls: p.to_dict() for cls, p in profile.compute_model.items()}
         out["compute_model"]["method"] = profile.compute_method

@@ -169,25 +169,77 @@ def measure(run: LayerStack, params: list[torch.nn.Parameter], *, shape: tuple[i
         t0 = _TIMING.clock()
         out = run(x)
         t1 = _TIMING.clock()
-        out.backward(torch.ones_like(out))
+        grad = torch.ones_like(out)
+        _TIMING.before()  # in a pipeline a backward never follows its forward warm either
         t2 = _TIMING.clock()
+        out.backward(grad)
+        t3 = _TIMING.clock()
         if i >= warmup:
             forward.append(t1 - t0)
-            backward.append(t2 - t1)
+            backward.append(t3 - t2)
     peak = sum(p.numel() * p.element_size() for p in params) + _saved_bytes(run, x)
     return statistics.median(forward), statistics.median(backward), peak
+
+
+def measure_split(run: LayerStack, layers: list[torch.nn.Module], params: list[torch.nn.Parameter], *,
+                  shape: tuple[int, int, int], dtype: torch.dtype, warmup: int, repeats: int) -> tuple[float, float, str]:
+    """Zero-bubble B and W of the stack as shares of its fused backward: (B share, W share, method).
+
+    The runtime's split (runtime/split_backward.py: B computes input gradients and keeps each linear's
+    (input, output gradient), W computes the linears' weight gradients) against the fused backward,
+    alternated per repetition, each timed phase after the same cache sweep as the other measurements."""
+    from megatron_het.runtime.split_backward import WeightGradStore, install_split_linears
+
+    store = WeightGradStore()
+    for layer in layers:
+        install_split_linears(layer, store)
+    x = torch.randn(*shape, dtype=dtype, requires_grad=True)
+    fused, b, w = [], [], []
+
+    def timed(fn: Callable[[], object]) -> float:
+        _TIMING.before()
+        t0 = _TIMING.clock()
+        fn()
+        return _TIMING.clock() - t0
+
+    try:
+        for i in range(warmup + repeats):
+            for split in (False, True) if i % 2 else (True, False):
+                for p in params:
+                    p.grad = None
+                store.enabled = split
+                out = run(x)
+                grad = torch.ones_like(out)
+                if not split:
+                    t = timed(lambda: out.backward(grad))
+                    if i >= warmup:
+                        fused.append(t)
+                    continue
+                with store.deferring(i):
+                    tb = timed(lambda: out.backward(grad))
+                tw = timed(lambda: store.flush(i))
+                if i >= warmup:
+                    b.append(tb)
+                    w.append(tw)
+    finally:
+        store.enabled = False
+    f = statistics.median(fused)
+    method = (f"split backward (runtime/split_backward.py) of the same {len(layers)} layers against their fused "
+              f"backward, alternated, median of {repeats} after {warmup} warm-up")
+    return statistics.median(b) / f, statistics.median(w) / f, method
 
 
 def profile_layers(model: ModelSpec, *, num_layers: int, micro_batch_sizes: list[int], device: str,
                    warmup: int, repeats: int, dtype: torch.dtype, implementation: str,
                    vocab_size: int | None = None, optimizer: bool = False, tp: int = 1, clock: str = "wall",
-                   sweep_mib: int = 0) -> Profile:
+                   sweep_mib: int = 0, split_backward: bool = False) -> Profile:
     """Build the layers (megatron-core, or the torch reference if that fails) and measure them.
     ``tp > 1`` must run on every rank of a gloo world of ``tp`` processes (:func:`profile_tp_layers`).
     ``clock`` "thread" times thread CPU time, the clock an emulated run on shared cores stretches
     (EmulationTimer clock=time.thread_time; wall time would count other processes' turns); ``sweep_mib``
     > 0 sweeps that many MiB through the caches before every timed repetition, as the other ranks
-    sharing the cores do between two of a rank's actions (a back-to-back profile runs with warm caches)."""
+    sharing the cores do between two of a rank's actions (a back-to-back profile runs with warm caches).
+    ``split_backward`` also times the zero-bubble B/W split of the layers (Profile.backward_split)."""
     if clock not in CLOCKS or sweep_mib < 0:
         raise ValueError(f"clock must be one of {sorted(CLOCKS)} and sweep_mib >= 0, got {clock!r}, {sweep_mib}")
     _TIMING.clock = CLOCKS[clock]
@@ -195,19 +247,20 @@ def profile_layers(model: ModelSpec, *, num_layers: int, micro_batch_sizes: list
     try:
         profile = _profile_layers(model, num_layers=num_layers, micro_batch_sizes=micro_batch_sizes, device=device,
                                   warmup=warmup, repeats=repeats, dtype=dtype, implementation=implementation,
-                                  vocab_size=vocab_size, optimizer=optimizer, tp=tp)
+                                  vocab_size=vocab_size, optimizer=optimizer, tp=tp, split_backward=split_backward)
     finally:
         _TIMING.clock, _TIMING.sweep = time.perf_counter, None
     if clock == "wall" and not sweep_mib:
         return profile
     how = f"; clock {clock} ({'thread CPU time' if clock == 'thread' else 'wall time'})" + (
         f", {sweep_mib} MiB swept through the caches before each repetition" if sweep_mib else "")
-    return replace(profile, method=profile.method + how, optimizer_method=profile.optimizer_method and profile.optimizer_method + how)
+    return replace(profile, method=profile.method + how, optimizer_method=profile.optimizer_method and profile.optimizer_method + how,
+                   backward_split_method=profile.backward_split_method and profile.backward_split_method + how)
 
 
 def _profile_layers(model: ModelSpec, *, num_layers: int, micro_batch_sizes: list[int], device: str,
                     warmup: int, repeats: int, dtype: torch.dtype, implementation: str,
-                    vocab_size: int | None, optimizer: bool, tp: int) -> Profile:
+                    vocab_size: int | None, optimizer: bool, tp: int, split_backward: bool = False) -> Profile:
     cleanup: Callable[[], None] = lambda: None
     fallback_reason = ""
     layers: list[torch.nn.Module] = []
@@ -244,6 +297,13 @@ def _profile_layers(model: ModelSpec, *, num_layers: int, micro_batch_sizes: lis
                 swiglu=model.swiglu, seq_length=model.seq_length, micro_batch_size=mbs, tp=tp,
                 forward_s=fwd / num_layers, backward_s=bwd / num_layers, peak_memory_bytes=peak // num_layers,
                 includes_tp_comm=tp > 1))
+        if split_backward:
+            if not megatron or tp > 1:
+                raise RuntimeError("split_backward: the runtime's B/W split routes megatron-core's linears, one "
+                                   f"process (this profile: {'tp ' + str(tp) if megatron else 'torch reference layers'})")
+            mbs = micro_batch_sizes[0]
+            split = measure_split(run, layers, params, shape=(model.seq_length, mbs, model.hidden_size), dtype=dtype,
+                                  warmup=warmup, repeats=repeats)
     finally:
         cleanup()
     what = (f"megatron-core TransformerLayer (local spec), CPU backend, gloo world size {tp}" if megatron else
@@ -255,7 +315,9 @@ def _profile_layers(model: ModelSpec, *, num_layers: int, micro_batch_sizes: lis
                "python": platform.python_version(), "torch": torch.__version__,
                "threads": torch.get_num_threads()}
     return Profile(device=device, entries=tuple(entries), method=method, machine=machine, parts=parts,
-                   optimizer_s_per_parameter=opt_s, optimizer_method=opt_method)
+                   optimizer_s_per_parameter=opt_s, optimizer_method=opt_method,
+                   backward_split=split[:2] if split_backward else None,
+                   backward_split_method=f"{split[2]}, micro-batch {micro_batch_sizes[0]}" if split_backward else "")
 
 
 def _synchronize() -> Callable[[], None]:

@@ -37,6 +37,17 @@ class EmulationTimer:
         self._compute_s = 0.0  # forward + backward this iteration measured so far, emulated waiting included
         self._pending: list[tuple[Any, Any]] = []  # recorded (start, end) events not yet read
         self.emulated_s = 0.0  # waiting added to emulate the slower device (compute and optimizer)
+        # catch_up: time the host took beyond the emulated duration (this rank preempted mid-action on
+        # shared cores, a late wake-up from the emulation's sleep) is paid back from the rank's next sleeps,
+        # so its timeline keeps to clock time x slowdown; off: each action lasts max(wall, clock x slowdown)
+        self.catch_up = False
+        self.lag_s = 0.0  # with catch_up: how far this rank runs behind its emulated timeline, not yet repaid
+        # held around each timed call when set (a context manager factory, e.g. a lock shared by the ranks
+        # emulated on one host: their compute then never runs at once and cannot inflate each other's CPU
+        # time through the shared caches). Only for compute without collectives (TP = 1): a rank waiting
+        # for a peer inside it would hold the lock the peer needs. Waiting for it costs no CPU time; with
+        # catch_up it is repaid like any host lag
+        self.host_lock: Callable[[], Any] | None = None
 
     @property
     def compute_s(self) -> float:
@@ -53,17 +64,38 @@ class EmulationTimer:
 
     def _run(self, fn: Callable[[], T]) -> tuple[T, float]:
         """Run ``fn``, wait what the emulated device would need on top; (result, wall time incl. wait)."""
-        c0, w0 = (self.clock() if self.clock is not None else 0.0), time.perf_counter()
-        out = fn()
+        w0 = time.perf_counter()
+        if self.host_lock is None:
+            c0 = self.clock() if self.clock is not None else 0.0
+            out = fn()
+        else:
+            with self.host_lock():
+                c0 = self.clock() if self.clock is not None else 0.0
+                out = fn()
         wall = time.perf_counter() - w0
         if self.slowdown > 1.0:
             spent = wall if self.clock is None else self.clock() - c0
             extra = spent * self.slowdown - wall
+            if self.catch_up:
+                return out, self._catch_up(wall, extra)
             if extra > 0:
                 time.sleep(extra)
                 self.emulated_s += extra
                 wall += extra
         return out, wall
+
+    def _catch_up(self, wall: float, extra: float) -> float:
+        """Sleep ``extra`` less the lag owed; the lag becomes what is left unpaid (or the sleep's late wake-up)."""
+        extra -= self.lag_s
+        if extra <= 0:
+            self.lag_s = -extra
+            return wall
+        t0 = time.perf_counter()
+        time.sleep(extra)
+        slept = time.perf_counter() - t0
+        self.lag_s = max(0.0, slept - extra)
+        self.emulated_s += slept
+        return wall + slept
 
     def compute(self, fn: Callable[[], T]) -> T:
         """A forward or backward: counted as compute, stretched to the emulated device's speed."""

@@ -6,9 +6,17 @@ single-process megatron-core reference's initial weights; every iteration's loss
 relative (fp32) and the final parameters within 1e-4 absolute, as tests/multiproc/test_runtime_parity.py.
 Checkpoints: saved under the [2,2,1] plan, loaded under a homogeneous 3 x TP=2 plan, saved again and
 loaded under the [1,2,2] replica plan: the 5 losses equal the uninterrupted reference's.
+<<<<<<< HEAD
 bf16: the [2,2,1] -> TP=2 plan in bf16 against megatron-core's bf16 single process, at the tolerance
 and with the reference of tests/multiproc/test_mixed_precision.py (1e-3 relative per loss; the
 reasoning is in that module's docstring)."""
+=======
+
+Also printed, per tensor: ||p - p_ref||_2 / ||p_ref||_2 (support/param_diff.relative_norms). Measured
+2026-11-25: at most 1.5e-4 and 1.4e-4 (qkv biases), 5 of 52 tensors above 1e-5, the weight matrices at most
+2.9e-5 and 1.1e-5: the order of the fp32 floor measured for tests/multiproc/test_schedules_parity.py
+(the reference against itself with another micro-batch grouping: up to 5.5e-5), so not asserted."""
+>>>>>>> wt-s16
 
 from __future__ import annotations
 
@@ -22,6 +30,7 @@ from megatron_het.plan import StagePlan
 from megatron_het.platform.local_launch import run_local
 from megatron_het.train.config import TrainConfig
 
+from support.param_diff import relative_norms
 from support.parity_plans import GLOBAL_BATCH_SIZE, MICRO_BATCH_SIZE, MODEL, PADDED_VOCAB, plan, stage
 from workers.megatron_workers import checkpoint_worker, hetero_cases_worker, megatron_block_worker
 from workers.precision_workers import precision_cases_worker
@@ -79,6 +88,11 @@ def test_tp3d_plan_matches_single_process(runs, name):
     assert set(final) == set(ref_final), set(final) ^ set(ref_final)
     diffs = {k: float((final[k] - ref_final[k]).abs().max()) for k in ref_final}
     worst = max(diffs, key=diffs.get)
+    norms = relative_norms(final, ref_final)
+    worst_norm = max(norms, key=norms.get)
+    print(f"{name}: max ||p - p_ref|| / ||p_ref|| {norms[worst_norm]:.2e} at {worst_norm}; "
+          f"{sum(v > 1e-5 for v in norms.values())} of {len(norms)} tensors above 1e-5; matrices at most "
+          f"{max(v for k, v in norms.items() if final[k].dim() >= 2):.2e}")
     print(f"{name}: losses {losses}; max |param diff| {diffs[worst]:.2e} at {worst}; "
           f"time {max(out[name][1] for out in per_rank):.1f} s")
     assert diffs[worst] < 1e-4, f"{name}: {worst} differs by {diffs[worst]}"

@@ -6,6 +6,15 @@ reference within 1e-5 relative (fp32) and the final parameters within 1e-4 absol
 other parity tests: Adam's first steps amplify round-off; the worst difference is printed). The run
 must also be what the plan says: model chunks and per-chunk actions for interleaved, W actions that
 computed the linears' weight gradients for ZB-H1.
+
+Also printed, per tensor: ||p - p_ref||_2 / ||p_ref||_2 (support/param_diff.relative_norms, float64
+norms over the whole tensor). Measured 2026-11-25: at most 7.9e-5 (ZB-H1), 9.8e-5 and 1.5e-4
+(interleaved), in 8-12 of 76 tensors above 1e-5, all of them biases and norm biases (small norms: they
+start at 0 or 1); the weight matrices at most 0.9e-5..2.1e-5. That is fp32 round-off, not a schedule
+error: the single-process reference against itself with micro-batches of 1 instead of 2 (the same
+samples, another summation grouping) differs by up to 5.5e-5 in the same way (10 of 76 tensors above
+1e-5, the qkv biases). Issue #16's "relative <= 1e-5 on final parameters" per tensor is therefore below
+this training's fp32 floor and is not asserted; the absolute bound is.
 """
 
 from __future__ import annotations
@@ -20,6 +29,7 @@ from megatron_het.runtime.hetero_trainer import replica_first_micro_batch
 from megatron_het.schedule import build_schedule
 from megatron_het.train.config import TrainConfig
 
+from support.param_diff import relative_norms
 from support.parity_plans import MICRO_BATCH_SIZE
 from support.schedule_plans import GLOBAL_BATCH_SIZE6, MODEL6, PADDED_VOCAB6, SCHEDULE_CASES
 from workers.megatron_workers import megatron_block_worker
@@ -54,7 +64,12 @@ def test_schedule_matches_single_process_through_a_checkpoint(runs, name):
     diffs = {k: float((final[k] - ref_final[k]).abs().max()) for k in ref_final}
     rel = {k: diffs[k] / max(float(ref_final[k].abs().max()), 1e-12) for k in ref_final}
     worst = max(diffs, key=diffs.get)
-    print(f"{name}: max |param diff| {diffs[worst]:.2e} at {worst}; max relative {max(rel.values()):.2e}")
+    norms = relative_norms(final, ref_final)
+    worst_norm = max(norms, key=norms.get)
+    print(f"{name}: max |param diff| {diffs[worst]:.2e} at {worst}; max relative {max(rel.values()):.2e}; "
+          f"max ||p - p_ref|| / ||p_ref|| {norms[worst_norm]:.2e} at {worst_norm} "
+          f"({sum(v > 1e-5 for v in norms.values())} of {len(norms)} tensors above 1e-5; matrices at most "
+          f"{max(v for k, v in norms.items() if final[k].dim() >= 2):.2e})")
     assert diffs[worst] < 1e-4, f"{name}: {worst} differs by {diffs[worst]}"
 
     plan = SCHEDULE_CASES[name]

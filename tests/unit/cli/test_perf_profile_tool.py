@@ -170,3 +170,21 @@ def test_profile_clock_and_cache_sweep(monkeypatch):
     with pytest.raises(ValueError):
         tool.profile_layers(model, num_layers=1, micro_batch_sizes=[1], device="CPU", warmup=0, repeats=1,
                             dtype=torch.float32, implementation="torch", clock="cpu")
+
+
+def test_cli_measures_the_split_backward(tmp_path):
+    """--split-backward times the runtime's B (input gradients, linears' dW deferred) and W (the deferred dW)
+    against the fused backward of the same layers: W does the weight GEMMs, so it is real work (a split that
+    deferred nothing would give W ~ 0). On a layer this small B's bookkeeping can outweigh the GEMMs it
+    skips (B share > 1 seen under load), so B is only bounded like the profile format bounds it."""
+    out = tmp_path / "profile.json"
+    run = subprocess.run([sys.executable, str(TOOL), "--num-layers", "2", "--hidden-size", "128",
+                          "--num-attention-heads", "4", "--seq-length", "32", "--micro-batch-sizes", "2",
+                          "--warmup", "2", "--repeats", "7", "--threads", "1", "--clock", "thread", "--split-backward",
+                          "--output", str(out)],
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    profile = load_profile(out)
+    b, w = profile.backward_split
+    assert 0.25 < w < 2.0 and 0.2 < b < 2.0, (b, w)
+    assert "split backward (runtime/split_backward.py)" in profile.backward_split_method

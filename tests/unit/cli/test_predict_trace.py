@@ -77,3 +77,32 @@ def test_output_layer_and_embedding_are_priced_on_their_own_chunk(tmp_path):
     assert f[0][0] - f[0][1] == pytest.approx(ef, rel=1e-9)  # the first chunk alone carries the embedding
     assert sum(f[1]) == pytest.approx(stages[1].forward_s, rel=1e-9)  # nothing priced twice or lost
     assert sum(b1) == pytest.approx(stages[1].backward_s, rel=1e-9)
+
+
+def test_zero_bubble_b_and_w_are_priced_from_the_measured_split(tmp_path):
+    """A profile's measured split (Profile.backward_split) prices ZB-H1's B and W as those shares of the fused
+    backward (the pipeline measured B at ~1.15x and W at 1.03-1.10x of half, bench/schedules_gap.py); without
+    one, half each. The trace (predict --trace) prices them the same way."""
+    from megatron_het.perf.predict import action_duration
+    from megatron_het.perf.profile import Profile
+    from megatron_het.schedule import Action
+
+    plan, model = _interleaved(tmp_path)
+    plan = replace(plan, schedule="zb-h1", virtual_pipeline_size=1,
+                   replicas=tuple(replace(r, stages=tuple(replace(s, chunk_layers=()) for s in r.stages))
+                                  for r in plan.replicas))
+    cluster = load_cluster(CLUSTER)
+    halves = predict(plan, model, cluster)
+    profile = Profile(device="CPU", entries=(), method="test", backward_split=(0.6, 0.55))
+    pred = predict(plan, model, cluster, profile=profile)
+    stages = pred.replicas[0].stages
+    assert [s.backward_split for s in stages] == [(0.6, 0.55)] * 2
+    assert [s.backward_split for s in halves.replicas[0].stages] == [(0.5, 0.5)] * 2
+    dur = action_duration(plan, plan.replicas[0], [s.forward_s for s in stages], [s.backward_s for s in stages],
+                          ends=[s.ends_s for s in stages], split=[s.backward_split for s in stages])
+    for s in (0, 1):
+        assert dur(s, Action(kind="B", micro_batch=0)) == pytest.approx(0.6 * stages[s].backward_s, rel=1e-9)
+        assert dur(s, Action(kind="W", micro_batch=0)) == pytest.approx(0.55 * stages[s].backward_s, rel=1e-9)
+    assert pred.replicas[0].pipeline_time_s > halves.replicas[0].pipeline_time_s  # 15% more backward work
+    assert replica_trace(plan, 0, model, cluster, pred).iteration_time == pytest.approx(
+        pred.replicas[0].pipeline_time_s, rel=1e-9)

@@ -41,6 +41,19 @@ def test_round_trip(tmp_path):
                                                      "swiglu": False}
 
 
+def test_backward_split_round_trip_and_validation(tmp_path):
+    profile = profile_from_dict({**DOC, "backward_split": {"input_share": 0.57, "weight_share": 0.52, "method": "m"}})
+    assert profile.backward_split == (0.57, 0.52) and profile.backward_split_method == "m"
+    path = tmp_path / "p.json"
+    save_profile(profile, path)
+    assert load_profile(path).backward_split == (0.57, 0.52)
+    assert profile_from_dict(DOC).backward_split is None and "backward_split" not in profile_to_dict(profile_from_dict(DOC))
+    with pytest.raises(ConfigError, match="shares of the fused backward"):
+        profile_from_dict({**DOC, "backward_split": {"input_share": 2.5, "weight_share": 0.5}})
+    with pytest.raises(ConfigError, match="weight_share"):
+        profile_from_dict({**DOC, "backward_split": {"input_share": 0.5}})
+
+
 def test_interpolation_and_extrapolation_by_tokens():
     profile = profile_from_dict(DOC)
     mid = lookup(profile, micro_batch_size=2, **SHAPE)

@@ -146,3 +146,45 @@ def test_device_values_are_read_once_per_log_interval_and_at_the_end():
     assert [it for it, pending in hooks.pending if not pending] == [3, 6]
     assert [log.lm_loss for log in result.iterations] == [10.0 - i for i in range(7)]
     assert all(log.grad_norm == 0.5 for log in result.iterations)
+
+
+def test_timer_catch_up_pays_back_host_delays_from_later_sleeps():
+    """With ``catch_up`` a rank preempted mid-action (wall > clock x slowdown) sleeps that much less later:
+    its compute adds up to the emulated durations plus only the lag still owed (the last sleep's late
+    wake-up), where without it every overrun stays."""
+    def run(catch_up: bool) -> EmulationTimer:
+        fake = [0.0]  # the emulation clock, advanced by hand: "CPU time" of each action
+        timer = EmulationTimer(slowdown=3.0, clock=lambda: fake[0])
+        timer.catch_up = catch_up
+
+        def action(cpu: float, host_delay: float) -> None:
+            fake[0] += cpu
+            time.sleep(host_delay)  # the host's delay: wall time the emulated device would not have spent
+
+        timer.compute(lambda: action(0.01, 0.05))  # emulated 0.03 s, took >= 0.05 s: 0.02 s behind
+        timer.compute(lambda: action(0.02, 0.0))  # emulated 0.06 s
+        return timer
+
+    caught, plain = run(True), run(False)
+    assert plain.compute_s >= 0.11  # 0.05 + 0.06: the overrun stays
+    assert caught.compute_s == pytest.approx(0.09 + caught.lag_s, abs=2e-3)  # 0.03 + 0.06, + the lag still owed
+
+
+def test_timer_host_lock_is_held_around_the_timed_call_only():
+    import contextlib
+
+    held, seen = [False], []
+
+    @contextlib.contextmanager
+    def lock():
+        held[0] = True
+        try:
+            yield
+        finally:
+            held[0] = False
+
+    timer = EmulationTimer(slowdown=2.0, clock=time.thread_time)
+    timer.host_lock = lock
+    timer.compute(lambda: seen.append(held[0]))
+    timer.stretch(lambda: seen.append(held[0]))
+    assert seen == [True, True] and not held[0]  # released before the emulation's sleep
