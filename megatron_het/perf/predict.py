@@ -30,9 +30,9 @@ Assumptions (docs/planner.md, "Prediction"):
   unfused on CPUs (the local spec); ``flash_attention=`` overrides.
 - The optimizer step is memory-bound: ``OPTIMIZER_STEP_BYTES`` per parameter (sharded over the
   replicas with the distributed optimizer) at the device's memory bandwidth.
-- Every iteration the trainer also runs ``SYNC_ALL_REDUCES_PER_ITERATION`` small all-reduces over
-  every rank (the gradient norm for clipping and the loss report: megatron-het's trainer and
-  Megatron-LM's alike), priced by :func:`small_all_reduce_s`: the measured small-message all-reduce
+- Every iteration the trainer also runs ``SYNC_ALL_REDUCES_PER_ITERATION`` small all-reduce over
+  every rank (the gradient norm for clipping and the loss report in one message; Megatron-LM runs
+  them separately), priced by :func:`small_all_reduce_s`: the measured small-message all-reduce
   of a profile whose links were measured on as many ranks, else taken as negligible.
 - iteration time = max(slowest replica's pipeline, latest end of a stage's reduction) + those
   synchronisations + the slowest stage's optimizer step.
@@ -85,7 +85,7 @@ __all__ = [
 OPTIMIZER_STEP_BYTES = 30
 # Per precision: fp16 also reads its fp16 gradient and writes the fp32 main grad (32); fp32/tf32 have
 # no master copy: read weight, grad and two moments, write weight and moments (28).
-SYNC_ALL_REDUCES_PER_ITERATION = 2  # gradient norm (clipping) and loss report, over all ranks
+SYNC_ALL_REDUCES_PER_ITERATION = 1  # gradient norm (clipping) and loss report share one all-reduce over all ranks
 OPTIMIZER_STEP_BYTES_BY_PRECISION = {"bf16": 30, "fp8": 30, "fp16": 32, "fp32": 28, "tf32": 28}
 _GIB = 2**30
 
