@@ -6,17 +6,13 @@ single-process megatron-core reference's initial weights; every iteration's loss
 relative (fp32) and the final parameters within 1e-4 absolute, as tests/multiproc/test_runtime_parity.py.
 Checkpoints: saved under the [2,2,1] plan, loaded under a homogeneous 3 x TP=2 plan, saved again and
 loaded under the [1,2,2] replica plan: the 5 losses equal the uninterrupted reference's.
-<<<<<<< HEAD
 bf16: the [2,2,1] -> TP=2 plan in bf16 against megatron-core's bf16 single process, at the tolerance
 and with the reference of tests/multiproc/test_mixed_precision.py (1e-3 relative per loss; the
-reasoning is in that module's docstring)."""
-=======
-
+reasoning is in that module's docstring).
 Also printed, per tensor: ||p - p_ref||_2 / ||p_ref||_2 (support/param_diff.relative_norms). Measured
 2026-11-25: at most 1.5e-4 and 1.4e-4 (qkv biases), 5 of 52 tensors above 1e-5, the weight matrices at most
 2.9e-5 and 1.1e-5: the order of the fp32 floor measured for tests/multiproc/test_schedules_parity.py
 (the reference against itself with another micro-batch grouping: up to 5.5e-5), so not asserted."""
->>>>>>> wt-s16
 
 from __future__ import annotations
 
