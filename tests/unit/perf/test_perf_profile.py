@@ -70,7 +70,7 @@ def test_interpolation_and_extrapolation_by_tokens():
 
 def test_entry_is_frozen_and_keyword_only():
     with pytest.raises(TypeError):
-        ProfileEntry(256, 4)  # noqa: the positional form must not work
+        ProfileEntry(256, 4)  # the positional form must not work
 
 
 @pytest.mark.parametrize("mutate,message", [
