@@ -221,7 +221,7 @@ class AxonnParallelizer(MegatronParallelizer):
 
     Opt-in (``plan_cluster(..., parallelizer=AxonnParallelizer(...))``): the pipeline runtime builds
     3D stages (model/tp3d_stage.py) but not yet with sequence parallelism, interleaved chunks, the
-    distributed optimizer or recomputation (plan/validate.check_runtime_tp_grid), and
+    distributed optimizer (plan/validate.check_runtime_tp_grid; full recomputation runs), and
     ``perf.predict`` ranks the final plans with 1D TP communication (the 3D saving is the
     parallelizer's; the explanation states it)."""
 
