@@ -51,6 +51,9 @@ SP_CASES = {
     # the other direction: TP=2 (embedding, layers 0-1) -> [2,2,1] (layers 2-3, output layer)
     "tp2_sp_tp3d221": dataclasses.replace(plan(([stage([0, 1], (0, 2)), grid_stage(range(2, 6), (2, 4), (2, 2, 1))], 4)),
                                           sequence_parallel=True),
+    # a [1,2,2] replica beside a sequence-parallel TP=2 replica of the same layers: the 1D replica's
+    # sequence-parallel norms and biases (every TP rank's partial gradient) summed with the 3D blocks
+    "tp3d122_x2_tp2_x2_sp": dataclasses.replace(CASES["tp3d122_x2_tp2_x2"], sequence_parallel=True),
 }
 BF16_TRAIN = dataclasses.replace(TRAIN, bf16=True)
 BF16_RTOL = 1e-3  # as tests/multiproc/test_mixed_precision.py
