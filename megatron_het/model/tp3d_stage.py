@@ -120,7 +120,8 @@ def check_tp3d_stage(*, grid: tuple[int, int, int], hidden_size: int, micro_batc
                          "Fix: use 1D tensor parallelism (no tp_grid) for gated models")
     if sequence_parallel:
         raise ValueError("sequence_parallel: a 3D stage splits the batch over z, not the sequence (got True). "
-                         "Fix: turn sequence parallelism off in a plan with a tp_grid stage")
+                         "Fix: build the 3D stage's config with sequence_parallel=False (HeteroTrainer does: the plan's flag "
+                         "applies to its 1D stages)")
     if hidden_size % gx:
         raise ValueError(f"hidden_size: {hidden_size} must be a multiple of the grid's x = {gx}. "
                          f"Fix: choose a grid whose x divides {hidden_size}")

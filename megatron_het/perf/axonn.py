@@ -36,7 +36,8 @@ against its own compute independently (a lower bound when links are shared).
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 
 from megatron_het.cluster import GLOO, IslandSpec, ModelSpec
 from megatron_het.perf.comm import (
@@ -100,17 +101,33 @@ class CollectiveLinks:
     """A host profile's link per collective kind (``perf/link_fit.fit_ring_link`` of timed
     collectives): gloo on CPU runs each kind through different code (the all-gather into a fresh
     flat buffer then copied out, the reduce-scatter as a clone + all-reduce + copy), so one fitted
-    link cannot price them all. Applies to the intra-node axes only (it is measured on one host)."""
+    link cannot price them all. Applies to the intra-node axes only (it is measured on one host).
+
+    ``by_group_size`` refines it per group size: a ring's step count ``n-1`` does not say what a
+    step costs on groups of different sizes (on a 2-core host two 2-rank groups run at once on the
+    same cores, so a 4-rank collective costs 1.5-2.8x a 2-rank one, not 3x; NCCL's bus bandwidth
+    and latency also depend on the group size and the algorithm it picks for it), so a profile that
+    timed several group sizes gives each its own fitted links."""
 
     all_gather: Channel  # weight all-gathers, priced with the ring all-gather formula
     all_reduce: Channel  # forward, input-gradient and data-parallel all-reduces (ring all-reduce)
     reduce_scatter: Channel  # weight-gradient reduce-scatters, priced with reduce_scatter_kind's formula
+    # group size -> the links fitted on groups of that size only; a size not in it uses the fields above
+    by_group_size: Mapping[int, CollectiveLinks] = field(default_factory=dict)
 
-    def for_item(self, key: str) -> Channel:
-        """The link of one of ``GridCost.comm_s``'s collectives."""
+    def __post_init__(self):
+        for n, sub in self.by_group_size.items():
+            if n < 2 or sub.by_group_size:
+                raise ValueError(f"by_group_size: needs group sizes >= 2 mapped to links without their own "
+                                 f"by_group_size, got size {n} (limit 2). Fix: fit one CollectiveLinks per "
+                                 f"group size the profile timed")
+
+    def for_item(self, key: str, ranks: int | None = None) -> Channel:
+        """The link of one of ``GridCost.comm_s``'s collectives over a group of ``ranks`` ranks."""
+        links = self.by_group_size.get(ranks, self)
         if key == "ag_weight":
-            return self.all_gather
-        return self.reduce_scatter if key == "rs_wgrad" else self.all_reduce
+            return links.all_gather
+        return links.reduce_scatter if key == "rs_wgrad" else links.all_reduce
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -198,7 +215,7 @@ def grid_cost(model: ModelSpec, island: IslandSpec, grid: Grid4D, *, batch_token
             fn = {"ag": ring_all_gather_time, "ar": ring_all_reduce_time, "rs": ring_reduce_scatter_time}[kind]
             c = ch[axis]
             if links is not None and _intra_node(grid, axis, island):
-                c = links.for_item(key)
+                c = links.for_item(key, ranks=n)
             per_gemm[key] = model.num_layers * fn(nbytes, n=n, bandwidth_gbps=c.bandwidth_gbps,
                                                   latency_us=c.latency_us)
             # cut into `chunks` collectives: the same bytes, `chunks` times the latency steps

@@ -5,17 +5,20 @@ finds the ``Channel`` for which the ring formulas of ``perf/comm.py`` (the ones 
 with) best match those times: ``t = steps(n) * L + factor(n) * bytes / B`` with ``steps``/``factor``
 of the formula (all-reduce ``2(n-1)`` / ``2(n-1)/n``, all-gather ``n-1`` / ``(n-1)/n``), least
 squares on the *relative* error so that the small, latency-bound samples weigh as much as the
-large ones. Pure arithmetic; the timing is the caller's (bench/overlap.py).
+large ones. ``fit_collective_links`` does it per collective kind and per group size (each size
+timed at two or more buffer sizes gets its own links). Pure arithmetic; the timing is the
+caller's (bench/overlap.py).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+from megatron_het.perf.axonn import CollectiveLinks
 from megatron_het.perf.comm import Channel
 
-__all__ = ["CollectiveSample", "FORMULAS", "fit_ring_link"]
+__all__ = ["CollectiveSample", "FORMULAS", "fit_collective_links", "fit_ring_link"]
 
 # formula -> (steps(n), bytes factor(n)); "bytes" is the full buffer (gathered output, reduced input)
 FORMULAS = {
@@ -71,3 +74,28 @@ def fit_ring_link(samples: Sequence[CollectiveSample], *, formula: str,
         lat = max(lat_min, (sa - beta * sab) / saa)
     beta = min(beta, beta_max)
     return Channel(bandwidth_gbps=8 / beta / 1e9, latency_us=lat * 1e6, host_staged=False)
+
+
+def fit_collective_links(samples: Mapping[str, Sequence[CollectiveSample]], *, formulas: Mapping[str, str],
+                         per_group_size: bool = True) -> CollectiveLinks:
+    """``CollectiveLinks`` fitted to timed collectives, ``samples[kind]`` for each of ``all_gather``,
+    ``all_reduce``, ``reduce_scatter``, each kind with the ring formula ``formulas[kind]``.
+
+    The fields are fitted over every group size together; with ``per_group_size``, each group size
+    timed at two or more buffer sizes in every kind also gets links fitted on its samples only
+    (``CollectiveLinks.by_group_size``), which the model then uses for groups of that size.
+    """
+    kinds = ("all_gather", "all_reduce", "reduce_scatter")
+    missing = [k for k in kinds if k not in samples or k not in formulas]
+    if missing:
+        raise ValueError(f"samples/formulas: need all {len(kinds)} collective kinds, missing {missing} "
+                         f"({len(missing)} of {len(kinds)}). Fix: time and name every kind the model prices")
+    pooled = {k: fit_ring_link(samples[k], formula=formulas[k]) for k in kinds}
+    by_size = {}
+    if per_group_size:
+        sizes = set.intersection(*({s.ranks for s in samples[k]} for k in kinds))
+        for n in sorted(sizes):
+            sub = {k: [s for s in samples[k] if s.ranks == n] for k in kinds}
+            if all(len({s.nbytes for s in v}) >= 2 for v in sub.values()):
+                by_size[n] = CollectiveLinks(**{k: fit_ring_link(v, formula=formulas[k]) for k, v in sub.items()})
+    return CollectiveLinks(**pooled, by_group_size=by_size)

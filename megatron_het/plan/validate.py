@@ -33,14 +33,14 @@ def check_tp_comm_overlap(plan: Plan) -> None:
 def check_runtime_tp_grid(plan: Plan) -> None:
     """The pipeline runtime builds a stage with ``tp_grid`` (AxoNN 3D tensor parallelism,
     model/tp3d_stage.py) except where a piece is still missing; such a plan is refused here, naming
-    the stage and the reason, rather than run as something else."""
+    the stage and the reason, rather than run as something else. With ``sequence_parallel`` a 3D
+    stage runs without it (z splits the batch; its boundaries carry whole sequences) beside
+    sequence-parallel 1D stages, in its replica or in others (tests/multiproc/test_runtime_tp3d_parity.py)."""
     for ri, r in enumerate(plan.replicas):
         for si, s in enumerate(r.stages):
             if s.tp_grid is None:
                 continue
             missing = [(cond, what, fix) for cond, what, fix in (
-                (plan.sequence_parallel, "sequence parallelism (a 3D stage splits the batch over z, not the sequence)",
-                 'set "sequence_parallel": false'),
                 (plan.virtual_pipeline_size > 1, f"interleaved model chunks (virtual_pipeline_size "
                  f"{plan.virtual_pipeline_size}) on a 3D stage", 'use virtual_pipeline_size 1'),
                 (plan.use_distributed_optimizer, "the distributed optimizer's shards of 3D blocks",

@@ -220,8 +220,8 @@ class AxonnParallelizer(MegatronParallelizer):
     with z > 1).
 
     Opt-in (``plan_cluster(..., parallelizer=AxonnParallelizer(...))``): the pipeline runtime builds
-    3D stages (model/tp3d_stage.py) but not yet with sequence parallelism, interleaved chunks, the
-    distributed optimizer or recomputation (plan/validate.check_runtime_tp_grid), and
+    3D stages (model/tp3d_stage.py), with full recomputation and beside sequence-parallel stages, but
+    not yet with interleaved chunks or the distributed optimizer (plan/validate.check_runtime_tp_grid), and
     ``perf.predict`` ranks the final plans with 1D TP communication (the 3D saving is the
     parallelizer's; the explanation states it)."""
 

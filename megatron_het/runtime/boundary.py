@@ -13,6 +13,10 @@ every sender whose rows overlap its own, exactly the overlapping rows (``sequenc
 Every element crosses the boundary once (s*b*h per micro-batch and direction, against
 ``receiver_tp`` whole copies without sequence parallelism), and no TP all-gather is needed on
 either side. A TP=1 stage holds the whole sequence, so TP 2 -> 1 -> 4 works the same way.
+A 3D tensor-parallel stage (plan ``tp_grid``) has no sequence parallelism (z splits the batch):
+each of its ranks holds the whole sequence at both ends, so beside a sequence-parallel stage it is
+a side of one row block (as TP=1) copied on all its ranks (``full_sequence``): every copy receives
+each row once, and receiver j of the other side is sent its rows by copy ``j % ranks``.
 
 megatron-core's ``BridgeCommunicator`` does leader-to-leader then a broadcast inside the TP group
 and creates its groups with ``backend='nccl'`` (bridge_communicator.py ~199/209); it also needs
@@ -77,6 +81,12 @@ def sequence_transfers(seq_length: int, sender_tp: int, receiver_tp: int) -> lis
     return out
 
 
+def _row_blocks(tp: int, full_sequence: bool) -> int:
+    """Sequence row blocks a stage's ranks hold under sequence parallelism: one per TP rank, or one
+    (the whole sequence, on every rank) for a full-sequence (3D) stage."""
+    return 1 if full_sequence else tp
+
+
 def tag(micro_batch: int, direction: int) -> int:
     return micro_batch * 2 + direction
 
@@ -91,6 +101,8 @@ class Neighbour:
     # the het bridge group (comm.HetGroup) of the two stages when their collective libraries differ
     # (NVIDIA beside AMD: no one communicator spans both); None: torch p2p on the default group
     bridge: object | None = field(default=None, compare=False)
+    # every rank of that stage holds the whole sequence under the plan's sequence parallelism (a 3D stage)
+    full_sequence: bool = False
 
     def describe(self, rank: int) -> str:
         """``rank N (island X, stage S)`` for error messages (what is known of the peer)."""
@@ -123,13 +135,15 @@ class BoundaryLink:
     """
 
     def __init__(self, *, tp_rank: int, tp: int, prev: Neighbour | None, next: Neighbour | None,
-                 sequence_parallel: bool = False, device: torch.device | None = None) -> None:
+                 sequence_parallel: bool = False, full_sequence: bool = False,
+                 device: torch.device | None = None) -> None:
         self.tp_rank, self.tp = tp_rank, tp
         self.prev, self.next = prev, next
         # where received activations/gradients are placed: the accelerator's device (None: the host)
         self.device = device if device is not None else _host_device()
         # the plan's flag: a stage of TP > 1 holds a sequence shard; TP = 1 holds the whole sequence
         self.sequence_parallel = sequence_parallel
+        self.full_sequence = full_sequence  # this stage holds the whole sequence on every rank (a 3D stage)
         self._pending: list[tuple[dist.Work, Neighbour, int, int]] = []  # (send, peer stage, its rank, tag)
 
     def send_forward(self, tensor: torch.Tensor, micro_batch: int) -> None:
@@ -161,13 +175,17 @@ class BoundaryLink:
             for j in receivers_of(self.tp_rank, self.tp, peer.tp):
                 self._pending.append((self._isend(tensor.contiguous(), peer, peer.ranks[j], t), peer, peer.ranks[j], t))
             return
-        seq = tensor.shape[0] * self.tp
-        start = shard_rows(seq, self.tp, self.tp_rank)[0]
-        for tr in sequence_transfers(seq, self.tp, peer.tp):
-            if tr.sender == self.tp_rank:
+        mine, peer_rows = _row_blocks(self.tp, self.full_sequence), _row_blocks(peer.tp, peer.full_sequence)
+        block = 0 if self.full_sequence else self.tp_rank
+        seq = tensor.shape[0] * mine
+        start = shard_rows(seq, mine, block)[0]
+        for tr in sequence_transfers(seq, mine, peer_rows):
+            # a full-sequence peer: every rank receives the rows; a full-sequence self: copy j % tp sends to j
+            for j in range(peer.tp) if peer.full_sequence else (tr.receiver,):
+                if (j % self.tp if self.full_sequence else tr.sender) != self.tp_rank:
+                    continue
                 piece = tensor[tr.rows[0] - start:tr.rows[1] - start].contiguous()
-                self._pending.append((self._isend(piece, peer, peer.ranks[tr.receiver], t), peer,
-                                      peer.ranks[tr.receiver], t))
+                self._pending.append((self._isend(piece, peer, peer.ranks[j], t), peer, peer.ranks[j], t))
 
     def _recv(self, shape, dtype, peer: Neighbour, t: int) -> torch.Tensor:
         if not self.sequence_parallel:
@@ -182,16 +200,21 @@ class BoundaryLink:
                 raise _failed("receive", peer, src, t // 2, err) from err
             return buf
         seq = shape[0]
-        start, stop = shard_rows(seq, self.tp, self.tp_rank)
+        mine, peer_rows = _row_blocks(self.tp, self.full_sequence), _row_blocks(peer.tp, peer.full_sequence)
+        block = 0 if self.full_sequence else self.tp_rank
+        start, stop = shard_rows(seq, mine, block)
         buf = torch.empty((stop - start, *shape[1:]), dtype=dtype, device=self.device)
-        works = [(self._irecv(buf[tr.rows[0] - start:tr.rows[1] - start], peer, peer.ranks[tr.sender], t),
-                  peer.ranks[tr.sender])
-                 for tr in sequence_transfers(seq, peer.tp, self.tp) if tr.receiver == self.tp_rank]
-        for w, src in works:  # dim-0 slices of a contiguous buffer are contiguous: received in place
+
+        def src(tr: Transfer) -> int:  # a full-sequence peer: its copy tp_rank % peer.tp serves this rank
+            return peer.ranks[self.tp_rank % peer.tp if peer.full_sequence else tr.sender]
+
+        works = [(self._irecv(buf[tr.rows[0] - start:tr.rows[1] - start], peer, src(tr), t), src(tr))
+                 for tr in sequence_transfers(seq, peer_rows, mine) if tr.receiver == block]
+        for w, rank in works:  # dim-0 slices of a contiguous buffer are contiguous: received in place
             try:
                 w.wait()
             except RuntimeError as err:
-                raise _failed("receive", peer, src, t // 2, err) from err
+                raise _failed("receive", peer, rank, t // 2, err) from err
         return buf
 
     def drain(self) -> None:

@@ -138,8 +138,9 @@ class PipelineStrategy:
                                     post_process=self.is_last, vocab_size=padded_vocab or plan_padded_vocab(model, plan),
                                     recompute=self.stage_plan.recompute, sequence_parallel=plan.sequence_parallel,
                                     params_dtype=params_dtype(train.precision), transformer_impl=train.transformer_impl)
-        if self.grid_groups is not None:  # megatron-core runs a 3D stage at TP = gy (model/tp3d_stage.py)
-            self.stage = dataclasses.replace(self.stage, tp=self.grid_groups.grid.y)
+        if self.grid_groups is not None:  # megatron-core runs a 3D stage at TP = gy (model/tp3d_stage.py), no
+            # sequence parallelism (z splits the batch): its boundaries hold the whole sequence (full_sequence)
+            self.stage = dataclasses.replace(self.stage, tp=self.grid_groups.grid.y, sequence_parallel=False)
         self.config = transformer_config(self.stage, cpu_initialization=not acc.is_gpu)
         self.tied = not model.untie_embeddings_and_output_weights
         self.overlap_report = None  # comm.overlap_megatron.OverlapReport when the stage overlaps
@@ -193,7 +194,8 @@ class PipelineStrategy:
             if not 0 <= s < len(stages):
                 return None
             return Neighbour(ranks=tuple(stages[s].ranks), island=stages[s].island, stage=s,
-                             bridge=bridges.get((role.replica, min(s, role.stage))))
+                             bridge=bridges.get((role.replica, min(s, role.stage))),
+                             full_sequence=stages[s].tp_grid is not None)
 
         p, v = len(stages), self.num_chunks
 
@@ -203,7 +205,8 @@ class PipelineStrategy:
             prev = neighbour(role.stage - 1) if role.stage > 0 else (wrap(p - 1) if c > 0 else None)
             nxt = neighbour(role.stage + 1) if role.stage < p - 1 else (wrap(0) if c < v - 1 else None)
             return BoundaryLink(tp_rank=role.tp_rank, tp=role.tp_size, prev=prev, next=nxt,
-                                sequence_parallel=plan.sequence_parallel, device=self.device)
+                                sequence_parallel=plan.sequence_parallel, full_sequence=self.grid_groups is not None,
+                                device=self.device)
 
         def wrap(s: int) -> Neighbour:  # the last stage <-> stage 0 boundary of interleaving
             return Neighbour(ranks=tuple(stages[s].ranks), island=stages[s].island, stage=s,

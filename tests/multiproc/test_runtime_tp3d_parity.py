@@ -1,7 +1,8 @@
 """Plans with a 3D tensor-parallel stage (plan tp_grid, model/tp3d_stage.py) train exactly like one
 process (issue #20 item 3): a [2,2,1] stage before a TP=2 stage, and a [1,2,2] replica (z splits
 the micro-batch) beside a TP=2 replica of the same layers, and the first plan with activation
-recomputation on the 3D stage. One 6-process spawn runs both from the
+recomputation on the 3D stage; and with sequence parallelism in the plan (the 3D stage runs
+without it, beside a sequence-parallel TP=2 stage, either order; a second spawn). One 6-process spawn runs both from the
 single-process megatron-core reference's initial weights; every iteration's loss within 1e-5
 relative (fp32) and the final parameters within 1e-4 absolute, as tests/multiproc/test_runtime_parity.py.
 Checkpoints: saved under the [2,2,1] plan, loaded under a homogeneous 3 x TP=2 plan, saved again and
@@ -48,6 +49,17 @@ CASES = {
     # checkpointed: its forward, collectives included, runs again in the backward)
     "tp3d221_recompute_tp2": plan(([grid_stage(range(4), (0, 2), (2, 2, 1), recompute=True), stage([4, 5], (2, 4))], 4)),
 }
+# sequence parallelism in the plan: the 1D TP=2 stage shards the sequence, the 3D stage runs without
+# (z splits the batch) and its boundaries carry whole sequences (runtime/boundary.py full_sequence)
+SP_CASES = {
+    "tp3d221_tp2_sp": dataclasses.replace(CASES["tp3d221_tp2"], sequence_parallel=True),
+    # the other direction: TP=2 (embedding, layers 0-1) -> [2,2,1] (layers 2-3, output layer)
+    "tp2_sp_tp3d221": dataclasses.replace(plan(([stage([0, 1], (0, 2)), grid_stage(range(2, 6), (2, 4), (2, 2, 1))], 4)),
+                                          sequence_parallel=True),
+    # a [1,2,2] replica beside a sequence-parallel TP=2 replica of the same layers: the 1D replica's
+    # sequence-parallel norms and biases (every TP rank's partial gradient) summed with the 3D blocks
+    "tp3d122_x2_tp2_x2_sp": dataclasses.replace(CASES["tp3d122_x2_tp2_x2"], sequence_parallel=True),
+}
 BF16_TRAIN = dataclasses.replace(TRAIN, bf16=True)
 BF16_RTOL = 1e-3  # as tests/multiproc/test_mixed_precision.py
 # every replica the same layout (TP=2, all layers), uneven micro-batches
@@ -55,30 +67,54 @@ HOMOGENEOUS6 = plan(([stage([0, 1], (0, 4))], 2), ([stage([2, 3], (0, 4))], 1), 
 
 
 @pytest.fixture(scope="module")
-def runs():
-    ref = run_local(1, megatron_block_worker, (MODEL, TRAIN, BlockShape(tp=1, pp=1, dp=1), None, PADDED_VOCAB))[0]
+def reference():
+    return run_local(1, megatron_block_worker, (MODEL, TRAIN, BlockShape(tp=1, pp=1, dp=1), None, PADDED_VOCAB))[0]
+
+
+@pytest.fixture(scope="module")
+def runs(reference):
+    ref = reference
     init = assemble_full_state([ref.initial_shards])
     per_rank = run_local(6, hetero_cases_worker, (MODEL, list(CASES.items()), TRAIN, init, PADDED_VOCAB))
     return ref, per_rank
+
+
+@pytest.fixture(scope="module")
+def sp_runs(reference):
+    ref = reference
+    init = assemble_full_state([ref.initial_shards])
+    return ref, run_local(6, hetero_cases_worker, (MODEL, list(SP_CASES.items()), TRAIN, init, PADDED_VOCAB))
 
 
 @pytest.mark.slow
 @pytest.mark.multiproc
 @pytest.mark.parametrize("name", list(CASES))
 def test_tp3d_plan_matches_single_process(runs, name):
-    ref, per_rank = runs
+    _check_against_reference(*runs, name, CASES[name])
+
+
+@pytest.mark.slow
+@pytest.mark.multiproc
+@pytest.mark.parametrize("name", list(SP_CASES))
+def test_tp3d_stage_beside_sequence_parallel_stage_matches_single_process(sp_runs, name):
+    _check_against_reference(*sp_runs, name, SP_CASES[name])
+
+
+def _check_against_reference(ref, per_rank, name, case):
     ref_losses = [log.lm_loss for log in ref.iterations]
     losses = [log.lm_loss for log in per_rank[0][name][0].iterations]
     assert len(losses) == TRAIN.train_iters
     # the 3D stage really ran as one: its ranks report grid blocks of every layer they hold
-    grids = {s.grid for out in per_rank[:4] for s in out[name][0].shards.values() if s.grid is not None}
-    assert grids == {CASES[name].replicas[0].stages[0].tp_grid}, grids
+    grid_stage = next(s for s in case.replicas[0].stages if s.tp_grid is not None)
+    grid_ranks = list(grid_stage.ranks)
+    grids = {s.grid for r in grid_ranks for s in per_rank[r][name][0].shards.values() if s.grid is not None}
+    assert grids == {grid_stage.tp_grid}, grids
     for i, (a, b) in enumerate(zip(losses, ref_losses)):
         assert abs(a - b) <= 1e-5 * abs(b), f"{name} iteration {i + 1}: {a} vs single-process {b}"
     # recompute really ran on the 3D stage: its first layer's forward twice per micro-batch, once without
-    micro = CASES[name].replicas[0].num_micro_batches * TRAIN.train_iters
-    recomputes = CASES[name].replicas[0].stages[0].recompute
-    assert [out[("first_layer_calls", name)] for out in per_rank[:4]] == [micro * (2 if recomputes else 1)] * 4
+    micro = case.replicas[0].num_micro_batches * TRAIN.train_iters
+    calls = [per_rank[r][("first_layer_calls", name)] for r in grid_ranks]
+    assert calls == [micro * (2 if grid_stage.recompute else 1)] * len(grid_ranks)
     final = assemble_full_state([out[name][0].shards for out in per_rank if out[name][0].shards])
     ref_final = assemble_full_state([ref.shards])
     assert set(final) == set(ref_final), set(final) ^ set(ref_final)

@@ -122,3 +122,34 @@ def test_collective_links_price_each_kind_on_intra_node_axes_only():
     wide = Grid4D(x=4, y=1, z=4)
     assert grid_cost(TINY, POD, wide, batch_tokens=4096, links=links).comm_s["ag_weight"] == pytest.approx(
         grid_cost(TINY, POD, wide, batch_tokens=4096).comm_s["ag_weight"])
+
+
+def test_collective_links_by_group_size_price_each_axis_by_its_group_size():
+    """With links per group size, a 2-rank axis is priced over the 2-rank link and a 4-rank axis over
+    the 4-rank one (each against the ring formula by hand); sizes without their own links use the
+    pooled fields."""
+    from megatron_het.perf.axonn import CollectiveLinks
+    from megatron_het.perf.comm import Channel, ring_all_gather_time, ring_all_reduce_time
+
+    def ch(bw, lat):
+        return Channel(bandwidth_gbps=bw, latency_us=lat, host_staged=False)
+
+    pooled, two, four = ch(5.0, 1000.0), ch(2.0, 3000.0), ch(8.0, 500.0)
+    links = CollectiveLinks(all_gather=pooled, all_reduce=pooled, reduce_scatter=pooled,
+                            by_group_size={2: CollectiveLinks(all_gather=two, all_reduce=two, reduce_scatter=two),
+                                           4: CollectiveLinks(all_gather=four, all_reduce=four, reduce_scatter=four)})
+    grid = Grid4D(x=2, y=1, z=4)  # forward all-reduce over x (2 ranks), weight all-gather over z (4 ranks)
+    cost = grid_cost(TINY, POD, grid, batch_tokens=4096, bytes_per_element=4, links=links)
+    dims = {"qkv": (3072, 1024, False), "projection": (1024, 1024, True), "fc1": (4096, 1024, False),
+            "fc2": (1024, 4096, True)}  # (n, k, transposed)
+    ag = sum(ring_all_gather_time(4 * n * k / 2, n=4, bandwidth_gbps=8.0, latency_us=500.0) for n, k, _ in dims.values())
+    m = 4096 // 4  # tokens per z rank
+    ar = sum(ring_all_reduce_time(4 * m * n, n=2, bandwidth_gbps=2.0, latency_us=3000.0)
+             for n, _, t in dims.values() if not t)  # x splits k of the normal layers: their forward reduces
+    assert cost.comm_s["ag_weight"] == pytest.approx(TINY.num_layers * ag)
+    # the transposed layers' forward all-reduce runs over y (1 rank): free, so only the normal layers count
+    assert cost.comm_s["ar_forward"] == pytest.approx(TINY.num_layers * ar)
+    assert links.for_item("ar_forward", ranks=8) is pooled
+    with pytest.raises(ValueError, match=r"by_group_size: needs group sizes >= 2 .* Fix"):
+        CollectiveLinks(all_gather=pooled, all_reduce=pooled, reduce_scatter=pooled,
+                        by_group_size={1: CollectiveLinks(all_gather=two, all_reduce=two, reduce_scatter=two)})

@@ -41,3 +41,31 @@ def test_errors_name_the_field_and_the_fix():
         fit_ring_link(one, formula="broadcast")
     with pytest.raises(ValueError, match=r"ranks >= 2.* got ranks=1"):
         fit_ring_link([CollectiveSample(ranks=1, nbytes=1.0, seconds=1.0)], formula="all_gather")
+
+
+def test_collective_links_fitted_per_group_size_recover_each_size_link():
+    """Times generated with a different link per (kind, group size): each size's fitted links recover
+    its own link (the pooled fields cannot fit both), and a kind missing is a named error."""
+    from megatron_het.perf.link_fit import fit_collective_links
+
+    fns = {"all_gather": ring_all_gather_time, "all_reduce": ring_all_reduce_time, "reduce_scatter": ring_all_reduce_time}
+    truth = {2: (2.0, 2000.0), 4: (6.0, 800.0)}  # ranks -> (Gbit/s, us per step): a 2-rank step dearer
+    samples = {kind: [CollectiveSample(ranks=n, nbytes=b, seconds=fn(b, n=n, bandwidth_gbps=bw, latency_us=lat))
+                      for n, (bw, lat) in truth.items() for b in (2 ** 16, 2 ** 20, 2 ** 24)]
+               for kind, fn in fns.items()}
+    formulas = {"all_gather": "all_gather", "all_reduce": "all_reduce", "reduce_scatter": "all_reduce"}
+    links = fit_collective_links(samples, formulas=formulas)
+    assert sorted(links.by_group_size) == [2, 4]
+    for n, (bw, lat) in truth.items():
+        for key in ("ag_weight", "ar_forward", "rs_wgrad"):
+            ch = links.for_item(key, ranks=n)
+            assert ch.bandwidth_gbps == pytest.approx(bw, rel=1e-9)
+            assert ch.latency_us == pytest.approx(lat, rel=1e-9)
+    assert links.for_item("ag_weight", ranks=8) is links.all_gather  # a size never timed: the pooled fit
+    assert not any(abs(links.all_reduce.latency_us - lat) < 1 for _, lat in truth.values())
+    assert fit_collective_links(samples, formulas=formulas, per_group_size=False).by_group_size == {}
+    one_size = {k: [s for s in v if s.ranks == 4 or (k == "all_gather" and s.nbytes == 2 ** 16)]
+                for k, v in samples.items()}  # 2 ranks timed at one buffer size only: no 2-rank links
+    assert sorted(fit_collective_links(one_size, formulas=formulas).by_group_size) == [4]
+    with pytest.raises(ValueError, match=r"missing \['reduce_scatter'\] .* Fix: time and name every kind"):
+        fit_collective_links({k: v for k, v in samples.items() if k != "reduce_scatter"}, formulas=formulas)

@@ -78,7 +78,6 @@ def test_tp_grid_excludes_the_1d_overlap_flag():
 
 
 @pytest.mark.parametrize("plan_kw, stage_kw, needle", [
-    ({"sequence_parallel": True}, {}, "with sequence parallelism"),
     ({"use_distributed_optimizer": True}, {}, "with the distributed optimizer's shards of 3D blocks"),
     ({"schedule": "interleaved", "virtual_pipeline_size": 2}, {}, "interleaved model chunks (virtual_pipeline_size 2)"),
     ({}, {"grid": (1, 1, 4)}, "micro_batch_size 2 not divisible by the grid's z = 4"),
@@ -95,8 +94,17 @@ def test_runtime_refuses_what_a_3d_stage_cannot_run_yet(plan_kw, stage_kw, needl
     check_runtime_tp_grid(_plan(None))  # 1D plans pass
     check_runtime_tp_grid(_plan((2, 2, 1)))  # a plain 3D stage runs
     check_runtime_tp_grid(_plan((2, 2, 1), recompute=True))  # and with recompute (parity: test_runtime_tp3d_parity)
+    # and with sequence parallelism (the 3D stage runs without it; parity: test_runtime_tp3d_parity)
+    check_runtime_tp_grid(dataclasses.replace(_plan((2, 2, 1)), sequence_parallel=True))
+    # also beside a sequence-parallel 1D replica of the same layers (2 replicas of 2 micro-batches)
+    one_d = tuple(StagePlan(island="fast", device_type="CPU", ranks=(6 + 2 * i, 7 + 2 * i), layers=(2 * i, 2 * i + 2))
+                  for i in range(2))
+    base = _plan((2, 2, 1))
+    check_runtime_tp_grid(dataclasses.replace(base, sequence_parallel=True, replicas=(
+        dataclasses.replace(base.replicas[0], num_micro_batches=2), ReplicaPlan(stages=one_d, num_micro_batches=2))))
     grid = stage_kw.pop("grid", (2, 2, 1))
-    plan = dataclasses.replace(_plan(grid, **stage_kw), **plan_kw)
+    plan = _plan(grid, **stage_kw)
+    plan = dataclasses.replace(plan, **plan_kw)
     with pytest.raises(PlanError) as e:
         HeteroTrainer(model=_model(), plan=plan, train=TrainConfig(micro_batch_size=2, global_batch_size=8, train_iters=1),
                       batch_fn=lambda *a: None)
