@@ -13,7 +13,8 @@ reasoning is in that module's docstring).
 Also printed, per tensor: ||p - p_ref||_2 / ||p_ref||_2 (support/param_diff.relative_norms). Measured
 2026-11-25: at most 1.5e-4 and 1.4e-4 (qkv biases), 5 of 52 tensors above 1e-5, the weight matrices at most
 2.9e-5 and 1.1e-5: the order of the fp32 floor measured for tests/multiproc/test_schedules_parity.py
-(the reference against itself with another micro-batch grouping: up to 5.5e-5), so not asserted.
+(the reference against itself with another micro-batch grouping: up to 5.5e-5), so not asserted per
+tensor; over all parameters as one vector it is asserted <= 1e-5 (measured 4.6e-7..7.0e-7).
 Asserted instead: each run is as close to a float64 truth (the reference's training replayed in float64
 in the reference's process, workers/f64_workers.py; validated in tests/multiproc/test_fp32_floor.py) as the
 fp32 reference is: over all parameters at most 2x the reference's distance, per tensor at most 20x
@@ -34,7 +35,7 @@ from megatron_het.plan import StagePlan
 from megatron_het.platform.local_launch import run_local
 from megatron_het.train.config import TrainConfig
 
-from support.param_diff import compare_to_truth, relative_norms
+from support.param_diff import compare_to_truth, global_relative_norm, relative_norms
 from support.parity_plans import GLOBAL_BATCH_SIZE, MICRO_BATCH_SIZE, MODEL, PADDED_VOCAB, plan, stage
 from workers.f64_workers import reference_and_truth_worker
 from workers.megatron_workers import checkpoint_worker, hetero_cases_worker, megatron_block_worker
@@ -142,6 +143,11 @@ def _check_against_reference(ref, truth, per_rank, name, case):
     print(f"{name}: losses {losses}; max |param diff| {diffs[worst]:.2e} at {worst}; "
           f"time {max(out[name][1] for out in per_rank):.1f} s")
     assert diffs[worst] < 1e-4, f"{name}: {worst} differs by {diffs[worst]}"
+    # the issues' "relative <= 1e-5 on final parameters", with all parameters as one vector (per tensor
+    # the fp32 floor is above 1e-5: see the float64-truth check below)
+    overall = global_relative_norm(final, ref_final)
+    print(f"{name}: ||p - p_ref|| / ||p_ref|| over all parameters {overall:.2e}")
+    assert overall <= 1e-5, f"{name}: final parameters {overall:.2e} from the reference (relative, all together)"
     vs_truth = compare_to_truth(final, ref_final, truth)
     print(vs_truth.summary(name))
     assert vs_truth.violations() == [], f"{name}: {vs_truth.violations()}"

@@ -13,8 +13,9 @@ norms over the whole tensor). Measured 2026-11-25: at most 7.9e-5 (ZB-H1), 9.8e-
 start at 0 or 1); the weight matrices at most 0.9e-5..2.1e-5. That is fp32 round-off, not a schedule
 error: the single-process reference against itself with micro-batches of 1 instead of 2 (the same
 samples, another summation grouping) differs by up to 5.5e-5 in the same way (10 of 76 tensors above
-1e-5, the qkv biases). Issue #16's "relative <= 1e-5 on final parameters" per tensor is therefore below
-this training's fp32 floor and is not asserted; the absolute bound is.
+1e-5, the qkv biases). Issue #16's "relative <= 1e-5 on final parameters" is therefore asserted with all
+parameters as one vector (||p - p_ref|| / ||p_ref|| over all of them: 5.3e-7..8.5e-7 measured); per tensor
+it is below this training's fp32 floor, and the absolute bound holds.
 
 Whether the difference is round-off or a small bug is decided against a float64 truth (the reference's
 training replayed in float64 in the reference's process, workers/f64_workers.py; its validation and the
@@ -38,7 +39,7 @@ from megatron_het.runtime.hetero_trainer import replica_first_micro_batch
 from megatron_het.schedule import build_schedule
 from megatron_het.train.config import TrainConfig
 
-from support.param_diff import compare_to_truth, relative_norms
+from support.param_diff import compare_to_truth, global_relative_norm, relative_norms
 from support.parity_plans import MICRO_BATCH_SIZE
 from support.schedule_plans import GLOBAL_BATCH_SIZE6, MODEL6, PADDED_VOCAB6, SCHEDULE_CASES
 from workers.f64_workers import reference_and_truth_worker
@@ -80,6 +81,11 @@ def test_schedule_matches_single_process_through_a_checkpoint(runs, name):
           f"({sum(v > 1e-5 for v in norms.values())} of {len(norms)} tensors above 1e-5; matrices at most "
           f"{max(v for k, v in norms.items() if final[k].dim() >= 2):.2e})")
     assert diffs[worst] < 1e-4, f"{name}: {worst} differs by {diffs[worst]}"
+    # the issues' "relative <= 1e-5 on final parameters", with all parameters as one vector (per tensor
+    # the fp32 floor is above 1e-5: see the float64-truth check below)
+    overall = global_relative_norm(final, ref_final)
+    print(f"{name}: ||p - p_ref|| / ||p_ref|| over all parameters {overall:.2e}")
+    assert overall <= 1e-5, f"{name}: final parameters {overall:.2e} from the reference (relative, all together)"
     vs_truth = compare_to_truth(final, ref_final, truth)
     print(vs_truth.summary(name))
     assert vs_truth.violations() == [], f"{name}: {vs_truth.violations()}"
