@@ -198,7 +198,7 @@ def measure_profile(path: str) -> None:
            str(SWEEP_MIB), "--num-layers", "2", "--hidden-size",
            str(MODEL.hidden_size), "--num-attention-heads", str(MODEL.num_attention_heads), "--seq-length",
            str(MODEL.seq_length), "--micro-batch-sizes", str(MICRO_BATCH), "--threads", "1", "--repeats", "7",
-           "--device", "CPU", "--vocab-size", str(MODEL.vocab_size), "--optimizer", "--split-backward",
+           "--device", "CPU", "--vocab-size", str(MODEL.vocab_size), "--optimizer", "--split-backward", "--call-overhead",
            "--output", path]
     subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
 

@@ -99,3 +99,16 @@ def test_unreadable_files(tmp_path):
     (tmp_path / "x.json").write_text("{")
     with pytest.raises(ConfigError, match="profile: not valid JSON"):
         load_profile(tmp_path / "x.json")
+
+
+def test_call_overhead_round_trip_and_validation(tmp_path):
+    doc = {**DOC, "call_overhead": {"forward_s": 8e-4, "backward_s": 5e-4, "stack_layers": 2, "method": "m"}}
+    profile = profile_from_dict(doc)
+    assert profile.call_overhead == (8e-4, 5e-4) and profile.call_overhead_layers == 2
+    path = tmp_path / "p.json"
+    save_profile(profile, path)
+    loaded = load_profile(path)
+    assert (loaded.call_overhead, loaded.call_overhead_layers, loaded.call_overhead_method) == ((8e-4, 5e-4), 2, "m")
+    assert profile_from_dict(DOC).call_overhead is None and "call_overhead" not in profile_to_dict(profile_from_dict(DOC))
+    with pytest.raises(ConfigError, match="stack_layers"):
+        profile_from_dict({**DOC, "call_overhead": {"forward_s": 1e-3, "backward_s": 1e-3, "stack_layers": 1}})
