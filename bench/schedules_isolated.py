@@ -17,9 +17,10 @@ time, the clock the emulation stretches):
    both; or (``pair``) a hand-off to a second process pinned to the same core that runs its own
    executor meanwhile (another rank's action between two of this rank's).
 3. trainer: the real HeteroTrainer (megatron-core chunks, gloo boundary links, the executor, the
-   EmulationTimer) on a 2-stage plan of 8 layers ([4] | [4], interleaved [2, 2] | [2, 2]), m = 8, two
-   processes: on two cores without emulation; on two cores emulated 4x slower (the bench's sleeps); on one
-   core emulated 4x (two ranks sharing a core, as bench/schedules.py's 4 ranks share 2). Per rank: thread
+   EmulationTimer) on stages of 4 layers ([4] per stage, interleaved [2, 2]), m = 8: two stages on two
+   cores without emulation; on two cores emulated 4x slower (the bench's sleeps); on one core emulated 4x
+   (two ranks sharing a core); four stages on two cores emulated 4x (bench/schedules.py's sharing, its
+   islands all alike). Per rank: thread
    CPU time of the compute calls per iteration and the involuntary context switches inside them
    (preemptions mid-action).
 
@@ -43,8 +44,8 @@ from megatron_het.platform.local_launch import run_local
 CASES = (("1f1b", 1, (4,)), ("interleaved", 1, (2, 2)), ("1f1b", 3, (2,)), ("interleaved", 3, (1, 1)))
 CONDITIONS = ("warm", "sweep", "sleep", "sweep+sleep")
 SLEEP_S = 0.02
-TRAINER_MODES = (("2 cores, not emulated", 1.0, None), ("2 cores, emulated 4x", 4.0, None),
-                 ("1 core, emulated 4x", 4.0, {0}))
+TRAINER_MODES = (("2 ranks, 2 cores, not emulated", 2, 1.0, None), ("2 ranks, 2 cores, emulated 4x", 2, 4.0, None),
+                 ("2 ranks, 1 core, emulated 4x", 2, 4.0, {0}), ("4 ranks, 2 cores, emulated 4x", 4, 4.0, None))
 
 
 def _world_of_one():
@@ -207,14 +208,14 @@ def _executor_runs(rank, world_size, iters, conditions, pipe=None):
     return out
 
 
-def _trainer_plan(schedule):
+def _trainer_plan(schedule, stages):
     from megatron_het.plan import Plan, ReplicaPlan, StagePlan, uneven_chunk_layers
 
     v = 2 if schedule == "interleaved" else 1
-    chunks = uneven_chunk_layers([[2, 2], [2, 2]])
-    stages = tuple(StagePlan(island="fast", device_type="CPU", ranks=(s,), layers=((0, 4), (4, 8))[s],
-                             chunk_layers=chunks[s] if v > 1 else ()) for s in range(2))
-    return Plan(replicas=(ReplicaPlan(stages=stages, num_micro_batches=MICRO_BATCHES),), micro_batch_size=MICRO_BATCH,
+    chunks = uneven_chunk_layers([[2, 2]] * stages)
+    plans = tuple(StagePlan(island="fast", device_type="CPU", ranks=(s,), layers=(4 * s, 4 * s + 4),
+                            chunk_layers=chunks[s] if v > 1 else ()) for s in range(stages))
+    return Plan(replicas=(ReplicaPlan(stages=plans, num_micro_batches=MICRO_BATCHES),), micro_batch_size=MICRO_BATCH,
                 global_batch_size=MICRO_BATCH * MICRO_BATCHES, schedule=schedule, virtual_pipeline_size=v,
                 precision="fp32")
 
@@ -236,8 +237,8 @@ def _trainer_rank(rank, world_size, slowdown, cores, iters):
         os.sched_setaffinity(0, cores)
     torch.set_num_threads(1)
     enable_cpu_backend()
-    model = replace(MODEL, num_layers=8)
-    cluster = {"islands": [{"name": "fast", "device": "CPU", "nodes": 1, "gpus_per_node": 2}]}
+    model = replace(MODEL, num_layers=4 * world_size)
+    cluster = {"islands": [{"name": "fast", "device": "CPU", "nodes": 1, "gpus_per_node": world_size}]}
     if slowdown > 1:
         cluster["emulation"] = {"fast": {"slowdown": slowdown}}
     train = TrainConfig(micro_batch_size=MICRO_BATCH, global_batch_size=MICRO_BATCH * MICRO_BATCHES,
@@ -249,7 +250,7 @@ def _trainer_rank(rank, world_size, slowdown, cores, iters):
 
     out = {}
     for name in ("1f1b", "interleaved", "interleaved", "1f1b"):  # ABBA: drift cancels in the medians
-        trainer = HeteroTrainer(model=model, plan=_trainer_plan(name), train=train, batch_fn=batch_fn,
+        trainer = HeteroTrainer(model=model, plan=_trainer_plan(name, world_size), train=train, batch_fn=batch_fn,
                                 cluster=cluster_from_dict(cluster), clock=time.thread_time)
         timed, calls = trainer.timer.compute, []
 
@@ -299,8 +300,8 @@ def main() -> int:
     chunk = run_local(1, _chunk_calls, (args.reps,), timeout_s=3600)[0]
     single = run_local(1, _executor_runs, (args.iters, CONDITIONS), timeout_s=3600)[0]
     pair = _pair(args.iters)
-    trainer = {mode: run_local(2, _trainer_rank, (slowdown, cores, args.iters), timeout_s=3600)
-               for mode, slowdown, cores in TRAINER_MODES}
+    trainer = {mode: run_local(ranks, _trainer_rank, (slowdown, cores, args.iters), timeout_s=3600)
+               for mode, ranks, slowdown, cores in TRAINER_MODES}
     load_after = os.getloadavg()
 
     print("chunk call (ms, thread CPU time, swept): layers: runtime F / B | profile-style F / B")
@@ -328,7 +329,7 @@ def main() -> int:
             ratios[f"stage {stage} / {cond}"] = (executor[f"interleaved stage {stage} chunks {two} / {c}{suffix}"]["compute_s"]
                                                  / executor[f"1f1b stage {stage} chunks {one} / {c}{suffix}"]["compute_s"])
     print("interleaved / 1F1B compute per iteration: " + ", ".join(f"{k} {v:.3f}" for k, v in ratios.items()))
-    print("trainer, 2 stages x 4 layers, m=8: per rank, compute CPU ms per iteration (preemptions in it)")
+    print("trainer, stages of 4 layers, m=8: per rank, compute CPU ms per iteration (preemptions in it)")
     trainer_ratio = {}
     for mode, ranks in trainer.items():
         for r, got in enumerate(ranks):
