@@ -156,7 +156,8 @@ def call_overhead_s(profile: Profile | Sequence[Profile] | None, device_name: st
     prof = profile_for(profile, device_name)
     if prof is None or prof.call_overhead is None:
         return 0.0, 0.0, 1
-    return prof.call_overhead[0], prof.call_overhead[1], prof.call_overhead_layers
+    # a fixed cost is not negative: a negative measured intercept is the noise of two medians, priced as none
+    return max(0.0, prof.call_overhead[0]), max(0.0, prof.call_overhead[1]), prof.call_overhead_layers
 
 
 def profile_for(profile: Profile | Sequence[Profile] | None, device_name: str) -> Profile | None:

@@ -39,6 +39,7 @@ puts it in place of the cluster file's figures for the links it stands for.
 from __future__ import annotations
 
 import json
+import math
 import types
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, replace
@@ -281,7 +282,9 @@ def profile_from_dict(data: object, *, source: str | None = None) -> Profile:
                              example='{"forward_s": 0.0008, "backward_s": 0.0005, "stack_layers": 2}')
             check_keys(raw, "call_overhead", allowed=("forward_s", "backward_s", "stack_layers", "method"),
                        required=("forward_s", "backward_s", "stack_layers"))
-            overhead = tuple(as_float(raw[k], f"call_overhead.{k}") for k in ("forward_s", "backward_s"))
+            # a measured intercept: noise can make it negative (the model then charges nothing per call)
+            overhead = tuple(as_float(raw[k], f"call_overhead.{k}", minimum=-math.inf)
+                             for k in ("forward_s", "backward_s"))
             overhead_layers = as_int(raw["stack_layers"], "call_overhead.stack_layers")
             if overhead_layers < 2:
                 raise ConfigError("an intercept needs the entries measured on stacks of >= 2 layers",
