@@ -14,7 +14,7 @@ chunk_layers); m = 8 micro-batches of 2.
 
 Predicted: the planner's performance model (megatron_het.perf.predict) with a profile of this host
 measured by tools/profile_host.py just before the runs (one thread; layers, parts, AdamW step, the B/W
-split's shares of the fused backward for ZB-H1; thread CPU time, caches swept before each forward and
+split's shares of the fused backward for ZB-H1, a chunk call's fixed cost charged once per action; thread CPU time, caches swept before each forward and
 backward, as the run's ranks see them) and the cluster's factors; the same schedule action lists the
 runtime executes. Measured: one 4-process
 spawn runs the three plans one after another per round (rounds alternate the order), median over
@@ -198,7 +198,7 @@ def measure_profile(path: str) -> None:
            str(SWEEP_MIB), "--num-layers", "2", "--hidden-size",
            str(MODEL.hidden_size), "--num-attention-heads", str(MODEL.num_attention_heads), "--seq-length",
            str(MODEL.seq_length), "--micro-batch-sizes", str(MICRO_BATCH), "--threads", "1", "--repeats", "7",
-           "--device", "CPU", "--vocab-size", str(MODEL.vocab_size), "--optimizer", "--split-backward",
+           "--device", "CPU", "--vocab-size", str(MODEL.vocab_size), "--optimizer", "--split-backward", "--call-overhead",
            "--output", path]
     subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
 

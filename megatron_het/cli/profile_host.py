@@ -75,6 +75,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--split-backward", action="store_true",
                     help="also time the zero-bubble B/W split of the layers against their fused backward (what "
                          "the model prices ZB-H1's B and W from; without it, half the backward each)")
+    ap.add_argument("--call-overhead", action="store_true",
+                    help="also measure the fixed cost of one call of a layer stack (a model chunk's forward/backward, "
+                         "one pipeline action) beyond its layers: the intercept of time vs layers, from 1 layer and "
+                         "--num-layers (>= 2); the model charges it once per action")
     ap.add_argument("--comm-ranks", type=int, default=0,
                     help="also measure all-reduce and send/recv among this many local gloo processes and fit "
                          "the latency/bandwidth the model uses for links of this host (0: skip)")
@@ -88,6 +92,8 @@ def main(argv: list[str] | None = None) -> int:
                                ("--vocab-size", args.vocab_size, 1), ("--sweep-mib", args.sweep_mib, 0)):
         if value is not None and value < least:
             ap.error(f"{flag} must be >= {least}, got {value}")
+    if args.call_overhead and args.num_layers < 2:
+        ap.error(f"--call-overhead needs --num-layers >= 2 (an intercept of time vs layers), got {args.num_layers}")
     if args.comm_ranks == 1 or args.comm_ranks < 0:
         ap.error(f"--comm-ranks must be 0 (skip) or >= 2, got {args.comm_ranks}")
     try:  # everything checkable is checked before minutes of measuring
@@ -105,7 +111,8 @@ def main(argv: list[str] | None = None) -> int:
     options = dict(num_layers=args.num_layers, micro_batch_sizes=args.micro_batch_sizes, device=args.device,
                    warmup=args.warmup, repeats=args.repeats, dtype=getattr(torch, args.dtype),
                    implementation=args.implementation, vocab_size=vocab, optimizer=args.optimizer,
-                   clock=args.clock, sweep_mib=args.sweep_mib, split_backward=args.split_backward)
+                   clock=args.clock, sweep_mib=args.sweep_mib, split_backward=args.split_backward,
+                   call_overhead=args.call_overhead)
     profile = (profile_layers(model, **options) if args.concurrent == 1 else
                profile_concurrent(model, processes=args.concurrent, **options))
     tp_entries = tuple(e for tp in args.tp_sizes if tp > 1 for e in profile_tp_layers(
@@ -128,6 +135,9 @@ def main(argv: list[str] | None = None) -> int:
               f"{p.forward_s * 1e3:.3f} ms, backward {p.backward_s * 1e3:.3f} ms")
     if profile.optimizer_s_per_parameter is not None:
         print(f"  AdamW step: {profile.optimizer_s_per_parameter * 1e9:.2f} ns per parameter")
+    if profile.call_overhead is not None:
+        print(f"  per call of a layer stack: forward {profile.call_overhead[0] * 1e3:+.3f} ms, backward "
+              f"{profile.call_overhead[1] * 1e3:+.3f} ms (intercept of time vs layers)")
     if profile.link is not None:
         print(f"  links of this host ({profile.link.ranks} processes): latency {profile.link.latency_us:.1f} us, "
               f"bandwidth {profile.link.bandwidth_gbps:.2f} Gbit/s")

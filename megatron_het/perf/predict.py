@@ -149,6 +149,17 @@ def backward_split_shares(profile: Profile | Sequence[Profile] | None, device_na
     return prof.backward_split if prof is not None and prof.backward_split is not None else (0.5, 0.5)
 
 
+def call_overhead_s(profile: Profile | Sequence[Profile] | None, device_name: str) -> tuple[float, float, int]:
+    """(forward, backward) fixed seconds of one model-chunk call on ``device_name`` and the stack size its
+    per-layer times were measured at (each layer time holds 1/that of the call cost): measured by the
+    device's profile (profile_host --call-overhead), else (0, 0, 1): nothing charged per call."""
+    prof = profile_for(profile, device_name)
+    if prof is None or prof.call_overhead is None:
+        return 0.0, 0.0, 1
+    # a fixed cost is not negative: a negative measured intercept is the noise of two medians, priced as none
+    return max(0.0, prof.call_overhead[0]), max(0.0, prof.call_overhead[1]), prof.call_overhead_layers
+
+
 def profile_for(profile: Profile | Sequence[Profile] | None, device_name: str) -> Profile | None:
     """The profile measured on ``device_name`` among those given, or None (analytic model)."""
     if profile is None:
@@ -212,6 +223,8 @@ class StagePrediction:
     ends_s: tuple[float, float, float, float] = (0.0, 0.0, 0.0, 0.0)
     # with a split-backward schedule, B's and W's shares of a fused backward (backward_split_shares)
     backward_split: tuple[float, float] = (0.5, 0.5)
+    # (forward, backward) seconds every model chunk's call costs beyond its layers, inside forward_s/backward_s
+    call_overhead_s: tuple[float, float] = (0.0, 0.0)
 
     @property
     def memory_gib(self) -> float:
@@ -473,11 +486,22 @@ def _simulate(plan: Plan, r: ReplicaPlan, model: ModelSpec, cluster: ClusterSpec
         bwd.append(c.backward_s(st.num_layers, is_first=i == 0, is_last=i == p - 1))
         ends.append(stage_ends(c, is_first=i == 0, is_last=i == p - 1))
     split = [backward_split_shares(profile, cluster.island(st.island).device.name) for st in r.stages]
-    duration = action_duration(plan, r, fwd, bwd, ends=ends, split=split)
+    overhead = stage_call_overheads(r, v, profile, cluster)
+    for i, st in enumerate(r.stages):  # v calls per micro-batch, not the 1/n of one per layer the entries hold
+        of, ob, n = call_overhead_s(profile, cluster.island(st.island).device.name)
+        fwd[i] += v * of - st.num_layers * of / n
+        bwd[i] += v * ob - st.num_layers * ob / n
+    duration = action_duration(plan, r, fwd, bwd, ends=ends, split=split, overhead=overhead)
     p2p = hop_time(plan, r, model, cluster, seq_length=seq_length)
 
     # duration and p2p depend on the stage and the action kind only: any micro-batch count costs the same
     return fwd, bwd, pipeline_times(plan.schedule, p, m, v, duration, p2p), ends
+
+
+def stage_call_overheads(r: ReplicaPlan, v: int, profile: Profile | Sequence[Profile] | None,
+                         cluster: ClusterSpec) -> list[tuple[float, float]]:
+    """Per stage: (forward, backward) seconds each model-chunk call costs beyond its layers."""
+    return [call_overhead_s(profile, cluster.island(st.island).device.name)[:2] for st in r.stages]
 
 
 def stage_ends(cost: StageCost, *, is_first: bool, is_last: bool) -> tuple[float, float, float, float]:
@@ -489,26 +513,34 @@ def stage_ends(cost: StageCost, *, is_first: bool, is_last: bool) -> tuple[float
 
 def action_duration(plan: Plan, r: ReplicaPlan, fwd: list[float], bwd: list[float],
                     ends: Sequence[tuple[float, float, float, float]] | None = None,
-                    split: Sequence[tuple[float, float]] | None = None):
+                    split: Sequence[tuple[float, float]] | None = None,
+                    overhead: Sequence[tuple[float, float]] | None = None):
     """(stage, action) -> seconds: a chunk's share of its stage's layer time is its share of the stage's
     layers; the embedding (``ends[stage][:2]``) is its first chunk's and the output layer + loss
     (``ends[stage][2:]``) its last chunk's alone; with a split backward B and W take ``split[stage]``
     (B's, W's share of the fused backward; default half each; measured: ``backward_split_shares``).
+    ``overhead[stage]``: (forward, backward) seconds every chunk's call costs whatever its layers
+    (``call_overhead_s``; included V times in ``fwd``/``bwd``), charged once per action.
     Shared by the prediction and ``replica_trace`` (what ``predict --trace`` renders)."""
     is_split = plan.schedule in SPLIT_BACKWARD_SCHEDULES
     shares = [(0.5, 0.5)] * len(r.stages) if split is None else list(split)
     chunks = chunk_layers(r, plan.virtual_pipeline_size)
     share = [[(b - a) / st.num_layers for a, b in ch] for st, ch in zip(r.stages, chunks)]
     ends = [(0.0, 0.0, 0.0, 0.0)] * len(r.stages) if ends is None else list(ends)
+    overhead = [(0.0, 0.0)] * len(r.stages) if overhead is None else list(overhead)
+    v = plan.virtual_pipeline_size
 
     def duration(stage: int, action: Action) -> float:
         c, last = action.chunk, len(share[stage]) - 1
         ef, eb, of, ob = ends[stage]
+        cf, cb = overhead[stage]
         # interleaved: measured on the last stage, its last chunk's F/B took 1.3x a layer-share of the
         # stage's time (it alone runs the output layer + loss), its first chunk 0.93x (bench/schedules_gap.py)
         if action.kind == "F":
-            return (fwd[stage] - ef - of) * share[stage][c] + (ef if c == 0 else 0.0) + (of if c == last else 0.0)
-        b = (bwd[stage] - eb - ob) * share[stage][c] + (eb if c == 0 else 0.0) + (ob if c == last else 0.0)
+            return ((fwd[stage] - ef - of - v * cf) * share[stage][c] + cf + (ef if c == 0 else 0.0)
+                    + (of if c == last else 0.0))
+        b = ((bwd[stage] - eb - ob - v * cb) * share[stage][c] + cb + (eb if c == 0 else 0.0)
+             + (ob if c == last else 0.0))
         if not is_split:
             return b
         return b * shares[stage][0 if action.kind == "B" else 1]
@@ -546,7 +578,8 @@ def replica_trace(plan: Plan, replica: int, model: ModelSpec, cluster: ClusterSp
     r = plan.replicas[replica]
     stages = prediction.replicas[replica].stages
     duration = action_duration(plan, r, [s.forward_s for s in stages], [s.backward_s for s in stages],
-                               ends=[s.ends_s for s in stages], split=[s.backward_split for s in stages])
+                               ends=[s.ends_s for s in stages], split=[s.backward_split for s in stages],
+                               overhead=[s.call_overhead_s for s in stages])
     p2p = hop_time(plan, r, model, cluster, seq_length=model.seq_length if seq_length is None else seq_length)
     return simulate(build_schedule(plan.schedule, len(r.stages), r.num_micro_batches, plan.virtual_pipeline_size),
                     duration, p2p)
@@ -578,6 +611,7 @@ def _replica(plan: Plan, r: ReplicaPlan, model: ModelSpec, cluster: ClusterSpec,
             backward_s=bwd[i], compute_s=sim.busy[i], idle_s=sim.idle[i], gradient_reduction_s=red,
             gradient_reduction_end_s=red_end, optimizer_s=opt, memory=mem, capacity_gib=device_capacity_bytes(device) / _GIB,
             ends_s=tuple(ends[i]), backward_split=backward_split_shares(profile, device.name),
+            call_overhead_s=call_overhead_s(profile, device.name)[:2],
         ))
     return ReplicaPrediction(num_micro_batches=m, pipeline_time_s=sim.iteration_time,
                              bubble_fraction=sim.bubble_fraction, stages=tuple(stages))

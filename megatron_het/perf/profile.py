@@ -39,6 +39,7 @@ puts it in place of the cluster file's figures for the links it stands for.
 from __future__ import annotations
 
 import json
+import math
 import types
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, replace
@@ -158,6 +159,13 @@ class Profile:
     # backward: (input-gradient share, weight-gradient share); None: the model assumes half each
     backward_split: tuple[float, float] | None = None
     backward_split_method: str = ""  # how backward_split was measured
+    # measured fixed cost of one call of a model chunk (one pipeline action), beyond its layers: (forward,
+    # backward) seconds, the intercept of a chunk's time vs its layer count; the entries' per-layer times
+    # were measured on stacks of ``call_overhead_layers`` layers, so each already holds 1/that of it.
+    # None: the model charges nothing per call (a chunk costs its layers only)
+    call_overhead: tuple[float, float] | None = None
+    call_overhead_layers: int = 1  # layers of the stacks the entries were measured on (with call_overhead)
+    call_overhead_method: str = ""  # how call_overhead was measured
 
 
 def _entry_from_dict(data: object, path: str) -> ProfileEntry:
@@ -217,7 +225,8 @@ def profile_from_dict(data: object, *, source: str | None = None) -> Profile:
     try:
         data = as_mapping(data, "(top level)", example='{"format": "megatron-het-profile", ...}')
         check_keys(data, "", allowed=("format", "version", "device", "method", "machine", "entries", "parts",
-                                      "optimizer", "communication", "compute_model", "backward_split"),
+                                      "optimizer", "communication", "compute_model", "backward_split",
+                                      "call_overhead"),
                    required=("format", "version", "device", "entries"))
         if data["format"] != PROFILE_FORMAT:
             raise ConfigError("not a megatron-het profile", field="format", value=data["format"],
@@ -267,12 +276,28 @@ def profile_from_dict(data: object, *, source: str | None = None) -> Profile:
                 raise ConfigError("shares of the fused backward must be in (0, 2)", field="backward_split",
                                   value=list(split), fix="regenerate the profile with tools/profile_host.py")
             split_method = as_str(raw_split.get("method", "unspecified"), "backward_split.method")
+        overhead, overhead_layers, overhead_method = None, 1, ""
+        if "call_overhead" in data:
+            raw = as_mapping(data["call_overhead"], "call_overhead",
+                             example='{"forward_s": 0.0008, "backward_s": 0.0005, "stack_layers": 2}')
+            check_keys(raw, "call_overhead", allowed=("forward_s", "backward_s", "stack_layers", "method"),
+                       required=("forward_s", "backward_s", "stack_layers"))
+            # a measured intercept: noise can make it negative (the model then charges nothing per call)
+            overhead = tuple(as_float(raw[k], f"call_overhead.{k}", minimum=-math.inf)
+                             for k in ("forward_s", "backward_s"))
+            overhead_layers = as_int(raw["stack_layers"], "call_overhead.stack_layers")
+            if overhead_layers < 2:
+                raise ConfigError("an intercept needs the entries measured on stacks of >= 2 layers",
+                                  field="call_overhead.stack_layers", value=overhead_layers,
+                                  fix="regenerate the profile with tools/profile_host.py --call-overhead --num-layers 2")
+            overhead_method = as_str(raw.get("method", "unspecified"), "call_overhead.method")
         return Profile(device=as_str(data["device"], "device"), entries=entries,
                        method=as_str(data.get("method", "unspecified"), "method"),
                        machine=types.MappingProxyType(dict(machine)), source=source, parts=parts,
                        optimizer_s_per_parameter=opt_s, optimizer_method=opt_method, link=link,
                        compute_model=dict(compute_model), compute_method=compute_method,
-                       backward_split=split, backward_split_method=split_method)
+                       backward_split=split, backward_split_method=split_method, call_overhead=overhead,
+                       call_overhead_layers=overhead_layers, call_overhead_method=overhead_method)
     except ConfigError as err:
         raise err.located(file=source) from None
 
@@ -330,6 +355,9 @@ def profile_to_dict(profile: Profile) -> dict[str, Any]:
     if profile.backward_split is not None:
         out["backward_split"] = {"input_share": profile.backward_split[0], "weight_share": profile.backward_split[1],
                                  "method": profile.backward_split_method}
+    if profile.call_overhead is not None:
+        out["call_overhead"] = {"forward_s": profile.call_overhead[0], "backward_s": profile.call_overhead[1],
+                                "stack_layers": profile.call_overhead_layers, "method": profile.call_overhead_method}
     if profile.compute_model:
         out["compute_model"] = {cls: p.to_dict() for cls, p in profile.compute_model.items()}
         out["compute_model"]["method"] = profile.compute_method

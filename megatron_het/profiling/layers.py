@@ -229,17 +229,37 @@ def measure_split(run: LayerStack, layers: list[torch.nn.Module], params: list[t
     return statistics.median(b) / f, statistics.median(w) / f, method
 
 
+def measure_call_overhead(layers: list[torch.nn.Module], megatron: bool, *, shape: tuple[int, int, int],
+                          dtype: torch.dtype, warmup: int, repeats: int) -> tuple[float, float, str]:
+    """Fixed seconds of one forward and one backward call beyond its layers: (forward, backward, method).
+
+    A model chunk runs as one call per pipeline action; interleaving makes twice the calls of half the
+    layers. The intercept of time vs layers, from the first layer alone and the whole stack of n layers
+    (measured back to back, clocked like every measurement here): (n T(1) - T(n)) / (n - 1). Measured
+    2026-11-25 (bench/schedules_isolated.py): megatron-core's GPTModel chunk called as the runtime calls it
+    has the same intercept as these stacked layers, so the layers stand for the chunk."""
+    n = len(layers)
+    one = [p for p in layers[0].parameters()]
+    t1 = measure(_stack(layers[:1], megatron), one, shape=shape, dtype=dtype, warmup=warmup, repeats=repeats)
+    tn = measure(_stack(layers, megatron), [p for layer in layers for p in layer.parameters()], shape=shape,
+                 dtype=dtype, warmup=warmup, repeats=repeats)
+    forward, backward = ((n * t1[i] - tn[i]) / (n - 1) for i in (0, 1))
+    return forward, backward, (f"intercept of time vs layers: 1 layer and the {n}-layer stack, each the median of "
+                               f"{repeats} after {warmup} warm-up")
+
+
 def profile_layers(model: ModelSpec, *, num_layers: int, micro_batch_sizes: list[int], device: str,
                    warmup: int, repeats: int, dtype: torch.dtype, implementation: str,
                    vocab_size: int | None = None, optimizer: bool = False, tp: int = 1, clock: str = "wall",
-                   sweep_mib: int = 0, split_backward: bool = False) -> Profile:
+                   sweep_mib: int = 0, split_backward: bool = False, call_overhead: bool = False) -> Profile:
     """Build the layers (megatron-core, or the torch reference if that fails) and measure them.
     ``tp > 1`` must run on every rank of a gloo world of ``tp`` processes (:func:`profile_tp_layers`).
     ``clock`` "thread" times thread CPU time, the clock an emulated run on shared cores stretches
     (EmulationTimer clock=time.thread_time; wall time would count other processes' turns); ``sweep_mib``
     > 0 sweeps that many MiB through the caches before every timed repetition, as the other ranks
     sharing the cores do between two of a rank's actions (a back-to-back profile runs with warm caches).
-    ``split_backward`` also times the zero-bubble B/W split of the layers (Profile.backward_split)."""
+    ``split_backward`` also times the zero-bubble B/W split of the layers (Profile.backward_split);
+    ``call_overhead`` the fixed cost of one call of the stack beyond its layers (Profile.call_overhead)."""
     if clock not in CLOCKS or sweep_mib < 0:
         raise ValueError(f"clock must be one of {sorted(CLOCKS)} and sweep_mib >= 0, got {clock!r}, {sweep_mib}")
     _TIMING.clock = CLOCKS[clock]
@@ -247,7 +267,8 @@ def profile_layers(model: ModelSpec, *, num_layers: int, micro_batch_sizes: list
     try:
         profile = _profile_layers(model, num_layers=num_layers, micro_batch_sizes=micro_batch_sizes, device=device,
                                   warmup=warmup, repeats=repeats, dtype=dtype, implementation=implementation,
-                                  vocab_size=vocab_size, optimizer=optimizer, tp=tp, split_backward=split_backward)
+                                  vocab_size=vocab_size, optimizer=optimizer, tp=tp, split_backward=split_backward,
+                                  call_overhead=call_overhead)
     finally:
         _TIMING.clock, _TIMING.sweep = time.perf_counter, None
     if clock == "wall" and not sweep_mib:
@@ -255,12 +276,17 @@ def profile_layers(model: ModelSpec, *, num_layers: int, micro_batch_sizes: list
     how = f"; clock {clock} ({'thread CPU time' if clock == 'thread' else 'wall time'})" + (
         f", {sweep_mib} MiB swept through the caches before each repetition" if sweep_mib else "")
     return replace(profile, method=profile.method + how, optimizer_method=profile.optimizer_method and profile.optimizer_method + how,
-                   backward_split_method=profile.backward_split_method and profile.backward_split_method + how)
+                   backward_split_method=profile.backward_split_method and profile.backward_split_method + how,
+                   call_overhead_method=profile.call_overhead_method and profile.call_overhead_method + how)
 
 
 def _profile_layers(model: ModelSpec, *, num_layers: int, micro_batch_sizes: list[int], device: str,
                     warmup: int, repeats: int, dtype: torch.dtype, implementation: str,
-                    vocab_size: int | None, optimizer: bool, tp: int, split_backward: bool = False) -> Profile:
+                    vocab_size: int | None, optimizer: bool, tp: int, split_backward: bool = False,
+                    call_overhead: bool = False) -> Profile:
+    if call_overhead and num_layers < 2:
+        raise ValueError(f"call_overhead: the intercept of time vs layers needs num_layers >= 2, got {num_layers}. "
+                         "Fix: pass num_layers=2 (tools/profile_host.py --num-layers 2)")
     cleanup: Callable[[], None] = lambda: None
     fallback_reason = ""
     layers: list[torch.nn.Module] = []
@@ -304,6 +330,9 @@ def _profile_layers(model: ModelSpec, *, num_layers: int, micro_batch_sizes: lis
             mbs = micro_batch_sizes[0]
             split = measure_split(run, layers, params, shape=(model.seq_length, mbs, model.hidden_size), dtype=dtype,
                                   warmup=warmup, repeats=repeats)
+        overhead = measure_call_overhead(layers, megatron, shape=(model.seq_length, micro_batch_sizes[0],
+                                                                   model.hidden_size), dtype=dtype, warmup=warmup,
+                                         repeats=repeats) if call_overhead else None
     finally:
         cleanup()
     what = (f"megatron-core TransformerLayer (local spec), CPU backend, gloo world size {tp}" if megatron else
@@ -317,7 +346,9 @@ def _profile_layers(model: ModelSpec, *, num_layers: int, micro_batch_sizes: lis
     return Profile(device=device, entries=tuple(entries), method=method, machine=machine, parts=parts,
                    optimizer_s_per_parameter=opt_s, optimizer_method=opt_method,
                    backward_split=split[:2] if split_backward else None,
-                   backward_split_method=f"{split[2]}, micro-batch {micro_batch_sizes[0]}" if split_backward else "")
+                   backward_split_method=f"{split[2]}, micro-batch {micro_batch_sizes[0]}" if split_backward else "",
+                   call_overhead=overhead[:2] if overhead else None, call_overhead_layers=num_layers,
+                   call_overhead_method=f"{overhead[2]}, micro-batch {micro_batch_sizes[0]}" if overhead else "")
 
 
 def _synchronize() -> Callable[[], None]:

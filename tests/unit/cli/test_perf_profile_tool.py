@@ -188,3 +188,32 @@ def test_cli_measures_the_split_backward(tmp_path):
     b, w = profile.backward_split
     assert 0.25 < w < 2.0 and 0.2 < b < 2.0, (b, w)
     assert "split backward (runtime/split_backward.py)" in profile.backward_split_method
+
+
+def test_call_overhead_is_the_intercept_of_time_vs_layers(monkeypatch):
+    """profiling.layers.measure_call_overhead: (n T(1) - T(n)) / (n - 1) of the stack's forward and backward;
+    with times exactly a + b x layers it returns a (the timing itself is replaced: layers are counted by
+    their parameters, one each)."""
+    import torch
+
+    import megatron_het.profiling.layers as layers_mod
+
+    def fake_measure(run, params, **_):
+        return 0.8e-3 + 4e-3 * len(params), 0.5e-3 + 7e-3 * len(params), 0
+
+    monkeypatch.setattr(layers_mod, "measure", fake_measure)
+    for n in (2, 4):
+        layers = [torch.nn.Linear(1, 1, bias=False) for _ in range(n)]
+        forward, backward, method = layers_mod.measure_call_overhead(layers, False, shape=(1, 1, 1),
+                                                                     dtype=torch.float32, warmup=0, repeats=1)
+        assert (forward, backward) == pytest.approx((0.8e-3, 0.5e-3), rel=1e-9)
+        assert f"{n}-layer stack" in method
+
+
+def test_call_overhead_needs_two_layers(tmp_path, capsys):
+    from megatron_het.cli.profile_host import main
+
+    with pytest.raises(SystemExit):
+        main(["--num-layers", "1", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "16",
+              "--call-overhead", "--output", str(tmp_path / "p.json")])
+    assert "--call-overhead needs --num-layers >= 2" in capsys.readouterr().err

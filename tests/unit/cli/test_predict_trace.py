@@ -106,3 +106,40 @@ def test_zero_bubble_b_and_w_are_priced_from_the_measured_split(tmp_path):
     assert pred.replicas[0].pipeline_time_s > halves.replicas[0].pipeline_time_s  # 15% more backward work
     assert replica_trace(plan, 0, model, cluster, pred).iteration_time == pytest.approx(
         pred.replicas[0].pipeline_time_s, rel=1e-9)
+
+
+@pytest.mark.parametrize("schedule", ["interleaved", "1f1b"])
+def test_call_overhead_is_charged_once_per_action(tmp_path, schedule):
+    """A profile's measured per-call cost (Profile.call_overhead, the intercept of a chunk's time vs its
+    layers; the entries, measured on stacks of n layers, hold 1/n of it per layer) is charged once per
+    action: a chunk of l layers costs cf (1 - l/n) more than its layer share, whatever the schedule."""
+    from megatron_het.perf.predict import action_duration
+    from megatron_het.perf.profile import Profile
+    from megatron_het.schedule import Action
+
+    plan, model = _interleaved(tmp_path)
+    if schedule == "1f1b":
+        plan = replace(plan, schedule="1f1b", virtual_pipeline_size=1,
+                       replicas=tuple(replace(r, stages=tuple(replace(s, chunk_layers=()) for s in r.stages))
+                                      for r in plan.replicas))
+    cluster = load_cluster(CLUSTER)
+    cf, cb, n = 2e-5, 1e-5, 2  # below the analytic layer times these stages are priced from (entries=())
+    bare = predict(plan, model, cluster, profile=Profile(device="CPU", entries=(), method="test"))
+    pred = predict(plan, model, cluster, profile=Profile(device="CPU", entries=(), method="test",
+                                                         call_overhead=(cf, cb), call_overhead_layers=n))
+    v = plan.virtual_pipeline_size
+
+    def durations(p):
+        st = p.replicas[0].stages
+        dur = action_duration(plan, plan.replicas[0], [s.forward_s for s in st], [s.backward_s for s in st],
+                              ends=[s.ends_s for s in st], overhead=[s.call_overhead_s for s in st])
+        return {(s, k, c): dur(s, Action(kind=k, micro_batch=0, chunk=c)) for s in (0, 1) for k in "FB"
+                for c in range(v)}
+
+    with_overhead, without = durations(pred), durations(bare)
+    chunk_sizes = [[b - a for a, b in s.chunk_layers] if v > 1 else [s.num_layers] for s in plan.replicas[0].stages]
+    for (s, kind, c), seconds in with_overhead.items():
+        expected = (cf if kind == "F" else cb) * (1 - chunk_sizes[s][c] / n)
+        assert seconds - without[(s, kind, c)] == pytest.approx(expected, rel=1e-9, abs=1e-12)
+    assert replica_trace(plan, 0, model, cluster, pred).iteration_time == pytest.approx(
+        pred.replicas[0].pipeline_time_s, rel=1e-9)

@@ -99,3 +99,27 @@ def test_unreadable_files(tmp_path):
     (tmp_path / "x.json").write_text("{")
     with pytest.raises(ConfigError, match="profile: not valid JSON"):
         load_profile(tmp_path / "x.json")
+
+
+def test_call_overhead_round_trip_and_validation(tmp_path):
+    doc = {**DOC, "call_overhead": {"forward_s": 8e-4, "backward_s": 5e-4, "stack_layers": 2, "method": "m"}}
+    profile = profile_from_dict(doc)
+    assert profile.call_overhead == (8e-4, 5e-4) and profile.call_overhead_layers == 2
+    path = tmp_path / "p.json"
+    save_profile(profile, path)
+    loaded = load_profile(path)
+    assert (loaded.call_overhead, loaded.call_overhead_layers, loaded.call_overhead_method) == ((8e-4, 5e-4), 2, "m")
+    assert profile_from_dict(DOC).call_overhead is None and "call_overhead" not in profile_to_dict(profile_from_dict(DOC))
+    with pytest.raises(ConfigError, match="stack_layers"):
+        profile_from_dict({**DOC, "call_overhead": {"forward_s": 1e-3, "backward_s": 1e-3, "stack_layers": 1}})
+
+
+def test_negative_call_overhead_loads_and_is_priced_as_none():
+    """An intercept is a difference of two medians: noise can make it negative (measured: -1.4 ms backward at
+    load 1.3); the profile keeps the measurement, the model charges no negative fixed cost."""
+    from megatron_het.perf.predict import call_overhead_s
+
+    profile = profile_from_dict({**DOC, "call_overhead": {"forward_s": 8e-4, "backward_s": -1.4e-3, "stack_layers": 2}})
+    assert profile.call_overhead == (8e-4, -1.4e-3)
+    assert call_overhead_s(profile, profile.device) == (8e-4, 0.0, 2)
+    assert call_overhead_s(profile_from_dict(DOC), profile.device) == (0.0, 0.0, 1)
