@@ -18,7 +18,8 @@ from megatron_het.cluster import load_cluster, load_model
 from megatron_het.errors import UserError
 from megatron_het.perf import load_profile
 from megatron_het.perf.bounds import check_global_batch_size
-from megatron_het.planner import MODES, plan_best
+from megatron_het.planner import MODES, plan_best, with_seq_length
+from megatron_het.planner.parallelizer import AxonnParallelizer
 from megatron_het.planner.summary import candidates_table, rank_ranges, summarize_plan, summarize_sharded
 from megatron_het.utils.progress import Progress, add_progress_argument
 
@@ -40,6 +41,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--mode", choices=("auto", *MODES), default="auto",
                         help="plan family: the pipeline search, uneven sharded data parallelism (Cephalo), or "
                              "the faster of the two (auto, default)")
+    parser.add_argument("--tp-3d", action="store_true",
+                        help="pipeline plans may give a stage an AxoNN 3D tensor-parallel grid (tp_grid) where the "
+                             "4D communication model says it beats 1D TP; plans without the distributed optimizer, "
+                             "which 3D stages do not run yet")
     add_progress_argument(parser)
     args = parser.parse_args(argv)
     if args.top < 1:
@@ -50,12 +55,15 @@ def main(argv: list[str] | None = None) -> int:
             check_output_file(args.output, flag="--output")
         model, cluster = load_model(args.model), load_cluster(args.cluster)
         profiles = [load_profile(p) for p in args.profile] or None
+        pipeline_options = {"top_k": args.top, "exhaustive": args.exhaustive}
+        if args.tp_3d:  # the per-island parallelizer that offers 3D grids (docs/planner.md)
+            pipeline_options.update(distributed_optimizer=False, parallelizer=AxonnParallelizer(
+                with_seq_length(model, args.seq_length), cluster, profile=profiles, distributed_optimizer=False))
         bar = Progress("plan: search", unit="candidates", quiet=args.no_progress)
         try:
             choice = plan_best(model, cluster, global_batch_size=args.global_batch_size, seq_length=args.seq_length,
                                profile=profiles, modes=MODES if args.mode == "auto" else (args.mode,),
-                               pipeline_options={"top_k": args.top, "exhaustive": args.exhaustive,
-                                                 "progress": bar.update})
+                               pipeline_options={**pipeline_options, "progress": bar.update})
         except UserError:
             bar.quiet = True  # the error line is the whole report
             raise

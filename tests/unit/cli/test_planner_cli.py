@@ -88,3 +88,25 @@ def test_plan_output_for_1024_ranks_fits_a_screen_and_verbose_lists_everything()
     verbose = _run("plan.py", *args, "--verbose")
     assert verbose.returncode == 0, verbose.stderr
     assert len(verbose.stdout.splitlines()) > 200 and "replica 0:" in verbose.stdout
+
+
+def test_plan_tp_3d_writes_grids_where_the_4d_model_wins_and_only_then(tmp_path):
+    """--tp-3d plugs AxoNN's parallelizer in: one node of 8 A100s and a 13B GPT get 3D grids (the 4D model's
+    case in tests/unit/planner/test_planner_tp3d.py), written without the distributed optimizer (3D stages
+    do not run it); without the flag the same plan has none."""
+    (tmp_path / "n8.yaml").write_text("islands:\n  - {name: a100, device: A100-80GB, nodes: 1, gpus_per_node: 8}\n")
+    (tmp_path / "gpt13b.yaml").write_text("num_layers: 40\nhidden_size: 5120\nnum_attention_heads: 40\n"
+                                          "seq_length: 2048\nvocab_size: 50304\nname: gpt-13b\n")
+    args = ["--cluster", str(tmp_path / "n8.yaml"), "--model", str(tmp_path / "gpt13b.yaml"),
+            "--global-batch-size", "64", "--mode", "pipeline", "--no-progress"]
+    grids = {}
+    for flag in ("--tp-3d", None):
+        out = tmp_path / f"plan{flag or ''}.json"
+        res = _run("plan.py", *args, *([flag] if flag else []), "--output", str(out))
+        assert res.returncode == 0, res.stderr
+        plan = json.loads(out.read_text())
+        grids[flag] = [s.get("tp_grid") for r in plan["replicas"] for s in r["stages"]]
+        if flag:
+            assert "3D grid [2, 1, 1] (AxoNN)" in res.stdout and plan["use_distributed_optimizer"] is False
+    assert grids["--tp-3d"] and all(g == [2, 1, 1] for g in grids["--tp-3d"])
+    assert all(g is None for g in grids[None])
