@@ -54,6 +54,7 @@ from megatron_het.runtime.comm_routing import (
 )
 from megatron_het.runtime.executor import ActionExecutor, globalise
 from megatron_het.runtime.grad_sync import GradientSynchronizer, Holding
+from megatron_het.runtime.group_ledger import GroupLedger
 from megatron_het.runtime.megatron_trainer import split_tokens
 from megatron_het.runtime.mixed_precision import LossScaler, MainParams, params_dtype, wrap_float16
 from megatron_het.runtime.split_backward import WeightGradStore, install_split_linears
@@ -122,6 +123,7 @@ class PipelineStrategy:
         acc.set_device()
         placement = rank_placement(plan, cluster)
         island_library = {placement.island[r]: placement.library[r] for r in placement.island}
+        self.groups = GroupLedger()  # every group built below, destroyed by close()
         self.pgc, self.role = build_stage_groups(plan, timeout=train.group_timeout,
                                                  backend_of=lambda island: acc.backend_for(island_library[island]))
         role = self.role
@@ -227,10 +229,16 @@ class PipelineStrategy:
                                        dict.fromkeys(range(first, first + self.replica.num_micro_batches), link),
                                        split_backward=schedule.split_backward,
                                        chunk_links={c: chunk_link(c) for c in range(1, v)})
+        self.groups.seal()
 
     @property
     def rank(self) -> int:
         return self.role.rank
+
+    def close(self) -> None:
+        """Destroy the process groups this strategy created (their gloo threads and connections end with
+        them); the strategy cannot step afterwards. Every rank calls it, like the constructor."""
+        self.groups.destroy()
 
     def _grid_groups(self):
         """A 3D stage's axis groups (collective over the world, every plan's 3D stages) and its

@@ -142,6 +142,14 @@ class Trainer:
         return RunResult(rank=self.strategy.rank, iterations=tuple(logs), initial_shards=initial if keep else None,
                          shards=final if keep else None)
 
+    def close(self) -> None:
+        """Release what the strategy holds beyond memory (a pipeline strategy's process groups, whose gloo
+        threads otherwise run until the process ends); collective like the constructor. For processes
+        that build one trainer after another (benches, tests)."""
+        close = getattr(self.strategy, "close", None)
+        if close is not None:
+            close()
+
     def evaluate(self, batch_fn: BatchFn, iteration: int) -> float:
         """Forward-only mean loss of one global batch from ``batch_fn`` (collective)."""
         return self.strategy.evaluate(batch_fn, iteration)

@@ -1,0 +1,92 @@
+"""A closed trainer leaves no process group or gloo thread behind (#16: bench/schedules.py built three
+trainers per process and every earlier one's 10 groups and ~30 gloo threads per rank stayed alive)."""
+
+from __future__ import annotations
+
+import gc
+import os
+import time
+
+import pytest
+import torch  # noqa: F401  (before the C extension, as everywhere)
+import torch.distributed as dist
+
+from megatron_het.cluster import ModelSpec
+from megatron_het.plan import homogeneous_plan
+from megatron_het.platform.local_launch import free_port
+from megatron_het.runtime.group_ledger import GroupLedger, live_groups
+
+MODEL = ModelSpec(num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=16, vocab_size=64)
+
+
+@pytest.fixture
+def world():
+    if dist.is_initialized():
+        pytest.skip("a process group is already initialised in this process")
+    store = dist.TCPStore("127.0.0.1", free_port(), is_master=True, wait_for_workers=False)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def _threads() -> int:
+    return len(os.listdir("/proc/self/task"))
+
+
+def _settled_threads(target: int, timeout_s: float = 5.0) -> int:
+    """The thread count once it reaches ``target`` (a destroyed group's threads exit asynchronously)."""
+    deadline = time.monotonic() + timeout_s
+    while (n := _threads()) != target and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return n
+
+
+def test_ledger_destroys_only_its_owners_groups(world):
+    earlier = dist.new_group([0])
+    ledger = GroupLedger()
+    mine = [dist.new_group([0]) for _ in range(3)]
+    ledger.seal()
+    later = dist.new_group([0])  # after the seal: not the owner's
+    assert ledger.groups == mine
+    ledger.destroy()
+    live = live_groups()
+    assert all(g not in live for g in mine)
+    assert earlier in live and later in live and dist.group.WORLD in live
+    ledger.destroy()  # idempotent
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="counts threads through /proc")
+def test_closed_trainer_leaves_no_group_or_thread(world):
+    from megatron_het.data.synthetic import synthetic_batch
+    from megatron_het.platform import enable_cpu_backend
+    from megatron_het.runtime.hetero_trainer import HeteroTrainer
+    from megatron_het.train.config import TrainConfig
+
+    enable_cpu_backend()
+    plan = homogeneous_plan(tp=1, pp=1, dp=1, num_layers=MODEL.num_layers, micro_batch_size=1, global_batch_size=2,
+                            island="a", device_type="CPU")
+    train = TrainConfig(micro_batch_size=1, global_batch_size=2, train_iters=1, lr=1e-4, log_interval=1)
+
+    def batch_fn(iteration, indices):
+        return synthetic_batch(seed=1, iteration=iteration, indices=indices, seq_length=MODEL.seq_length,
+                               vocab_size=MODEL.vocab_size)
+
+    def build_run_close() -> tuple[int, int]:
+        trainer = HeteroTrainer(model=MODEL, plan=plan, train=train, batch_fn=batch_fn)
+        trainer.run(1)
+        built = len(live_groups()), _threads()
+        trainer.close()
+        del trainer
+        gc.collect()
+        return built
+
+    gc.collect()
+    groups = len(live_groups())
+    build_run_close()  # the first run also starts torch's own threads, once per process
+    threads = _threads()
+    built_groups, built_threads = build_run_close()
+    assert built_groups > groups and built_threads > threads  # the checks below can fail
+    assert len(live_groups()) == groups
+    assert _settled_threads(threads) == threads, (threads, built_threads)
