@@ -17,10 +17,15 @@ measured by tools/profile_host.py just before the runs (one thread; layers, part
 split's shares of the fused backward for ZB-H1, a chunk call's fixed cost charged once per action; thread CPU time, caches swept before each forward and
 backward, as the run's ranks see them) and the cluster's factors; the same schedule action lists the
 runtime executes. Measured: one 4-process
-spawn runs the three plans one after another per round (rounds alternate the order), median over
+spawn runs the three plans one after another per round (rounds alternate the order; each plan's trainer is
+closed, its process groups destroyed, before the next one's is built: ``--keep-groups`` keeps them, as
+this bench did until 2026-11-25), median over
 the iterations after warm-up of the slowest rank's iteration time (robust to the shared machine's
 spikes; the mean is reported beside it). Bubble: mean over ranks of the
 share of the iteration not spent in forward/backward (predicted the same way from the simulation).
+Per rank, the thread CPU time inside the timed compute calls is recorded too (x the island's slowdown
+against the stage's priced compute: what the emulation stretches), beside the timer's compute (the same
+plus host lag not yet repaid) and the threads and process groups alive when each trainer started.
 B/W split overhead: one process, one 4-layer stage of the same model, the executor's F + fused B
 against F + B + W (thread CPU time, alternated pairs, median ratio); ZB-H1's against 1F1B's per-rank
 compute in the pipeline runs is reported beside it (noisier: other processes share the cores).
@@ -100,8 +105,16 @@ def host_lock(path: str):
             fcntl.flock(f, fcntl.LOCK_UN)
 
 
-def _rank(rank, world_size, order, iters, lock_path=None):
-    """Every plan in ``order`` on this rank: per plan, per iteration after warm-up, (elapsed, compute) s."""
+def _rank(rank, world_size, order, iters, lock_path=None, keep_groups=False):
+    """Every plan in ``order`` on this rank: per plan, per iteration after warm-up, (elapsed, compute, compute
+    CPU, lag) s, and the process's threads and process groups when the plan's trainer started.
+
+    compute: the timer's (CPU x slowdown, host lag included until repaid); compute CPU: the thread CPU time
+    inside the timed calls alone (what the emulation multiplies); lag: the timer's unpaid lag at the end.
+    Each trainer is closed (its process groups destroyed, gc) before the next plan's is built, unless
+    ``keep_groups`` (the old behaviour: every earlier trainer's gloo groups and threads stay alive)."""
+    import gc
+
     import torch
 
     from megatron_het.data.synthetic import synthetic_batch
@@ -119,16 +132,40 @@ def _rank(rank, world_size, order, iters, lock_path=None):
         return synthetic_batch(seed=1, iteration=iteration, indices=indices, seq_length=MODEL.seq_length,
                                vocab_size=MODEL.vocab_size)
 
+    from megatron_het.runtime.group_ledger import live_groups
+
     out = {}
     table = plans()
     for name in order:
+        gc.collect()
+        alive = {"threads": len(os.listdir("/proc/self/task")) if os.path.isdir("/proc/self/task") else -1,
+                 "groups": len(live_groups())}
         trainer = HeteroTrainer(model=MODEL, plan=table[name], train=train, batch_fn=batch_fn, cluster=cluster,
                                 clock=time.thread_time)
         trainer.timer.catch_up = True  # host preemption mid-action is paid back from the rank's next sleeps
         if lock_path:
             trainer.timer.host_lock = lambda: host_lock(lock_path)
-        res = trainer.run(iters)
-        out[name] = [(log.elapsed_s, log.compute_s) for log in res.iterations[WARMUP:]]
+        timed, cpu = trainer.timer.compute, [0.0]
+
+        def compute(fn, timed=timed, cpu=cpu):
+            c0 = time.thread_time()
+            try:
+                return timed(fn)
+            finally:
+                cpu[0] += time.thread_time() - c0
+
+        trainer.timer.compute = compute
+        rows = []
+
+        def on_iteration(log, rows=rows, cpu=cpu, timer=trainer.timer):
+            rows.append((log.elapsed_s, log.compute_s, cpu[0], timer.lag_s))
+            cpu[0] = 0.0
+
+        trainer.run(iters, on_iteration=on_iteration)
+        out[name] = {"iterations": rows[WARMUP:], "alive_at_start": alive}
+        if not keep_groups:
+            trainer.close()
+        del trainer, compute, on_iteration
     return out
 
 
@@ -215,6 +252,10 @@ def main() -> int:
                     help="one rank computes at a time (EmulationTimer.host_lock): no cache/memory contention between "
                          "the emulated devices, which the model does not price")
     ap.add_argument("--split-reps", type=int, default=20, help="fused/split iteration pairs of the overhead measurement")
+    ap.add_argument("--keep-groups", action="store_true",
+                    help="do not close a plan's trainer before the next one's (the bench's behaviour until 2026-11-25: "
+                         "earlier trainers' gloo groups and their threads stay alive in the rank's process)")
+    ap.add_argument("--output", default="schedules.json", help="results file under bench/results/")
     args = ap.parse_args()
     from megatron_het.perf import predict
 
@@ -227,27 +268,36 @@ def main() -> int:
         plan.validate(MODEL, cluster)
     predictions = {n: predict(p, MODEL, cluster, profile=profile) for n, p in table.items()}
 
-    per_rank: dict[str, list[list[tuple[float, float]]]] = {n: [[] for _ in range(4)] for n in table}
+    # per schedule and rank: (elapsed, compute, compute CPU, lag) per iteration after warm-up
+    per_rank: dict[str, list[list[tuple[float, float, float, float]]]] = {n: [[] for _ in range(4)] for n in table}
+    alive: dict[str, list[list[dict]]] = {n: [[] for _ in range(4)] for n in table}  # per round: threads, groups
     with tempfile.TemporaryDirectory() as tmp:
         lock = os.path.join(tmp, "compute.lock") if args.serialize else None
         for r in range(args.rounds):
             order = list(SCHEDULES) if r % 2 == 0 else list(reversed(SCHEDULES))
-            for rank, got in enumerate(run_local(4, _rank, (order, args.iters, lock), timeout_s=3600)):
-                for name, rows in got.items():
-                    per_rank[name][rank].extend(rows)
+            for rank, got in enumerate(run_local(4, _rank, (order, args.iters, lock, args.keep_groups),
+                                                 timeout_s=3600)):
+                for name, res in got.items():
+                    per_rank[name][rank].extend(res["iterations"])
+                    alive[name][rank].append(res["alive_at_start"])
     load_after = os.getloadavg()
     pairs = run_local(1, _split_overhead, (args.split_reps,), timeout_s=1800)[0]
     split_ratios = [b / a for a, b in zip(pairs["fused"], pairs["split"])]
     split_overhead = statistics.median(split_ratios) - 1
 
+    slowdown = [CLUSTER["emulation"][isl]["slowdown"] for isl in ("fast", "fast", "fast", "slow")]
     measured, measured_mean, bubble, compute, predicted, pred_bubble = {}, {}, {}, {}, {}, {}
+    compute_cpu, cpu_over_price = {}, {}
     for name in table:
-        rows = list(zip(*per_rank[name]))  # per iteration: one (elapsed, compute) per rank
-        measured[name] = statistics.median(max(e for e, _ in it) for it in rows)
-        measured_mean[name] = statistics.mean(max(e for e, _ in it) for it in rows)
-        bubble[name] = statistics.median(statistics.mean(1 - c / max(e for e, _ in it) for _, c in it) for it in rows)
-        compute[name] = [statistics.median(c for _, c in per_rank[name][k]) for k in range(4)]
+        rows = list(zip(*per_rank[name]))  # per iteration: one (elapsed, compute, compute CPU, lag) per rank
+        measured[name] = statistics.median(max(r[0] for r in it) for it in rows)
+        measured_mean[name] = statistics.mean(max(r[0] for r in it) for it in rows)
+        bubble[name] = statistics.median(statistics.mean(1 - r[1] / max(q[0] for q in it) for r in it) for it in rows)
+        compute[name] = [statistics.median(r[1] for r in per_rank[name][k]) for k in range(4)]
+        compute_cpu[name] = [statistics.median(r[2] for r in per_rank[name][k]) for k in range(4)]
         pred = predictions[name]
+        cpu_over_price[name] = [compute_cpu[name][k] * slowdown[k] / pred.replicas[0].stages[k].compute_s
+                                for k in range(4)]
         predicted[name] = pred.iteration_time_s
         stages = pred.replicas[0].stages
         pred_bubble[name] = statistics.mean(1 - s.compute_s / pred.iteration_time_s for s in stages)
@@ -268,9 +318,16 @@ def main() -> int:
     print(f"B/W split overhead, one 4-layer stage, F+B+W vs F+fused B thread CPU time (median of {len(split_ratios)} "
           f"alternated pairs): {100 * split_overhead:+.1f}% (target <= 5%); in the pipeline runs, ZB-H1 vs 1F1B "
           "forward+backward per rank: " + ", ".join(f"{100 * o:+.1f}%" for o in overhead))
+    for n in table:
+        print(f"{n:12s} per rank: compute CPU ms " + ", ".join(f"{1e3 * c:.0f}" for c in compute_cpu[n])
+              + "; CPU x slowdown / price " + ", ".join(f"{x:.3f}" for x in cpu_over_price[n])
+              + "; timer compute / price " + ", ".join(
+                  f"{compute[n][k] / predictions[n].replicas[0].stages[k].compute_s:.3f}" for k in range(4))
+              + "; threads/groups alive at start " + ", ".join(
+                  f"{a['threads']}/{a['groups']}" for a in alive[n][0]))
     print(f"measured/predicted within 15%: {'yes' if ok_ratio else 'NO'}; load average before {load_before[0]:.1f}, "
           f"after {load_after[0]:.1f}")
-    write_result("schedules.json", {
+    write_result(args.output, {
         "figures": {"predicted_iteration_s": predicted, "measured_iteration_s": measured,
                     "measured_over_predicted": ratio, "measured_iteration_mean_s": measured_mean,
                     "measured_mean_over_predicted": {n: measured_mean[n] / predicted[n] for n in table},
@@ -279,7 +336,10 @@ def main() -> int:
                     "split_overhead": split_overhead, "split_overhead_pair_ratios": split_ratios,
                     "split_fused_s": pairs["fused"], "split_split_s": pairs["split"],
                     "pipeline_zbh1_over_1f1b_compute_per_rank": overhead,
-                    "compute_s_per_rank": compute,
+                    "compute_s_per_rank": compute, "compute_cpu_s_per_rank": compute_cpu,
+                    "compute_cpu_x_slowdown_over_price_per_rank": cpu_over_price,
+                    "alive_at_trainer_start_per_rank_and_round": alive,
+                    "iterations_per_rank": per_rank,
                     "predicted_compute_s_per_stage": {n: [st.compute_s for st in predictions[n].replicas[0].stages]
                                                       for n in table}},
         "targets": {"measured_over_predicted": "within 1 +- 0.15 for each schedule",
@@ -289,7 +349,8 @@ def main() -> int:
         "command": "python bench/schedules.py " + " ".join(sys.argv[1:]),
         "setup": {"model": {k: v for k, v in MODEL.__dict__.items() if v is not None}, "cluster": CLUSTER,
                   "micro_batch_size": MICRO_BATCH, "micro_batches": MICRO_BATCHES, "iters": args.iters,
-                  "warmup": WARMUP, "rounds": args.rounds, "serialized_compute": args.serialize, "plans": {n: p.to_dict() for n, p in table.items()},
+                  "warmup": WARMUP, "rounds": args.rounds, "serialized_compute": args.serialize,
+                  "trainers_closed_between_plans": not args.keep_groups, "plans": {n: p.to_dict() for n, p in table.items()},
                   "emulation_clock": "time.thread_time", "threads_per_rank": 1, "profile_clock": "thread",
                   "profile_sweep_mib": SWEEP_MIB,
                   "profile": os.path.relpath(PROFILE, ROOT)},

@@ -25,6 +25,7 @@ from megatron_het.platform.local_launch import run_local
 
 
 def _rank(rank, world_size, order, iters):
+    import gc
     import resource
 
     import torch
@@ -63,6 +64,9 @@ def _rank(rank, world_size, order, iters):
         n = len(calls) // iters
         out[name] = [(sum(c for c, _ in calls[i * n:(i + 1) * n]), n, sum(s for _, s in calls[i * n:(i + 1) * n]),
                       res.iterations[i].elapsed_s) for i in range(1, iters)]
+        trainer.close()  # as bench/schedules.py: no earlier trainer's gloo groups alive during the next plan
+        del trainer, compute
+        gc.collect()
     return out
 
 
