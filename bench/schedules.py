@@ -260,8 +260,12 @@ def main() -> int:
     from megatron_het.perf import predict
 
     load_before = os.getloadavg()
-    measure_profile(PROFILE)  # kept beside the results: the predictions can be recomputed from it
-    profile = load_profile(PROFILE)
+    # kept beside the results (the predictions can be recomputed from it): schedules_profile.json, or
+    # NAME_profile.json beside an --output NAME.json
+    profile_path = PROFILE if args.output == "schedules.json" else os.path.join(
+        ROOT, "bench", "results", os.path.splitext(args.output)[0] + "_profile.json")
+    measure_profile(profile_path)
+    profile = load_profile(profile_path)
     table = plans()
     cluster = cluster_from_dict(CLUSTER)
     for plan in table.values():
@@ -353,7 +357,7 @@ def main() -> int:
                   "trainers_closed_between_plans": not args.keep_groups, "plans": {n: p.to_dict() for n, p in table.items()},
                   "emulation_clock": "time.thread_time", "threads_per_rank": 1, "profile_clock": "thread",
                   "profile_sweep_mib": SWEEP_MIB,
-                  "profile": os.path.relpath(PROFILE, ROOT)},
+                  "profile": os.path.relpath(profile_path, ROOT)},
         "perf_commit": perf_commit(),
         "machine": machine(), "load_average_before": load_before, "load_average_after": load_after,
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
