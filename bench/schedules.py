@@ -138,8 +138,10 @@ def _rank(rank, world_size, order, iters, lock_path=None, keep_groups=False):
     table = plans()
     for name in order:
         gc.collect()
-        alive = {"threads": len(os.listdir("/proc/self/task")) if os.path.isdir("/proc/self/task") else -1,
-                 "groups": len(live_groups())}
+        proc = os.path.isdir("/proc/self/task")  # Linux: threads and resident memory; elsewhere -1
+        alive = {"threads": len(os.listdir("/proc/self/task")) if proc else -1, "groups": len(live_groups()),
+                 "rss_mib": int(open("/proc/self/statm").read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+                 if proc else -1}
         trainer = HeteroTrainer(model=MODEL, plan=table[name], train=train, batch_fn=batch_fn, cluster=cluster,
                                 clock=time.thread_time)
         trainer.timer.catch_up = True  # host preemption mid-action is paid back from the rank's next sleeps
