@@ -105,20 +105,24 @@ def host_lock(path: str):
             fcntl.flock(f, fcntl.LOCK_UN)
 
 
-def _rank(rank, world_size, order, iters, lock_path=None, keep_groups=False):
+def _rank(rank, world_size, order, iters, lock_path=None, keep_groups=False, sequential=False):
     """Every plan in ``order`` on this rank: per plan, per iteration after warm-up, (elapsed, compute, compute
-    CPU, lag) s, and the process's threads and process groups when the plan's trainer started.
+    CPU, lag) s, and the process's threads, process groups and resident memory when the plan's trainer started.
 
     compute: the timer's (CPU x slowdown, host lag included until repaid); compute CPU: the thread CPU time
     inside the timed calls alone (what the emulation multiplies); lag: the timer's unpaid lag at the end.
-    Each trainer is closed (its process groups destroyed, gc) before the next plan's is built, unless
-    ``keep_groups`` (the old behaviour: every earlier trainer's gloo groups and threads stay alive)."""
+    Default (paired in time): the plans' trainers are built side by side and take turns iteration by
+    iteration (the order rotating each iteration), so every schedule sees the same moments of this shared
+    host, whose CPU time per action drifts by up to 37% between spawns a minute apart (2026-11-25).
+    ``sequential``: each plan runs all its iterations in turn (this bench until 2026-11-25); its trainer is
+    closed (process groups destroyed) before the next plan's, unless ``keep_groups``."""
     import gc
 
     import torch
 
     from megatron_het.data.synthetic import synthetic_batch
     from megatron_het.platform import enable_cpu_backend
+    from megatron_het.runtime.group_ledger import live_groups
     from megatron_het.runtime.hetero_trainer import HeteroTrainer
     from megatron_het.train.config import TrainConfig
 
@@ -127,47 +131,66 @@ def _rank(rank, world_size, order, iters, lock_path=None, keep_groups=False):
     cluster = cluster_from_dict(CLUSTER)
     train = TrainConfig(micro_batch_size=MICRO_BATCH, global_batch_size=MICRO_BATCH * MICRO_BATCHES,
                         train_iters=iters, lr=1e-4, log_interval=iters)
+    table = plans()
 
     def batch_fn(iteration, indices):
         return synthetic_batch(seed=1, iteration=iteration, indices=indices, seq_length=MODEL.seq_length,
                                vocab_size=MODEL.vocab_size)
 
-    from megatron_het.runtime.group_ledger import live_groups
-
-    out = {}
-    table = plans()
-    for name in order:
+    def alive() -> dict:
         gc.collect()
         proc = os.path.isdir("/proc/self/task")  # Linux: threads and resident memory; elsewhere -1
-        alive = {"threads": len(os.listdir("/proc/self/task")) if proc else -1, "groups": len(live_groups()),
-                 "rss_mib": int(open("/proc/self/statm").read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
-                 if proc else -1}
+        return {"threads": len(os.listdir("/proc/self/task")) if proc else -1, "groups": len(live_groups()),
+                "rss_mib": int(open("/proc/self/statm").read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+                if proc else -1}
+
+    def build(name):
+        """The plan's trainer, its compute CPU counter and its rows (filled by its on_iteration)."""
         trainer = HeteroTrainer(model=MODEL, plan=table[name], train=train, batch_fn=batch_fn, cluster=cluster,
                                 clock=time.thread_time)
         trainer.timer.catch_up = True  # host preemption mid-action is paid back from the rank's next sleeps
         if lock_path:
             trainer.timer.host_lock = lambda: host_lock(lock_path)
-        timed, cpu = trainer.timer.compute, [0.0]
+        timed, cpu, rows = trainer.timer.compute, [0.0], []
 
-        def compute(fn, timed=timed, cpu=cpu):
+        def compute(fn):
             c0 = time.thread_time()
             try:
                 return timed(fn)
             finally:
                 cpu[0] += time.thread_time() - c0
 
-        trainer.timer.compute = compute
-        rows = []
-
-        def on_iteration(log, rows=rows, cpu=cpu, timer=trainer.timer):
-            rows.append((log.elapsed_s, log.compute_s, cpu[0], timer.lag_s))
+        def on_iteration(log):
+            rows.append((log.elapsed_s, log.compute_s, cpu[0], trainer.timer.lag_s))
             cpu[0] = 0.0
 
-        trainer.run(iters, on_iteration=on_iteration)
-        out[name] = {"iterations": rows[WARMUP:], "alive_at_start": alive}
-        if not keep_groups:
-            trainer.close()
-        del trainer, compute, on_iteration
+        trainer.timer.compute = compute
+        return trainer, on_iteration, rows
+
+    out = {}
+    if sequential:
+        for name in order:
+            start = alive()
+            trainer, on_iteration, rows = build(name)
+            trainer.run(iters, on_iteration=on_iteration)
+            out[name] = {"iterations": rows[WARMUP:], "alive_at_start": start}
+            if not keep_groups:
+                trainer.close()
+            del trainer, on_iteration
+        return out
+    built = {}
+    for name in order:
+        start = alive()
+        built[name] = (*build(name), start)
+    for i in range(iters):
+        k = i % len(order)
+        for name in order[k:] + order[:k]:
+            trainer, on_iteration, _, _ = built[name]
+            trainer.run(1, on_iteration=on_iteration)
+    for name in order:
+        trainer, _, rows, start = built[name]
+        out[name] = {"iterations": rows[WARMUP:], "alive_at_start": start}
+        trainer.close()
     return out
 
 
@@ -257,6 +280,9 @@ def main() -> int:
     ap.add_argument("--keep-groups", action="store_true",
                     help="do not close a plan's trainer before the next one's (the bench's behaviour until 2026-11-25: "
                          "earlier trainers' gloo groups and their threads stay alive in the rank's process)")
+    ap.add_argument("--sequential", action="store_true",
+                    help="each plan runs all its iterations in turn (this bench until 2026-11-25) instead of the plans "
+                         "taking turns iteration by iteration")
     ap.add_argument("--output", default="schedules.json", help="results file under bench/results/")
     args = ap.parse_args()
     from megatron_het.perf import predict
@@ -281,7 +307,7 @@ def main() -> int:
         lock = os.path.join(tmp, "compute.lock") if args.serialize else None
         for r in range(args.rounds):
             order = list(SCHEDULES) if r % 2 == 0 else list(reversed(SCHEDULES))
-            for rank, got in enumerate(run_local(4, _rank, (order, args.iters, lock, args.keep_groups),
+            for rank, got in enumerate(run_local(4, _rank, (order, args.iters, lock, args.keep_groups, args.sequential),
                                                  timeout_s=3600)):
                 for name, res in got.items():
                     per_rank[name][rank].extend(res["iterations"])
@@ -356,7 +382,8 @@ def main() -> int:
         "setup": {"model": {k: v for k, v in MODEL.__dict__.items() if v is not None}, "cluster": CLUSTER,
                   "micro_batch_size": MICRO_BATCH, "micro_batches": MICRO_BATCHES, "iters": args.iters,
                   "warmup": WARMUP, "rounds": args.rounds, "serialized_compute": args.serialize,
-                  "trainers_closed_between_plans": not args.keep_groups, "plans": {n: p.to_dict() for n, p in table.items()},
+                  "plans_paired_in_time": not args.sequential,
+                  "trainers_closed_between_plans": args.sequential and not args.keep_groups, "plans": {n: p.to_dict() for n, p in table.items()},
                   "emulation_clock": "time.thread_time", "threads_per_rank": 1, "profile_clock": "thread",
                   "profile_sweep_mib": SWEEP_MIB,
                   "profile": os.path.relpath(profile_path, ROOT)},
