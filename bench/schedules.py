@@ -16,10 +16,13 @@ Predicted: the planner's performance model (megatron_het.perf.predict) with a pr
 measured by tools/profile_host.py just before the runs (one thread; layers, parts, AdamW step, the B/W
 split's shares of the fused backward for ZB-H1, a chunk call's fixed cost charged once per action; thread CPU time, caches swept before each forward and
 backward, as the run's ranks see them) and the cluster's factors; the same schedule action lists the
-runtime executes. Measured: one 4-process
-spawn runs the three plans one after another per round (rounds alternate the order; each plan's trainer is
-closed, its process groups destroyed, before the next one's is built: ``--keep-groups`` keeps them, as
-this bench did until 2026-11-25), median over
+runtime executes. Measured: per round one 4-process spawn builds the three plans' trainers side by side
+and runs them in turn, one iteration each (the order rotating every iteration, rounds alternating it), so
+every schedule meets the same moments of this shared host, whose CPU time per action drifts between spawns
+and minutes (2026-11-25: interleaved's rank 0 423 vs 581 ms per iteration in the two spawns of one run in the
+old order, 1F1B 434 vs 483 ms); then the trainers are closed (process groups destroyed). ``--sequential``:
+the old order, each plan all its iterations in turn, its trainer closed before the next plan's
+(``--keep-groups``: not closed, as this bench did before). Median over
 the iterations after warm-up of the slowest rank's iteration time (robust to the shared machine's
 spikes; the mean is reported beside it). Bubble: mean over ranks of the
 share of the iteration not spent in forward/backward (predicted the same way from the simulation).
@@ -31,14 +34,14 @@ against F + B + W (thread CPU time, alternated pairs, median ratio); ZB-H1's aga
 compute in the pipeline runs is reported beside it (noisier: other processes share the cores).
 
 ``--serialize``: one rank computes at a time (EmulationTimer.host_lock, repaid through catch_up), so the
-emulated devices cannot inflate each other's CPU time through the shared caches. Measured 2026-11-25 (load
-1.1-2.1, results/schedules_serialized.json): interleaved 1.256, per-rank compute 1.12-1.15x its price against
+emulated devices cannot inflate each other's CPU time through the shared caches. Measured 2026-11-25 in the
+old sequential order (load 1.1-2.1, results/schedules_serialized.json): interleaved 1.256, per-rank compute 1.12-1.15x its price against
 1F1B's 1.07-1.09x: contention is not what makes interleaved's actions dearer in the run.
 
 Targets: |measured/predicted - 1| <= 15% per schedule; measured bubble ranking == predicted;
 split overhead <= 5%.
 
-    python bench/schedules.py [--iters 6] [--rounds 2]      # ~3 min on a quiet 2-core machine
+    python bench/schedules.py [--iters 6] [--rounds 2] [--sequential [--keep-groups]] [--output NAME.json]  # ~3 min
 """
 
 from __future__ import annotations
