@@ -281,7 +281,7 @@ def main() -> int:
                          "the emulated devices, which the model does not price")
     ap.add_argument("--split-reps", type=int, default=20, help="fused/split iteration pairs of the overhead measurement")
     ap.add_argument("--keep-groups", action="store_true",
-                    help="do not close a plan's trainer before the next one's (the bench's behaviour until 2026-11-25: "
+                    help="with --sequential: do not close a plan's trainer before the next one's (the bench's behaviour until 2026-11-25: "
                          "earlier trainers' gloo groups and their threads stay alive in the rank's process)")
     ap.add_argument("--sequential", action="store_true",
                     help="each plan runs all its iterations in turn (this bench until 2026-11-25) instead of the plans "
