@@ -85,3 +85,25 @@ def compare_to_truth(run: dict[str, torch.Tensor], ref: dict[str, torch.Tensor],
                          f"reference {sorted(set(ref) ^ set(truth))}. Fix: compare states of one model")
     return TruthComparison(run=relative_norms(run, truth), ref=relative_norms(ref, truth),
                            run_all=global_relative_norm(run, truth), ref_all=global_relative_norm(ref, truth))
+
+
+def assert_final_parameters(name: str, final: dict[str, torch.Tensor], ref: dict[str, torch.Tensor],
+                            truth: dict[str, torch.Tensor]) -> None:
+    """The parity tests' parameter checks, printed and asserted: the same tensors; every element within 1e-4
+    absolute of the fp32 reference; all parameters as one vector within 1e-5 relative (the issues' bound; per
+    tensor the fp32 floor is above it); as close to the float64 ``truth`` as the reference (TruthComparison)."""
+    assert set(final) == set(ref), set(final) ^ set(ref)
+    diffs = {k: float((final[k] - ref[k]).abs().max()) for k in ref}
+    worst = max(diffs, key=diffs.get)
+    norms = relative_norms(final, ref)
+    worst_norm = max(norms, key=norms.get)
+    overall = global_relative_norm(final, ref)
+    print(f"{name}: max |param diff| {diffs[worst]:.2e} at {worst}; max ||p - p_ref|| / ||p_ref|| "
+          f"{norms[worst_norm]:.2e} at {worst_norm} ({sum(v > 1e-5 for v in norms.values())} of {len(norms)} "
+          f"tensors above 1e-5; matrices at most {max(v for k, v in norms.items() if final[k].dim() >= 2):.2e}); "
+          f"over all parameters {overall:.2e}")
+    assert diffs[worst] < 1e-4, f"{name}: {worst} differs by {diffs[worst]}"
+    assert overall <= 1e-5, f"{name}: final parameters {overall:.2e} from the reference (relative, all together)"
+    vs_truth = compare_to_truth(final, ref, truth)
+    print(vs_truth.summary(name))
+    assert vs_truth.violations() == [], f"{name}: {vs_truth.violations()}"
