@@ -47,6 +47,7 @@ from megatron_het.perf.sharded import sharded_rank_memory
 from megatron_het.plan import ShardedPlan
 from megatron_het.platform import Accelerator, detect_accelerator
 from megatron_het.runtime.comm_routing import all_reduce_world
+from megatron_het.runtime.group_ledger import GroupLedger
 from megatron_het.runtime.megatron_trainer import split_tokens
 from megatron_het.runtime.mixed_precision import LossScaler, MainGrads, params_dtype, wrap_float16
 from megatron_het.sharding.budget import check_budget
@@ -92,6 +93,7 @@ class ShardedStrategy:
         self.accelerator = acc = accelerator or detect_accelerator()
         self.device = acc.device
         acc.set_device()
+        self.groups = GroupLedger()  # every group built below, destroyed by close()
         _, self.pgc = block_process_groups(BlockShape(tp=1, pp=1, dp=world), timeout=train.group_timeout,
                                            backend=acc.torch_backend)
         # ranks of different collective libraries (NVIDIA beside AMD): the state's collectives go
@@ -139,6 +141,7 @@ class ShardedStrategy:
         # optim/distributed.py): every rank holds every parameter (TP=1), so one group over the world
         # splits each parameter in proportion to the plan's shard fractions.
         self.optimizer = self._distributed_optimizer(world, rank)
+        self.groups.seal()
         self.samples = sample_ranges(plan.samples_per_rank)[rank]
         self.memory = sharded_rank_memory(model, shard_fraction=plan.shard_fractions[rank],
                                           micro_batch_size=self.share.micro_batch_size,
@@ -148,6 +151,11 @@ class ShardedStrategy:
         if memory_budget_bytes is not None:
             check_budget(self.memory, rank=rank, budget_bytes=int(memory_budget_bytes[rank]),
                          shard_fraction=plan.shard_fractions[rank])
+
+    def close(self) -> None:
+        """Destroy the process groups this strategy created (as the pipeline strategy does); the strategy
+        cannot step afterwards. Every rank calls it, like the constructor."""
+        self.groups.destroy()
 
     def _distributed_optimizer(self, world: int, rank: int):
         """The sharded state: ``optim.DistributedOptimizer`` over holders that all hold every full parameter."""

@@ -57,16 +57,31 @@ def test_ledger_destroys_only_its_owners_groups(world):
     ledger.destroy()  # idempotent
 
 
+def _pipeline_trainer(train, batch_fn):
+    from megatron_het.runtime.hetero_trainer import HeteroTrainer
+
+    plan = homogeneous_plan(tp=1, pp=1, dp=1, num_layers=MODEL.num_layers, micro_batch_size=1, global_batch_size=2,
+                            island="a", device_type="CPU")
+    return HeteroTrainer(model=MODEL, plan=plan, train=train, batch_fn=batch_fn)
+
+
+def _sharded_trainer(train, batch_fn):
+    from megatron_het.plan import RankShare, ShardedPlan
+    from megatron_het.sharding.trainer import ShardedTrainer
+
+    plan = ShardedPlan(ranks=(RankShare(rank=0, island="a", device_type="CPU", micro_batch_size=1,
+                                        num_micro_batches=2, shard_fraction=1.0),), global_batch_size=2)
+    return ShardedTrainer(model=MODEL, plan=plan, train=train, batch_fn=batch_fn)
+
+
 @pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="counts threads through /proc")
-def test_closed_trainer_leaves_no_group_or_thread(world):
+@pytest.mark.parametrize("build", [_pipeline_trainer, _sharded_trainer], ids=["pipeline", "sharded"])
+def test_closed_trainer_leaves_no_group_or_thread(world, build):
     from megatron_het.data.synthetic import synthetic_batch
     from megatron_het.platform import enable_cpu_backend
-    from megatron_het.runtime.hetero_trainer import HeteroTrainer
     from megatron_het.train.config import TrainConfig
 
     enable_cpu_backend()
-    plan = homogeneous_plan(tp=1, pp=1, dp=1, num_layers=MODEL.num_layers, micro_batch_size=1, global_batch_size=2,
-                            island="a", device_type="CPU")
     train = TrainConfig(micro_batch_size=1, global_batch_size=2, train_iters=1, lr=1e-4, log_interval=1)
 
     def batch_fn(iteration, indices):
@@ -74,7 +89,7 @@ def test_closed_trainer_leaves_no_group_or_thread(world):
                                vocab_size=MODEL.vocab_size)
 
     def build_run_close() -> tuple[int, int]:
-        trainer = HeteroTrainer(model=MODEL, plan=plan, train=train, batch_fn=batch_fn)
+        trainer = build(train, batch_fn)
         trainer.run(1)
         built = len(live_groups()), _threads()
         trainer.close()
