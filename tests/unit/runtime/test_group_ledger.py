@@ -13,22 +13,17 @@ import torch.distributed as dist
 
 from megatron_het.cluster import ModelSpec
 from megatron_het.plan import homogeneous_plan
-from megatron_het.platform.local_launch import free_port
 from megatron_het.runtime.group_ledger import GroupLedger, live_groups
+
+from support.one_rank import one_rank_world
 
 MODEL = ModelSpec(num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=16, vocab_size=64)
 
 
 @pytest.fixture
 def world():
-    if dist.is_initialized():
-        pytest.skip("a process group is already initialised in this process")
-    store = dist.TCPStore("127.0.0.1", free_port(), is_master=True, wait_for_workers=False)
-    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
-    try:
+    with one_rank_world():
         yield
-    finally:
-        dist.destroy_process_group()
 
 
 def _threads() -> int:

@@ -10,7 +10,8 @@ import torch
 import torch.distributed as dist
 
 from megatron_het.plan import homogeneous_plan
-from megatron_het.platform.local_launch import free_port
+
+from support.one_rank import one_rank_world
 
 RUN = datetime.timedelta(seconds=123)  # the run's timeout (--distributed-timeout-minutes)
 WORLD = datetime.timedelta(seconds=77)
@@ -22,14 +23,8 @@ def _timeout(group) -> datetime.timedelta:
 
 @pytest.fixture
 def world():
-    if dist.is_initialized():
-        pytest.skip("a process group is already initialised in this process")
-    store = dist.TCPStore("127.0.0.1", free_port(), is_master=True, wait_for_workers=False)
-    dist.init_process_group("gloo", store=store, rank=0, world_size=1, timeout=WORLD)
-    try:
+    with one_rank_world(WORLD):
         yield
-    finally:
-        dist.destroy_process_group()
 
 
 def test_torch_default_is_not_the_world_timeout(world):
