@@ -31,7 +31,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 from megatron_het.cluster import CATALOG, ClusterSpec, IslandEmulation, IslandSpec, LinkSpec, ModelSpec  # noqa: E402
 from megatron_het.perf.flops import total_parameters  # noqa: E402
-from megatron_het.perf.sharded import sharded_rank_memory  # noqa: E402
+from megatron_het.perf.sharded import sharded_rank_memory, state_bytes_for  # noqa: E402
 from megatron_het.planner.errors import InfeasibleError  # noqa: E402
 from megatron_het.planner.modes import plan_best  # noqa: E402
 from megatron_het.planner.sharded import plan_sharded  # noqa: E402
@@ -71,7 +71,8 @@ def cpu_budgets() -> list[int]:
     p = total_parameters(CPU_MODEL)  # vocab 256 is already padded: the runtime's exact count
     base = sharded_rank_memory(CPU_MODEL, shard_fraction=0.0, micro_batch_size=1, recompute=False,
                                precision="fp32", overhead_bytes=0, num_parameters=p).total_bytes
-    return [int(base + 12 * p * room) for room in ROOM]
+    state = state_bytes_for("fp32").state_bytes  # per owned parameter, as the runtime keeps it
+    return [int(base + state * p * room) for room in ROOM]
 
 
 CPU_SHARDED_OPTIONS = {"precision": "fp32", "overhead_bytes": 0}  # what the CPU runtime holds, no framework overhead

@@ -6,8 +6,9 @@ What a rank holds at its peak (what ``megatron_het.sharding.ShardedTrainer`` all
 - working weights of the whole model, gathered for compute (``working_param_bytes``/param; bf16 on a GPU);
 - a full-size gradient buffer, accumulated over the rank's micro-batches and reduce-scattered once
   per iteration (``grad_bytes``/param; fp32 as Megatron's DDP keeps it);
-- its shard of the training state: fp32 master weights and Adam's two moments, ``state_bytes``
-  per owned parameter (12), i.e. ``shard_fraction x P x 12``;
+- its shard of the training state, ``state_bytes`` per owned parameter: in mixed precision fp32 main
+  values and Adam's two moments (12); in fp32 the moments only (8: the parameters are the main values,
+  as the shared ``optim.DistributedOptimizer`` keeps them), i.e. ``shard_fraction x P x state_bytes``;
 - activations of one micro-batch of its own size (Korthikanti terms of ``perf.memory``), with its
   own recompute choice; plus the fixed framework overhead.
 
@@ -32,7 +33,7 @@ from megatron_het.cluster import ClusterSpec, IslandSpec, ModelSpec
 from megatron_het.perf.bounds import check_global_batch_size
 from megatron_het.perf.comm import bytes_per_s, p2p_channel
 from megatron_het.perf.flops import total_parameters
-from megatron_het.perf.memory import DEFAULT_OVERHEAD_BYTES, StageMemory, stage_memory
+from megatron_het.perf.memory import DEFAULT_OVERHEAD_BYTES, StageMemory, runtime_state_bytes, stage_memory
 from megatron_het.perf.predict import optimizer_step_s, stage_cost
 from megatron_het.perf.profile import Profile
 
@@ -49,16 +50,18 @@ class StateBytes:
 
     working_param_bytes: int  # gathered weights used for compute (full model on every rank)
     grad_bytes: int  # local full-size gradient accumulation buffer
-    state_bytes: int  # per *owned* parameter: fp32 master + exp_avg + exp_avg_sq
+    state_bytes: int  # per *owned* parameter: exp_avg + exp_avg_sq (+ fp32 main values in mixed precision)
     activation_scale: float  # activation bytes relative to the bf16 Korthikanti figures
 
 
 def state_bytes_for(precision: Precision) -> StateBytes:
-    """``mixed``: bf16 weights, fp32 grads and state (GPU). ``fp32``: what the CPU runtime holds."""
-    if precision == "mixed":
-        return StateBytes(working_param_bytes=2, grad_bytes=4, state_bytes=12, activation_scale=1.0)
-    if precision == "fp32":
-        return StateBytes(working_param_bytes=4, grad_bytes=4, state_bytes=12, activation_scale=2.0)
+    """``mixed``: bf16 weights, fp32 grads and state (GPU). ``fp32``: what the CPU runtime holds. The
+    bytes are the pipeline runtime's with the distributed optimizer (one optimizer serves both modes)."""
+    if precision in ("mixed", "fp32"):
+        weights, grads, state = runtime_state_bytes("bf16" if precision == "mixed" else "fp32",
+                                                    distributed_optimizer=True)
+        return StateBytes(working_param_bytes=weights, grad_bytes=grads, state_bytes=state,
+                          activation_scale=1.0 if precision == "mixed" else 2.0)
     raise ValueError(f"precision: must be 'mixed' or 'fp32' (got {precision!r}). Fix: pick one of the two")
 
 
