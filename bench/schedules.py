@@ -108,9 +108,46 @@ def host_lock(path: str):
             fcntl.flock(f, fcntl.LOCK_UN)
 
 
-def _rank(rank, world_size, order, iters, lock_path=None, keep_groups=False, sequential=False):
-    """Every plan in ``order`` on this rank: per plan, per iteration after warm-up, (elapsed, compute, compute
-    CPU, lag) s, and the process's threads, process groups and resident memory when the plan's trainer started.
+def rank_setup(iters: int, model=MODEL):
+    """The preamble every schedules bench's rank shares: one torch thread, the CPU backend for megatron-core;
+    returns (this bench's cluster, the TrainConfig of ``iters`` iterations, the synthetic ``batch_fn`` for
+    ``model``'s shape)."""
+    import torch
+
+    from megatron_het.data.synthetic import synthetic_batch
+    from megatron_het.platform import enable_cpu_backend
+    from megatron_het.train.config import TrainConfig
+
+    torch.set_num_threads(1)
+    enable_cpu_backend()
+    train = TrainConfig(micro_batch_size=MICRO_BATCH, global_batch_size=MICRO_BATCH * MICRO_BATCHES,
+                        train_iters=iters, lr=1e-4, log_interval=iters)
+
+    def batch_fn(iteration, indices):
+        return synthetic_batch(seed=1, iteration=iteration, indices=indices, seq_length=model.seq_length,
+                               vocab_size=model.vocab_size)
+
+    return cluster_from_dict(CLUSTER), train, batch_fn
+
+
+def profile_options() -> dict:
+    """What the profile measures (both ways: tools/profile_host.py in one process, or in the run's ranks)."""
+    import torch
+
+    from megatron_het.perf.flops import padded_vocab_size
+
+    return dict(num_layers=2, micro_batch_sizes=[MICRO_BATCH], device="CPU", warmup=3, repeats=7,
+                dtype=torch.float32, vocab_size=padded_vocab_size(MODEL.vocab_size), optimizer=True,
+                split_backward=True, call_overhead=True, clock="thread")
+
+
+def _rank(rank, world_size, order, iters, lock_path=None, keep_groups=False, sequential=False, profile_in_run=False):
+    """Every plan in ``order`` on this rank: {"plans": per plan, per iteration after warm-up, (elapsed, compute,
+    compute CPU, lag) s, and the process's threads, process groups and resident memory when the plan's trainer
+    started; "profile": this rank's profile (as a dict) when ``profile_in_run``, else None}.
+
+    ``profile_in_run``: first, every rank profiles the layers at once on its emulated device
+    (megatron_het.profiling.in_run.profile_in_rank), in this spawn, just before its trainers are built.
 
     compute: the timer's (CPU x slowdown, host lag included until repaid); compute CPU: the thread CPU time
     inside the timed calls alone (what the emulation multiplies); lag: the timer's unpaid lag at the end.
@@ -121,24 +158,17 @@ def _rank(rank, world_size, order, iters, lock_path=None, keep_groups=False, seq
     closed (process groups destroyed) before the next plan's, unless ``keep_groups``."""
     import gc
 
-    import torch
-
-    from megatron_het.data.synthetic import synthetic_batch
-    from megatron_het.platform import enable_cpu_backend
+    from megatron_het.perf.profile import profile_to_dict
+    from megatron_het.profiling.in_run import profile_in_rank
     from megatron_het.runtime.group_ledger import live_groups
     from megatron_het.runtime.hetero_trainer import HeteroTrainer
-    from megatron_het.train.config import TrainConfig
 
-    torch.set_num_threads(1)
-    enable_cpu_backend()
-    cluster = cluster_from_dict(CLUSTER)
-    train = TrainConfig(micro_batch_size=MICRO_BATCH, global_batch_size=MICRO_BATCH * MICRO_BATCHES,
-                        train_iters=iters, lr=1e-4, log_interval=iters)
+    cluster, train, batch_fn = rank_setup(iters)
     table = plans()
-
-    def batch_fn(iteration, indices):
-        return synthetic_batch(seed=1, iteration=iteration, indices=indices, seq_length=MODEL.seq_length,
-                               vocab_size=MODEL.vocab_size)
+    profile = None
+    if profile_in_run:
+        island = table[order[0]].replicas[0].stages[rank].island
+        profile = profile_to_dict(profile_in_rank(MODEL, slowdown=cluster.slowdown(island), **profile_options()))
 
     def alive() -> dict:
         gc.collect()
@@ -180,7 +210,7 @@ def _rank(rank, world_size, order, iters, lock_path=None, keep_groups=False, seq
             if not keep_groups:
                 trainer.close()
             del trainer, on_iteration
-        return out
+        return {"plans": out, "profile": profile}
     built = {}
     for name in order:
         start = alive()
@@ -194,7 +224,7 @@ def _rank(rank, world_size, order, iters, lock_path=None, keep_groups=False, seq
         trainer, _, rows, start = built[name]
         out[name] = {"iterations": rows[WARMUP:], "alive_at_start": start}
         trainer.close()
-    return out
+    return {"plans": out, "profile": profile}
 
 
 def _split_overhead(rank, world_size, reps):
@@ -286,36 +316,56 @@ def main() -> int:
     ap.add_argument("--sequential", action="store_true",
                     help="each plan runs all its iterations in turn (this bench until 2026-11-25) instead of the plans "
                          "taking turns iteration by iteration")
+    ap.add_argument("--profile", choices=("run", "host"), default="run",
+                    help="run: every rank of each spawn profiles the layers at once on its emulated device just before "
+                         "its timed iterations (profiling.in_run), the median over all ranks and spawns prices every "
+                         "schedule; host: tools/profile_host.py in one process before the runs (this bench until "
+                         "2026-11-26)")
     ap.add_argument("--output", default="schedules.json", help="results file under bench/results/")
     args = ap.parse_args()
     from megatron_het.perf import predict
+    from megatron_het.perf.profile import profile_from_dict, save_profile
+    from megatron_het.profiling.in_run import median_profile
 
     load_before = os.getloadavg()
     # kept beside the results (the predictions can be recomputed from it): schedules_profile.json, or
     # NAME_profile.json beside an --output NAME.json
     profile_path = PROFILE if args.output == "schedules.json" else os.path.join(
         ROOT, "bench", "results", os.path.splitext(args.output)[0] + "_profile.json")
-    measure_profile(profile_path)
-    profile = load_profile(profile_path)
+    if args.profile == "host":
+        measure_profile(profile_path)
     table = plans()
     cluster = cluster_from_dict(CLUSTER)
     for plan in table.values():
         plan.validate(MODEL, cluster)
-    predictions = {n: predict(p, MODEL, cluster, profile=profile) for n, p in table.items()}
 
     # per schedule and rank: (elapsed, compute, compute CPU, lag) per iteration after warm-up
     per_rank: dict[str, list[list[tuple[float, float, float, float]]]] = {n: [[] for _ in range(4)] for n in table}
     alive: dict[str, list[list[dict]]] = {n: [[] for _ in range(4)] for n in table}  # per round: threads, groups
+    rank_profiles = []  # --profile run: per round and rank, the profile measured in that spawn
     with tempfile.TemporaryDirectory() as tmp:
         lock = os.path.join(tmp, "compute.lock") if args.serialize else None
         for r in range(args.rounds):
             order = list(SCHEDULES) if r % 2 == 0 else list(reversed(SCHEDULES))
-            for rank, got in enumerate(run_local(4, _rank, (order, args.iters, lock, args.keep_groups, args.sequential),
-                                                 timeout_s=3600)):
-                for name, res in got.items():
+            for rank, got in enumerate(run_local(4, _rank, (order, args.iters, lock, args.keep_groups, args.sequential,
+                                                            args.profile == "run"), timeout_s=3600)):
+                for name, res in got["plans"].items():
                     per_rank[name][rank].extend(res["iterations"])
                     alive[name][rank].append(res["alive_at_start"])
+                if got["profile"] is not None:
+                    rank_profiles.append(profile_from_dict(got["profile"]))
     load_after = os.getloadavg()
+    if args.profile == "run":
+        islands = ", ".join(f"{CLUSTER['emulation'][s.island]['slowdown']:g}" for s in table["1f1b"].replicas[0].stages)
+        save_profile(median_profile(rank_profiles, what=f"rank profiles of {args.rounds} spawns of bench/schedules.py "
+                                    f"(4 ranks each, emulated slowdowns {islands}), measured just before each "
+                                    "spawn's timed iterations"), profile_path)
+    profile = load_profile(profile_path)
+    predictions = {n: predict(p, MODEL, cluster, profile=profile) for n, p in table.items()}
+    # each spawn's own profile, each rank's own profile: how much they differ (not used in the prediction)
+    spread = {"per_round_layer_forward_backward_ms": [
+        [round(1e3 * (q.entries[0].forward_s + q.entries[0].backward_s), 3) for q in rank_profiles[4 * r:4 * r + 4]]
+        for r in range(len(rank_profiles) // 4)]}
     pairs = run_local(1, _split_overhead, (args.split_reps,), timeout_s=1800)[0]
     split_ratios = [b / a for a, b in zip(pairs["fused"], pairs["split"])]
     split_overhead = statistics.median(split_ratios) - 1
@@ -360,6 +410,10 @@ def main() -> int:
                   f"{compute[n][k] / predictions[n].replicas[0].stages[k].compute_s:.3f}" for k in range(4))
               + "; threads/groups alive at start " + ", ".join(
                   f"{a['threads']}/{a['groups']}" for a in alive[n][0]))
+    print(f"profile: {args.profile} ({profile_path}); per layer forward {1e3 * profile.entries[0].forward_s:.3f} ms, "
+          f"backward {1e3 * profile.entries[0].backward_s:.3f} ms"
+          + (f"; each rank's layer F+B ms per spawn: {spread['per_round_layer_forward_backward_ms']}"
+             if rank_profiles else ""))
     print(f"measured/predicted within 15%: {'yes' if ok_ratio else 'NO'}; load average before {load_before[0]:.1f}, "
           f"after {load_after[0]:.1f}")
     write_result(args.output, {
@@ -376,7 +430,11 @@ def main() -> int:
                     "alive_at_trainer_start_per_rank_and_round": alive,
                     "iterations_per_rank": per_rank,
                     "predicted_compute_s_per_stage": {n: [st.compute_s for st in predictions[n].replicas[0].stages]
-                                                      for n in table}},
+                                                      for n in table},
+                    "profile_layer_forward_s": profile.entries[0].forward_s,
+                    "profile_layer_backward_s": profile.entries[0].backward_s,
+                    "rank_profiles_layer_forward_plus_backward_ms_per_round": spread[
+                        "per_round_layer_forward_backward_ms"]},
         "targets": {"measured_over_predicted": "within 1 +- 0.15 for each schedule",
                     "bubble_ranking": "measured == predicted", "split_overhead": "<= 0.05"},
         "met": {"measured_over_predicted": ok_ratio, "bubble_ranking": ok_rank,
@@ -388,7 +446,7 @@ def main() -> int:
                   "plans_paired_in_time": not args.sequential,
                   "trainers_closed_between_plans": args.sequential and not args.keep_groups, "plans": {n: p.to_dict() for n, p in table.items()},
                   "emulation_clock": "time.thread_time", "threads_per_rank": 1, "profile_clock": "thread",
-                  "profile_sweep_mib": SWEEP_MIB,
+                  "profile_measured": args.profile, "profile_sweep_mib": SWEEP_MIB if args.profile == "host" else 0,
                   "profile": os.path.relpath(profile_path, ROOT)},
         "perf_commit": perf_commit(),
         "machine": machine(), "load_average_before": load_before, "load_average_after": load_after,
