@@ -12,11 +12,19 @@ rank are caught more often than 1F1B's 16), the rank repays the lag from its nex
 Layers follow the speeds (4/4/4/2 of 14; interleaved: chunks of 2/2/2/1 layers, the plan's uneven
 chunk_layers); m = 8 micro-batches of 2.
 
-Predicted: the planner's performance model (megatron_het.perf.predict) with a profile of this host
-measured by tools/profile_host.py just before the runs (one thread; layers, parts, AdamW step, the B/W
-split's shares of the fused backward for ZB-H1, a chunk call's fixed cost charged once per action; thread CPU time, caches swept before each forward and
-backward, as the run's ranks see them) and the cluster's factors; the same schedule action lists the
-runtime executes. Measured: per round one 4-process spawn builds the three plans' trainers side by side
+Predicted: the planner's performance model (megatron_het.perf.predict) with a profile of the emulated devices
+as the run sees them, and the cluster's factors; the same schedule action lists the runtime executes. The
+profile (``--profile run``, default; megatron_het.profiling.in_run) is measured by the run's own ranks: in every
+spawn, just before its trainers are built, all 4 ranks measure at once, each on its own emulated device (after
+every timed section it waits (slowdown - 1)x that section, as its device does in the run, so the ranks share
+the host's cores and caches as when they train; no cache sweep: the other ranks are really there): layers,
+parts, AdamW step, the B/W split's shares of the fused backward for ZB-H1, a chunk call's fixed cost charged
+once per action, all in thread CPU time (the emulation clock). The median over all ranks of all spawns is one
+profile (results/schedules_profile.json) that prices all three schedules; nothing in it comes from the timed
+iterations. ``--profile host``: tools/profile_host.py in one process minutes before the runs (this bench until
+2026-11-26; caches swept before each repetition; it priced an action at 1/1.10..1/1.50 of its CPU time in the
+4-rank run: 1F1B / interleaved / ZB-H1 1.187 / 1.155 / 1.038, 1.420 / 1.509 / 1.446, 1.155 / 1.221 / 1.040).
+Measured: per round one 4-process spawn builds the three plans' trainers side by side
 and runs them in turn, one iteration each (the order rotating every iteration, rounds alternating it), so
 every schedule meets the same moments of this shared host, whose CPU time per action drifts between spawns
 and minutes (2026-11-25: interleaved's rank 0 423 vs 581 ms per iteration in the two spawns of one run in the
@@ -37,11 +45,12 @@ compute in the pipeline runs is reported beside it (noisier: other processes sha
 emulated devices cannot inflate each other's CPU time through the shared caches. Measured 2026-11-25 in the
 old sequential order (load 1.1-2.1, results/schedules_serialized.json): interleaved 1.256, per-rank compute 1.12-1.15x its price against
 1F1B's 1.07-1.09x: contention is not what makes interleaved's actions dearer in the run.
+With ``--profile run`` the profile's ranks still measure at once (not serialized).
 
 Targets: |measured/predicted - 1| <= 15% per schedule; measured bubble ranking == predicted;
 split overhead <= 5%.
 
-    python bench/schedules.py [--iters 6] [--rounds 2] [--sequential [--keep-groups]] [--output NAME.json]  # ~3 min
+    python bench/schedules.py [--iters 6] [--rounds 2] [--profile run|host] [--sequential [--keep-groups]] [--output NAME.json]  # ~5 min
 """
 
 from __future__ import annotations
@@ -108,10 +117,10 @@ def host_lock(path: str):
             fcntl.flock(f, fcntl.LOCK_UN)
 
 
-def rank_setup(iters: int, model=MODEL):
+def rank_setup(iters: int, *, model=MODEL, cluster: dict = CLUSTER):
     """The preamble every schedules bench's rank shares: one torch thread, the CPU backend for megatron-core;
-    returns (this bench's cluster, the TrainConfig of ``iters`` iterations, the synthetic ``batch_fn`` for
-    ``model``'s shape)."""
+    returns (the ClusterSpec of ``cluster``, this bench's TrainConfig of ``iters`` iterations, the synthetic
+    ``batch_fn`` for ``model``'s shape)."""
     import torch
 
     from megatron_het.data.synthetic import synthetic_batch
@@ -127,7 +136,7 @@ def rank_setup(iters: int, model=MODEL):
         return synthetic_batch(seed=1, iteration=iteration, indices=indices, seq_length=model.seq_length,
                                vocab_size=model.vocab_size)
 
-    return cluster_from_dict(CLUSTER), train, batch_fn
+    return cluster_from_dict(cluster), train, batch_fn
 
 
 def profile_options() -> dict:
