@@ -40,10 +40,11 @@ def profile_in_rank(model: ModelSpec, *, slowdown: float, num_layers: int, micro
 
     Must be called by every rank of the current torch.distributed world at the same point (megatron-core's
     model-parallel groups for the measured layers are created collectively; they are destroyed before it
-    returns, with their gloo threads). ``slowdown``: this rank's emulated device against the host (``ClusterSpec.slowdown`` of its
-    island; 1.0 on a real device); ``clock``: "thread" (thread CPU time, the emulation clock of a bench on
-    shared cores) or "wall". No cache sweep: the other ranks, really running, are what the caches see
-    between two of this rank's sections. The other arguments are ``profiling.layers.profile_layers``'s."""
+    returns, with their gloo threads). ``slowdown``: this rank's emulated device against the host
+    (``ClusterSpec.slowdown`` of its island; 1.0 on a real device); ``clock``: "thread" (thread CPU time, the
+    emulation clock of a bench on shared cores) or "wall". No cache sweep: the other ranks, really running,
+    are what the caches see between two of this rank's sections. The other arguments are
+    ``profiling.layers.profile_layers``'s."""
     import torch.distributed as dist
 
     from megatron_het.profiling.layers import profile_layers
