@@ -22,8 +22,9 @@ parts, AdamW step, the B/W split's shares of the fused backward for ZB-H1, a chu
 once per action, all in thread CPU time (the emulation clock). The median over all ranks of all spawns is one
 profile (results/schedules_profile.json) that prices all three schedules; nothing in it comes from the timed
 iterations. ``--profile host``: tools/profile_host.py in one process minutes before the runs (this bench until
-2026-11-26; caches swept before each repetition; it priced an action at 1/1.10..1/1.50 of its CPU time in the
-4-rank run: 1F1B / interleaved / ZB-H1 1.187 / 1.155 / 1.038, 1.420 / 1.509 / 1.446, 1.155 / 1.221 / 1.040).
+2026-11-27; caches swept before each repetition; it priced an action at 1/1.10..1/1.50 of its CPU time in the
+4-rank run: 1F1B / interleaved / ZB-H1 1.187 / 1.155 / 1.038, 1.420 / 1.509 / 1.446, 1.155 / 1.221 / 1.040;
+2026-11-27 on another host: 1.015 / 1.057 / 1.035 and 1.196 / 1.207 / 1.156, the in-run profile 0.988-1.078 in four runs).
 Measured: per round one 4-process spawn builds the three plans' trainers side by side
 and runs them in turn, one iteration each (the order rotating every iteration, rounds alternating it), so
 every schedule meets the same moments of this shared host, whose CPU time per action drifts between spawns
@@ -50,7 +51,7 @@ With ``--profile run`` the profile's ranks still measure at once (not serialized
 Targets: |measured/predicted - 1| <= 15% per schedule; measured bubble ranking == predicted;
 split overhead <= 5%.
 
-    python bench/schedules.py [--iters 6] [--rounds 2] [--profile run|host] [--sequential [--keep-groups]] [--output NAME.json]  # ~5 min
+    python bench/schedules.py [--iters 6] [--rounds 2] [--profile run|host] [--sequential [--keep-groups]] [--output NAME.json]  # ~7 min here (2026-11-27)
 """
 
 from __future__ import annotations
@@ -329,7 +330,7 @@ def main() -> int:
                     help="run: every rank of each spawn profiles the layers at once on its emulated device just before "
                          "its timed iterations (profiling.in_run), the median over all ranks and spawns prices every "
                          "schedule; host: tools/profile_host.py in one process before the runs (this bench until "
-                         "2026-11-26)")
+                         "2026-11-27)")
     ap.add_argument("--output", default="schedules.json", help="results file under bench/results/")
     args = ap.parse_args()
     from megatron_het.perf import predict
