@@ -74,10 +74,11 @@ def _median(values: Sequence[float]) -> float:
 
 
 def _same(profiles: Sequence[Profile], what: str, key) -> None:
-    keys = {repr(key(p)) for p in profiles}
+    keys = list(dict.fromkeys(repr(key(p)) for p in profiles))
     if len(keys) > 1:
-        raise ValueError(f"median_profile: the profiles differ in {what} ({len(keys)} variants); combine only "
-                         "profiles of one measurement setup (same device, shapes, micro-batches, options)")
+        raise ValueError(f"median_profile: the profiles differ in {what}: {keys[0]} vs {keys[1]}"
+                         f"{f' (and {len(keys) - 2} more)' if len(keys) > 2 else ''}; combine only profiles of one "
+                         "measurement setup (same device, shapes, micro-batches, options)")
 
 
 def median_profile(profiles: Sequence[Profile], *, what: str = "profiles") -> Profile:
