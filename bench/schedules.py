@@ -12,11 +12,20 @@ rank are caught more often than 1F1B's 16), the rank repays the lag from its nex
 Layers follow the speeds (4/4/4/2 of 14; interleaved: chunks of 2/2/2/1 layers, the plan's uneven
 chunk_layers); m = 8 micro-batches of 2.
 
-Predicted: the planner's performance model (megatron_het.perf.predict) with a profile of this host
-measured by tools/profile_host.py just before the runs (one thread; layers, parts, AdamW step, the B/W
-split's shares of the fused backward for ZB-H1, a chunk call's fixed cost charged once per action; thread CPU time, caches swept before each forward and
-backward, as the run's ranks see them) and the cluster's factors; the same schedule action lists the
-runtime executes. Measured: per round one 4-process spawn builds the three plans' trainers side by side
+Predicted: the planner's performance model (megatron_het.perf.predict) with a profile of the emulated devices
+as the run sees them, and the cluster's factors; the same schedule action lists the runtime executes. The
+profile (``--profile run``, default; megatron_het.profiling.in_run) is measured by the run's own ranks: in every
+spawn, just before its trainers are built, all 4 ranks measure at once, each on its own emulated device (after
+every timed section it waits (slowdown - 1)x that section, as its device does in the run, so the ranks share
+the host's cores and caches as when they train; no cache sweep: the other ranks are really there): layers,
+parts, AdamW step, the B/W split's shares of the fused backward for ZB-H1, a chunk call's fixed cost charged
+once per action, all in thread CPU time (the emulation clock). The median over all ranks of all spawns is one
+profile (results/schedules_profile.json) that prices all three schedules; nothing in it comes from the timed
+iterations. ``--profile host``: tools/profile_host.py in one process minutes before the runs (this bench until
+2026-11-27; caches swept before each repetition; it priced an action at 1/1.10..1/1.50 of its CPU time in the
+4-rank run: 1F1B / interleaved / ZB-H1 1.187 / 1.155 / 1.038, 1.420 / 1.509 / 1.446, 1.155 / 1.221 / 1.040;
+2026-11-27 on another host: 1.015 / 1.057 / 1.035 and 1.196 / 1.207 / 1.156, the in-run profile 0.988-1.078 in four runs).
+Measured: per round one 4-process spawn builds the three plans' trainers side by side
 and runs them in turn, one iteration each (the order rotating every iteration, rounds alternating it), so
 every schedule meets the same moments of this shared host, whose CPU time per action drifts between spawns
 and minutes (2026-11-25: interleaved's rank 0 423 vs 581 ms per iteration in the two spawns of one run in the
@@ -37,11 +46,12 @@ compute in the pipeline runs is reported beside it (noisier: other processes sha
 emulated devices cannot inflate each other's CPU time through the shared caches. Measured 2026-11-25 in the
 old sequential order (load 1.1-2.1, results/schedules_serialized.json): interleaved 1.256, per-rank compute 1.12-1.15x its price against
 1F1B's 1.07-1.09x: contention is not what makes interleaved's actions dearer in the run.
+With ``--profile run`` the profile's ranks still measure at once (not serialized).
 
 Targets: |measured/predicted - 1| <= 15% per schedule; measured bubble ranking == predicted;
 split overhead <= 5%.
 
-    python bench/schedules.py [--iters 6] [--rounds 2] [--sequential [--keep-groups]] [--output NAME.json]  # ~3 min
+    python bench/schedules.py [--iters 6] [--rounds 2] [--profile run|host] [--sequential [--keep-groups]] [--output NAME.json]  # ~7 min here (2026-11-27)
 """
 
 from __future__ import annotations
@@ -108,9 +118,46 @@ def host_lock(path: str):
             fcntl.flock(f, fcntl.LOCK_UN)
 
 
-def _rank(rank, world_size, order, iters, lock_path=None, keep_groups=False, sequential=False):
-    """Every plan in ``order`` on this rank: per plan, per iteration after warm-up, (elapsed, compute, compute
-    CPU, lag) s, and the process's threads, process groups and resident memory when the plan's trainer started.
+def rank_setup(iters: int, *, model=MODEL, cluster: dict = CLUSTER):
+    """The preamble every schedules bench's rank shares: one torch thread, the CPU backend for megatron-core;
+    returns (the ClusterSpec of ``cluster``, this bench's TrainConfig of ``iters`` iterations, the synthetic
+    ``batch_fn`` for ``model``'s shape)."""
+    import torch
+
+    from megatron_het.data.synthetic import synthetic_batch
+    from megatron_het.platform import enable_cpu_backend
+    from megatron_het.train.config import TrainConfig
+
+    torch.set_num_threads(1)
+    enable_cpu_backend()
+    train = TrainConfig(micro_batch_size=MICRO_BATCH, global_batch_size=MICRO_BATCH * MICRO_BATCHES,
+                        train_iters=iters, lr=1e-4, log_interval=iters)
+
+    def batch_fn(iteration, indices):
+        return synthetic_batch(seed=1, iteration=iteration, indices=indices, seq_length=model.seq_length,
+                               vocab_size=model.vocab_size)
+
+    return cluster_from_dict(cluster), train, batch_fn
+
+
+def profile_options() -> dict:
+    """What the profile measures (both ways: tools/profile_host.py in one process, or in the run's ranks)."""
+    import torch
+
+    from megatron_het.perf.flops import padded_vocab_size
+
+    return dict(num_layers=2, micro_batch_sizes=[MICRO_BATCH], device="CPU", warmup=3, repeats=7,
+                dtype=torch.float32, vocab_size=padded_vocab_size(MODEL.vocab_size), optimizer=True,
+                split_backward=True, call_overhead=True, clock="thread")
+
+
+def _rank(rank, world_size, order, iters, lock_path=None, keep_groups=False, sequential=False, profile_in_run=False):
+    """Every plan in ``order`` on this rank: {"plans": per plan, per iteration after warm-up, (elapsed, compute,
+    compute CPU, lag) s, and the process's threads, process groups and resident memory when the plan's trainer
+    started; "profile": this rank's profile (as a dict) when ``profile_in_run``, else None}.
+
+    ``profile_in_run``: first, every rank profiles the layers at once on its emulated device
+    (megatron_het.profiling.in_run.profile_in_rank), in this spawn, just before its trainers are built.
 
     compute: the timer's (CPU x slowdown, host lag included until repaid); compute CPU: the thread CPU time
     inside the timed calls alone (what the emulation multiplies); lag: the timer's unpaid lag at the end.
@@ -121,24 +168,17 @@ def _rank(rank, world_size, order, iters, lock_path=None, keep_groups=False, seq
     closed (process groups destroyed) before the next plan's, unless ``keep_groups``."""
     import gc
 
-    import torch
-
-    from megatron_het.data.synthetic import synthetic_batch
-    from megatron_het.platform import enable_cpu_backend
+    from megatron_het.perf.profile import profile_to_dict
+    from megatron_het.profiling.in_run import profile_in_rank
     from megatron_het.runtime.group_ledger import live_groups
     from megatron_het.runtime.hetero_trainer import HeteroTrainer
-    from megatron_het.train.config import TrainConfig
 
-    torch.set_num_threads(1)
-    enable_cpu_backend()
-    cluster = cluster_from_dict(CLUSTER)
-    train = TrainConfig(micro_batch_size=MICRO_BATCH, global_batch_size=MICRO_BATCH * MICRO_BATCHES,
-                        train_iters=iters, lr=1e-4, log_interval=iters)
+    cluster, train, batch_fn = rank_setup(iters)
     table = plans()
-
-    def batch_fn(iteration, indices):
-        return synthetic_batch(seed=1, iteration=iteration, indices=indices, seq_length=MODEL.seq_length,
-                               vocab_size=MODEL.vocab_size)
+    profile = None
+    if profile_in_run:
+        island = table[order[0]].replicas[0].stages[rank].island
+        profile = profile_to_dict(profile_in_rank(MODEL, slowdown=cluster.slowdown(island), **profile_options()))
 
     def alive() -> dict:
         gc.collect()
@@ -180,7 +220,7 @@ def _rank(rank, world_size, order, iters, lock_path=None, keep_groups=False, seq
             if not keep_groups:
                 trainer.close()
             del trainer, on_iteration
-        return out
+        return {"plans": out, "profile": profile}
     built = {}
     for name in order:
         start = alive()
@@ -194,7 +234,7 @@ def _rank(rank, world_size, order, iters, lock_path=None, keep_groups=False, seq
         trainer, _, rows, start = built[name]
         out[name] = {"iterations": rows[WARMUP:], "alive_at_start": start}
         trainer.close()
-    return out
+    return {"plans": out, "profile": profile}
 
 
 def _split_overhead(rank, world_size, reps):
@@ -286,36 +326,56 @@ def main() -> int:
     ap.add_argument("--sequential", action="store_true",
                     help="each plan runs all its iterations in turn (this bench until 2026-11-25) instead of the plans "
                          "taking turns iteration by iteration")
+    ap.add_argument("--profile", choices=("run", "host"), default="run",
+                    help="run: every rank of each spawn profiles the layers at once on its emulated device just before "
+                         "its timed iterations (profiling.in_run), the median over all ranks and spawns prices every "
+                         "schedule; host: tools/profile_host.py in one process before the runs (this bench until "
+                         "2026-11-27)")
     ap.add_argument("--output", default="schedules.json", help="results file under bench/results/")
     args = ap.parse_args()
     from megatron_het.perf import predict
+    from megatron_het.perf.profile import profile_from_dict, save_profile
+    from megatron_het.profiling.in_run import median_profile
 
     load_before = os.getloadavg()
     # kept beside the results (the predictions can be recomputed from it): schedules_profile.json, or
     # NAME_profile.json beside an --output NAME.json
     profile_path = PROFILE if args.output == "schedules.json" else os.path.join(
         ROOT, "bench", "results", os.path.splitext(args.output)[0] + "_profile.json")
-    measure_profile(profile_path)
-    profile = load_profile(profile_path)
+    if args.profile == "host":
+        measure_profile(profile_path)
     table = plans()
     cluster = cluster_from_dict(CLUSTER)
     for plan in table.values():
         plan.validate(MODEL, cluster)
-    predictions = {n: predict(p, MODEL, cluster, profile=profile) for n, p in table.items()}
 
     # per schedule and rank: (elapsed, compute, compute CPU, lag) per iteration after warm-up
     per_rank: dict[str, list[list[tuple[float, float, float, float]]]] = {n: [[] for _ in range(4)] for n in table}
     alive: dict[str, list[list[dict]]] = {n: [[] for _ in range(4)] for n in table}  # per round: threads, groups
+    rank_profiles = []  # --profile run: per round and rank, the profile measured in that spawn
     with tempfile.TemporaryDirectory() as tmp:
         lock = os.path.join(tmp, "compute.lock") if args.serialize else None
         for r in range(args.rounds):
             order = list(SCHEDULES) if r % 2 == 0 else list(reversed(SCHEDULES))
-            for rank, got in enumerate(run_local(4, _rank, (order, args.iters, lock, args.keep_groups, args.sequential),
-                                                 timeout_s=3600)):
-                for name, res in got.items():
+            for rank, got in enumerate(run_local(4, _rank, (order, args.iters, lock, args.keep_groups, args.sequential,
+                                                            args.profile == "run"), timeout_s=3600)):
+                for name, res in got["plans"].items():
                     per_rank[name][rank].extend(res["iterations"])
                     alive[name][rank].append(res["alive_at_start"])
+                if got["profile"] is not None:
+                    rank_profiles.append(profile_from_dict(got["profile"]))
     load_after = os.getloadavg()
+    if args.profile == "run":
+        islands = ", ".join(f"{CLUSTER['emulation'][s.island]['slowdown']:g}" for s in table["1f1b"].replicas[0].stages)
+        save_profile(median_profile(rank_profiles, what=f"rank profiles of {args.rounds} spawns of bench/schedules.py "
+                                    f"(4 ranks each, emulated slowdowns {islands}), measured just before each "
+                                    "spawn's timed iterations"), profile_path)
+    profile = load_profile(profile_path)
+    predictions = {n: predict(p, MODEL, cluster, profile=profile) for n, p in table.items()}
+    # each spawn's own profile, each rank's own profile: how much they differ (not used in the prediction)
+    spread = {"per_round_layer_forward_backward_ms": [
+        [round(1e3 * (q.entries[0].forward_s + q.entries[0].backward_s), 3) for q in rank_profiles[4 * r:4 * r + 4]]
+        for r in range(len(rank_profiles) // 4)]}
     pairs = run_local(1, _split_overhead, (args.split_reps,), timeout_s=1800)[0]
     split_ratios = [b / a for a, b in zip(pairs["fused"], pairs["split"])]
     split_overhead = statistics.median(split_ratios) - 1
@@ -360,6 +420,10 @@ def main() -> int:
                   f"{compute[n][k] / predictions[n].replicas[0].stages[k].compute_s:.3f}" for k in range(4))
               + "; threads/groups alive at start " + ", ".join(
                   f"{a['threads']}/{a['groups']}" for a in alive[n][0]))
+    print(f"profile: {args.profile} ({profile_path}); per layer forward {1e3 * profile.entries[0].forward_s:.3f} ms, "
+          f"backward {1e3 * profile.entries[0].backward_s:.3f} ms"
+          + (f"; each rank's layer F+B ms per spawn: {spread['per_round_layer_forward_backward_ms']}"
+             if rank_profiles else ""))
     print(f"measured/predicted within 15%: {'yes' if ok_ratio else 'NO'}; load average before {load_before[0]:.1f}, "
           f"after {load_after[0]:.1f}")
     write_result(args.output, {
@@ -376,7 +440,11 @@ def main() -> int:
                     "alive_at_trainer_start_per_rank_and_round": alive,
                     "iterations_per_rank": per_rank,
                     "predicted_compute_s_per_stage": {n: [st.compute_s for st in predictions[n].replicas[0].stages]
-                                                      for n in table}},
+                                                      for n in table},
+                    "profile_layer_forward_s": profile.entries[0].forward_s,
+                    "profile_layer_backward_s": profile.entries[0].backward_s,
+                    "rank_profiles_layer_forward_plus_backward_ms_per_round": spread[
+                        "per_round_layer_forward_backward_ms"]},
         "targets": {"measured_over_predicted": "within 1 +- 0.15 for each schedule",
                     "bubble_ranking": "measured == predicted", "split_overhead": "<= 0.05"},
         "met": {"measured_over_predicted": ok_ratio, "bubble_ranking": ok_rank,
@@ -388,7 +456,7 @@ def main() -> int:
                   "plans_paired_in_time": not args.sequential,
                   "trainers_closed_between_plans": args.sequential and not args.keep_groups, "plans": {n: p.to_dict() for n, p in table.items()},
                   "emulation_clock": "time.thread_time", "threads_per_rank": 1, "profile_clock": "thread",
-                  "profile_sweep_mib": SWEEP_MIB,
+                  "profile_measured": args.profile, "profile_sweep_mib": SWEEP_MIB if args.profile == "host" else 0,
                   "profile": os.path.relpath(profile_path, ROOT)},
         "perf_commit": perf_commit(),
         "machine": machine(), "load_average_before": load_before, "load_average_after": load_after,

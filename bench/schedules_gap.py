@@ -19,7 +19,7 @@ import sys
 import time
 
 # `python bench/schedules_gap.py` runs with bench/ as the script directory: schedules.py imports like bench_record
-from schedules import CLUSTER, MICRO_BATCH, MICRO_BATCHES, MODEL, PROFILE, SCHEDULES, WARMUP, plans  # noqa: E402
+from schedules import CLUSTER, MICRO_BATCH, MODEL, PROFILE, SCHEDULES, WARMUP, plans, rank_setup  # noqa: E402
 
 from megatron_het.cluster import cluster_from_dict  # noqa: E402
 from megatron_het.perf.profile import load_profile  # noqa: E402
@@ -30,20 +30,9 @@ def _rank(rank, world_size, order, iters, reps):
     import torch
     import torch.distributed as dist
 
-    from megatron_het.data.synthetic import synthetic_batch
-    from megatron_het.platform import enable_cpu_backend
     from megatron_het.runtime.hetero_trainer import HeteroTrainer
-    from megatron_het.train.config import TrainConfig
 
-    torch.set_num_threads(1)
-    enable_cpu_backend()
-    cluster = cluster_from_dict(CLUSTER)
-    train = TrainConfig(micro_batch_size=MICRO_BATCH, global_batch_size=MICRO_BATCH * MICRO_BATCHES,
-                        train_iters=iters, lr=1e-4, log_interval=iters)
-
-    def batch_fn(iteration, indices):
-        return synthetic_batch(seed=1, iteration=iteration, indices=indices, seq_length=MODEL.seq_length,
-                               vocab_size=MODEL.vocab_size)
+    cluster, train, batch_fn = rank_setup(iters)
 
     out = {}
     for name in order:

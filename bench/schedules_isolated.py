@@ -37,7 +37,7 @@ import sys
 import time
 
 from bench_record import machine, perf_commit, write_result
-from schedules import MICRO_BATCH, MICRO_BATCHES, MODEL, SWEEP_MIB
+from schedules import MICRO_BATCH, MICRO_BATCHES, MODEL, SWEEP_MIB, rank_setup
 
 from megatron_het.platform.local_launch import run_local
 
@@ -225,33 +225,20 @@ def _trainer_rank(rank, world_size, slowdown, cores, iters):
     import resource
     from dataclasses import replace
 
-    import torch
-
-    from megatron_het.cluster import cluster_from_dict
-    from megatron_het.data.synthetic import synthetic_batch
-    from megatron_het.platform import enable_cpu_backend
     from megatron_het.runtime.hetero_trainer import HeteroTrainer
-    from megatron_het.train.config import TrainConfig
 
     if cores is not None:
         os.sched_setaffinity(0, cores)
-    torch.set_num_threads(1)
-    enable_cpu_backend()
     model = replace(MODEL, num_layers=4 * world_size)
-    cluster = {"islands": [{"name": "fast", "device": "CPU", "nodes": 1, "gpus_per_node": world_size}]}
+    spec = {"islands": [{"name": "fast", "device": "CPU", "nodes": 1, "gpus_per_node": world_size}]}
     if slowdown > 1:
-        cluster["emulation"] = {"fast": {"slowdown": slowdown}}
-    train = TrainConfig(micro_batch_size=MICRO_BATCH, global_batch_size=MICRO_BATCH * MICRO_BATCHES,
-                        train_iters=iters + 1, lr=1e-4, log_interval=iters + 1)
-
-    def batch_fn(iteration, indices):
-        return synthetic_batch(seed=1, iteration=iteration, indices=indices, seq_length=model.seq_length,
-                               vocab_size=model.vocab_size)
+        spec["emulation"] = {"fast": {"slowdown": slowdown}}
+    cluster, train, batch_fn = rank_setup(iters + 1, model=model, cluster=spec)
 
     out = {}
     for name in ("1f1b", "interleaved", "interleaved", "1f1b"):  # ABBA: drift cancels in the medians
         trainer = HeteroTrainer(model=model, plan=_trainer_plan(name, world_size), train=train, batch_fn=batch_fn,
-                                cluster=cluster_from_dict(cluster), clock=time.thread_time)
+                                cluster=cluster, clock=time.thread_time)
         timed, calls = trainer.timer.compute, []
 
         def compute(fn, timed=timed, calls=calls):

@@ -19,7 +19,7 @@ import sys
 import time
 
 from bench_record import machine, perf_commit, write_result
-from schedules import CLUSTER, MICRO_BATCH, MICRO_BATCHES, MODEL, SCHEDULES, plans
+from schedules import MODEL, SCHEDULES, plans, rank_setup
 
 from megatron_het.platform.local_launch import run_local
 
@@ -28,27 +28,14 @@ def _rank(rank, world_size, order, iters):
     import gc
     import resource
 
-    import torch
-
-    from megatron_het.cluster import cluster_from_dict
-    from megatron_het.data.synthetic import synthetic_batch
-    from megatron_het.platform import enable_cpu_backend
     from megatron_het.runtime.hetero_trainer import HeteroTrainer
-    from megatron_het.train.config import TrainConfig
 
-    torch.set_num_threads(1)
-    enable_cpu_backend()
-    train = TrainConfig(micro_batch_size=MICRO_BATCH, global_batch_size=MICRO_BATCH * MICRO_BATCHES,
-                        train_iters=iters, lr=1e-4, log_interval=iters)
-
-    def batch_fn(iteration, indices):
-        return synthetic_batch(seed=1, iteration=iteration, indices=indices, seq_length=MODEL.seq_length,
-                               vocab_size=MODEL.vocab_size)
+    cluster, train, batch_fn = rank_setup(iters)
 
     out = {}
     for name in order:
         trainer = HeteroTrainer(model=MODEL, plan=plans()[name], train=train, batch_fn=batch_fn,
-                                cluster=cluster_from_dict(CLUSTER), clock=time.thread_time)
+                                cluster=cluster, clock=time.thread_time)
         trainer.timer.catch_up = True  # as bench/schedules.py
         timed, calls = trainer.timer.compute, []
 

@@ -42,10 +42,21 @@ class _Timing:
 
     clock: Callable[[], float] = staticmethod(time.perf_counter)
     sweep: torch.Tensor | None = None  # swept through the caches before each timed repetition (cold)
+    # after each timed section, wait this many times its measured seconds: an emulated device of slowdown s
+    # waits s - 1 (EmulationTimer), and the other processes sharing the host run meanwhile; 0: no wait
+    idle_factor: float = 0.0
+    # several processes measuring at once start every repetition together (a barrier); False: each runs on
+    # its own, as a run's ranks compute (profiling.in_run)
+    barrier: bool = True
 
     def before(self) -> None:
         if self.sweep is not None:
             self.sweep.add_(1.0)
+
+    def after(self, seconds: float) -> None:
+        """The measured section took ``seconds`` (on the profile's clock): the emulated device's wait."""
+        if self.idle_factor > 0.0 and seconds > 0.0:
+            time.sleep(self.idle_factor * seconds)
 
 
 _TIMING = _Timing()
@@ -169,11 +180,13 @@ def measure(run: LayerStack, params: list[torch.nn.Parameter], *, shape: tuple[i
         t0 = _TIMING.clock()
         out = run(x)
         t1 = _TIMING.clock()
+        _TIMING.after(t1 - t0)
         grad = torch.ones_like(out)
         _TIMING.before()  # in a pipeline a backward never follows its forward warm either
         t2 = _TIMING.clock()
         out.backward(grad)
         t3 = _TIMING.clock()
+        _TIMING.after(t3 - t2)
         if i >= warmup:
             forward.append(t1 - t0)
             backward.append(t3 - t2)
@@ -200,7 +213,9 @@ def measure_split(run: LayerStack, layers: list[torch.nn.Module], params: list[t
         _TIMING.before()
         t0 = _TIMING.clock()
         fn()
-        return _TIMING.clock() - t0
+        seconds = _TIMING.clock() - t0
+        _TIMING.after(seconds)
+        return seconds
 
     try:
         for i in range(warmup + repeats):
@@ -251,7 +266,8 @@ def measure_call_overhead(layers: list[torch.nn.Module], megatron: bool, *, shap
 def profile_layers(model: ModelSpec, *, num_layers: int, micro_batch_sizes: list[int], device: str,
                    warmup: int, repeats: int, dtype: torch.dtype, implementation: str,
                    vocab_size: int | None = None, optimizer: bool = False, tp: int = 1, clock: str = "wall",
-                   sweep_mib: int = 0, split_backward: bool = False, call_overhead: bool = False) -> Profile:
+                   sweep_mib: int = 0, split_backward: bool = False, call_overhead: bool = False,
+                   idle_factor: float = 0.0, barrier: bool = True) -> Profile:
     """Build the layers (megatron-core, or the torch reference if that fails) and measure them.
     ``tp > 1`` must run on every rank of a gloo world of ``tp`` processes (:func:`profile_tp_layers`).
     ``clock`` "thread" times thread CPU time, the clock an emulated run on shared cores stretches
@@ -259,11 +275,18 @@ def profile_layers(model: ModelSpec, *, num_layers: int, micro_batch_sizes: list
     > 0 sweeps that many MiB through the caches before every timed repetition, as the other ranks
     sharing the cores do between two of a rank's actions (a back-to-back profile runs with warm caches).
     ``split_backward`` also times the zero-bubble B/W split of the layers (Profile.backward_split);
-    ``call_overhead`` the fixed cost of one call of the stack beyond its layers (Profile.call_overhead)."""
+    ``call_overhead`` the fixed cost of one call of the stack beyond its layers (Profile.call_overhead).
+    ``idle_factor`` > 0: after every timed section wait that many times its measured seconds, as an emulated
+    device of slowdown ``idle_factor + 1`` does (EmulationTimer), so processes measuring at once share the host
+    as a run's ranks do; ``barrier`` False: processes measuring at once do not start each repetition together
+    (profiling.in_run: a run's ranks measuring as their actions run)."""
     if clock not in CLOCKS or sweep_mib < 0:
         raise ValueError(f"clock must be one of {sorted(CLOCKS)} and sweep_mib >= 0, got {clock!r}, {sweep_mib}")
+    if not idle_factor >= 0.0:
+        raise ValueError(f"idle_factor must be >= 0 (an emulated device's slowdown - 1), got {idle_factor}")
     _TIMING.clock = CLOCKS[clock]
     _TIMING.sweep = torch.zeros(sweep_mib * 2**18) if sweep_mib else None
+    _TIMING.idle_factor, _TIMING.barrier = idle_factor, barrier
     try:
         profile = _profile_layers(model, num_layers=num_layers, micro_batch_sizes=micro_batch_sizes, device=device,
                                   warmup=warmup, repeats=repeats, dtype=dtype, implementation=implementation,
@@ -271,10 +294,13 @@ def profile_layers(model: ModelSpec, *, num_layers: int, micro_batch_sizes: list
                                   call_overhead=call_overhead)
     finally:
         _TIMING.clock, _TIMING.sweep = time.perf_counter, None
-    if clock == "wall" and not sweep_mib:
+        _TIMING.idle_factor, _TIMING.barrier = 0.0, True
+    if clock == "wall" and not sweep_mib and not idle_factor:
         return profile
     how = f"; clock {clock} ({'thread CPU time' if clock == 'thread' else 'wall time'})" + (
-        f", {sweep_mib} MiB swept through the caches before each repetition" if sweep_mib else "")
+        f", {sweep_mib} MiB swept through the caches before each repetition" if sweep_mib else "") + (
+        f", {idle_factor:g}x each timed section waited after it (an emulated device of slowdown "
+        f"{idle_factor + 1:g})" if idle_factor else "")
     return replace(profile, method=profile.method + how, optimizer_method=profile.optimizer_method and profile.optimizer_method + how,
                    backward_split_method=profile.backward_split_method and profile.backward_split_method + how,
                    call_overhead_method=profile.call_overhead_method and profile.call_overhead_method + how)
@@ -355,7 +381,7 @@ def _synchronize() -> Callable[[], None]:
     """A barrier when several processes measure together (TP ranks, or concurrent copies), else nothing."""
     import torch.distributed as dist
 
-    if dist.is_initialized() and dist.get_world_size() > 1:
+    if _TIMING.barrier and dist.is_initialized() and dist.get_world_size() > 1:
         return dist.barrier
     return lambda: None
 
@@ -366,7 +392,9 @@ def _median_times(step: Callable[[], tuple[float, float]], *, warmup: int, repea
     def synced() -> tuple[float, float]:
         sync()
         _TIMING.before()
-        return step()
+        forward, backward = step()
+        _TIMING.after(forward + backward)
+        return forward, backward
 
     runs = [synced() for _ in range(warmup + repeats)][warmup:]
     return statistics.median(r[0] for r in runs), statistics.median(r[1] for r in runs)
@@ -432,8 +460,10 @@ def profile_optimizer(params: list[torch.nn.Parameter], *, warmup: int, repeats:
         _TIMING.before()
         t0 = _TIMING.clock()
         optimizer.step()
+        seconds = _TIMING.clock() - t0
+        _TIMING.after(seconds)
         if i >= warmup:
-            times.append(_TIMING.clock() - t0)
+            times.append(seconds)
     n = sum(p.numel() for p in params)
     return statistics.median(times) / n, (f"torch.optim.AdamW step (defaults, two param groups) over {n} "
                                           f"parameters, median of {repeats} after {warmup} warm-up")
