@@ -177,7 +177,7 @@ def plan_cluster(model: ModelSpec, cluster: ClusterSpec, *, global_batch_size: i
                  islands: Sequence[str] | None = None, overlap_grad_reduce: bool = False,
                  progress: Callable[[int, int], None] | None = None,
                  parallelizer: Parallelizer | None = None, compose_islands: bool = True,
-                 consider_grad_overlap: bool = True) -> PlannerResult:
+                 consider_grad_overlap: bool = True, precision: str = "bf16") -> PlannerResult:
     """Search plans for ``model`` on ``cluster`` and return the fastest predicted one.
 
     ``islands`` restricts the search to those islands (the others get no ranks).
@@ -189,7 +189,8 @@ def plan_cluster(model: ModelSpec, cluster: ClusterSpec, *, global_batch_size: i
     with its last backward, as megatron-core's DDP option of that name does (see perf.predict), a
     what-if. ``consider_grad_overlap`` (default on) also prices every predicted layout as megatron-het's
     runtime runs ``overlap_grad_reduce`` (every stage's all-reduce in buckets during its last backward,
-    without the distributed optimizer: planner/grad_overlap.py) and records the choice in the plan. Raises
+    without the distributed optimizer: planner/grad_overlap.py) and records the choice in the plan.
+    ``precision`` (a Plan precision) is what every point is priced at and what the plans record. Raises
     :class:`InfeasibleError` (a ValueError) naming the failed memory or divisibility constraint.
     ``progress(done, total)`` is called after each candidate structure priced and each plan predicted
     in full; ``total`` counts the work known so far (it grows when a micro-batch size's combinations,
@@ -215,7 +216,7 @@ def plan_cluster(model: ModelSpec, cluster: ClusterSpec, *, global_batch_size: i
             f"multiple of {min(micro_batch_sizes, default=1)}")
     est = Estimator(model, cluster, global_batch_size=global_batch_size, profile=profile,
                     distributed_optimizer=distributed_optimizer, overlap_grad_reduce=overlap_grad_reduce,
-                    parallelizer=parallelizer, max_tp=max_tp)
+                    parallelizer=parallelizer, max_tp=max_tp, precision=precision)
     active = [i for i, isl in enumerate(cluster.islands) if isl.name in allowed]
     reasons: dict[str, None] = {}
     estimates: list[Estimate] = []
@@ -336,7 +337,8 @@ def plan_cluster(model: ModelSpec, cluster: ClusterSpec, *, global_batch_size: i
         considered.add(id(e))
         plan = build_plan(cluster, e.templates, e.layer_counts, e.micro_batches, micro_batch_size=e.micro_batch_size,
                           global_batch_size=global_batch_size, recompute=e.recompute,
-                          distributed_optimizer=distributed_optimizer, stage_recompute=e.stage_recompute)
+                          distributed_optimizer=distributed_optimizer, stage_recompute=e.stage_recompute,
+                          precision=precision)
         key = plan.to_json()
         if key in seen:
             return
@@ -402,7 +404,8 @@ def plan_cluster(model: ModelSpec, cluster: ClusterSpec, *, global_batch_size: i
     def build(e: Estimate) -> Plan | None:
         plan = build_plan(cluster, e.templates, e.layer_counts, e.micro_batches, micro_batch_size=e.micro_batch_size,
                           global_batch_size=global_batch_size, recompute=e.recompute,
-                          distributed_optimizer=distributed_optimizer, stage_recompute=e.stage_recompute)
+                          distributed_optimizer=distributed_optimizer, stage_recompute=e.stage_recompute,
+                          precision=precision)
         try:
             validate_plan(plan, model, cluster)
         except PlanError:
