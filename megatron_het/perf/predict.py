@@ -363,7 +363,8 @@ def stage_gradient_chunks(model: ModelSpec, cost: StageCost, *, num_layers: int,
 def predict(plan: Plan, model: ModelSpec, cluster: ClusterSpec, *, profile: Profile | Sequence[Profile] | None = None,
             distributed_optimizer: bool | None = None, seq_length: int | None = None,
             overlap_grad_reduce: bool = False, bucket_all_stages: bool = False,
-            flash_attention: bool | None = None, recompute_mode: str | None = None) -> Prediction:
+            flash_attention: bool | None = None, recompute_mode: str | None = None,
+            simulations: dict | None = None) -> Prediction:
     """Predict one iteration of ``plan`` (assumed valid: run validate_plan first).
 
     ``overlap_grad_reduce`` models megatron-core's DDP option of that name (stage 0 reduces in
@@ -371,6 +372,9 @@ def predict(plan: Plan, model: ModelSpec, cluster: ClusterSpec, *, profile: Prof
     megatron-het's runtime with ``TrainConfig.overlap_grad_reduce``. Both default to False (the
     reduction runs after the schedule). ``flash_attention`` None: fused on GPUs, unfused on CPUs.
     ``recompute_mode`` ("selective" or "full") says what a stage's ``recompute=True`` means (default full).
+    ``simulations``: a dict kept by the caller across calls with the same model, cluster, profile and
+    options (the planner's), so that plans differing only in gradient reduction or optimizer
+    sharding share their replicas' pipeline simulations.
     """
     check_global_batch_size(plan.global_batch_size)  # bounds every replica's micro-batch count
     if plan.overlap_grad_reduce:  # what the runtime runs for this plan (module docstring)
@@ -401,7 +405,14 @@ def predict(plan: Plan, model: ModelSpec, cluster: ClusterSpec, *, profile: Prof
     for r in plan.replicas:
         key = (tuple(_stage_key(st) for st in r.stages), r.num_micro_batches)
         if key not in sims:
-            sims[key] = _simulate(plan, r, model, cluster, cost, seq_length=s_len, profile=profile)
+            shared = (plan.schedule, v, mbs, precision, sp, s_len, flash_attention, recompute_mode,
+                      tuple(st.chunk_layers for st in r.stages), key)
+            if simulations is not None and shared in simulations:
+                sims[key] = simulations[shared]
+            else:
+                sims[key] = _simulate(plan, r, model, cluster, cost, seq_length=s_len, profile=profile)
+                if simulations is not None:
+                    simulations[shared] = sims[key]
         keys.append(key)
     # Reduction peers of a stage: in every replica, the stage holding its first layer.
     holders: dict[int, list[tuple[str, float, int]]] = {}

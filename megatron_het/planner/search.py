@@ -325,8 +325,11 @@ def plan_cluster(model: ModelSpec, cluster: ClusterSpec, *, global_batch_size: i
     # when the plan is the overlapped variant).
     notes: list[tuple[str, tuple[Plan, Prediction], Prediction | None]] = []
 
+    simulations: dict = {}  # pipeline simulations shared by a layout's forms and schedules
+
     def predict_plan(plan: Plan) -> Prediction:
-        return predict(plan, model, cluster, profile=profile, overlap_grad_reduce=overlap_grad_reduce)
+        return predict(plan, model, cluster, profile=profile, overlap_grad_reduce=overlap_grad_reduce,
+                       simulations=simulations)
 
     def predict_point(e: Estimate) -> None:
         """Predict the point's layout under 1F1B, also with its all-reduce overlapped (grad_overlap.py:
