@@ -48,15 +48,17 @@ def resolve_plan(args: PretrainArgs) -> AnyPlan:
         from megatron_het.perf import load_profile
         from megatron_het.planner.modes import plan_best
 
+        # priced at the precision the flags run (no flag = fp32); --use-distributed-optimizer rules
+        # out overlapping the all-reduce (the runtime overlaps it only without that optimizer)
         choice = plan_best(args.model, args.cluster, global_batch_size=args.train.global_batch_size,
                            micro_batch_sizes=(args.train.micro_batch_size,),
-                           profile=load_profile(args.profile) if args.profile else None, pipeline_options={"top_k": 3})
+                           profile=load_profile(args.profile) if args.profile else None,
+                           pipeline_options={"top_k": 3, "precision": args.train.precision,
+                                             "consider_grad_overlap": not args.use_distributed_optimizer})
         if choice.pipeline_result is not None:
             print_rank0(f"planner: {choice.pipeline_result.explanation}")
         print_rank0(f"planner: {choice.explanation}")
         plan = choice.plan
-        if not isinstance(plan, ShardedPlan):  # no plan file: the flags are the record (none = fp32)
-            plan = dataclasses.replace(plan, precision=args.train.precision)
     else:
         plan = load_any_plan(args.plan_source)
     if isinstance(plan, ShardedPlan):

@@ -18,11 +18,15 @@ Assumptions (docs/planner.md, "Prediction"):
   per-rank gradient bytes over :func:`dp_gradient_reduction` across those peers' islands. With the
   distributed optimizer the reduce-scatter + all-gather pair costs the same as the all-reduce in a
   ring, so the same time is used.
-- ``overlap_grad_reduce=True`` (off by default, as in Megatron and megatron-het's runtime) models
-  megatron-core's DDP option: stage 0 reduces in buckets during its last backward
-  (:func:`overlapped_reduction_tail_s`); other stages are not bucketed by Megatron and reduce at
-  their end as above. ``bucket_all_stages=True`` models megatron-het's runtime with
-  ``TrainConfig.overlap_grad_reduce`` instead, which buckets every stage the same way.
+- ``overlap_grad_reduce=True`` (off by default, as in Megatron) models megatron-core's DDP option:
+  stage 0 reduces in buckets during its last backward (:func:`overlapped_reduction_tail_s`); other
+  stages are not bucketed by Megatron and reduce at their end as above. ``bucket_all_stages=True``
+  models megatron-het's runtime with ``TrainConfig.overlap_grad_reduce`` instead, which buckets
+  every stage the same way. A plan recording ``overlap_grad_reduce`` (what its run does) is priced
+  as that runtime: every stage bucketed, except where the runtime cannot overlap: a reduction whose
+  peers span collective libraries goes through the cross-vendor bridge, which has no asynchronous
+  form (``runtime/overlap_grad.py``: those buckets wait for the end), and interleaved stages
+  (whose chunks' last backwards come before the armed one) are priced without overlap.
 - Precision is the plan's (``Plan.precision``): it sets the matmul rate (``DeviceType.rate_tflops``),
   the compute model's calibrated figures, bytes per weight/gradient/optimizer state and activation
   (perf/memory.py), the gradient bytes reduced and the optimizer step's traffic.
@@ -359,7 +363,8 @@ def stage_gradient_chunks(model: ModelSpec, cost: StageCost, *, num_layers: int,
 def predict(plan: Plan, model: ModelSpec, cluster: ClusterSpec, *, profile: Profile | Sequence[Profile] | None = None,
             distributed_optimizer: bool | None = None, seq_length: int | None = None,
             overlap_grad_reduce: bool = False, bucket_all_stages: bool = False,
-            flash_attention: bool | None = None, recompute_mode: str | None = None) -> Prediction:
+            flash_attention: bool | None = None, recompute_mode: str | None = None,
+            simulations: dict | None = None) -> Prediction:
     """Predict one iteration of ``plan`` (assumed valid: run validate_plan first).
 
     ``overlap_grad_reduce`` models megatron-core's DDP option of that name (stage 0 reduces in
@@ -367,8 +372,13 @@ def predict(plan: Plan, model: ModelSpec, cluster: ClusterSpec, *, profile: Prof
     megatron-het's runtime with ``TrainConfig.overlap_grad_reduce``. Both default to False (the
     reduction runs after the schedule). ``flash_attention`` None: fused on GPUs, unfused on CPUs.
     ``recompute_mode`` ("selective" or "full") says what a stage's ``recompute=True`` means (default full).
+    ``simulations``: a dict kept by the caller across calls with the same model, cluster, profile and
+    options (the planner's), so that plans differing only in gradient reduction or optimizer
+    sharding share their replicas' pipeline simulations.
     """
     check_global_batch_size(plan.global_batch_size)  # bounds every replica's micro-batch count
+    if plan.overlap_grad_reduce:  # what the runtime runs for this plan (module docstring)
+        overlap_grad_reduce = bucket_all_stages = True
     precision = plan.precision
     param_bytes, grad_bytes, _ = state_bytes(precision)
     cluster = with_measured_links(cluster, profile)
@@ -395,7 +405,14 @@ def predict(plan: Plan, model: ModelSpec, cluster: ClusterSpec, *, profile: Prof
     for r in plan.replicas:
         key = (tuple(_stage_key(st) for st in r.stages), r.num_micro_batches)
         if key not in sims:
-            sims[key] = _simulate(plan, r, model, cluster, cost, seq_length=s_len, profile=profile)
+            shared = (plan.schedule, v, mbs, precision, sp, s_len, flash_attention, recompute_mode,
+                      tuple(st.chunk_layers for st in r.stages), key)
+            if simulations is not None and shared in simulations:
+                sims[key] = simulations[shared]
+            else:
+                sims[key] = _simulate(plan, r, model, cluster, cost, seq_length=s_len, profile=profile)
+                if simulations is not None:
+                    simulations[shared] = sims[key]
         keys.append(key)
     # Reduction peers of a stage: in every replica, the stage holding its first layer.
     holders: dict[int, list[tuple[str, float, int]]] = {}
@@ -433,7 +450,9 @@ def predict(plan: Plan, model: ModelSpec, cluster: ClusterSpec, *, profile: Prof
 
             red = reduce_s(params) if dp > 1 else 0.0
             tail = red
-            if dp > 1 and overlap_grad_reduce and (is_first or bucket_all_stages) and v == 1:
+            bridged = bucket_all_stages and len({cluster.island(n).device.collective_library
+                                                   for n in names}) > 1
+            if dp > 1 and overlap_grad_reduce and (is_first or bucket_all_stages) and v == 1 and not bridged:
                 chunks = stage_gradient_chunks(model, cost(stage), num_layers=stage.num_layers, is_first=is_first,
                                                is_last=is_last, tp=stage.tp)
                 tail = overlapped_reduction_tail_s(chunks, backward_s=bwd_s, bucket_params=bucket_parameters(dp),

@@ -13,7 +13,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from megatron_het.plan.checks import check_pipeline
+from megatron_het.plan.checks import check_grad_overlap, check_pipeline
 from megatron_het.plan.errors import PlanError
 from megatron_het.plan.fields import as_bool, as_int, as_list, as_str, check_keys, required
 from megatron_het.plan.jsonio import json_text, read_json, write_json
@@ -30,7 +30,8 @@ PLAN_FORMAT = "megatron-het-plan"  # value of the "format" key in plan JSON
 PLAN_FORMAT_VERSION = 1  # value of the "version" key this code reads and writes
 
 _PLAN_KEYS = ("format", "version", "micro_batch_size", "global_batch_size", "schedule", "virtual_pipeline_size",
-              "sequence_parallel", "use_distributed_optimizer", "precision", "replicas", "predicted")
+              "sequence_parallel", "use_distributed_optimizer", "overlap_grad_reduce", "precision", "replicas",
+              "predicted")
 # Precisions a plan may record (megatron_het.cluster.catalog.PRECISIONS, repeated here so plan/ does
 # not import cluster/ at run time).
 PLAN_PRECISIONS = ("fp32", "tf32", "fp16", "bf16", "fp8")
@@ -48,6 +49,9 @@ class Plan:
     virtual_pipeline_size: int = 1  # model chunks per stage for "interleaved"
     sequence_parallel: bool = False  # Megatron sequence parallelism inside TP groups
     use_distributed_optimizer: bool = False  # shard optimizer state across replicas
+    # reduce gradient buckets during each stage's last backward (the runtime's --overlap-grad-reduce;
+    # not with the distributed optimizer, which the runtime refuses); absent from older plans: False
+    overlap_grad_reduce: bool = False
     # Training precision the plan was priced for (Megatron: no flag = fp32, --fp16, --bf16, --fp8-format;
     # tf32 = fp32 storage with tensor-core matmuls). Absent from older plan files, which were priced as bf16.
     precision: str = DEFAULT_PRECISION
@@ -74,6 +78,8 @@ class Plan:
                        global_batch_size=self.global_batch_size, schedule=self.schedule,
                        virtual_pipeline_size=self.virtual_pipeline_size, sequence_parallel=self.sequence_parallel,
                        model=model, cluster=cluster)
+        check_grad_overlap(overlap_grad_reduce=self.overlap_grad_reduce,
+                           use_distributed_optimizer=self.use_distributed_optimizer)
         if memory_check is not None:
             memory_check(self, model, cluster)
 
@@ -101,7 +107,9 @@ class Plan:
             "format": PLAN_FORMAT, "version": self.version, "micro_batch_size": self.micro_batch_size,
             "global_batch_size": self.global_batch_size, "schedule": self.schedule,
             "virtual_pipeline_size": self.virtual_pipeline_size, "sequence_parallel": self.sequence_parallel,
-            "use_distributed_optimizer": self.use_distributed_optimizer, "precision": self.precision,
+            "use_distributed_optimizer": self.use_distributed_optimizer,
+            # written only when on, so plans without it keep their files byte for byte
+            **({"overlap_grad_reduce": True} if self.overlap_grad_reduce else {}), "precision": self.precision,
             "replicas": [r.to_dict() for r in self.replicas], "predicted": predicted,
         }
 
@@ -148,6 +156,7 @@ class Plan:
             sequence_parallel=as_bool(d.get("sequence_parallel", False), "sequence_parallel", source),
             use_distributed_optimizer=as_bool(d.get("use_distributed_optimizer", False),
                                               "use_distributed_optimizer", source),
+            overlap_grad_reduce=as_bool(d.get("overlap_grad_reduce", False), "overlap_grad_reduce", source),
             precision=precision,
             predicted=dict(predicted) if predicted is not None else None,
             version=version,

@@ -85,14 +85,14 @@ class Estimator:
     def __init__(self, model: ModelSpec, cluster: ClusterSpec, *, global_batch_size: int,
                  profile: Profile | Sequence[Profile] | None, distributed_optimizer: bool,
                  overlap_grad_reduce: bool = False, parallelizer: Parallelizer | None = None,
-                 max_tp: int = 8) -> None:
+                 max_tp: int = 8, precision: str = "bf16") -> None:
         self.model = model
         self.cluster = with_measured_links(cluster, profile)  # the same links predict() prices
         self.global_batch_size = global_batch_size
         self.profile = profile
         self.distributed_optimizer = distributed_optimizer
         self.overlap_grad_reduce = overlap_grad_reduce  # price stage 0's reduction as megatron's bucketed overlap
-        self.precision = "bf16"  # what build_plan's plans train in (Plan.precision's default)
+        self.precision = precision  # what the plans train in (build_plan records it in Plan.precision)
         self._state_bytes = state_bytes(self.precision)[:2]  # (weight, gradient) bytes per parameter
         self._costs: dict[tuple[int, int, int, bool], StageCost] = {}
         self._mem: dict[tuple[object, ...], tuple[int, int, int, int]] = {}
@@ -104,7 +104,8 @@ class Estimator:
         self._capacity = [device_capacity_bytes(i.device) for i in cluster.islands]
         # How a slice runs inside an island (TP, recompute) and what it costs: the plug-in point.
         self.parallelizer: Parallelizer = parallelizer if parallelizer is not None else MegatronParallelizer(
-            model, self.cluster, max_tp=max_tp, profile=profile, distributed_optimizer=distributed_optimizer)
+            model, self.cluster, max_tp=max_tp, profile=profile, distributed_optimizer=distributed_optimizer,
+            precision=precision)
         self._candidates: dict[tuple[int, LayerSlice], Sequence[IntraConfig]] = {}
         self._tps: dict[int, tuple[int, ...]] = {}
 
@@ -137,7 +138,8 @@ class Estimator:
         if key not in self._mem:
             # Unsharded lines, optimizer kept apart so one entry serves every replica count.
             args = dict(is_first=first, is_last=last, micro_batch_size=mbs, microbatches_in_flight=in_flight,
-                        tp=tp, recompute="full" if recompute else "none", distributed_optimizer=False)
+                        tp=tp, recompute="full" if recompute else "none", distributed_optimizer=False,
+                        precision=self.precision)
             one = stage_memory(self.model, num_layers=1, **args)
             two = stage_memory(self.model, num_layers=2, **args)
             self._mem[key] = (one.total_bytes - one.optimizer_bytes, two.total_bytes - two.optimizer_bytes
@@ -252,7 +254,8 @@ class Estimator:
             island = self.cluster.islands[isl]
             shard = replicas if self.distributed_optimizer else 1
             optimizer = max(optimizer, self.cluster.slowdown(island.name)
-                            * optimizer_step_s(island.device, params // shard, profile=self.profile))
+                            * optimizer_step_s(island.device, params // shard, profile=self.profile,
+                                                   precision=self.precision))
             if j + 1 < p:
                 lag += c.backward_s(n, is_first=j == 0, is_last=False) + self.hop(stages[j + 1], stages[j], mbs)
         return sum(taus) + sum(hops), pipeline_period(taus, hops), exposed + optimizer
@@ -345,7 +348,8 @@ class Estimator:
                 reduced = max(reduced, start + tail)
                 island = self.cluster.islands[isl]
                 optimizer = max(optimizer, self.cluster.slowdown(island.name)
-                                * optimizer_step_s(island.device, params // shard, profile=self.profile))
+                                * optimizer_step_s(island.device, params // shard, profile=self.profile,
+                                                   precision=self.precision))
                 first += n
         reduction = max(0.0, reduced - pipeline)
         return Estimate(templates=tuple(templates), layer_counts=tuple(all_counts), micro_batches=tuple(split),

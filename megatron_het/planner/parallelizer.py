@@ -81,8 +81,10 @@ class MegatronParallelizer:
     name = "megatron"
 
     def __init__(self, model: ModelSpec, cluster: ClusterSpec, *, max_tp: int = 8,
-                 profile: Profile | Sequence[Profile] | None = None, distributed_optimizer: bool = True) -> None:
+                 profile: Profile | Sequence[Profile] | None = None, distributed_optimizer: bool = True,
+                 precision: str = "bf16") -> None:
         self.model = model
+        self.precision = precision  # what the plan trains in: matmul rate, state and activation bytes
         self.cluster = cluster
         self.max_tp = max_tp  # largest TP size offered
         self.profile = profile  # measured layer times per device type, or None (analytic)
@@ -101,7 +103,8 @@ class MegatronParallelizer:
         if key not in self._costs:
             island = self.cluster.islands[isl]
             self._costs[key] = stage_cost(self.model, island, tp=tp, micro_batch_size=mbs, recompute=recompute,
-                                          slowdown=self.cluster.slowdown(island.name), profile=self.profile)
+                                          slowdown=self.cluster.slowdown(island.name), profile=self.profile,
+                                          precision=self.precision)
         return self._costs[key]
 
     def _memory(self, slice_: LayerSlice, tp: int, rc: bool, flash: bool) -> tuple[int, int, int, int]:
@@ -112,7 +115,7 @@ class MegatronParallelizer:
         if key not in self._mem:
             args = dict(is_first=slice_.is_first, is_last=slice_.is_last, micro_batch_size=slice_.micro_batch_size,
                         microbatches_in_flight=slice_.in_flight, tp=tp, recompute="full" if rc else "none",
-                        distributed_optimizer=False, flash_attention=flash)
+                        distributed_optimizer=False, flash_attention=flash, precision=self.precision)
             here = stage_memory(self.model, num_layers=slice_.num_layers, **args)
             more = stage_memory(self.model, num_layers=slice_.num_layers + 1, **args)
             self._mem[key] = (here.total_bytes - here.optimizer_bytes, here.optimizer_bytes,

@@ -34,6 +34,7 @@ from megatron_het.planner.compose import compose
 from megatron_het.planner.errors import InfeasibleError
 from megatron_het.planner.estimate import Estimate, Estimator
 from megatron_het.planner.explain import explain_choice, island_infeasibility
+from megatron_het.planner.grad_overlap import overlap_note, overlap_variant
 from megatron_het.planner.idle import explain_idle
 from megatron_het.planner.parallelizer import Parallelizer
 from megatron_het.planner.refine import hill_climb
@@ -175,7 +176,8 @@ def plan_cluster(model: ModelSpec, cluster: ClusterSpec, *, global_batch_size: i
                  micro_batch_sizes: Sequence[int] = (1, 2, 4, 8), distributed_optimizer: bool = True,
                  islands: Sequence[str] | None = None, overlap_grad_reduce: bool = False,
                  progress: Callable[[int, int], None] | None = None,
-                 parallelizer: Parallelizer | None = None, compose_islands: bool = True) -> PlannerResult:
+                 parallelizer: Parallelizer | None = None, compose_islands: bool = True,
+                 consider_grad_overlap: bool = True, precision: str = "bf16") -> PlannerResult:
     """Search plans for ``model`` on ``cluster`` and return the fastest predicted one.
 
     ``islands`` restricts the search to those islands (the others get no ranks).
@@ -184,7 +186,11 @@ def plan_cluster(model: ModelSpec, cluster: ClusterSpec, *, global_batch_size: i
     replicas of different shapes over the islands (planner/compose.py); off, only the local and
     spanning layouts are searched.
     ``overlap_grad_reduce`` prices plans for a runtime that overlaps stage 0's gradient reduction
-    with its last backward, as megatron-core's DDP option of that name does (see perf.predict). Raises
+    with its last backward, as megatron-core's DDP option of that name does (see perf.predict), a
+    what-if. ``consider_grad_overlap`` (default on) also prices every predicted layout as megatron-het's
+    runtime runs ``overlap_grad_reduce`` (every stage's all-reduce in buckets during its last backward,
+    without the distributed optimizer: planner/grad_overlap.py) and records the choice in the plan.
+    ``precision`` (a Plan precision) is what every point is priced at and what the plans record. Raises
     :class:`InfeasibleError` (a ValueError) naming the failed memory or divisibility constraint.
     ``progress(done, total)`` is called after each candidate structure priced and each plan predicted
     in full; ``total`` counts the work known so far (it grows when a micro-batch size's combinations,
@@ -210,7 +216,7 @@ def plan_cluster(model: ModelSpec, cluster: ClusterSpec, *, global_batch_size: i
             f"multiple of {min(micro_batch_sizes, default=1)}")
     est = Estimator(model, cluster, global_batch_size=global_batch_size, profile=profile,
                     distributed_optimizer=distributed_optimizer, overlap_grad_reduce=overlap_grad_reduce,
-                    parallelizer=parallelizer, max_tp=max_tp)
+                    parallelizer=parallelizer, max_tp=max_tp, precision=precision)
     active = [i for i, isl in enumerate(cluster.islands) if isl.name in allowed]
     reasons: dict[str, None] = {}
     estimates: list[Estimate] = []
@@ -315,11 +321,27 @@ def plan_cluster(model: ModelSpec, cluster: ClusterSpec, *, global_batch_size: i
     seen: set[str] = set()
     considered: set[int] = set()
 
+    # Per ranked plan: (schedule sentence, its 1F1B form, the distributed-optimizer form's prediction
+    # when the plan is the overlapped variant).
+    notes: list[tuple[str, tuple[Plan, Prediction], Prediction | None]] = []
+
+    simulations: dict = {}  # pipeline simulations shared by a layout's forms and schedules
+
+    def predict_plan(plan: Plan) -> Prediction:
+        return predict(plan, model, cluster, profile=profile, overlap_grad_reduce=overlap_grad_reduce,
+                       simulations=simulations)
+
     def predict_point(e: Estimate) -> None:
+        """Predict the point's layout under 1F1B, also with its all-reduce overlapped (grad_overlap.py:
+        the runtime runs that only without the distributed optimizer, so memory decides where it
+        fits), and each of those under every schedule the runtime runs (schedule_choice.py: a layout
+        second under 1F1B may gain more from ZB-H1 or interleaving than the first, e.g. the
+        overlapped variant, whose reduction ZB-H1's deferred W would otherwise expose)."""
         considered.add(id(e))
         plan = build_plan(cluster, e.templates, e.layer_counts, e.micro_batches, micro_batch_size=e.micro_batch_size,
                           global_batch_size=global_batch_size, recompute=e.recompute,
-                          distributed_optimizer=distributed_optimizer, stage_recompute=e.stage_recompute)
+                          distributed_optimizer=distributed_optimizer, stage_recompute=e.stage_recompute,
+                          precision=precision)
         key = plan.to_json()
         if key in seen:
             return
@@ -329,17 +351,30 @@ def plan_cluster(model: ModelSpec, cluster: ClusterSpec, *, global_batch_size: i
         except PlanError as err:  # a bug in the search if it happens; keep the reason, skip the plan
             reasons[f"internal: generated plan invalid: {err}"] = None
             return
-        pred = predict(plan, model, cluster, profile=profile, overlap_grad_reduce=overlap_grad_reduce)
+        pred = predict_plan(plan)
         counter.step()
         if not pred.fits:
             reasons[f"predicted memory {pred.memory_gib_per_rank_max:.1f} GiB exceeds a device"] = None
             return
-        ranked.append((replace(plan, predicted=pred.to_json_dict()), pred))
-        origin.append(e)
+        forms = [((replace(plan, predicted=pred.to_json_dict()), pred), None)]
+        variant = overlap_variant(plan) if consider_grad_overlap else "not asked"
+        if not isinstance(variant, str):
+            try:
+                validate_plan(variant, model, cluster)
+                vpred = predict_plan(variant)
+                if vpred.fits:
+                    forms.append(((replace(variant, predicted=vpred.to_json_dict()), vpred), pred))
+            except PlanError as err:
+                reasons[f"internal: overlapped plan invalid: {err}"] = None
+        for one_f, sharded_alt in forms:
+            chosen, note = choose_schedule(one_f, model, cluster, predict_plan=predict_plan)
+            ranked.append(chosen)
+            notes.append((note, one_f, sharded_alt))
+            origin.append(e)
 
     origin: list[Estimate] = []  # the point behind each ranked plan
     for e in estimates:
-        if len(ranked) >= keep:
+        if len({id(o) for o in origin}) >= keep:  # layouts predicted (each may rank in two forms)
             break
         predict_point(e)
     # Then the best point of every (micro-batch size, recompute) setting not predicted yet:
@@ -348,8 +383,8 @@ def plan_cluster(model: ModelSpec, cluster: ClusterSpec, *, global_batch_size: i
     for e in estimates:
         best_of.setdefault((e.micro_batch_size, e.recompute), e)
     rest = [e for e in best_of.values() if id(e) not in considered]
-    # And the structure predicted fastest so far at every other setting (the closed form's ranking
-    # of micro-batch sizes is the least certain part of it).
+    # And the structure predicted fastest so far (its best schedule) at every other setting (the
+    # closed form's ranking of micro-batch sizes is the least certain part of it).
     if ranked:
         top = origin[min(range(len(ranked)), key=lambda k: ranked[k][1].iteration_time_s)]
         for mbs in sizes:
@@ -364,14 +399,16 @@ def plan_cluster(model: ModelSpec, cluster: ClusterSpec, *, global_batch_size: i
     if not ranked:
         raise InfeasibleError(_infeasible_text(est, active, sizes, recompute_options, max_tp, reasons),
                               reasons=tuple(reasons))
-    ranked.sort(key=lambda x: x[1].iteration_time_s)
-    ranked[0], schedule_note = choose_schedule(ranked[0], model, cluster, predict_plan=lambda plan: predict(
-        plan, model, cluster, profile=profile, overlap_grad_reduce=overlap_grad_reduce))
+    order = sorted(range(len(ranked)), key=lambda k: ranked[k][1].iteration_time_s)
+    schedule_note, one_f, sharded_alt = notes[order[0]]
+    ranked = [ranked[k] for k in order]
+    overlap_line = overlap_note(one_f, sharded_alt)
 
     def build(e: Estimate) -> Plan | None:
         plan = build_plan(cluster, e.templates, e.layer_counts, e.micro_batches, micro_batch_size=e.micro_batch_size,
                           global_batch_size=global_batch_size, recompute=e.recompute,
-                          distributed_optimizer=distributed_optimizer, stage_recompute=e.stage_recompute)
+                          distributed_optimizer=distributed_optimizer, stage_recompute=e.stage_recompute,
+                          precision=precision)
         try:
             validate_plan(plan, model, cluster)
         except PlanError:
@@ -389,7 +426,8 @@ def plan_cluster(model: ModelSpec, cluster: ClusterSpec, *, global_batch_size: i
         best, grid_lines = assign_tp_grids(best)
         ranked[0] = (best, ranked[0][1])
     return PlannerResult(best=best, candidates=ranked[:top_k],
-                         explanation="\n".join([explanation, schedule_note, *grid_lines, *idle]), infeasible=list(reasons),
+                         explanation="\n".join([explanation, *([overlap_line] if overlap_line else []), schedule_note,
+                                                 *grid_lines, *idle]), infeasible=list(reasons),
                          idle=tuple(idle))
 
 

@@ -161,10 +161,11 @@ def island_gpus_used(templates: Sequence[Template], num_islands: int) -> list[in
 def build_plan(cluster: ClusterSpec, templates: Sequence[Template], layer_counts: Sequence[Sequence[int]],
                micro_batches: Sequence[tuple[int, int]], *, micro_batch_size: int, global_batch_size: int,
                recompute: bool, distributed_optimizer: bool,
-               stage_recompute: Sequence[Sequence[bool]] | None = None) -> Plan:
+               stage_recompute: Sequence[Sequence[bool]] | None = None, precision: str = "bf16") -> Plan:
     """Turn a search point into a Plan.
 
-    ``stage_recompute`` (per template, per stage) overrides ``recompute`` stage by stage.
+    ``stage_recompute`` (per template, per stage) overrides ``recompute`` stage by stage; ``precision``
+    is the one the point was priced at (Plan.precision).
 
     Ranks: island by island in cluster-file order, only the GPUs used (so ranks are exactly
     0..N-1); inside an island, replica by replica and stage by stage, each stage's TP ranks
@@ -188,4 +189,4 @@ def build_plan(cluster: ClusterSpec, templates: Sequence[Template], layer_counts
                 first += n
             replicas.append(ReplicaPlan(stages=tuple(stages), num_micro_batches=m if copy < high else m - 1))
     return Plan(replicas=tuple(replicas), micro_batch_size=micro_batch_size, global_batch_size=global_batch_size,
-                use_distributed_optimizer=distributed_optimizer and len(replicas) > 1)
+                use_distributed_optimizer=distributed_optimizer and len(replicas) > 1, precision=precision)

@@ -382,7 +382,7 @@ class PipelineStrategy:
             raise ConfigError("the parameter all-gather exists only with the distributed optimizer",
                               field="--overlap-param-gather", value=True,
                               fix="add --use-distributed-optimizer (or set the plan's use_distributed_optimizer)")
-        if not self.train.overlap_grad_reduce:
+        if not (self.train.overlap_grad_reduce or self.plan.overlap_grad_reduce):  # the plan may record it
             return GradientSynchronizer(self.holdings(), self.opt_params, placement=self.placement,
                                         timeout=self.train.group_timeout, accelerator=self.accelerator)
         from megatron_het.perf.predict import bucket_parameters

@@ -11,7 +11,10 @@ command line may add to the record but not contradict it (pure function, applied
 - ``--hetero-plan auto`` has no plan file: the flags are the record (no flag = fp32, Megatron's
   default) and the chosen plan records them (``cli/pretrain.resolve_plan``);
 - ``--use-distributed-optimizer`` turns the plan's ``use_distributed_optimizer`` on (and the run's
-  plan records it, so the memory prediction the run prints counts sharded state).
+  plan records it, so the memory prediction the run prints counts sharded state);
+- gradient overlap: a plan recording ``overlap_grad_reduce`` (the planner chose and priced it) runs
+  with ``TrainConfig.overlap_grad_reduce`` on without the flag; ``--overlap-grad-reduce`` on a plan
+  without it records it in the run's plan (so the prediction the run prints prices the overlap).
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ _RUNTIME_PRECISION = {"fp32": "fp32", "tf32": "fp32", "bf16": "bf16", "fp16": "f
 
 def reconcile_plan(plan: Plan, train: TrainConfig, *, use_distributed_optimizer: bool = False
                    ) -> tuple[Plan, TrainConfig]:
-    """(plan, train) that agree on precision and optimizer sharding; raises ConfigError on a conflict."""
+    """(plan, train) that agree on precision, optimizer sharding and gradient overlap; raises ConfigError on a conflict."""
     if plan.precision not in _RUNTIME_PRECISION:
         raise ConfigError(f"the plan was priced at {plan.precision}, which this runtime does not train in",
                           field="plan.precision", value=plan.precision,
@@ -43,4 +46,8 @@ def reconcile_plan(plan: Plan, train: TrainConfig, *, use_distributed_optimizer:
     train = dataclasses.replace(train, bf16=runs == "bf16", fp16=runs == "fp16")
     if use_distributed_optimizer and not plan.use_distributed_optimizer:
         plan = dataclasses.replace(plan, use_distributed_optimizer=True)
+    if plan.overlap_grad_reduce and not train.overlap_grad_reduce:
+        train = dataclasses.replace(train, overlap_grad_reduce=True)
+    elif train.overlap_grad_reduce and not plan.overlap_grad_reduce and not plan.use_distributed_optimizer:
+        plan = dataclasses.replace(plan, overlap_grad_reduce=True)
     return plan, train

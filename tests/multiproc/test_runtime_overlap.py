@@ -8,7 +8,9 @@ norms are held at TP 1 and 2); (b) the same with ``tp_comm_overlap`` on A's TP2 
 stage (nothing to overlap there) but off on B's TP2 stage; (c) (b) with ``overlap_grad_reduce``,
 megatron's default bucket size and small buckets. Losses: 1e-5 relative of the single-process run
 (tests/test_runtime_parity.py's tolerance), parameters 1e-4; (b) vs (a) 1e-6 relative (parameters
-1e-5 absolute); (c) bitwise with the default buckets, 1e-6 relative (parameters 1e-5) with small ones.
+1e-5 absolute); (c) bitwise with the default buckets, 1e-6 relative (parameters 1e-5) with small ones;
+(d) (b) with a plan recording ``overlap_grad_reduce`` and no flag: overlapped (every bucket launched
+in the backward), losses bitwise those of (b).
 """
 
 from __future__ import annotations
@@ -78,7 +80,9 @@ def runs():
     overlap = sp_plan(overlap_a0=True, overlap_b0=True)
     cases = [("sp", sp_plan(), TRAIN), ("sp_tp_overlap", overlap, TRAIN),
              ("grad_overlap_one_bucket", overlap, dataclasses.replace(TRAIN, overlap_grad_reduce=True)),
-             ("grad_overlap", overlap, dataclasses.replace(TRAIN, overlap_grad_reduce=True, ddp_bucket_size=BUCKET))]
+             ("grad_overlap", overlap, dataclasses.replace(TRAIN, overlap_grad_reduce=True, ddp_bucket_size=BUCKET)),
+             # the planner's record (#19): a plan with overlap_grad_reduce overlaps without the flag
+             ("plan_records_overlap", dataclasses.replace(overlap, overlap_grad_reduce=True), TRAIN)]
     per_rank = run_local(6, cases_worker, (MODEL, cases, init, PADDED_VOCAB), timeout_s=900)
     return ref, per_rank
 
@@ -154,8 +158,9 @@ def test_overlap_grad_reduce_equals_synchronous_reduction(runs):
     worst = max(float((final[k] - sync_final[k]).abs().max()) for k in sync_final)
     print(f"overlap_grad_reduce, {BUCKET}-parameter buckets: max |param diff| vs synchronous {worst:.2e}")
     assert worst <= 1e-5, worst
+    assert _losses(per_rank, "plan_records_overlap") == sync_losses
     for out in per_rank:  # every bucket launched during the last backward; small ones are more
-        for name in ("grad_overlap_one_bucket", "grad_overlap"):
+        for name in ("grad_overlap_one_bucket", "grad_overlap", "plan_records_overlap"):
             assert out[name]["launched"] == out[name]["buckets"] > 0, (name, out[name])
         assert out["grad_overlap"]["buckets"] > out["sp_tp_overlap"]["buckets"]
         assert out["sp_tp_overlap"]["launched"] is None  # the plain synchronizer without the flag

@@ -98,7 +98,7 @@ def test_plan_tp_3d_writes_grids_where_the_4d_model_wins_and_only_then(tmp_path)
     (tmp_path / "gpt13b.yaml").write_text("num_layers: 40\nhidden_size: 5120\nnum_attention_heads: 40\n"
                                           "seq_length: 2048\nvocab_size: 50304\nname: gpt-13b\n")
     args = ["--cluster", str(tmp_path / "n8.yaml"), "--model", str(tmp_path / "gpt13b.yaml"),
-            "--global-batch-size", "64", "--mode", "pipeline", "--no-progress"]
+            "--global-batch-size", "32", "--mode", "pipeline", "--no-progress"]
     grids = {}
     for flag in ("--tp-3d", None):
         out = tmp_path / f"plan{flag or ''}.json"

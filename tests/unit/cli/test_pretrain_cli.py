@@ -77,6 +77,25 @@ def test_overlap_flags_reach_the_plan_and_the_training_config(tmp_path):
     validate_plan(plain, args.model, args.cluster)
 
 
+@pytest.mark.parametrize("flag,precision", [([], "fp32"), (["--bf16"], "bf16")])
+def test_auto_plans_at_the_precision_the_run_trains_in(flag, precision):
+    """--hetero-plan auto prices the search at the flags' precision (no flag = fp32) and records it:
+    the plan's attached prediction is what perf.predict says of the recorded plan."""
+    import dataclasses
+
+    from megatron_het.cli.pretrain import resolve_plan
+    from megatron_het.perf import predict
+
+    args = parse_args(BASE + ["--mock-data", *flag])
+    plan = resolve_plan(args)
+    assert plan.precision == precision
+    assert predict(plan, args.model, args.cluster).iteration_time_s == pytest.approx(
+        plan.predicted["iteration_time_s"], rel=1e-9)
+    other = predict(dataclasses.replace(plan, precision="bf16" if precision == "fp32" else "fp32"), args.model,
+                    args.cluster).iteration_time_s
+    assert other != pytest.approx(plan.predicted["iteration_time_s"], rel=1e-6)  # the precision matters here
+
+
 @pytest.fixture(scope="module")
 def tokenizer_512(tmp_path_factory) -> str:
     """A real SentencePiece model of 512 pieces, trained on the first 60 documents of the shipped corpus."""

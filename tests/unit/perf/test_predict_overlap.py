@@ -49,3 +49,43 @@ def test_reduction_starts_when_each_stage_ends_and_overlap_only_shortens_it():
     first_plain, first_over = stages[0], overlapped.replicas[0].stages[0]
     assert first_over.gradient_reduction_end_s < first_plain.gradient_reduction_end_s
     assert "gradient_reduction_end_s" in plain.to_json_dict()["replica_groups"][0]["stages"][0]
+
+
+def _two_islands(second: str) -> ClusterSpec:
+    from megatron_het.cluster import LinkSpec
+
+    a = IslandSpec(name="a", device=CATALOG["A100-80GB"], nodes=1, gpus_per_node=8, inter_node_bandwidth_gbps=25.0)
+    b = IslandSpec(name="b", device=CATALOG[second], nodes=1, gpus_per_node=8, inter_node_bandwidth_gbps=25.0)
+    return ClusterSpec(islands=(a, b), links=(LinkSpec(between=("a", "b"), bandwidth_gbps=25.0),))
+
+
+def _replica_per_island(cluster: ClusterSpec):
+    import dataclasses
+
+    from megatron_het.plan import Plan, ReplicaPlan, StagePlan
+
+    reps = []
+    for i, isl in enumerate(cluster.islands):
+        stages = tuple(StagePlan(island=isl.name, device_type=isl.device.name, ranks=(4 * i + s,),
+                                 layers=(4 * s, 4 * s + 4)) for s in range(2))
+        reps.append(ReplicaPlan(stages=stages, num_micro_batches=8))
+    plan = Plan(replicas=tuple(reps), micro_batch_size=1, global_batch_size=16)
+    return plan, dataclasses.replace(plan, overlap_grad_reduce=True)
+
+
+def test_a_plan_recording_overlap_is_priced_as_the_runtime_runs_it():
+    cluster = _two_islands("A100-80GB")  # one collective library: every stage's buckets overlap
+    plain, recorded = _replica_per_island(cluster)
+    runtime = predict(plain, MODEL, cluster, overlap_grad_reduce=True, bucket_all_stages=True)
+    got = predict(recorded, MODEL, cluster)
+    assert got.iteration_time_s == pytest.approx(runtime.iteration_time_s)
+    assert got.iteration_time_s < predict(plain, MODEL, cluster).iteration_time_s
+
+
+def test_bridged_cross_vendor_reductions_are_not_overlapped():
+    cluster = _two_islands("MI250X")  # NCCL + RCCL peers: the bridge has no asynchronous form
+    plain, recorded = _replica_per_island(cluster)
+    got = predict(recorded, MODEL, cluster)
+    assert got.iteration_time_s == pytest.approx(predict(plain, MODEL, cluster).iteration_time_s)
+    assert got.iteration_time_s > predict(plain, MODEL, cluster, overlap_grad_reduce=True,
+                                          bucket_all_stages=False).iteration_time_s

@@ -40,3 +40,12 @@ def test_the_flag_turns_the_plans_distributed_optimizer_on_and_the_plan_records_
     assert plan.use_distributed_optimizer
     plan, _ = reconcile_plan(dataclasses.replace(PLAN, use_distributed_optimizer=True), TRAIN)
     assert plan.use_distributed_optimizer  # no flag: the plan's record stands
+
+
+def test_a_plan_recording_gradient_overlap_runs_it_and_the_flag_records_it():
+    _, train = reconcile_plan(dataclasses.replace(PLAN, overlap_grad_reduce=True), TRAIN)
+    assert train.overlap_grad_reduce  # the planner priced the overlap: the run overlaps without the flag
+    plan, train = reconcile_plan(PLAN, dataclasses.replace(TRAIN, overlap_grad_reduce=True))
+    assert plan.overlap_grad_reduce and train.overlap_grad_reduce
+    plan, _ = reconcile_plan(PLAN, TRAIN)
+    assert not plan.overlap_grad_reduce
