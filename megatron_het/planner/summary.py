@@ -87,16 +87,29 @@ def summarize_sharded(plan: ShardedPlan, *, verbose: bool = False) -> list[str]:
     return lines
 
 
+def _schedule_text(plan: Plan) -> str:
+    return plan.schedule + (f" v={plan.virtual_pipeline_size}" if plan.virtual_pipeline_size > 1 else "")
+
+
+def _grads_text(plan: Plan) -> str:
+    """How the plan reduces gradients across replicas: the rows of one layout differ only here."""
+    if plan.use_distributed_optimizer:
+        return "dist-opt"  # reduce-scatter after the backward, sharded optimizer state
+    return "overlap" if plan.overlap_grad_reduce else "sync"
+
+
 def candidates_table(candidates: Sequence[tuple[Plan, Prediction]], *, verbose: bool = False) -> list[str]:
     """One row per candidate plan: predictions and its layouts, grouped; rows cut at LINE_CHARS
     unless ``verbose``."""
-    rows = ["rank  iter_s      tokens/s    TFLOP/s/GPU  mem_GiB  mbs  GPUs   layouts: count x [stages] m=micro-batches"]
+    rows = ["rank  iter_s      tokens/s    TFLOP/s/GPU  mem_GiB  mbs  GPUs   schedule     grads    "
+            "layouts: count x [stages] m=micro-batches"]
     for n, (plan, pred) in enumerate(candidates, 1):
         desc = "; ".join(
             f"{len(idx)} x [{_layout_text(key)}] m="
             + "/".join(str(m) for m in sorted({plan.replicas[i].num_micro_batches for i in idx}, reverse=True))
             for key, idx in _layout_groups(plan))
         row = (f"{n:<5} {pred.iteration_time_s:<11.4g} {pred.tokens_per_s:<11.4g} {pred.tflops_per_gpu:<12.4g} "
-               f"{pred.memory_gib_per_rank_max:<8.1f} {plan.micro_batch_size:<4} {pred.num_gpus:<6} {desc}")
+               f"{pred.memory_gib_per_rank_max:<8.1f} {plan.micro_batch_size:<4} {pred.num_gpus:<6} "
+               f"{_schedule_text(plan):<12} {_grads_text(plan):<8} {desc}")
         rows.append(row if verbose or len(row) <= LINE_CHARS else row[:LINE_CHARS - 3] + "...")
     return rows

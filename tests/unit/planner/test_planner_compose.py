@@ -153,3 +153,8 @@ def test_rank_ranges_and_grouped_listing_fit_a_screen():
     assert len(full) >= len(result.best.replicas)
     table = candidates_table(result.candidates)
     assert len(table) == len(result.candidates) + 1 and all(len(row) <= 160 for row in table)
+    for row, (plan, _) in zip(table[1:], result.candidates):  # rows of one layout differ in these two
+        fields = row.split()
+        assert plan.schedule in fields
+        assert ("dist-opt" in fields) == plan.use_distributed_optimizer
+        assert ("overlap" in fields) == plan.overlap_grad_reduce
