@@ -18,6 +18,7 @@ from megatron_het.cluster import load_cluster, load_model
 from megatron_het.errors import UserError
 from megatron_het.perf import load_profile
 from megatron_het.perf.bounds import check_global_batch_size
+from megatron_het.plan.types import DEFAULT_PRECISION, PLAN_PRECISIONS
 from megatron_het.planner import MODES, plan_best, with_seq_length
 from megatron_het.planner.parallelizer import AxonnParallelizer
 from megatron_het.planner.summary import candidates_table, rank_ranges, summarize_plan, summarize_sharded
@@ -45,6 +46,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="pipeline plans may give a stage an AxoNN 3D tensor-parallel grid (tp_grid) where the "
                              "4D communication model says it beats 1D TP; plans without the distributed optimizer, "
                              "which 3D stages do not run yet")
+    parser.add_argument("--precision", choices=PLAN_PRECISIONS, default=DEFAULT_PRECISION,
+                        help="training precision the plans are priced at and record (pretrain_gpt.py trains in what "
+                             f"the plan records; Megatron: no flag = fp32, --bf16, --fp16); default {DEFAULT_PRECISION}")
     add_progress_argument(parser)
     args = parser.parse_args(argv)
     if args.top < 1:
@@ -55,7 +59,9 @@ def main(argv: list[str] | None = None) -> int:
             check_output_file(args.output, flag="--output")
         model, cluster = load_model(args.model), load_cluster(args.cluster)
         profiles = [load_profile(p) for p in args.profile] or None
-        pipeline_options = {"top_k": args.top, "exhaustive": args.exhaustive}
+        pipeline_options = {"top_k": args.top, "exhaustive": args.exhaustive, "precision": args.precision}
+        # the sharded mode knows two state layouts: fp32 weights, or 16-bit weights with fp32 state
+        sharded_options = {"precision": "fp32" if args.precision in ("fp32", "tf32") else "mixed"}
         if args.tp_3d:  # the per-island parallelizer that offers 3D grids (docs/planner.md)
             pipeline_options.update(distributed_optimizer=False, parallelizer=AxonnParallelizer(
                 with_seq_length(model, args.seq_length), cluster, profile=profiles, distributed_optimizer=False))
@@ -63,6 +69,7 @@ def main(argv: list[str] | None = None) -> int:
         try:
             choice = plan_best(model, cluster, global_batch_size=args.global_batch_size, seq_length=args.seq_length,
                                profile=profiles, modes=MODES if args.mode == "auto" else (args.mode,),
+                               sharded_options=sharded_options,
                                pipeline_options={**pipeline_options, "progress": bar.update})
         except UserError:
             bar.quiet = True  # the error line is the whole report

@@ -110,3 +110,19 @@ def test_plan_tp_3d_writes_grids_where_the_4d_model_wins_and_only_then(tmp_path)
             assert "3D grid [2, 1, 1] (AxoNN)" in res.stdout and plan["use_distributed_optimizer"] is False
     assert grids["--tp-3d"] and all(g == [2, 1, 1] for g in grids["--tp-3d"])
     assert all(g is None for g in grids[None])
+
+
+def test_plan_precision_is_priced_and_recorded(tmp_path):
+    """--precision: the plan records it and is priced at it (fp32 holds 4-byte weights: more memory than bf16)."""
+    memory = {}
+    for precision in ("fp32", "bf16"):
+        out = tmp_path / f"{precision}.json"
+        res = _run("plan.py", *CPU_DEMO, "--global-batch-size", "16", "--mode", "pipeline", "--precision", precision,
+                   "--output", str(out), "--no-progress")
+        assert res.returncode == 0, res.stderr
+        plan = json.loads(out.read_text())
+        assert plan["precision"] == precision
+        memory[precision] = plan["predicted"]["memory_gib_per_rank_max"]
+    assert memory["fp32"] > memory["bf16"]
+    res = _run("plan.py", *CPU_DEMO, "--global-batch-size", "16", "--precision", "fp64")
+    assert res.returncode == 2 and "invalid choice: 'fp64'" in res.stderr
