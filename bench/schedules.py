@@ -299,11 +299,13 @@ def measure_profile(path: str) -> None:
     run: thread CPU time (the emulation's clock) with the caches swept before each repetition (between two of
     a rank's actions the other ranks run on its core). bench/schedules_gap.py measured the pipeline's F+B CPU
     time at 1.14-1.17x a warm thread-time profile's price and 0.97-1.02x this one's (1F1B)."""
-    cmd = [sys.executable, os.path.join(ROOT, "tools/profile_host.py"), "--clock", "thread", "--sweep-mib",
-           str(SWEEP_MIB), "--num-layers", "2", "--hidden-size",
+    opts = profile_options()  # the in-run path's settings, so the two ways measure the same things
+    cmd = [sys.executable, os.path.join(ROOT, "tools/profile_host.py"), "--clock", opts["clock"], "--sweep-mib",
+           str(SWEEP_MIB), "--num-layers", str(opts["num_layers"]), "--hidden-size",
            str(MODEL.hidden_size), "--num-attention-heads", str(MODEL.num_attention_heads), "--seq-length",
-           str(MODEL.seq_length), "--micro-batch-sizes", str(MICRO_BATCH), "--threads", "1", "--repeats", "7",
-           "--device", "CPU", "--vocab-size", str(MODEL.vocab_size), "--optimizer", "--split-backward", "--call-overhead",
+           str(MODEL.seq_length), "--micro-batch-sizes", ",".join(map(str, opts["micro_batch_sizes"])), "--threads", "1",
+           "--warmup", str(opts["warmup"]), "--repeats", str(opts["repeats"]), "--device", opts["device"],
+           "--vocab-size", str(MODEL.vocab_size), "--optimizer", "--split-backward", "--call-overhead",
            "--output", path]
     subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
 
