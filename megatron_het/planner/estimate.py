@@ -7,6 +7,10 @@ A replica of stage times ``tau_j = f_j + b_j`` running 1F1B over m micro-batches
 flight on stage j, so a run of stages plus the transfers between them forms a loop that the
 pipeline cannot go around faster than its total time over its length. Gradient reduction and the
 optimizer step are priced as in :func:`megatron_het.perf.predict`.
+
+ZB-H1 (split backward, W deferred into the cool-down) is priced beside it, as a second key the
+search ranks by (``Estimate.zb_iteration_time_s``): without it, deep pipelines that only ZB-H1 makes
+fast are never predicted in full.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from megatron_het.perf.flops import stage_parameters
 from megatron_het.perf.memory import device_capacity_bytes, stage_memory, state_bytes
 from megatron_het.perf.predict import (
     StageCost,
+    backward_split_shares,
     bucket_parameters,
     optimizer_step_s,
     overlapped_reduction_tail_s,
@@ -76,7 +81,13 @@ class Estimate:
     micro_batch_size: int  # sequences per micro-batch
     recompute: bool  # recompute allowed: stages recompute where memory needs it (else none do)
     stage_recompute: tuple[tuple[bool, ...], ...]  # per template, per stage: full recomputation on
-    iteration_time_s: float  # closed-form estimate
+    iteration_time_s: float  # closed-form estimate under 1F1B
+    # The same under ZB-H1: per replica, the cool-down bubble shrinks by twice the weight-gradient
+    # (W) time of all stages but the one with the largest W (for p equal stages, 1F1B's bubble
+    # (p - 1)(F + B + W) becomes (p - 1)(F + B - W), Qi et al. 2023), and the steady period's
+    # transfer loops hold F and B only; on the 1F1B estimate's micro-batch split. Its gradient
+    # reduction is not hidden behind other stages' cool-down: the deferred Ws end every stage late.
+    zb_iteration_time_s: float = float("inf")
 
 
 class Estimator:
@@ -108,6 +119,8 @@ class Estimator:
             precision=precision)
         self._candidates: dict[tuple[int, LayerSlice], Sequence[IntraConfig]] = {}
         self._tps: dict[int, tuple[int, ...]] = {}
+        # W's share of a fused backward per island (measured split, else half): ZB-H1's estimate
+        self._w_share = [backward_split_shares(profile, i.device.name)[1] for i in cluster.islands]
 
     def configs(self, isl: int, slice_: LayerSlice) -> Sequence[IntraConfig]:
         """The parallelizer's candidates for ``slice_`` on island ``isl`` within device memory (cached)."""
@@ -269,7 +282,7 @@ class Estimator:
             return (f"{replicas} replicas need at least {replicas} micro-batches but global_batch_size "
                     f"{self.global_batch_size} / micro_batch_size {mbs} = {total_mb}")
         max_m = total_mb - replicas + 1
-        groups, all_counts, all_flags, all_lags = [], [], [], []
+        groups, all_counts, all_flags, all_lags, zb = [], [], [], [], []
         for t in templates:
             stages = t.stage_islands()
             p = len(stages)
@@ -295,12 +308,13 @@ class Estimator:
             taus = [f + n * x for f, n, x in zip(fixed, counts, per_layer)]
             # When each stage's last backward ends, relative to the replica's end: stage j
             # finishes before stage 0 by the backward cool-down of stages 0..j-1.
-            lag, lags, chunk_rows = 0.0, [], []
+            lag, lags, chunk_rows, ws = 0.0, [], [], []
             for j, ((isl, tp), n, k) in enumerate(zip(stages, counts, picked)):
                 c = self.cost(isl, tp, mbs, k == 1)
                 lags.append(lag)
                 bwd = c.backward_s(n, is_first=j == 0, is_last=j == p - 1)
                 chunk_rows.append((c, bwd))
+                ws.append(self._w_share[isl] * bwd)
                 if j + 1 < p:
                     lag += bwd + self.hop(stages[j + 1], stages[j], mbs)
             all_lags.append((lags, chunk_rows))
@@ -308,10 +322,15 @@ class Estimator:
                     for j in range(p - 1)]
             groups.append((t.count, sum(taus) + sum(hops), pipeline_period(taus, hops)))
             all_counts.append(counts)
+            # ZB-H1: the steady state's loops run F and B only (W waits), the cool-down fills with W
+            zb_period = max(max(taus), pipeline_period([x - w for x, w in zip(taus, ws)], hops))
+            zb.append((sum(taus) + sum(hops) - 2.0 * (sum(ws) - max(ws)), zb_period))
         alloc = allocate_micro_batches(total_mb, groups)
         if alloc is None:
             return f"cannot give each of {replicas} replicas a micro-batch"
         split, pipeline = alloc
+        # ZB-H1 on the same micro-batch split (a template's replicas run m or m - 1 of them)
+        zb_pipeline = max(max(a, c) + ((m if high else m - 1) - 1) * c for (a, c), (m, high) in zip(zb, split))
         # Reduction peers of a stage: in every template, the stage holding the same first layer.
         # Its reduction starts when the last of them ends its backward (as in perf.predict).
         holders = []
@@ -321,7 +340,7 @@ class Estimator:
             for n in counts[:-1]:
                 starts.append(starts[-1] + n)
             holders.append((t.count, starts, [isl for isl, _ in t.stage_islands()], [end - lag for lag in lags]))
-        reduced = optimizer = 0.0
+        reduced = zb_reduced = optimizer = 0.0
         shard = replicas if self.distributed_optimizer else 1
         for t, counts, (_, rows) in zip(templates, all_counts, all_lags):
             stages, first = t.stage_islands(), 0
@@ -346,6 +365,7 @@ class Estimator:
                         reduce_s=lambda k, placement=placement, rpn=rpn: self.grad_sync(
                             placement, k, replicas=replicas, ranks_per_node=rpn))
                 reduced = max(reduced, start + tail)
+                zb_reduced = max(zb_reduced, tail)  # ZB-H1: every stage's deferred Ws run to the end
                 island = self.cluster.islands[isl]
                 optimizer = max(optimizer, self.cluster.slowdown(island.name)
                                 * optimizer_step_s(island.device, params // shard, profile=self.profile,
@@ -354,4 +374,5 @@ class Estimator:
         reduction = max(0.0, reduced - pipeline)
         return Estimate(templates=tuple(templates), layer_counts=tuple(all_counts), micro_batches=tuple(split),
                         micro_batch_size=mbs, recompute=recompute, stage_recompute=tuple(all_flags),
-                        iteration_time_s=pipeline + reduction + optimizer)
+                        iteration_time_s=pipeline + reduction + optimizer,
+                        zb_iteration_time_s=zb_pipeline + zb_reduced + optimizer)

@@ -72,9 +72,10 @@ def neighbours(structure: Structure, cluster: ClusterSpec, *, tps: Mapping[int, 
 
 def hill_climb(start: Estimate, evaluate: Callable[[Structure, int, bool], Estimate | None], cluster: ClusterSpec, *,
                tps: Mapping[int, Sequence[int]], num_layers: int, global_batch_size: int,
-               micro_batch_sizes: Sequence[int], recompute_options: Sequence[bool], max_steps: int = 25) -> Estimate:
-    """First-improvement hill climbing on the closed-form estimate, over structure changes and
-    the (micro-batch size, recompute) pair."""
+               micro_batch_sizes: Sequence[int], recompute_options: Sequence[bool], max_steps: int = 25,
+               key: Callable[[Estimate], float] = lambda e: e.iteration_time_s) -> Estimate:
+    """First-improvement hill climbing on the closed-form estimate ``key`` (default: under 1F1B), over
+    structure changes and the (micro-batch size, recompute) pair."""
     best = start
     for _ in range(max_steps):
         improved = False
@@ -86,7 +87,7 @@ def hill_climb(start: Estimate, evaluate: Callable[[Structure, int, bool], Estim
                                       max_replicas=global_batch_size // best.micro_batch_size)]
         for structure, b, rc in moves:
             e = evaluate(structure, b, rc)
-            if e is not None and e.iteration_time_s < best.iteration_time_s * (1 - 1e-9):
+            if e is not None and key(e) < key(best) * (1 - 1e-9):
                 best, improved = e, True
                 break
         if not improved:

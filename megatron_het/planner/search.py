@@ -49,6 +49,8 @@ _FAST_PREDICT = 8  # fast mode: candidates predicted in full
 _EXHAUSTIVE_PREDICT = 40  # exhaustive mode: candidates predicted in full
 _SPANNING_BUDGET = 2000  # fast mode: spanning structures per island subset before TP pruning kicks in
 _CLIMB_STARTS = 6  # fast mode: best distinct candidates refined by hill climbing
+_ZB_STARTS = 2  # fast mode: best distinct candidates under ZB-H1's estimate, climbed on that estimate
+_ZB_PREDICT = 3  # best points under ZB-H1's estimate predicted in full beside the 1F1B ranking's
 _MAX_REASONS = 50  # infeasibility reasons kept in the result
 _COMPOSE_SETTINGS = 2  # fast mode: (micro-batch size, recompute) pairs, best first, that composition explores
 _COMPOSE_BASES = 3  # best distinct plans per pair whose idle GPUs composition tries to fill
@@ -314,6 +316,21 @@ def plan_cluster(model: ModelSpec, cluster: ClusterSpec, *, global_batch_size: i
             hill_climb(e, price, cluster, tps=all_tps, num_layers=model.num_layers,
                        global_batch_size=global_batch_size, micro_batch_sizes=sizes,
                        recompute_options=recompute_options)
+        # ZB-H1 favours deeper pipelines than 1F1B (its deferred W fills the cool-down bubble that
+        # grows with depth): climb from its own best points on its own estimate.
+        zb_starts = []
+        zb_seen = {(e.templates, e.layer_counts, e.micro_batch_size, e.stage_recompute) for e in starts}
+        for e in sorted(estimates, key=lambda e: e.zb_iteration_time_s):
+            key = (e.templates, e.layer_counts, e.micro_batch_size, e.stage_recompute)
+            if key not in zb_seen:  # one per layout (recompute allowed but unused is the same layout)
+                zb_seen.add(key)
+                zb_starts.append(e)
+            if len(zb_starts) >= _ZB_STARTS:
+                break
+        for e in zb_starts:
+            hill_climb(e, price, cluster, tps=all_tps, num_layers=model.num_layers,
+                       global_batch_size=global_batch_size, micro_batch_sizes=sizes,
+                       recompute_options=recompute_options, key=lambda e: e.zb_iteration_time_s)
         estimates.sort(key=lambda e: e.iteration_time_s)
     keep = _EXHAUSTIVE_PREDICT if exhaustive else max(_FAST_PREDICT, top_k)
     counter.add(min(keep, len(estimates)))  # full predictions (duplicates skipped may need a few more)
@@ -383,6 +400,13 @@ def plan_cluster(model: ModelSpec, cluster: ClusterSpec, *, global_batch_size: i
     for e in estimates:
         best_of.setdefault((e.micro_batch_size, e.recompute), e)
     rest = [e for e in best_of.values() if id(e) not in considered]
+    # And the best points under ZB-H1's estimate (deep pipelines the 1F1B ranking puts low).
+    zb_points: dict[tuple[object, ...], Estimate] = {}  # one per layout (recompute allowed but unused = same)
+    for e in sorted(estimates, key=lambda e: e.zb_iteration_time_s):
+        if len(zb_points) >= _ZB_PREDICT:
+            break
+        zb_points.setdefault((e.templates, e.layer_counts, e.micro_batch_size, e.stage_recompute), e)
+    rest += [e for e in zb_points.values() if id(e) not in considered and all(e is not r for r in rest)]
     # And the structure predicted fastest so far (its best schedule) at every other setting (the
     # closed form's ranking of micro-batch sizes is the least certain part of it).
     if ranked:

@@ -70,3 +70,54 @@ def test_period_of_long_pipelines_matches_every_run():
         hops = [rng.choice((0.0, 0.1, 2.0)) for _ in range(p - 1)]
         brute = max((sum(taus[i:l + 1]) + sum(hops[i:l])) / (l - i + 1) for i in range(p) for l in range(i, p))
         assert pipeline_period(taus, hops) == pytest.approx(brute, rel=1e-12)
+
+
+def _rtx_mi300x():
+    from megatron_het.cluster import CATALOG, ClusterSpec, IslandSpec, LinkSpec
+    islands = (IslandSpec(name="rtx", device=CATALOG["RTX-4090"], nodes=1, gpus_per_node=8,
+                          inter_node_bandwidth_gbps=100.0),
+               IslandSpec(name="mi300x", device=CATALOG["MI300X"], nodes=2, gpus_per_node=2,
+                          inter_node_bandwidth_gbps=100.0))
+    return ClusterSpec(islands=islands, links=(LinkSpec(between=("rtx", "mi300x"), bandwidth_gbps=100.0),))
+
+
+def test_zero_bubble_estimate_ranks_deep_pipelines_as_the_simulator_does():
+    """ZB-H1 fills the cool-down bubble that grows with depth: a 10-stage single replica beats two
+    6-stage replicas under ZB-H1 (simulated, perf.predict) while 1F1B ranks them the other way. The
+    1F1B estimate cannot see it; the ZB-H1 estimate must, and stay within 10% of the prediction."""
+    from dataclasses import replace
+
+    from megatron_het.cluster import load_model
+    from megatron_het.perf.predict import predict
+    from megatron_het.planner.estimate import Estimator
+    from megatron_het.planner.space import Segment, Template, build_plan
+
+    model, cluster, gbs = load_model("examples/models/gpt3-1.3b.yaml"), _rtx_mi300x(), 128
+    est = Estimator(model, cluster, global_batch_size=gbs, profile=None, distributed_optimizer=True)
+    got = {}
+    for name, segs, count, mbs in (("shallow", ((0, 4), (1, 2)), 2, 2), ("deep", ((0, 6), (1, 4)), 1, 4)):
+        t = Template(segments=tuple(Segment(island=i, tp=1, pp=pp) for i, pp in segs), count=count)
+        e = est.evaluate((t,), mbs, False)
+        plan = build_plan(cluster, e.templates, e.layer_counts, e.micro_batches, micro_batch_size=mbs,
+                          global_batch_size=gbs, recompute=False, distributed_optimizer=True,
+                          stage_recompute=e.stage_recompute)
+        got[name] = (e, {s: predict(replace(plan, schedule=s), model, cluster).iteration_time_s
+                         for s in ("1f1b", "zb-h1")})
+    (shallow, ps), (deep, pd) = got["shallow"], got["deep"]
+    assert pd["zb-h1"] < ps["zb-h1"] and pd["1f1b"] > ps["1f1b"]  # the case the key exists for
+    assert deep.iteration_time_s > shallow.iteration_time_s  # the 1F1B key ranks as 1F1B does
+    assert deep.zb_iteration_time_s < shallow.zb_iteration_time_s
+    for e, p in ((shallow, ps), (deep, pd)):
+        assert e.zb_iteration_time_s == pytest.approx(p["zb-h1"], rel=0.10)
+        assert e.iteration_time_s == pytest.approx(p["1f1b"], rel=0.05)
+
+
+def test_zero_bubble_estimate_of_one_stage_is_the_1f1b_one():
+    from megatron_het.cluster import load_model
+    from megatron_het.planner.estimate import Estimator
+    from megatron_het.planner.space import Segment, Template
+
+    model, cluster = load_model("examples/models/gpt3-1.3b.yaml"), _rtx_mi300x()
+    est = Estimator(model, cluster, global_batch_size=64, profile=None, distributed_optimizer=True)
+    e = est.evaluate((Template(segments=(Segment(island=1, tp=1, pp=1),), count=4),), 2, False)
+    assert e.zb_iteration_time_s == pytest.approx(e.iteration_time_s, rel=1e-9)
