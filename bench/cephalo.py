@@ -3,7 +3,8 @@
 1. Planner, real device types (predicted): ``plan_best`` (pipeline search vs sharded mode) on
    - "fits only with proportional shards": a 1-layer 7.1B GPT (3 heads: no PP, no TP) on 6 L40S +
      2 A100-80GB: the pipeline search and equal shards do not fit, memory-proportional shards do;
-   - "faster": a 1.3B GPT on 4 H100 + 4 H200 at 2400 Gbit/s, global batch 16 (sharded wins narrowly);
+   - "faster": a 1.3B GPT on 3 H100 + 5 H200 at 3600 Gbit/s, global batch 16 (sharded wins narrowly;
+     on 4 + 4 at 2400 a two-stage ZB-H1 pipeline wins since the planner ranks ZB-H1 points, #19);
    - "pipeline wins": 1.3B / 6.7B on 4 L40S + 4 A100-80GB at 100 Gbit/s;
    and a 6.7B GPT on 4 L40S + 4 A100-80GB: equal shards do not fit an L40S, proportional ones do.
 2. CPU-emulated cluster, 4 gloo ranks: island ``fast`` (2 ranks) and ``slow`` (2 ranks, compute
@@ -156,9 +157,9 @@ def planner_figures() -> dict:
     for label, model, c, gbs, opts in (
             ("fits only with proportional shards: wide-1layer-7.1b on 6 L40S + 2 A100-80GB, 100 Gbit/s", WIDE_7B,
              gpu_cluster("L40S", "A100-80GB", 100, 6, 2), 64, {"shard_policy": "memory"}),
-            # 2 samples per GPU: at 64 the recalibrated model (#17) prices the pipeline faster here
-            ("faster: gpt-1.3b on 4 H100 + 4 H200, 2400 Gbit/s, global batch 16", GPT_1_3B,
-             gpu_cluster("H100-SXM", "H200", 2400), 16, {}),
+            # 2 samples per GPU; uneven islands: no equal two-stage replicas (4 + 4 now pipelines faster)
+            ("faster: gpt-1.3b on 3 H100 + 5 H200, 3600 Gbit/s, global batch 16", GPT_1_3B,
+             gpu_cluster("H100-SXM", "H200", 3600, 3, 5), 16, {}),
             ("pipeline wins: gpt-1.3b on 4 L40S + 4 A100-80GB, 100 Gbit/s", GPT_1_3B, cluster, 64, {}),
             ("pipeline wins: gpt-6.7b on 4 L40S + 4 A100-80GB, 100 Gbit/s", GPT_6_7B, cluster, 64, {})):
         choice = plan_best(model, c, global_batch_size=gbs, sharded_options=opts)

@@ -16,6 +16,7 @@ fast are never predicted in full.
 from __future__ import annotations
 
 import bisect
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -109,7 +110,10 @@ class Estimator:
         self._mem: dict[tuple[object, ...], tuple[int, int, int, int]] = {}
         self._hops: dict[tuple[object, ...], float] = {}
         self._red: dict[tuple[object, ...], tuple[float, float]] = {}
-        self._params: dict[tuple[object, ...], int] = {}
+        self._sync: dict[tuple[object, ...], tuple[float, float]] = {}  # grad_sync's line per placement
+        self._opt_rate: dict[int, float] = {}  # optimizer seconds per parameter per island
+        self._no_cap_hit: dict[tuple[object, ...], Estimate] = {}  # no-recompute estimates no memory cap bound
+        self._params: dict[tuple[object, ...], float] = {}  # stage parameters; layer rates
         self._rows: dict[tuple[object, ...], list[tuple[float, float, int]]] = {}
         self._options: dict[tuple[object, ...], list[list[tuple[float, float, int]]]] = {}
         self._capacity = [device_capacity_bytes(i.device) for i in cluster.islands]
@@ -138,6 +142,52 @@ class Estimator:
             found = self.parallelizer.candidates(probe, isl, 2**62)
             self._tps[isl] = tuple(sorted({c.tp for c in found}))
         return self._tps[isl]
+
+    def _layer_floor(self, isl: int, mbs: int) -> tuple[float, dict[int, float]]:
+        """Island ``isl`` at micro-batch size ``mbs``, over every TP size offered without a memory
+        limit or recompute: the least GPU-seconds of one layer's forward and backward of one
+        micro-batch, and per TP size the least time one layer adds to a micro-batch's trip through
+        the pipeline under either schedule (forward, plus the part of the backward ZB-H1 keeps on
+        the critical path: B - W >= bwd * (1 - 2 * W share), never below zero). Cached."""
+        key = ("floor", isl, mbs)
+        if key not in self._params:
+            probe = LayerSlice(num_layers=1, is_first=False, is_last=False, micro_batch_size=mbs, in_flight=1,
+                               data_parallel=1, recompute_allowed=False)
+            found = [c for c in self.parallelizer.candidates(probe, isl, 2**62) if not c.recompute]
+            keep = max(0.0, 1.0 - 2.0 * self._w_share[isl])
+            trip: dict[int, float] = {}
+            for c in found:
+                t = c.cost.layer_forward_s + keep * c.cost.layer_backward_s
+                trip[c.tp] = min(trip.get(c.tp, t), t)
+            rate = min((c.tp * (c.cost.layer_forward_s + c.cost.layer_backward_s) for c in found), default=0.0)
+            self._params[key] = (rate, trip)
+        return self._params[key]
+
+    def lower_bound(self, templates: Sequence[Template], mbs: int) -> float:
+        """No plan of ``templates`` iterates faster under 1F1B or ZB-H1 (either estimate), whatever the
+        layer split: a replica of template t running m micro-batches takes at least
+        ``fill_t + (m - 1) * tau_t``, where tau_t = L / (its GPUs' layer rate) is its period with
+        perfectly balanced stages and fill_t = L * (the least per-layer trip time of its stages) its
+        first micro-batch's trip; micro-batches are spread to equalise that (real-valued, so a
+        bound). Bubble shape, transfers, reduction, optimizer, embedding and output are left out."""
+        L = self.model.num_layers
+        total_mb = self.global_batch_size // mbs
+        num, den, fills = float(total_mb), 0.0, 0.0
+        for t in templates:
+            capacity = 0.0
+            fill = math.inf
+            for s in t.segments:
+                rate, trip = self._layer_floor(s.island, mbs)
+                capacity += s.tp * s.pp / rate if rate > 0 else math.inf
+                fill = min(fill, trip.get(s.tp, 0.0))
+            tau = L / capacity
+            if tau <= 0:
+                return 0.0
+            fill *= L
+            num += t.count * (fill / tau - 1.0)
+            den += t.count / tau
+            fills = max(fills, fill)
+        return max(fills, num / den)
 
     def cost(self, isl: int, tp: int, mbs: int, recompute: bool) -> StageCost:
         """The parallelizer's cost of a stage that ``rows`` offered (rows fills the cache)."""
@@ -191,13 +241,33 @@ class Estimator:
         """A stage's gradient synchronisation over ``params`` parameters, as perf.predict prices it:
         with the distributed optimizer a reduce-scatter of the gradients (half an all-reduce) plus
         the updated weights' all-gather (the other half, hidden with overlap_grad_reduce); without it
-        an all-reduce of the gradients."""
+        an all-reduce of the gradients. Affine in ``params`` for a placement: cached per placement."""
+        key = (counts, replicas, ranks_per_node)
+        line = self._sync.get(key)
+        if line is None:
+            line = self._sync[key] = (self._grad_sync(counts, 0, replicas, ranks_per_node),
+                                      self._grad_sync(counts, 1, replicas, ranks_per_node)
+                                      - self._grad_sync(counts, 0, replicas, ranks_per_node))
+        return line[0] + line[1] * params
+
+    def _grad_sync(self, counts: tuple[tuple[int, int], ...], params: int, replicas: int, ranks_per_node: int
+                   ) -> float:
         param_bytes, grad_bytes = self._state_bytes
         if self.distributed_optimizer and replicas > 1:
             rs = 0.5 * self.reduction(counts, grad_bytes * params, ranks_per_node)
             return rs if self.overlap_grad_reduce else rs + 0.5 * self.reduction(counts, param_bytes * params,
                                                                                   ranks_per_node)
         return self.reduction(counts, grad_bytes * params, ranks_per_node)
+
+    def optimizer_s(self, isl: int, params: int) -> float:
+        """One optimizer step over ``params`` parameters on a rank of island ``isl`` (perf.predict's
+        optimizer_step_s, linear in the parameters, with the island's slowdown): rate cached."""
+        rate = self._opt_rate.get(isl)
+        if rate is None:
+            island = self.cluster.islands[isl]
+            rate = self._opt_rate[isl] = self.cluster.slowdown(island.name) * optimizer_step_s(
+                island.device, 1_000_000, profile=self.profile, precision=self.precision) / 1_000_000
+        return rate * params
 
     def ranks_per_node(self, isl: int, tp: int, pp: int, count: int) -> int:
         """Replicas of a template whose copies of one stage share a node of island ``isl`` (ranks are
@@ -264,18 +334,24 @@ class Estimator:
             sync = self.grad_sync(((isl, replicas),), params, replicas=replicas,
                                   ranks_per_node=self.ranks_per_node(isl, tp, pp, replicas))
             exposed = max(exposed, sync - lag)
-            island = self.cluster.islands[isl]
             shard = replicas if self.distributed_optimizer else 1
-            optimizer = max(optimizer, self.cluster.slowdown(island.name)
-                            * optimizer_step_s(island.device, params // shard, profile=self.profile,
-                                                   precision=self.precision))
+            optimizer = max(optimizer, self.optimizer_s(isl, params // shard))
             if j + 1 < p:
                 lag += c.backward_s(n, is_first=j == 0, is_last=False) + self.hop(stages[j + 1], stages[j], mbs)
         return sum(taus) + sum(hops), pipeline_period(taus, hops), exposed + optimizer
 
     def evaluate(self, templates: Sequence[Template], mbs: int, recompute: bool) -> Estimate | str:
-        """The estimate, or a reason string when the point is infeasible."""
+        """The estimate, or a reason string when the point is infeasible.
+
+        With ``recompute`` allowed, a structure whose estimate without it left every stage below its
+        memory cap is that same estimate (recompute rows are only ever taken past a cap), returned
+        without pricing it again."""
+        if recompute:
+            same = self._no_cap_hit.get((tuple(templates), mbs))
+            if same is not None:
+                return same
         L = self.model.num_layers
+        cap_hit = False
         total_mb = self.global_batch_size // mbs
         replicas = sum(t.count for t in templates)
         if replicas > total_mb:
@@ -302,6 +378,7 @@ class Estimator:
                 return (f"{names}, micro_batch_size {mbs}, recompute {recompute}: stages hold at most "
                         f"{held} of {L} layers in memory")
             counts, picked = found
+            cap_hit = cap_hit or any(n >= rows[0][2] and rows[0][2] < L for n, rows in zip(counts, options))
             fixed = [options[j][k][0] for j, k in enumerate(picked)]
             per_layer = [options[j][k][1] for j, k in enumerate(picked)]
             all_flags.append(tuple(k == 1 for k in picked))
@@ -366,13 +443,13 @@ class Estimator:
                             placement, k, replicas=replicas, ranks_per_node=rpn))
                 reduced = max(reduced, start + tail)
                 zb_reduced = max(zb_reduced, tail)  # ZB-H1: every stage's deferred Ws run to the end
-                island = self.cluster.islands[isl]
-                optimizer = max(optimizer, self.cluster.slowdown(island.name)
-                                * optimizer_step_s(island.device, params // shard, profile=self.profile,
-                                                   precision=self.precision))
+                optimizer = max(optimizer, self.optimizer_s(isl, params // shard))
                 first += n
         reduction = max(0.0, reduced - pipeline)
-        return Estimate(templates=tuple(templates), layer_counts=tuple(all_counts), micro_batches=tuple(split),
+        e = Estimate(templates=tuple(templates), layer_counts=tuple(all_counts), micro_batches=tuple(split),
                         micro_batch_size=mbs, recompute=recompute, stage_recompute=tuple(all_flags),
                         iteration_time_s=pipeline + reduction + optimizer,
                         zb_iteration_time_s=zb_pipeline + zb_reduced + optimizer)
+        if not recompute and not cap_hit:
+            self._no_cap_hit[(tuple(templates), mbs)] = e
+        return e

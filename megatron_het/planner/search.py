@@ -50,6 +50,7 @@ _EXHAUSTIVE_PREDICT = 40  # exhaustive mode: candidates predicted in full
 _SPANNING_BUDGET = 2000  # fast mode: spanning structures per island subset before TP pruning kicks in
 _CLIMB_STARTS = 6  # fast mode: best distinct candidates refined by hill climbing
 _ZB_STARTS = 2  # fast mode: best distinct candidates under ZB-H1's estimate, climbed on that estimate
+_PRUNE_BOUND = 1.10
 _ZB_PREDICT = 3  # best points under ZB-H1's estimate predicted in full beside the 1F1B ranking's
 _MAX_REASONS = 50  # infeasibility reasons kept in the result
 _COMPOSE_SETTINGS = 2  # fast mode: (micro-batch size, recompute) pairs, best first, that composition explores
@@ -221,6 +222,7 @@ def plan_cluster(model: ModelSpec, cluster: ClusterSpec, *, global_batch_size: i
                     parallelizer=parallelizer, max_tp=max_tp, precision=precision)
     active = [i for i, isl in enumerate(cluster.islands) if isl.name in allowed]
     reasons: dict[str, None] = {}
+    pruned = {"bound": 0}
     estimates: list[Estimate] = []
     evaluated = 0
     counter = _Progress(callback=progress)
@@ -230,16 +232,22 @@ def plan_cluster(model: ModelSpec, cluster: ClusterSpec, *, global_batch_size: i
             len(_local_templates(model, cluster, i, tps=est.tp_sizes(i), max_replicas=global_batch_size // mbs,
                                  exhaustive=exhaustive)) for i in active))
 
-    def price(structure: tuple[Template, ...], mbs: int, rc: bool) -> Estimate | None:
-        nonlocal evaluated
+    best_seen = math.inf  # fastest estimate so far under either key: what the fast mode prunes against
+
+    def price(structure: tuple[Template, ...], mbs: int, rc: bool, *, prune: bool = True) -> Estimate | None:
+        nonlocal evaluated, best_seen
         evaluated += 1
         counter.step()
+        if prune and not exhaustive and est.lower_bound(structure, mbs) > _PRUNE_BOUND * best_seen:
+            pruned["bound"] += 1
+            return None  # even a perfect pipeline of these GPUs would rank far below the best seen
         e = est.evaluate(structure, mbs, rc)
         if isinstance(e, str):
             if len(reasons) < _MAX_REASONS:
                 reasons[e] = None
             return None
         estimates.append(e)
+        best_seen = min(best_seen, e.iteration_time_s, e.zb_iteration_time_s)
         return e
 
     for mbs in sizes:
@@ -251,7 +259,7 @@ def plan_cluster(model: ModelSpec, cluster: ClusterSpec, *, global_batch_size: i
                 scored = []
                 for t in _local_templates(model, cluster, i, tps=est.tp_sizes(i), max_replicas=max_replicas,
                                           exhaustive=exhaustive):
-                    e = price((t,), mbs, rc)
+                    e = price((t,), mbs, rc, prune=False)  # every island's ranking decides its TPs below
                     if e is not None:
                         scored.append((e.iteration_time_s, t))
                 scored.sort(key=lambda x: x[0])
@@ -304,30 +312,15 @@ def plan_cluster(model: ModelSpec, cluster: ClusterSpec, *, global_batch_size: i
         estimates.sort(key=lambda e: e.iteration_time_s)
     if not exhaustive:  # recover what the pruning missed around the best few starting points
         all_tps = {i: list(est.tp_sizes(i)) for i in active}
-        starts, seen_starts = [], set()
-        for e in estimates:
-            key = (e.templates, e.micro_batch_size, e.recompute)
-            if key not in seen_starts:
-                seen_starts.add(key)
-                starts.append(e)
-            if len(starts) >= _CLIMB_STARTS:
-                break
+        seen_layouts: set[tuple[object, ...]] = set()
+        starts = _distinct_layouts(estimates, _CLIMB_STARTS, seen_layouts)
         for e in starts:
             hill_climb(e, price, cluster, tps=all_tps, num_layers=model.num_layers,
                        global_batch_size=global_batch_size, micro_batch_sizes=sizes,
                        recompute_options=recompute_options)
         # ZB-H1 favours deeper pipelines than 1F1B (its deferred W fills the cool-down bubble that
         # grows with depth): climb from its own best points on its own estimate.
-        zb_starts = []
-        zb_seen = {(e.templates, e.layer_counts, e.micro_batch_size, e.stage_recompute) for e in starts}
-        for e in sorted(estimates, key=lambda e: e.zb_iteration_time_s):
-            key = (e.templates, e.layer_counts, e.micro_batch_size, e.stage_recompute)
-            if key not in zb_seen:  # one per layout (recompute allowed but unused is the same layout)
-                zb_seen.add(key)
-                zb_starts.append(e)
-            if len(zb_starts) >= _ZB_STARTS:
-                break
-        for e in zb_starts:
+        for e in _distinct_layouts(sorted(estimates, key=lambda e: e.zb_iteration_time_s), _ZB_STARTS, seen_layouts):
             hill_climb(e, price, cluster, tps=all_tps, num_layers=model.num_layers,
                        global_batch_size=global_batch_size, micro_batch_sizes=sizes,
                        recompute_options=recompute_options, key=lambda e: e.zb_iteration_time_s)
@@ -335,7 +328,7 @@ def plan_cluster(model: ModelSpec, cluster: ClusterSpec, *, global_batch_size: i
     keep = _EXHAUSTIVE_PREDICT if exhaustive else max(_FAST_PREDICT, top_k)
     counter.add(min(keep, len(estimates)))  # full predictions (duplicates skipped may need a few more)
     ranked: list[tuple[Plan, Prediction]] = []
-    seen: set[str] = set()
+    seen: set[Plan] = set()
     considered: set[int] = set()
 
     # Per ranked plan: (schedule sentence, its 1F1B form, the distributed-optimizer form's prediction
@@ -359,7 +352,7 @@ def plan_cluster(model: ModelSpec, cluster: ClusterSpec, *, global_batch_size: i
                           global_batch_size=global_batch_size, recompute=e.recompute,
                           distributed_optimizer=distributed_optimizer, stage_recompute=e.stage_recompute,
                           precision=precision)
-        key = plan.to_json()
+        key = plan  # frozen and hashable (nothing predicted yet): far cheaper than its JSON at 1,024 ranks
         if key in seen:
             return
         seen.add(key)
@@ -401,12 +394,8 @@ def plan_cluster(model: ModelSpec, cluster: ClusterSpec, *, global_batch_size: i
         best_of.setdefault((e.micro_batch_size, e.recompute), e)
     rest = [e for e in best_of.values() if id(e) not in considered]
     # And the best points under ZB-H1's estimate (deep pipelines the 1F1B ranking puts low).
-    zb_points: dict[tuple[object, ...], Estimate] = {}  # one per layout (recompute allowed but unused = same)
-    for e in sorted(estimates, key=lambda e: e.zb_iteration_time_s):
-        if len(zb_points) >= _ZB_PREDICT:
-            break
-        zb_points.setdefault((e.templates, e.layer_counts, e.micro_batch_size, e.stage_recompute), e)
-    rest += [e for e in zb_points.values() if id(e) not in considered and all(e is not r for r in rest)]
+    zb_points = _distinct_layouts(sorted(estimates, key=lambda e: e.zb_iteration_time_s), _ZB_PREDICT, set())
+    rest += [e for e in zb_points if id(e) not in considered and all(e is not r for r in rest)]
     # And the structure predicted fastest so far (its best schedule) at every other setting (the
     # closed form's ranking of micro-batch sizes is the least certain part of it).
     if ranked:
@@ -453,6 +442,20 @@ def plan_cluster(model: ModelSpec, cluster: ClusterSpec, *, global_batch_size: i
                          explanation="\n".join([explanation, *([overlap_line] if overlap_line else []), schedule_note,
                                                  *grid_lines, *idle]), infeasible=list(reasons),
                          idle=tuple(idle))
+
+
+def _distinct_layouts(ranked: Sequence[Estimate], n: int, seen: set[tuple[object, ...]]) -> list[Estimate]:
+    """The first ``n`` of ``ranked`` whose layouts are not in ``seen`` (updated): a point allowed to
+    recompute that needs no recomputation is the same layout as the one that may not."""
+    out = []
+    for e in ranked:
+        if len(out) >= n:
+            break
+        key = (e.templates, e.layer_counts, e.micro_batch_size, e.stage_recompute)
+        if key not in seen:
+            seen.add(key)
+            out.append(e)
+    return out
 
 
 @dataclass(frozen=True, kw_only=True)

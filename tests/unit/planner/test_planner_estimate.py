@@ -121,3 +121,50 @@ def test_zero_bubble_estimate_of_one_stage_is_the_1f1b_one():
     est = Estimator(model, cluster, global_batch_size=64, profile=None, distributed_optimizer=True)
     e = est.evaluate((Template(segments=(Segment(island=1, tp=1, pp=1),), count=4),), 2, False)
     assert e.zb_iteration_time_s == pytest.approx(e.iteration_time_s, rel=1e-9)
+
+
+def test_lower_bound_never_exceeds_either_estimate():
+    """The fast search skips structures whose lower_bound exceeds the best estimate by
+    search._PRUNE_BOUND: a bound above an estimate would drop a point that could rank first."""
+    from megatron_het.cluster import load_model
+    from megatron_het.planner.estimate import Estimator
+    from megatron_het.planner.space import Segment, Template
+
+    rng = random.Random(7)
+    model, cluster = load_model("examples/models/gpt3-1.3b.yaml"), _rtx_mi300x()
+    checked = 0
+    for gbs in (32, 128):
+        est = Estimator(model, cluster, global_batch_size=gbs, profile=None, distributed_optimizer=True)
+        for _ in range(150):
+            segs = [Segment(island=i, tp=rng.choice((1, 2)), pp=rng.randint(1, 4))
+                    for i in rng.sample((0, 1), rng.randint(1, 2))]
+            structure = (Template(segments=tuple(segs), count=rng.randint(1, 2)),)
+            mbs = rng.choice((1, 2, 4))
+            e = est.evaluate(structure, mbs, rng.random() < 0.5)
+            if isinstance(e, str):
+                continue
+            checked += 1
+            bound = est.lower_bound(structure, mbs)
+            assert 0 < bound <= min(e.iteration_time_s, e.zb_iteration_time_s) * (1 + 1e-9), (structure, mbs)
+    assert checked > 100
+
+
+def test_recompute_allowed_reuses_the_estimate_no_memory_cap_bound():
+    """Recompute rows are only taken past a stage's memory cap: a structure that fits without
+    reaching any cap is the same layout with recompute allowed (same estimate, not priced twice);
+    one that hits a cap is priced again and may recompute."""
+    from megatron_het.cluster import load_model
+    from megatron_het.planner.estimate import Estimator
+    from megatron_het.planner.space import Segment, Template
+
+    model, cluster = load_model("examples/models/gpt3-1.3b.yaml"), _rtx_mi300x()
+    est = Estimator(model, cluster, global_batch_size=64, profile=None, distributed_optimizer=True)
+    roomy = (Template(segments=(Segment(island=1, tp=1, pp=2),), count=2),)  # MI300X: 192 GB
+    a, b = est.evaluate(roomy, 2, False), est.evaluate(roomy, 2, True)
+    assert b is a and not any(any(f) for f in a.stage_recompute)
+    tight = (Template(segments=(Segment(island=0, tp=1, pp=2),), count=4),)  # RTX 4090: 24 GB
+    c, d = est.evaluate(tight, 8, False), est.evaluate(tight, 8, True)
+    assert isinstance(c, str) and "hold at most 20 of 24 layers" in c  # caps bind without recompute
+    assert not isinstance(d, str) and any(d.stage_recompute[0])
+    fresh = Estimator(model, cluster, global_batch_size=64, profile=None, distributed_optimizer=True)
+    assert fresh.evaluate(tight, 8, True) == d  # what pricing it from scratch gives

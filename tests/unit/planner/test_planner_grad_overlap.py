@@ -33,7 +33,7 @@ GPT_1_3B = ModelSpec(num_layers=24, hidden_size=2048, num_attention_heads=32, se
 
 
 def _h100_h200() -> ClusterSpec:
-    """4 H100 + 4 H200 at 2400 Gbit/s (tests/unit/planner/test_planner_modes.py's sharded case)."""
+    """4 H100 + 4 H200 at 2400 Gbit/s (tests/unit/planner/test_planner_modes.py's even cluster)."""
     return ClusterSpec(islands=(IslandSpec(name="a", device=CATALOG["H100-SXM"], nodes=1, gpus_per_node=4),
                                 IslandSpec(name="b", device=CATALOG["H200"], nodes=1, gpus_per_node=4)),
                        links=(LinkSpec(between=("a", "b"), bandwidth_gbps=2400),))
