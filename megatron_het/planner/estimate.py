@@ -167,23 +167,25 @@ class Estimator:
         """No plan of ``templates`` iterates faster under 1F1B or ZB-H1 (either estimate), whatever the
         layer split: a replica of template t running m micro-batches takes at least
         ``fill_t + (m - 1) * tau_t``, where tau_t = L / (its GPUs' layer rate) is its period with
-        perfectly balanced stages and fill_t = L * (the least per-layer trip time of its stages) its
-        first micro-batch's trip; micro-batches are spread to equalise that (real-valued, so a
+        perfectly balanced stages and fill_t its first micro-batch's trip, at least one layer per
+        stage at that stage's per-layer trip time and the rest at the fastest stage's; micro-batches are spread to equalise that (real-valued, so a
         bound). Bubble shape, transfers, reduction, optimizer, embedding and output are left out."""
         L = self.model.num_layers
         total_mb = self.global_batch_size // mbs
         num, den, fills = float(total_mb), 0.0, 0.0
         for t in templates:
-            capacity = 0.0
-            fill = math.inf
+            capacity, fill, least, stages = 0.0, 0.0, math.inf, 0
             for s in t.segments:
                 rate, trip = self._layer_floor(s.island, mbs)
                 capacity += s.tp * s.pp / rate if rate > 0 else math.inf
-                fill = min(fill, trip.get(s.tp, 0.0))
+                step = trip.get(s.tp, 0.0)
+                fill += s.pp * step  # every stage holds at least one layer
+                least = min(least, step)
+                stages += s.pp
             tau = L / capacity
             if tau <= 0:
                 return 0.0
-            fill *= L
+            fill += max(0, L - stages) * least  # the other layers at best on the fastest stage
             num += t.count * (fill / tau - 1.0)
             den += t.count / tau
             fills = max(fills, fill)
