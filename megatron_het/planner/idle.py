@@ -2,8 +2,8 @@
 GPUs, give the predicted throughput of the best priced plan that uses them, and say why it lost.
 
 The alternative is the fastest closed-form point of the search that puts at least half of the
-island's idle GPUs to work; it is predicted in full (``perf.predict``) so that the two figures are
-comparable. Why it lost is read off the two predictions: the part of the iteration that grew most
+island's idle GPUs to work; it is priced as the chosen plan was (``perf.predict``, in its fastest
+runnable schedule and gradient-reduction form) so that the two figures are comparable. Why it lost is read off the two predictions: the part of the iteration that grew most
 (gradient reduction across islands: links; recomputation added: memory; as many micro-batches on
 its slowest replica: batch divisibility; more on fewer, deeper replicas: batch split; otherwise the
 pipeline: stage balance and transfers).
@@ -18,6 +18,7 @@ from megatron_het.perf.predict import Prediction
 from megatron_het.plan.types import Plan
 from megatron_het.planner.estimate import Estimate
 from megatron_het.planner.space import island_gpus_used
+from megatron_het.planner.summary import plan_form
 
 __all__ = ["idle_islands", "explain_idle"]
 
@@ -73,11 +74,11 @@ def _why(cluster: ClusterSpec, island: str, best: tuple[Plan, Prediction], alt: 
 
 
 def explain_idle(cluster: ClusterSpec, best: tuple[Plan, Prediction], estimates: Sequence[Estimate], *,
-                 build: Callable[[Estimate], Plan | None], predict_plan: Callable[[Plan], Prediction],
+                 build: Callable[[Estimate], Plan | None], price: Callable[[Plan], tuple[Plan, Prediction]],
                  islands: Sequence[str] | None = None) -> list[str]:
     """One line per island (of ``islands``, default all) with idle GPUs. ``estimates`` are the
     search's priced points, fastest first; ``build`` turns one into a valid Plan (None when it is
-    not), ``predict_plan`` prices it."""
+    not), ``price`` gives it in its fastest form (schedule, reduction) with its prediction."""
     idle = {k: v for k, v in idle_islands(cluster, best[0]).items() if islands is None or k in islands}
     lines = []
     names = [i.name for i in cluster.islands]
@@ -96,9 +97,9 @@ def explain_idle(cluster: ClusterSpec, best: tuple[Plan, Prediction], estimates:
             tries += 1
             if tries > _TRIES:
                 break
-            pred = predict_plan(plan)
-            if pred.fits:
-                alt = (plan, pred)
+            priced = price(plan)
+            if priced[1].fits:
+                alt = priced
                 break
         if alt is None:
             lines.append(f"{head}: no priced plan uses them (too few for one more stage group, or over "
@@ -106,7 +107,8 @@ def explain_idle(cluster: ClusterSpec, best: tuple[Plan, Prediction], estimates:
             continue
         alt_used = sum(s.tp for r in alt[0].replicas for s in r.stages if s.island == name)
         loss = 1 - alt[1].tokens_per_s / best[1].tokens_per_s
-        lines.append(f"{head}: the best plan using {alt_used} of them predicts {alt[1].tokens_per_s:.4g} tokens/s, "
+        lines.append(f"{head}: the best plan using {alt_used} of them ({plan_form(alt[0])}) predicts "
+                     f"{alt[1].tokens_per_s:.4g} tokens/s, "
                      f"{100 * loss:.1f}% below the chosen {best[1].tokens_per_s:.4g}; lost on "
                      + _why(cluster, name, best, alt))
     return lines

@@ -341,6 +341,33 @@ def plan_cluster(model: ModelSpec, cluster: ClusterSpec, *, global_batch_size: i
         return predict(plan, model, cluster, profile=profile, overlap_grad_reduce=overlap_grad_reduce,
                        simulations=simulations)
 
+    def runnable_forms(plan: Plan, pred: Prediction) -> list[tuple[tuple[Plan, Prediction], Prediction | None]]:
+        """The layout as built (``pred``: fits) and, memory permitting, with its all-reduce overlapped
+        (grad_overlap.py), each with its prediction attached and, for the overlapped one, the
+        distributed-optimizer form's prediction."""
+        forms: list[tuple[tuple[Plan, Prediction], Prediction | None]] = [
+            ((replace(plan, predicted=pred.to_json_dict()), pred), None)]
+        variant = overlap_variant(plan) if consider_grad_overlap else "not asked"
+        if not isinstance(variant, str):
+            try:
+                validate_plan(variant, model, cluster)
+                vpred = predict_plan(variant)
+                if vpred.fits:
+                    forms.append(((replace(variant, predicted=vpred.to_json_dict()), vpred), pred))
+            except PlanError as err:
+                reasons[f"internal: overlapped plan invalid: {err}"] = None
+        return forms
+
+    def fastest_form(plan: Plan) -> tuple[Plan, Prediction]:
+        """``plan``'s layout in the fastest form and schedule the search would give it (idle.py
+        compares the chosen plan with alternatives priced the same way)."""
+        pred = predict_plan(plan)
+        if not pred.fits:
+            return plan, pred
+        chosen = [choose_schedule(one_f, model, cluster, predict_plan=predict_plan)[0]
+                  for one_f, _ in runnable_forms(plan, pred)]
+        return min(chosen, key=lambda c: c[1].iteration_time_s)
+
     def predict_point(e: Estimate) -> None:
         """Predict the point's layout under 1F1B, also with its all-reduce overlapped (grad_overlap.py:
         the runtime runs that only without the distributed optimizer, so memory decides where it
@@ -366,16 +393,7 @@ def plan_cluster(model: ModelSpec, cluster: ClusterSpec, *, global_batch_size: i
         if not pred.fits:
             reasons[f"predicted memory {pred.memory_gib_per_rank_max:.1f} GiB exceeds a device"] = None
             return
-        forms = [((replace(plan, predicted=pred.to_json_dict()), pred), None)]
-        variant = overlap_variant(plan) if consider_grad_overlap else "not asked"
-        if not isinstance(variant, str):
-            try:
-                validate_plan(variant, model, cluster)
-                vpred = predict_plan(variant)
-                if vpred.fits:
-                    forms.append(((replace(variant, predicted=vpred.to_json_dict()), vpred), pred))
-            except PlanError as err:
-                reasons[f"internal: overlapped plan invalid: {err}"] = None
+        forms = runnable_forms(plan, pred)
         for one_f, sharded_alt in forms:
             chosen, note = choose_schedule(one_f, model, cluster, predict_plan=predict_plan)
             ranked.append(chosen)
@@ -429,8 +447,7 @@ def plan_cluster(model: ModelSpec, cluster: ClusterSpec, *, global_batch_size: i
         return plan
 
     idle = explain_idle(cluster, ranked[0], estimates, build=build, islands=[cluster.islands[i].name for i in active],
-                        predict_plan=lambda plan: predict(plan, model, cluster, profile=profile,
-                                                          overlap_grad_reduce=overlap_grad_reduce))
+                        price=fastest_form)
     counter.finish()
     explanation = explain_choice(model, cluster, ranked, evaluated, evaluated - len(estimates))
     best, grid_lines = ranked[0][0], []

@@ -91,6 +91,11 @@ def _schedule_text(plan: Plan) -> str:
     return plan.schedule + (f" v={plan.virtual_pipeline_size}" if plan.virtual_pipeline_size > 1 else "")
 
 
+def plan_form(plan: Plan) -> str:
+    """Schedule and gradient reduction in a few words, e.g. ``zb-h1, overlap``."""
+    return f"{_schedule_text(plan)}, {_grads_text(plan)}"
+
+
 def _grads_text(plan: Plan) -> str:
     """How the plan reduces gradients across replicas: the rows of one layout differ only here."""
     if plan.use_distributed_optimizer:

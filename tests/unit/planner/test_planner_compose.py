@@ -126,8 +126,11 @@ def test_fill_idle_adds_replicas_of_another_shape_when_that_is_faster():
 
 
 def test_idle_islands_are_explained_with_the_alternative_and_the_reason():
+    """Global batch 64: the MI250X island stays idle (at 128 the plan uses every island). The
+    alternative is priced as the chosen plan is, in its fastest schedule and reduction form
+    (here ZB-H1 with the all-reduce overlapped), and the line says which."""
     cluster = _three_types(h100=16, a100=8, mi250=8, cross_gbps=25.0)
-    result = plan_cluster(LLAMA7, cluster, global_batch_size=128)
+    result = plan_cluster(LLAMA7, cluster, global_batch_size=64)
     used = {}
     for r in result.best.replicas:
         for s in r.stages:
@@ -138,6 +141,7 @@ def test_idle_islands_are_explained_with_the_alternative_and_the_reason():
         assert line.startswith(f"idle: {island.num_gpus - used.get(island.name, 0)} of {island.num_gpus}")
         assert island.name in line
         assert ("tokens/s" in line and "lost on" in line) or "no priced plan uses them" in line
+    assert result.idle and "(zb-h1, " in result.idle[0], result.idle
     for line in result.idle:
         assert line in result.explanation
 
