@@ -98,7 +98,7 @@ def main() -> int:
               "predicted (left out) | error | in-sample error |")
         print("|---|---|---|---|---|---|---|---|---|---|---|")
         for t in table:
-            unit = "tok/s/GPU" if t["metric"] == "tokens_per_s_per_gpu" else "TFLOP/s/GPU"
+            unit = {"tokens_per_s_per_gpu": "tok/s/GPU", "seconds_per_iteration": "s/iter"}.get(t["metric"], "TFLOP/s/GPU")
             print(f"| {t['row']} | {t['device']} | {t['precision']} | {t['tp']}/{t['pp']}/{t['dp']} | "
                   f"{t['micro_batch']}/{t['global_batch']} | {t['recompute']} | {t['published']:g} {unit} | "
                   f"{t['published_iteration_s']:.3g} | {t['predicted_iteration_s_loso']:.3g} | "

@@ -13,18 +13,19 @@ __all__ = ["CALIBRATED", "FIT"]
 FIT: dict[str, object] = {
     "data": "examples/published",
     "sources": [
+        "dgxc_nemo",
         "llmfoundry",
         "narayanan2021",
         "nemo2412",
         "torchtitan"
     ],
-    "rows": 45,
+    "rows": 57,
     "theta": {
-        "a100_16bit_gemm": 0.707518,
-        "h100_over_a100": 0.732684,
-        "fp8_over_16bit": 0.968751,
-        "attention_over_gemm": 0.539717,
-        "kernel_overhead_us": 6.56201
+        "a100_16bit_gemm": 0.710148,
+        "h100_over_a100": 0.783852,
+        "fp8_over_16bit": 0.908291,
+        "attention_over_gemm": 0.521838,
+        "kernel_overhead_us": 6.641876
     },
     "priors": {
         "a100_16bit_gemm": 0.8,
@@ -33,77 +34,77 @@ FIT: dict[str, object] = {
         "attention_over_gemm": 0.6,
         "kernel_overhead_us": 6.0
     },
-    "objective": 22.0659
+    "objective": 30.453
 }
 
 # device type name -> precision class -> fitted figures.
 CALIBRATED: dict[str, dict[str, dict[str, object]]] = {
     "A100-40GB": {
         "16bit": {
-            "gemm_efficiency": 0.7075176268357868,
-            "attention_efficiency": 0.38185933506126934,
-            "kernel_overhead_us": 6.5620100660997025,
+            "gemm_efficiency": 0.7101481901143021,
+            "attention_efficiency": 0.37058250661552466,
+            "kernel_overhead_us": 6.641875855689127,
             "memory_efficiency": 0.8,
             "k_half": 64.0,
             "elementwise_kernels": 10,
             "fused_norm_casts": True,
-            "source": "fit of 45 published rows (llmfoundry, narayanan2021, nemo2412, torchtitan); tools/calibrate.py"
+            "source": "fit of 57 published rows (dgxc_nemo, llmfoundry, narayanan2021, nemo2412, torchtitan); tools/calibrate.py"
         }
     },
     "A100-80GB": {
         "16bit": {
-            "gemm_efficiency": 0.7075176268357868,
-            "attention_efficiency": 0.38185933506126934,
-            "kernel_overhead_us": 6.5620100660997025,
+            "gemm_efficiency": 0.7101481901143021,
+            "attention_efficiency": 0.37058250661552466,
+            "kernel_overhead_us": 6.641875855689127,
             "memory_efficiency": 0.8,
             "k_half": 64.0,
             "elementwise_kernels": 10,
             "fused_norm_casts": True,
-            "source": "fit of 45 published rows (llmfoundry, narayanan2021, nemo2412, torchtitan); tools/calibrate.py"
+            "source": "fit of 57 published rows (dgxc_nemo, llmfoundry, narayanan2021, nemo2412, torchtitan); tools/calibrate.py"
         }
     },
     "H100-SXM": {
         "16bit": {
-            "gemm_efficiency": 0.5183867098984681,
-            "attention_efficiency": 0.4196732282806548,
-            "kernel_overhead_us": 6.5620100660997025,
+            "gemm_efficiency": 0.556651038357085,
+            "attention_efficiency": 0.4357227265578901,
+            "kernel_overhead_us": 6.641875855689127,
             "memory_efficiency": 0.8,
             "k_half": 64.0,
             "elementwise_kernels": 10,
             "fused_norm_casts": True,
-            "source": "fit of 45 published rows (llmfoundry, narayanan2021, nemo2412, torchtitan); tools/calibrate.py"
+            "source": "fit of 57 published rows (dgxc_nemo, llmfoundry, narayanan2021, nemo2412, torchtitan); tools/calibrate.py"
         },
         "fp8": {
-            "gemm_efficiency": 0.5021877722417872,
-            "attention_efficiency": 0.4196732282806548,
-            "kernel_overhead_us": 6.5620100660997025,
+            "gemm_efficiency": 0.5056011774161738,
+            "attention_efficiency": 0.4357227265578901,
+            "kernel_overhead_us": 6.641875855689127,
             "memory_efficiency": 0.8,
             "k_half": 64.0,
             "elementwise_kernels": 10,
             "fused_norm_casts": True,
-            "source": "fit of 45 published rows (llmfoundry, narayanan2021, nemo2412, torchtitan); tools/calibrate.py"
+            "source": "fit of 57 published rows (dgxc_nemo, llmfoundry, narayanan2021, nemo2412, torchtitan); tools/calibrate.py"
         }
     },
     "H200": {
         "16bit": {
-            "gemm_efficiency": 0.5183867098984681,
-            "attention_efficiency": 0.4196732282806548,
-            "kernel_overhead_us": 6.5620100660997025,
+            "gemm_efficiency": 0.556651038357085,
+            "attention_efficiency": 0.4357227265578901,
+            "kernel_overhead_us": 6.641875855689127,
             "memory_efficiency": 0.8,
             "k_half": 64.0,
             "elementwise_kernels": 10,
             "fused_norm_casts": True,
-            "source": "fit of 45 published rows (llmfoundry, narayanan2021, nemo2412, torchtitan); tools/calibrate.py"
+            "source": "fit of 57 published rows (dgxc_nemo, llmfoundry, narayanan2021, nemo2412, torchtitan); tools/calibrate.py"
         },
         "fp8": {
-            "gemm_efficiency": 0.5021877722417872,
-            "attention_efficiency": 0.4196732282806548,
-            "kernel_overhead_us": 6.5620100660997025,
+            "gemm_efficiency": 0.5056011774161738,
+            "attention_efficiency": 0.4357227265578901,
+            "kernel_overhead_us": 6.641875855689127,
             "memory_efficiency": 0.8,
             "k_half": 64.0,
             "elementwise_kernels": 10,
             "fused_norm_casts": True,
-            "source": "fit of 45 published rows (llmfoundry, narayanan2021, nemo2412, torchtitan); tools/calibrate.py"
+            "source": "fit of 57 published rows (dgxc_nemo, llmfoundry, narayanan2021, nemo2412, torchtitan); tools/calibrate.py"
         }
     }
 }

@@ -1,7 +1,8 @@
 """Published training runs (examples/published/*.yaml) as plans the predictor prices.
 
 Each file is one source: its citation (``title``, ``url``, ``where``), the published figure's kind
-(``metric``: ``tokens_per_s_per_gpu`` or ``tflops_per_gpu``; ``flops: hardware`` when the TFLOP/s
+(``metric``: ``tokens_per_s_per_gpu``, ``tflops_per_gpu``, or ``seconds_per_iteration`` when the source
+gives step times; ``flops: hardware`` when the TFLOP/s
 count the recomputed forward, as Narayanan et al. 2021's Eq. 3 does), the machine (``cluster``:
 device type, GPUs per node, inter-node Gbit/s per GPU), ``defaults`` for its rows, optional named
 ``models`` and ``assumed`` (what the source does not state and the row takes as given), and ``rows``.
@@ -61,7 +62,7 @@ class PublishedRow:
     overlap_grad_reduce: bool
     attention_kernel: str  # fused attention design: "hopper" (FlashAttention-3, cuDNN 9) or "fa2"
     fused_norm_casts: bool  # fp8: the norms write fp8 for QKV and fc1 (TE LayerNormLinear); False: te.Linear casts
-    metric: str  # tokens_per_s_per_gpu | tflops_per_gpu
+    metric: str  # tokens_per_s_per_gpu | tflops_per_gpu | seconds_per_iteration
     published: float  # the figure as published, in ``metric``
     published_iteration_s: float  # the same figure as seconds per iteration
     group: str | None = None  # rows comparing configurations of one model
@@ -101,10 +102,12 @@ def _published_iteration_s(metric: str, flops_kind: str, value: float, *, model:
                            recompute: str) -> float:
     if metric == "tokens_per_s_per_gpu":
         return gbs * model.seq_length / (value * gpus)
+    if metric == "seconds_per_iteration":
+        return value
     if metric == "tflops_per_gpu":
         mode = recompute if flops_kind == "hardware" else "none"
         return model_flops_per_iteration(model, global_batch_size=gbs, recompute=mode) / (value * 1e12 * gpus)
-    raise ConfigError("unknown metric", field="metric", value=metric, fix="use tokens_per_s_per_gpu or tflops_per_gpu")
+    raise ConfigError("unknown metric", field="metric", value=metric, fix="use tokens_per_s_per_gpu, tflops_per_gpu or seconds_per_iteration")
 
 
 def _attention_kernel(value: object, where: str) -> str:

@@ -39,6 +39,16 @@ def test_narayanan_hardware_flops_convert_to_iteration_time():
     assert one_t.published_iteration_s == pytest.approx(flops / (163e12 * 3072))
 
 
+def test_step_time_rows_are_taken_as_published():
+    rows = [r for r in ROWS if r.metric == "seconds_per_iteration"]
+    assert rows  # dgxc_nemo publishes step times
+    for r in rows:
+        assert r.published_iteration_s == r.published
+    row = next(r for r in ROWS if r.key == "dgxc_nemo/nemotron4-15b-bf16-16gpus")
+    assert (row.published, row.plan.global_batch_size, row.model.seq_length, row.gpus) == (2.83, 64, 4096, 16)
+    assert row.model.num_query_groups == 8 and row.attention_kernel == "hopper"
+
+
 def test_fitted_device_types_exist_in_the_catalog():
     for names in fitting.FAMILIES.values():
         for name in names:
