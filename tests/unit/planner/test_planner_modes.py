@@ -66,7 +66,7 @@ def test_sharded_chosen_when_predicted_faster():
     search wins since #19 (every predicted layout priced with the all-reduce overlapped and under
     every schedule; ZB-H1 points ranked by their own estimate): a two-stage ZB-H1 pipeline beats
     the sharded mode even without the overlap (asserted first). On 3 H100 + 5 H200 at 3600 Gbit/s
-    the islands cannot hold equal two-stage replicas: sharded wins, by ~1.10x at micro-batch size 2
+    the islands cannot hold equal two-stage replicas: sharded wins, by ~1.11x at micro-batch size 2
     against pipelines that reduce after the backward, and still ~1.02x with the overlap priced."""
     even = cluster("H100-SXM", 4, "H200", 4, 2400)
     for opts in ({}, {"consider_grad_overlap": False}):
