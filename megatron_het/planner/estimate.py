@@ -113,7 +113,8 @@ class Estimator:
         self._sync: dict[tuple[object, ...], tuple[float, float]] = {}  # grad_sync's line per placement
         self._opt_rate: dict[int, float] = {}  # optimizer seconds per parameter per island
         self._no_cap_hit: dict[tuple[object, ...], Estimate] = {}  # no-recompute estimates no memory cap bound
-        self._params: dict[tuple[object, ...], float] = {}  # stage parameters; layer rates
+        self._params: dict[tuple[object, ...], int] = {}
+        self._floors: dict[tuple[int, int], tuple[float, dict[int, float]]] = {}  # lower_bound's per-island rates
         self._rows: dict[tuple[object, ...], list[tuple[float, float, int]]] = {}
         self._options: dict[tuple[object, ...], list[list[tuple[float, float, int]]]] = {}
         self._capacity = [device_capacity_bytes(i.device) for i in cluster.islands]
@@ -149,8 +150,8 @@ class Estimator:
         micro-batch, and per TP size the least time one layer adds to a micro-batch's trip through
         the pipeline under either schedule (forward, plus the part of the backward ZB-H1 keeps on
         the critical path: B - W >= bwd * (1 - 2 * W share), never below zero). Cached."""
-        key = ("floor", isl, mbs)
-        if key not in self._params:
+        key = (isl, mbs)
+        if key not in self._floors:
             probe = LayerSlice(num_layers=1, is_first=False, is_last=False, micro_batch_size=mbs, in_flight=1,
                                data_parallel=1, recompute_allowed=False)
             found = [c for c in self.parallelizer.candidates(probe, isl, 2**62) if not c.recompute]
@@ -160,8 +161,8 @@ class Estimator:
                 t = c.cost.layer_forward_s + keep * c.cost.layer_backward_s
                 trip[c.tp] = min(trip.get(c.tp, t), t)
             rate = min((c.tp * (c.cost.layer_forward_s + c.cost.layer_backward_s) for c in found), default=0.0)
-            self._params[key] = (rate, trip)
-        return self._params[key]
+            self._floors[key] = (rate, trip)
+        return self._floors[key]
 
     def lower_bound(self, templates: Sequence[Template], mbs: int) -> float:
         """No plan of ``templates`` iterates faster under 1F1B or ZB-H1 (either estimate), whatever the

@@ -50,7 +50,7 @@ _EXHAUSTIVE_PREDICT = 40  # exhaustive mode: candidates predicted in full
 _SPANNING_BUDGET = 2000  # fast mode: spanning structures per island subset before TP pruning kicks in
 _CLIMB_STARTS = 6  # fast mode: best distinct candidates refined by hill climbing
 _ZB_STARTS = 2  # fast mode: best distinct candidates under ZB-H1's estimate, climbed on that estimate
-_PRUNE_BOUND = 1.10
+_PRUNE_BOUND = 1.10  # fast mode: structures whose lower bound exceeds the best estimate by this are not priced
 _ZB_PREDICT = 3  # best points under ZB-H1's estimate predicted in full beside the 1F1B ranking's
 _MAX_REASONS = 50  # infeasibility reasons kept in the result
 _COMPOSE_SETTINGS = 2  # fast mode: (micro-batch size, recompute) pairs, best first, that composition explores
@@ -222,7 +222,6 @@ def plan_cluster(model: ModelSpec, cluster: ClusterSpec, *, global_batch_size: i
                     parallelizer=parallelizer, max_tp=max_tp, precision=precision)
     active = [i for i, isl in enumerate(cluster.islands) if isl.name in allowed]
     reasons: dict[str, None] = {}
-    pruned = {"bound": 0}
     estimates: list[Estimate] = []
     evaluated = 0
     counter = _Progress(callback=progress)
@@ -239,7 +238,6 @@ def plan_cluster(model: ModelSpec, cluster: ClusterSpec, *, global_batch_size: i
         evaluated += 1
         counter.step()
         if prune and not exhaustive and est.lower_bound(structure, mbs) > _PRUNE_BOUND * best_seen:
-            pruned["bound"] += 1
             return None  # even a perfect pipeline of these GPUs would rank far below the best seen
         e = est.evaluate(structure, mbs, rc)
         if isinstance(e, str):
