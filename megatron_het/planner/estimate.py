@@ -169,8 +169,9 @@ class Estimator:
         layer split: a replica of template t running m micro-batches takes at least
         ``fill_t + (m - 1) * tau_t``, where tau_t = L / (its GPUs' layer rate) is its period with
         perfectly balanced stages and fill_t its first micro-batch's trip, at least one layer per
-        stage at that stage's per-layer trip time and the rest at the fastest stage's; micro-batches are spread to equalise that (real-valued, so a
-        bound). Bubble shape, transfers, reduction, optimizer, embedding and output are left out."""
+        stage at that stage's per-layer trip time and the rest at the fastest stage's; micro-batches
+        are spread to equalise that (real-valued, so a bound). Bubble shape, transfers, reduction,
+        optimizer, embedding and output are left out."""
         L = self.model.num_layers
         total_mb = self.global_batch_size // mbs
         num, den, fills = float(total_mb), 0.0, 0.0
@@ -248,9 +249,8 @@ class Estimator:
         key = (counts, replicas, ranks_per_node)
         line = self._sync.get(key)
         if line is None:
-            line = self._sync[key] = (self._grad_sync(counts, 0, replicas, ranks_per_node),
-                                      self._grad_sync(counts, 1, replicas, ranks_per_node)
-                                      - self._grad_sync(counts, 0, replicas, ranks_per_node))
+            at0 = self._grad_sync(counts, 0, replicas, ranks_per_node)
+            line = self._sync[key] = (at0, self._grad_sync(counts, 1, replicas, ranks_per_node) - at0)
         return line[0] + line[1] * params
 
     def _grad_sync(self, counts: tuple[tuple[int, int], ...], params: int, replicas: int, ranks_per_node: int
@@ -450,9 +450,9 @@ class Estimator:
                 first += n
         reduction = max(0.0, reduced - pipeline)
         e = Estimate(templates=tuple(templates), layer_counts=tuple(all_counts), micro_batches=tuple(split),
-                        micro_batch_size=mbs, recompute=recompute, stage_recompute=tuple(all_flags),
-                        iteration_time_s=pipeline + reduction + optimizer,
-                        zb_iteration_time_s=zb_pipeline + zb_reduced + optimizer)
+                     micro_batch_size=mbs, recompute=recompute, stage_recompute=tuple(all_flags),
+                     iteration_time_s=pipeline + reduction + optimizer,
+                     zb_iteration_time_s=zb_pipeline + zb_reduced + optimizer)
         if not recompute and not cap_hit:
             self._no_cap_hit[(tuple(templates), mbs)] = e
         return e

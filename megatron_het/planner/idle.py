@@ -3,10 +3,11 @@ GPUs, give the predicted throughput of the best priced plan that uses them, and 
 
 The alternative is the fastest closed-form point of the search that puts at least half of the
 island's idle GPUs to work; it is priced as the chosen plan was (``perf.predict``, in its fastest
-runnable schedule and gradient-reduction form) so that the two figures are comparable. Why it lost is read off the two predictions: the part of the iteration that grew most
-(gradient reduction across islands: links; recomputation added: memory; as many micro-batches on
-its slowest replica: batch divisibility; more on fewer, deeper replicas: batch split; otherwise the
-pipeline: stage balance and transfers).
+runnable schedule and gradient-reduction form) so that the two figures are comparable. Why it lost
+is read off the two predictions: the part of the iteration that grew most (gradient reduction
+across islands: links; recomputation added: memory; as many micro-batches on its slowest replica:
+batch divisibility; more on fewer, deeper replicas: batch split; otherwise the pipeline: stage
+balance and transfers).
 """
 
 from __future__ import annotations
