@@ -83,7 +83,7 @@ def main() -> int:
     from megatron_het.profiling.host import predict_on_this_host
 
     tokenizer, data = prepare_data()
-    cluster_file = os.path.join(ROOT, "examples", "clusters", "cpu-demo.yaml")
+    cluster_file = os.path.join(ROOT, "examples", "clusters", "cpu-demo-paced.yaml")
     model_file = os.path.join(ROOT, "examples", "models", "tiny-cpu.yaml")
     cluster, model = load_cluster(cluster_file), load_model(model_file)
     plan_file = choose_plan(model, cluster, micro=2, global_batch=16)

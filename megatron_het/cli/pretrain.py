@@ -267,7 +267,9 @@ def announce_emulation(cluster, *, no_emulation: bool) -> bool:
     """Whether slower islands are emulated in this run (said in the log when they are)."""
     emulate = cluster.emulated and not no_emulation
     if emulate:
-        factors = ", ".join(f"{i.name} x{cluster.slowdown(i.name):.2f}" for i in cluster.islands)
+        factors = ", ".join(f"{i.name} x{cluster.slowdown(i.name):.2f}"
+                            + (" (CPU time)" if cluster.emulation_clock(i.name) == "cpu" else "")
+                            for i in cluster.islands)
         print_rank0(f"EMULATION (CPU): slower device types are emulated by waiting (slowdown-1) x the measured "
                     f"compute time after each forward/backward: {factors}")
     return emulate

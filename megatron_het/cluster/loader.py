@@ -167,7 +167,7 @@ def _emulation(raw: object) -> dict[str, IslandEmulation]:
     for name, settings in block.items():
         path = join("emulation", str(name))
         item = as_mapping(settings, path, example="{slowdown: 1.5}")
-        check_keys(item, path, allowed=("slowdown",), required=("slowdown",))
+        check_keys(item, path, allowed=("slowdown", "clock"), required=("slowdown",))
         try:
             out[name] = IslandEmulation(**item)
         except ConfigError as err:

@@ -117,14 +117,24 @@ class LinkSpec:
         return {a, b} == set(self.between)
 
 
+EMULATION_CLOCKS = ("wall", "cpu")  # IslandEmulation.clock
+
+
 @dataclass(frozen=True, kw_only=True)
 class IslandEmulation:
     """How a CPU process pretends to be a GPU of the island."""
 
-    slowdown: float = 1.0  # >= 1.0: compute time multiplier relative to the fastest emulated island
+    slowdown: float = 1.0  # >= 1.0: compute time multiplier relative to one core of the host
+    # what the slowdown multiplies: "wall" (an action's wall time) or "cpu" (the rank's thread CPU time
+    # in it; time lost to other processes on shared cores is repaid from later waits, so the device keeps
+    # its speed when more ranks than cores share the host, as long as their CPU demand fits the cores)
+    clock: str = "wall"
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "slowdown", as_float(self.slowdown, "slowdown", minimum=1.0, inclusive=True))
+        if self.clock not in EMULATION_CLOCKS:
+            raise ConfigError(f"unknown emulation clock {self.clock!r}", field="clock", value=self.clock,
+                              fix=f"use one of {', '.join(EMULATION_CLOCKS)} (cpu: the rank's CPU time x slowdown)")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -231,6 +241,12 @@ class ClusterSpec:
         self.island(name)  # unknown names are a bug in the caller: fail loudly
         settings = self.emulation.get(name)
         return settings.slowdown if settings is not None else 1.0
+
+    def emulation_clock(self, name: str) -> str:
+        """What an island's emulated slowdown multiplies (IslandEmulation.clock); "wall" when not emulated."""
+        self.island(name)
+        settings = self.emulation.get(name)
+        return settings.clock if settings is not None else "wall"
 
     def gpus_by_device_type(self) -> dict[str, int]:
         """Device type name -> number of GPUs, in order of first appearance."""

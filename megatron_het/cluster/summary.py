@@ -43,7 +43,8 @@ def format_cluster(spec: ClusterSpec) -> str:
               for link in spec.links for a, b in [link.between]]
     if spec.emulation:
         lines.append("emulation (CPU):")
-        lines += [f"  {name}: slowdown {e.slowdown:g}" for name, e in spec.emulation.items()]
+        lines += [f"  {name}: slowdown {e.slowdown:g}" + (f" ({e.clock} clock)" if e.clock != "wall" else "")
+                  for name, e in spec.emulation.items()]
     else:
         lines.append("emulation: none")
     return "\n".join(lines)

@@ -4,10 +4,12 @@ The CPU catalog entry is nominal (1 TFLOP/s, 50 GB/s): a CPU rank's time is set 
 number of processes sharing its cores and per-operation overheads, so a CPU plan is priced from a
 measurement of this host. :func:`host_profile` measures what the predictor reads for one model
 shape (tools/profile_host.py's engine): the layers, the embedding and the output layer + loss, the
-AdamW step per parameter, on ``min(ranks, cores)`` processes at once with one thread each (the
-training ranks share the cores, but a pipeline's ranks take turns: at most one process per core
-computes at a time; measuring all ranks at once on fewer cores doubled the layer times here), and
-the links between ``ranks`` local gloo processes. It is cached in a
+AdamW step per parameter, on ``min(ranks, cores)`` processes at once with one thread each, and the
+links between ``ranks`` local gloo processes. The clock follows the cluster's emulation: on the
+"cpu" clock (IslandEmulation.clock) a rank's compute lasts its thread CPU time x slowdown, so the
+profile is timed in thread CPU time too; on the "wall" clock in wall time, which is only right
+while no more ranks compute at once than the host has cores (4 ranks on 2 cores under ZB-H1
+measured 2.3x the profile: examples/clusters/cpu-demo-paced.yaml is the demo's answer). It is cached in a
 JSON profile keyed by the host (processor, core count, torch version) and the shape, so the second
 run costs nothing; ``refresh=True`` measures again.
 
@@ -51,7 +53,8 @@ def _concurrency(ranks: int) -> int:
     return max(1, min(ranks, os.cpu_count() or 1))
 
 
-def host_key(model: ModelSpec, *, micro_batch_sizes: Sequence[int], ranks: int, threads: int) -> str:
+def host_key(model: ModelSpec, *, micro_batch_sizes: Sequence[int], ranks: int, threads: int,
+             clock: str = "wall") -> str:
     """Cache key: this host (processor, cores, platform, torch) and what is measured."""
     import torch
 
@@ -60,15 +63,16 @@ def host_key(model: ModelSpec, *, micro_batch_sizes: Sequence[int], ranks: int, 
              "shape": [model.hidden_size, model.num_attention_heads, model.num_query_groups, model.ffn_hidden_size,
                        model.seq_length, padded_vocab_size(model.vocab_size), model.swiglu],
              "micro_batch_sizes": sorted(set(micro_batch_sizes)), "ranks": ranks, "threads": threads,
-             "concurrent": _concurrency(ranks)}
+             "concurrent": _concurrency(ranks), **({"clock": clock} if clock != "wall" else {})}
     return hashlib.sha256(json.dumps(facts, sort_keys=True).encode()).hexdigest()[:16]
 
 
 def host_profile(model: ModelSpec, *, micro_batch_sizes: Sequence[int], ranks: int, cache_dir: str | os.PathLike[str],
-                 device: str = "CPU", threads: int = 1, refresh: bool = False) -> tuple[Profile, str, bool]:
+                 device: str = "CPU", threads: int = 1, clock: str = "wall",
+                 refresh: bool = False) -> tuple[Profile, str, bool]:
     """(profile, its file, measured now?) for ``model``'s layer shape on this host, measured on
-    ``min(ranks, cores)`` processes at once (one thread each) with links among ``ranks`` processes;
-    cached."""
+    ``min(ranks, cores)`` processes at once (one thread each) with links among ``ranks`` processes,
+    timed on ``clock`` ("wall" or "thread": thread CPU time); cached."""
     import torch
 
     from megatron_het.profiling.layers import profile_concurrent, profile_layers
@@ -77,7 +81,9 @@ def host_profile(model: ModelSpec, *, micro_batch_sizes: Sequence[int], ranks: i
     if ranks < 1 or threads < 1 or not micro_batch_sizes:
         raise ConfigError("needs ranks >= 1, threads >= 1 and at least one micro-batch size", field="ranks",
                           value=ranks, fix="pass the number of training ranks this host runs")
-    key = host_key(model, micro_batch_sizes=micro_batch_sizes, ranks=ranks, threads=threads)
+    if clock not in ("wall", "thread"):
+        raise ConfigError("unknown profile clock", field="clock", value=clock, fix="use 'wall' or 'thread'")
+    key = host_key(model, micro_batch_sizes=micro_batch_sizes, ranks=ranks, threads=threads, clock=clock)
     path = Path(cache_dir) / f"host_profile_{key}.json"
     if path.exists() and not refresh:
         cached = load_profile(path)
@@ -85,7 +91,7 @@ def host_profile(model: ModelSpec, *, micro_batch_sizes: Sequence[int], ranks: i
             return cached, str(path), False
     options = dict(num_layers=2, micro_batch_sizes=sorted(set(micro_batch_sizes)), device=device,
                    warmup=QUICK_WARMUP, repeats=QUICK_REPEATS, dtype=torch.float32, implementation="auto",
-                   vocab_size=padded_vocab_size(model.vocab_size), optimizer=True)
+                   vocab_size=padded_vocab_size(model.vocab_size), optimizer=True, clock=clock)
     concurrent = _concurrency(ranks)
     if concurrent == 1:
         old = torch.get_num_threads()
@@ -108,7 +114,8 @@ def predict_on_this_host(plan, model: ModelSpec, cluster: ClusterSpec, *, cache_
                          refresh: bool = False, threads: int = 1) -> HostPrediction:
     """Price ``plan`` (either plan kind) from a quick profile of this host, measured once and cached in
     ``cache_dir``. Every island must be of the one device type the profile stands for (a CPU cluster,
-    emulated or not); the profile is measured on as many processes as the plan has ranks."""
+    emulated or not); links are measured among as many processes as the plan has ranks; compute is
+    timed in thread CPU time when every island is emulated on the "cpu" clock, else in wall time."""
     devices = {island.device.name for island in cluster.islands}
     if len(devices) != 1:
         raise ConfigError("a host profile prices one device type", field="cluster", value=sorted(devices),
@@ -117,8 +124,10 @@ def predict_on_this_host(plan, model: ModelSpec, cluster: ClusterSpec, *, cache_
 
     sharded = isinstance(plan, ShardedPlan)
     sizes = sorted({r.micro_batch_size for r in plan.ranks}) if sharded else [plan.micro_batch_size]
+    cpu_clock = cluster.emulated and all(cluster.emulation_clock(i.name) == "cpu" for i in cluster.islands)
     profile, path, fresh = host_profile(model, micro_batch_sizes=sizes, ranks=plan.world_size,
-                                        cache_dir=cache_dir, device=devices.pop(), threads=threads, refresh=refresh)
+                                        cache_dir=cache_dir, device=devices.pop(), threads=threads,
+                                        clock="thread" if cpu_clock else "wall", refresh=refresh)
     if sharded:
         from megatron_het.planner.sharded import predict_sharded
 

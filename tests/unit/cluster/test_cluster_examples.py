@@ -10,6 +10,7 @@ from support.paths import REPO
 CLUSTERS = REPO / "examples" / "clusters"
 EXPECTED = {  # file: (GPUs by device type, number of links, emulated)
     "cpu-demo": ({"CPU": 4}, 1, True),
+    "cpu-demo-paced": ({"CPU": 4}, 1, True),
     "cpu-4": ({"CPU": 4}, 0, False),
     "cpu-pair": ({"CPU": 2}, 1, True),
     "cpu-2": ({"CPU": 2}, 0, False),
@@ -42,6 +43,10 @@ def test_cpu_demo_shape():
     assert [(i.name, i.nodes, i.gpus_per_node) for i in spec.islands] == [("fast", 1, 2), ("slow", 1, 2)]
     assert (spec.slowdown("fast"), spec.slowdown("slow")) == (1.0, 2.0)
     assert spec.link("fast", "slow") is not None
+    # make demo's: the same islands, paced in CPU time, slow still 2x fast
+    paced = load_cluster(CLUSTERS / "cpu-demo-paced.yaml")
+    assert [(i.name, i.nodes, i.gpus_per_node) for i in paced.islands] == [("fast", 1, 2), ("slow", 1, 2)]
+    assert paced.slowdown("slow") == 2 * paced.slowdown("fast") and paced.emulation_clock("fast") == "cpu"
 
 
 def test_no_unexpected_example_clusters():

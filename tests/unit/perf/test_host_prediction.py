@@ -21,3 +21,33 @@ def test_one_rank_plan_priced_from_a_cached_host_profile(tmp_path):
     assert again.iteration_time_s == first.iteration_time_s
     assert host_key(MODEL, micro_batch_sizes=[2], ranks=1, threads=1) in first.profile_path
     assert host_key(MODEL, micro_batch_sizes=[4], ranks=1, threads=1) not in first.profile_path
+
+
+def test_a_cluster_on_the_cpu_clock_is_profiled_in_thread_cpu_time(tmp_path, monkeypatch):
+    """Compute timed as the run times it: thread CPU time when the emulation paces devices in CPU time."""
+    import megatron_het.profiling.layers as layers
+    from megatron_het.cluster import load_cluster
+
+    seen = []
+    concurrent, single = layers.profile_concurrent, layers.profile_layers
+
+    def spy_concurrent(model, *, processes, **options):
+        seen.append(options["clock"])
+        return concurrent(model, processes=processes, **options)
+
+    def spy_single(model, **options):
+        seen.append(options["clock"])
+        return single(model, **options)
+
+    monkeypatch.setattr(layers, "profile_concurrent", spy_concurrent)
+    monkeypatch.setattr(layers, "profile_layers", spy_single)
+    from megatron_het.planner.modes import plan_best
+
+    paced = load_cluster("examples/clusters/cpu-demo-paced.yaml")
+    plan = plan_best(MODEL, paced, global_batch_size=16, micro_batch_sizes=(2,)).plan
+    result = predict_on_this_host(plan, MODEL, paced, cache_dir=tmp_path)
+    assert seen == ["thread"]
+    key = host_key(MODEL, micro_batch_sizes=[2], ranks=plan.world_size, threads=1, clock="thread")
+    assert key in result.profile_path
+    assert key != host_key(MODEL, micro_batch_sizes=[2], ranks=plan.world_size, threads=1)
+    assert "thread CPU time" in result.profile.method

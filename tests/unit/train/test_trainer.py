@@ -116,6 +116,27 @@ def test_timer_adds_the_emulated_wait_and_a_cpu_clock_ignores_sleeping():
     assert same.emulated_s == 0.0
 
 
+def test_an_island_on_the_cpu_clock_is_timed_in_cpu_time_and_repays_host_delays():
+    from megatron_het.cluster import load_cluster
+    from megatron_het.train.timer import emulation_timer
+
+    paced = load_cluster("examples/clusters/cpu-demo-paced.yaml")  # the demo's cluster: clock cpu
+    timer = emulation_timer(paced, "slow")
+    assert timer.slowdown == 8.0 and timer.clock is time.thread_time and timer.catch_up
+    # a wait inside the compute (another process holding the core) is not stretched 8x: the rank is
+    # 50 ms behind its emulated timeline, repaid from the next compute's wait
+    timer.compute(lambda: time.sleep(0.05))
+    assert timer.emulated_s == 0.0 and 0.05 <= timer.compute_s < 0.2 and timer.lag_s >= 0.04
+    t0 = time.thread_time()
+    timer.compute(lambda: sum(i * i for i in range(400_000)))
+    spent = time.thread_time() - t0
+    # both computes together last 8x their CPU time (the first's 50 ms absorbed), not 50 ms + 8x
+    assert timer.compute_s == pytest.approx(8.0 * spent, rel=0.2) and timer.lag_s < 0.01
+    wall = emulation_timer(load_cluster("examples/clusters/cpu-demo.yaml"), "slow")
+    assert wall.clock is None and not wall.catch_up and wall.slowdown == 2.0
+    assert emulation_timer(paced, "slow", clock=time.perf_counter).clock is time.perf_counter  # given wins
+
+
 class OnDevice(Scripted):
     """Reports its loss and norm as tensors, as the real strategies do (values stay on the device)."""
 
