@@ -268,7 +268,7 @@ def announce_emulation(cluster, *, no_emulation: bool) -> bool:
     emulate = cluster.emulated and not no_emulation
     if emulate:
         factors = ", ".join(f"{i.name} x{cluster.slowdown(i.name):.2f}"
-                            + (" (CPU time)" if cluster.emulation_clock(i.name) == "cpu" else "")
+                            + (" (thread CPU time)" if cluster.emulation_clock(i.name) == "thread" else "")
                             for i in cluster.islands)
         print_rank0(f"EMULATION (CPU): slower device types are emulated by waiting (slowdown-1) x the measured "
                     f"compute time after each forward/backward: {factors}")

@@ -117,7 +117,7 @@ class LinkSpec:
         return {a, b} == set(self.between)
 
 
-EMULATION_CLOCKS = ("wall", "cpu")  # IslandEmulation.clock
+EMULATION_CLOCKS = ("wall", "thread")  # IslandEmulation.clock
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -125,7 +125,7 @@ class IslandEmulation:
     """How a CPU process pretends to be a GPU of the island."""
 
     slowdown: float = 1.0  # >= 1.0: compute time multiplier relative to one core of the host
-    # what the slowdown multiplies: "wall" (an action's wall time) or "cpu" (the rank's thread CPU time
+    # what the slowdown multiplies: "wall" (an action's wall time) or "thread" (the rank's thread CPU time
     # in it; time lost to other processes on shared cores is repaid from later waits, so the device keeps
     # its speed when more ranks than cores share the host, as long as their CPU demand fits the cores)
     clock: str = "wall"
@@ -134,7 +134,7 @@ class IslandEmulation:
         object.__setattr__(self, "slowdown", as_float(self.slowdown, "slowdown", minimum=1.0, inclusive=True))
         if self.clock not in EMULATION_CLOCKS:
             raise ConfigError(f"unknown emulation clock {self.clock!r}", field="clock", value=self.clock,
-                              fix=f"use one of {', '.join(EMULATION_CLOCKS)} (cpu: the rank's CPU time x slowdown)")
+                              fix=f"use one of {', '.join(EMULATION_CLOCKS)} (thread: the rank's thread CPU time x slowdown)")
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -6,7 +6,7 @@ measurement of this host. :func:`host_profile` measures what the predictor reads
 shape (tools/profile_host.py's engine): the layers, the embedding and the output layer + loss, the
 AdamW step per parameter, on ``min(ranks, cores)`` processes at once with one thread each, and the
 links between ``ranks`` local gloo processes. The clock follows the cluster's emulation: on the
-"cpu" clock (IslandEmulation.clock) a rank's compute lasts its thread CPU time x slowdown, so the
+"thread" clock (IslandEmulation.clock) a rank's compute lasts its thread CPU time x slowdown, so the
 profile is timed in thread CPU time too; on the "wall" clock in wall time, which is only right
 while no more ranks compute at once than the host has cores (4 ranks on 2 cores under ZB-H1
 measured 2.3x the profile: examples/clusters/cpu-demo-paced.yaml is the demo's answer). It is cached in a
@@ -115,7 +115,7 @@ def predict_on_this_host(plan, model: ModelSpec, cluster: ClusterSpec, *, cache_
     """Price ``plan`` (either plan kind) from a quick profile of this host, measured once and cached in
     ``cache_dir``. Every island must be of the one device type the profile stands for (a CPU cluster,
     emulated or not); links are measured among as many processes as the plan has ranks; compute is
-    timed in thread CPU time when every island is emulated on the "cpu" clock, else in wall time."""
+    timed in thread CPU time when every island is emulated on the "thread" clock, else in wall time."""
     devices = {island.device.name for island in cluster.islands}
     if len(devices) != 1:
         raise ConfigError("a host profile prices one device type", field="cluster", value=sorted(devices),
@@ -124,10 +124,10 @@ def predict_on_this_host(plan, model: ModelSpec, cluster: ClusterSpec, *, cache_
 
     sharded = isinstance(plan, ShardedPlan)
     sizes = sorted({r.micro_batch_size for r in plan.ranks}) if sharded else [plan.micro_batch_size]
-    cpu_clock = cluster.emulated and all(cluster.emulation_clock(i.name) == "cpu" for i in cluster.islands)
+    thread_clock = cluster.emulated and all(cluster.emulation_clock(i.name) == "thread" for i in cluster.islands)
     profile, path, fresh = host_profile(model, micro_batch_sizes=sizes, ranks=plan.world_size,
                                         cache_dir=cache_dir, device=devices.pop(), threads=threads,
-                                        clock="thread" if cpu_clock else "wall", refresh=refresh)
+                                        clock="thread" if thread_clock else "wall", refresh=refresh)
     if sharded:
         from megatron_het.planner.sharded import predict_sharded
 

@@ -119,14 +119,14 @@ def emulation_timer(cluster: ClusterSpec | None, island: str, *, slowdown: float
                     clock: Callable[[], float] | None = None, accelerator=None) -> EmulationTimer:
     """The timer of a rank on ``island``: the cluster's emulated slowdown of that island (1.0 when the
     cluster emulates nothing), unless ``slowdown`` is given (1.0 turns emulation off); timed by the
-    ``accelerator``'s events when given (device events on GPUs). An island emulated on the "cpu" clock
+    ``accelerator``'s events when given (device events on GPUs). An island emulated on the "thread" clock
     (IslandEmulation.clock) is timed in the rank's thread CPU time with ``catch_up``, unless ``clock``
     is given."""
     emulated = cluster is not None and cluster.emulated
     if slowdown is None:
         slowdown = cluster.slowdown(island) if emulated else 1.0
-    cpu_clock = clock is None and emulated and cluster.emulation_clock(island) == "cpu"
-    timer = EmulationTimer(slowdown=slowdown, clock=time.thread_time if cpu_clock else clock,
+    thread_clock = clock is None and emulated and cluster.emulation_clock(island) == "thread"
+    timer = EmulationTimer(slowdown=slowdown, clock=time.thread_time if thread_clock else clock,
                            events=accelerator.event if accelerator is not None else None)
-    timer.catch_up = cpu_clock  # preemption on shared cores is repaid from the next waits (see catch_up)
+    timer.catch_up = thread_clock  # preemption on shared cores is repaid from the next waits (see catch_up)
     return timer

@@ -46,7 +46,7 @@ def test_cpu_demo_shape():
     # make demo's: the same islands, paced in CPU time, slow still 2x fast
     paced = load_cluster(CLUSTERS / "cpu-demo-paced.yaml")
     assert [(i.name, i.nodes, i.gpus_per_node) for i in paced.islands] == [("fast", 1, 2), ("slow", 1, 2)]
-    assert paced.slowdown("slow") == 2 * paced.slowdown("fast") and paced.emulation_clock("fast") == "cpu"
+    assert paced.slowdown("slow") == 2 * paced.slowdown("fast") and paced.emulation_clock("fast") == "thread"
 
 
 def test_no_unexpected_example_clusters():

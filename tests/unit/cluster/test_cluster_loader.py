@@ -154,8 +154,8 @@ def islands_a_b(a: str = "{name: a, device: CPU, nodes: 1, gpus_per_node: 1}") -
          "emulation.a.slowdown: must be >= 1 (got 0.5). Fix: use a number >= 1"),
         (islands_a_b() + LINK_AB + "emulation: {a: {slowdwn: 2}}\n",
          "emulation.a.slowdwn: unknown key (got 'slowdwn'). Fix: did you mean 'slowdown'"),
-        (islands_a_b() + LINK_AB + "emulation: {a: {slowdown: 2, clock: thread}}\n",
-         "emulation.a.clock: unknown emulation clock 'thread' (got 'thread'). Fix: use one of wall, cpu"),
+        (islands_a_b() + LINK_AB + "emulation: {a: {slowdown: 2, clock: cpu}}\n",
+         "emulation.a.clock: unknown emulation clock 'cpu' (got 'cpu'). Fix: use one of wall, thread"),
         # links: missing, duplicate, self
         (islands_a_b(), "links: no link between these two islands (got ['a', 'b'])"),
         (islands_a_b() + "links: [{between: [a, b], bandwidth_gbps: 1}, {between: [b, a], bandwidth_gbps: 2}]\n",

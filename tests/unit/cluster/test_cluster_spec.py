@@ -46,8 +46,8 @@ def test_emulation_fills_unlisted_islands_with_one():
     assert dict(spec.emulation) == {"a": IslandEmulation(slowdown=1.0), "b": IslandEmulation(slowdown=1.6)}
     assert spec.slowdown("b") == 1.6
     assert spec.emulation_clock("a") == spec.emulation_clock("b") == "wall"  # the default clock
-    paced = two_islands(emulation={"b": IslandEmulation(slowdown=4.0, clock="cpu")})
-    assert paced.emulation_clock("b") == "cpu" and paced.emulation_clock("a") == "wall"
+    paced = two_islands(emulation={"b": IslandEmulation(slowdown=4.0, clock="thread")})
+    assert paced.emulation_clock("b") == "thread" and paced.emulation_clock("a") == "wall"
 
 
 def test_single_island_needs_no_link_and_link_is_none():

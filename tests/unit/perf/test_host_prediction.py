@@ -23,8 +23,8 @@ def test_one_rank_plan_priced_from_a_cached_host_profile(tmp_path):
     assert host_key(MODEL, micro_batch_sizes=[4], ranks=1, threads=1) not in first.profile_path
 
 
-def test_a_cluster_on_the_cpu_clock_is_profiled_in_thread_cpu_time(tmp_path, monkeypatch):
-    """Compute timed as the run times it: thread CPU time when the emulation paces devices in CPU time."""
+def test_a_cluster_on_the_thread_clock_is_profiled_in_thread_cpu_time(tmp_path, monkeypatch):
+    """Compute timed as the run times it: thread CPU time when the emulation paces devices in it."""
     import megatron_het.profiling.layers as layers
     from megatron_het.cluster import load_cluster
 

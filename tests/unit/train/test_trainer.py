@@ -116,11 +116,11 @@ def test_timer_adds_the_emulated_wait_and_a_cpu_clock_ignores_sleeping():
     assert same.emulated_s == 0.0
 
 
-def test_an_island_on_the_cpu_clock_is_timed_in_cpu_time_and_repays_host_delays():
+def test_an_island_on_the_thread_clock_is_timed_in_cpu_time_and_repays_host_delays():
     from megatron_het.cluster import load_cluster
     from megatron_het.train.timer import emulation_timer
 
-    paced = load_cluster("examples/clusters/cpu-demo-paced.yaml")  # the demo's cluster: clock cpu
+    paced = load_cluster("examples/clusters/cpu-demo-paced.yaml")  # the demo's cluster: clock thread
     timer = emulation_timer(paced, "slow")
     assert timer.slowdown == 8.0 and timer.clock is time.thread_time and timer.catch_up
     # a wait inside the compute (another process holding the core) is not stretched 8x: the rank is
