@@ -2,7 +2,8 @@
 
 Rows: examples/published/*.yaml (Narayanan et al. 2021 Table 1 on A100; MosaicML llm-foundry's MPT
 benchmarks on A100 40/80GB and H100, bf16 and fp8; torchtitan's Llama benchmarks on A100; NVIDIA
-NeMo 24.12's fp8 pre-training table on H100), each with its citation. The compute model's figures
+NeMo 24.12's fp8 pre-training and long-sequence tables on H100; dgxc-benchmarking's NeMo recipes on
+H100), each with its citation. The compute model's figures
 are fitted (megatron_het/perf/fit.py) in leave-one-source-out mode: every source's rows are priced
 by a fit that never saw that source. Targets (issue #17): median |error| <= 10% and worst <= 25%
 over those out-of-sample predictions; the sign of the error is not the same on every row of a
