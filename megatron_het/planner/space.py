@@ -94,11 +94,17 @@ def balanced_split_options(num_layers: int, options: Sequence[Sequence[tuple[flo
     n = [1] * p
     heap = [(time(options[j], 2), j) for j in range(p) if most[j] > 1]
     heapq.heapify(heap)
+    heappop, heapreplace = heapq.heappop, heapq.heapreplace
     for _ in range(num_layers - p):
-        _, j = heapq.heappop(heap)  # non-empty: the caps hold num_layers (checked above)
-        n[j] += 1
-        if n[j] < most[j]:
-            heapq.heappush(heap, (time(options[j], n[j] + 1), j))
+        j = heap[0][1]  # non-empty: the caps hold num_layers (checked above)
+        k = n[j] = n[j] + 1
+        if k < most[j]:
+            # time(options[j], k + 1) inline while the first row holds it (the common case); the
+            # (time, stage) entries are distinct, so replacing the top pops in the same order
+            f, t, cap = options[j][0]
+            heapreplace(heap, (f + (k + 1) * t if k < cap else time(options[j], k + 1), j))
+        else:
+            heappop(heap)
     rows = tuple(next(k for k, (_, _, cap) in enumerate(options[j]) if n[j] <= cap) for j in range(p))
     return tuple(n), rows
 
