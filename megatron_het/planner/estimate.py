@@ -129,6 +129,7 @@ class Estimator:
         self._params: dict[tuple[object, ...], int] = {}
         self._floors: dict[tuple[int, int], tuple[float, dict[int, float]]] = {}  # lower_bound's per-island rates
         self._rows: dict[tuple[object, ...], list[tuple[float, float, int]]] = {}
+        self._by_tp: dict[tuple[object, ...], dict[int, dict[bool, IntraConfig]]] = {}  # rows' configs per slice
         self._options: dict[tuple[object, ...], list[list[tuple[float, float, int]]]] = {}
         self._capacity = [device_capacity_bytes(i.device) for i in cluster.islands]
         # How a slice runs inside an island (TP, recompute) and what it costs: the plug-in point.
@@ -296,9 +297,17 @@ class Estimator:
         """A stage's (fixed s, s per layer, layer cap) without recompute and, when allowed, with."""
         key = (isl, tp, mbs, recompute, first, last, in_flight, dp)
         if key not in self._rows:
-            slice_ = LayerSlice(num_layers=1, is_first=first, is_last=last, micro_batch_size=mbs, in_flight=in_flight,
-                                data_parallel=dp, recompute_allowed=recompute)
-            found = {c.recompute: c for c in reversed(self.configs(isl, slice_)) if c.tp == tp}
+            # The slice's configurations by TP (the first per TP and recompute wins: fastest first),
+            # once per slice: stages of several TP sizes ask for the same slice.
+            skey = (isl, mbs, recompute, first, last, in_flight, dp)
+            by_tp = self._by_tp.get(skey)
+            if by_tp is None:
+                slice_ = LayerSlice(num_layers=1, is_first=first, is_last=last, micro_batch_size=mbs,
+                                    in_flight=in_flight, data_parallel=dp, recompute_allowed=recompute)
+                by_tp = self._by_tp[skey] = {}
+                for c in reversed(self.configs(isl, slice_)):
+                    by_tp.setdefault(c.tp, {})[c.recompute] = c
+            found = by_tp.get(tp, {})
             out = []
             for rc in ((False, True) if recompute else (False,)):
                 c = found.get(rc)
