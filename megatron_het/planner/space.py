@@ -81,7 +81,7 @@ def balanced_split_options(num_layers: int, options: Sequence[Sequence[tuple[flo
     which matters at hundreds of stages and thousands of evaluations.
     """
     p = len(options)
-    most = [min(max(c for _, _, c in opts), num_layers) for opts in options]
+    most = [min(opts[0][2] if len(opts) == 1 else max(c for _, _, c in opts), num_layers) for opts in options]
     if p > num_layers or any(m < 1 for m in most) or sum(most) < num_layers:
         return None
 
@@ -105,8 +105,13 @@ def balanced_split_options(num_layers: int, options: Sequence[Sequence[tuple[flo
             heapreplace(heap, (f + (k + 1) * t if k < cap else time(options[j], k + 1), j))
         else:
             heappop(heap)
-    rows = tuple(next(k for k, (_, _, cap) in enumerate(options[j]) if n[j] <= cap) for j in range(p))
-    return tuple(n), rows
+    rows = []
+    for nj, opts in zip(n, options):  # each stage's first row that holds its layers (one does: n <= most)
+        k = 0
+        while nj > opts[k][2]:
+            k += 1
+        rows.append(k)
+    return tuple(n), tuple(rows)
 
 
 def allocate_micro_batches(total: int, groups: Sequence[tuple[int, float, float]]) -> tuple[list[tuple[int, int]], float] | None:
