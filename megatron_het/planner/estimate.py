@@ -383,9 +383,11 @@ class Estimator:
             return (f"{replicas} replicas need at least {replicas} micro-batches but global_batch_size "
                     f"{self.global_batch_size} / micro_batch_size {mbs} = {total_mb}")
         max_m = total_mb - replicas + 1
-        groups, all_counts, all_flags, all_lags, zb = [], [], [], [], []
+        groups, all_counts, all_flags, all_lags, zb, all_stages = [], [], [], [], [], []
+        hop, costs = self.hop, self._costs
         for t in templates:
             stages = t.stage_islands()
+            all_stages.append(stages)
             p = len(stages)
             if p > L:
                 return f"{p} stages > num_layers {L}"
@@ -404,29 +406,28 @@ class Estimator:
                         f"{held} of {L} layers in memory")
             counts, picked = found
             cap_hit = cap_hit or any(n >= rows[0][2] and rows[0][2] < L for n, rows in zip(counts, options))
-            fixed = [options[j][k][0] for j, k in enumerate(picked)]
-            per_layer = [options[j][k][1] for j, k in enumerate(picked)]
             all_flags.append(tuple(k == 1 for k in picked))
-            taus = [f + n * x for f, n, x in zip(fixed, counts, per_layer)]
+            taus = [rows[k][0] + n * rows[k][1] for rows, n, k in zip(options, counts, picked)]
+            back = [hop(b, a, mbs) for a, b in zip(stages, stages[1:])]  # each transfer's backward leg
+            hops = [hop(a, b, mbs) + up for a, b, up in zip(stages, stages[1:], back)]
             # When each stage's last backward ends, relative to the replica's end: stage j
             # finishes before stage 0 by the backward cool-down of stages 0..j-1.
             lag, lags, chunk_rows, ws = 0.0, [], [], []
             for j, ((isl, tp), n, k) in enumerate(zip(stages, counts, picked)):
-                c = self.cost(isl, tp, mbs, k == 1)
+                c = costs[(isl, tp, mbs, k == 1)]  # self.cost, filled by rows
                 lags.append(lag)
                 bwd = c.backward_s(n, is_first=j == 0, is_last=j == p - 1)
                 chunk_rows.append((c, bwd))
                 ws.append(self._w_share[isl] * bwd)
                 if j + 1 < p:
-                    lag += bwd + self.hop(stages[j + 1], stages[j], mbs)
+                    lag += bwd + back[j]
             all_lags.append((lags, chunk_rows))
-            hops = [self.hop(stages[j], stages[j + 1], mbs) + self.hop(stages[j + 1], stages[j], mbs)
-                    for j in range(p - 1)]
-            groups.append((t.count, sum(taus) + sum(hops), pipeline_period(taus, hops)))
+            fill = sum(taus) + sum(hops)
+            groups.append((t.count, fill, pipeline_period(taus, hops)))
             all_counts.append(counts)
             # ZB-H1: the steady state's loops run F and B only (W waits), the cool-down fills with W
             zb_period = max(max(taus), pipeline_period([x - w for x, w in zip(taus, ws)], hops))
-            zb.append((sum(taus) + sum(hops) - 2.0 * (sum(ws) - max(ws)), zb_period))
+            zb.append((fill - 2.0 * (sum(ws) - max(ws)), zb_period))
         alloc = allocate_micro_batches(total_mb, groups)
         if alloc is None:
             return f"cannot give each of {replicas} replicas a micro-batch"
@@ -436,18 +437,20 @@ class Estimator:
         # Reduction peers of a stage: in every template, the stage holding the same first layer.
         # Its reduction starts when the last of them ends its backward (as in perf.predict).
         holders = []
-        for t, counts, (m, _), (lags, _), (_, a, c) in zip(templates, all_counts, split, all_lags, groups):
+        for t, stages, counts, (m, _), (lags, _), (_, a, c) in zip(templates, all_stages, all_counts, split, all_lags,
+                                                                     groups):
             end = a + (m - 1) * c  # this template's slowest replica
             starts = [0]
             for n in counts[:-1]:
                 starts.append(starts[-1] + n)
-            holders.append((t.count, starts, [isl for isl, _ in t.stage_islands()], [end - lag for lag in lags]))
+            holders.append((t.count, starts, [isl for isl, _ in stages], [end - lag for lag in lags]))
         reduced = zb_reduced = optimizer = 0.0
         shard = replicas if self.distributed_optimizer else 1
-        for t, counts, (_, rows) in zip(templates, all_counts, all_lags):
-            stages, first = t.stage_islands(), 0
-            seg_pp = [seg.pp for seg in t.segments for _ in range(seg.pp)]
-            for j, ((isl, tp), n) in enumerate(zip(stages, counts)):
+        for t, stages, counts, (_, rows) in zip(templates, all_stages, all_counts, all_lags):
+            first = 0
+            # per stage, its replicas sharing a node (one figure per segment)
+            rpns = [self.ranks_per_node(seg.island, seg.tp, seg.pp, t.count) for seg in t.segments for _ in range(seg.pp)]
+            for j, ((isl, tp), n, rpn) in enumerate(zip(stages, counts, rpns)):
                 is_first, is_last = j == 0, j == len(stages) - 1
                 params = self.params(n, is_first, is_last, tp)
                 where: dict[int, int] = {}
@@ -457,7 +460,6 @@ class Estimator:
                     where[isls[k]] = where.get(isls[k], 0) + cnt
                     start = max(start, ends[k])
                 placement = tuple(sorted(where.items()))
-                rpn = self.ranks_per_node(isl, tp, seg_pp[j], t.count)
                 tail = self.grad_sync(placement, params, replicas=replicas, ranks_per_node=rpn)
                 if self.overlap_grad_reduce and is_first and replicas > 1:
                     c, bwd = rows[j]
