@@ -348,21 +348,22 @@ class Estimator:
         if found is None:
             return None
         counts, picked = found
-        taus = [options[j][k][0] + n * options[j][k][1] for j, (n, k) in enumerate(zip(counts, picked))]
-        hops = [self.hop(stages[j], stages[j + 1], mbs) + self.hop(stages[j + 1], stages[j], mbs)
-                for j in range(p - 1)]
+        taus = [rows[k][0] + n * rows[k][1] for rows, n, k in zip(options, counts, picked)]
+        back = [self.hop(b, a, mbs) for a, b in zip(stages, stages[1:])]  # each transfer's backward leg
+        hops = [self.hop(a, b, mbs) + up for a, b, up in zip(stages, stages[1:], back)]
+        pp_of: dict[int, int] = {}  # stages of the island's (first) segment
+        for seg in template.segments:
+            pp_of.setdefault(seg.island, seg.pp)
+        shard = replicas if self.distributed_optimizer else 1
         lag = exposed = optimizer = 0.0
         for j, ((isl, tp), n, k) in enumerate(zip(stages, counts, picked)):
-            c = self.cost(isl, tp, mbs, k == 1)
             params = self.params(n, j == 0, j == p - 1, tp)
-            pp = next(seg.pp for seg in template.segments if seg.island == isl)
             sync = self.grad_sync(((isl, replicas),), params, replicas=replicas,
-                                  ranks_per_node=self.ranks_per_node(isl, tp, pp, replicas))
+                                  ranks_per_node=self.ranks_per_node(isl, tp, pp_of[isl], replicas))
             exposed = max(exposed, sync - lag)
-            shard = replicas if self.distributed_optimizer else 1
             optimizer = max(optimizer, self.optimizer_s(isl, params // shard))
             if j + 1 < p:
-                lag += c.backward_s(n, is_first=j == 0, is_last=False) + self.hop(stages[j + 1], stages[j], mbs)
+                lag += self._costs[(isl, tp, mbs, k == 1)].backward_s(n, is_first=j == 0, is_last=False) + back[j]
         return sum(taus) + sum(hops), pipeline_period(taus, hops), exposed + optimizer
 
     def evaluate(self, templates: Sequence[Template], mbs: int, recompute: bool) -> Estimate | str:
