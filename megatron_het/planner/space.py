@@ -4,6 +4,7 @@ balanced layer split, the micro-batch allocation and turning a choice into a Pla
 from __future__ import annotations
 
 import heapq
+import itertools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -45,7 +46,7 @@ class Template:
 
     def stage_islands(self) -> tuple[tuple[int, int], ...]:
         """(island index, tp) per stage in pipeline order."""
-        return tuple((s.island, s.tp) for s in self.segments for _ in range(s.pp))
+        return tuple(itertools.chain.from_iterable([((s.island, s.tp),) * s.pp for s in self.segments]))
 
 
 def tp_options(model: ModelSpec, island: IslandSpec, *, max_tp: int) -> tuple[int, ...]:
