@@ -63,10 +63,9 @@ def pipeline_period(taus: Sequence[float], hops: Sequence[float]) -> float:
         h = [0.0, *itertools.accumulate(hops)]
         top = 0.0
         for i in range(p):
-            ti, hi, length = t[i], h[i], 0
-            for tl, hl in zip(t[i + 1:], h[i:]):
-                length += 1
-                run = (tl - ti + hl - hi) / length
+            ti, hi = t[i], h[i]
+            for length, l in enumerate(range(i, p), start=1):
+                run = (t[l + 1] - ti + h[l] - hi) / length
                 if run > top:
                     top = run
         return max(best, top)
