@@ -295,7 +295,8 @@ class Estimator:
              dp: int) -> list[tuple[float, float, int]]:
         """A stage's (fixed s, s per layer, layer cap) without recompute and, when allowed, with."""
         key = (isl, tp, mbs, recompute, first, last, in_flight, dp)
-        if key not in self._rows:
+        out = self._rows.get(key)
+        if out is None:
             # The slice's configurations by TP (the first per TP and recompute wins: fastest first),
             # once per slice: stages of several TP sizes ask for the same slice.
             skey = (isl, mbs, recompute, first, last, in_flight, dp)
@@ -321,7 +322,7 @@ class Estimator:
                             + (cost.output_forward_s + cost.output_backward_s if last else 0.0),
                             cost.layer_forward_s + cost.layer_backward_s, cap))
             self._rows[key] = out
-        return self._rows[key]
+        return out
 
     def params(self, n: int, first: bool, last: bool, tp: int) -> int:
         key = (n, first, last, tp)
@@ -394,10 +395,11 @@ class Estimator:
             # Per stage, the rows (fixed, per layer, cap) without recompute and, when allowed,
             # with it: a stage recomputes only when it holds more layers than fit without.
             okey = (stages, mbs, recompute, max_m, replicas)
-            if okey not in self._options:
-                self._options[okey] = [self.rows(isl, tp, mbs, recompute, j == 0, j == p - 1, min(p - j, max_m),
-                                                 replicas) for j, (isl, tp) in enumerate(stages)]
-            options = self._options[okey]
+            options = self._options.get(okey)
+            if options is None:
+                options = self._options[okey] = [self.rows(isl, tp, mbs, recompute, j == 0, j == p - 1,
+                                                           min(p - j, max_m), replicas)
+                                                 for j, (isl, tp) in enumerate(stages)]
             found = balanced_split_options(L, options)
             if found is None:
                 names = "+".join(f"{self.cluster.islands[s.island].name}(TP={s.tp},PP={s.pp})" for s in t.segments)
