@@ -16,6 +16,7 @@ fast are never predicted in full.
 from __future__ import annotations
 
 import bisect
+import itertools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -57,6 +58,17 @@ def pipeline_period(taus: Sequence[float], hops: Sequence[float]) -> float:
     if not any(hops):  # no transfers: loops cannot beat their slowest stage
         return best
     p = len(taus)
+    if 8 < p <= 24:  # the prefix-sum form below, element for element, without numpy's per-call overhead
+        t = [0.0, *itertools.accumulate(taus)]  # the same sequential sums as np.cumsum
+        h = [0.0, *itertools.accumulate(hops)]
+        top = 0.0
+        for i in range(p):
+            ti, hi = t[i], h[i]
+            for length, l in enumerate(range(i, p), start=1):
+                run = (t[l + 1] - ti + h[l] - hi) / length
+                if run > top:
+                    top = run
+        return max(best, top)
     if p > 8:  # every run at once: sum over i..l = T[l+1] - T[i] + H[l] - H[i] from prefix sums
         t = np.concatenate(([0.0], np.cumsum(taus)))
         h = np.concatenate(([0.0], np.cumsum(hops)))
@@ -116,6 +128,7 @@ class Estimator:
         self._params: dict[tuple[object, ...], int] = {}
         self._floors: dict[tuple[int, int], tuple[float, dict[int, float]]] = {}  # lower_bound's per-island rates
         self._rows: dict[tuple[object, ...], list[tuple[float, float, int]]] = {}
+        self._by_tp: dict[tuple[object, ...], dict[int, dict[bool, IntraConfig]]] = {}  # rows' configs per slice
         self._options: dict[tuple[object, ...], list[list[tuple[float, float, int]]]] = {}
         self._capacity = [device_capacity_bytes(i.device) for i in cluster.islands]
         # How a slice runs inside an island (TP, recompute) and what it costs: the plug-in point.
@@ -282,10 +295,19 @@ class Estimator:
              dp: int) -> list[tuple[float, float, int]]:
         """A stage's (fixed s, s per layer, layer cap) without recompute and, when allowed, with."""
         key = (isl, tp, mbs, recompute, first, last, in_flight, dp)
-        if key not in self._rows:
-            slice_ = LayerSlice(num_layers=1, is_first=first, is_last=last, micro_batch_size=mbs, in_flight=in_flight,
-                                data_parallel=dp, recompute_allowed=recompute)
-            found = {c.recompute: c for c in reversed(self.configs(isl, slice_)) if c.tp == tp}
+        out = self._rows.get(key)
+        if out is None:
+            # The slice's configurations by TP (the first per TP and recompute wins: fastest first),
+            # once per slice: stages of several TP sizes ask for the same slice.
+            skey = (isl, mbs, recompute, first, last, in_flight, dp)
+            by_tp = self._by_tp.get(skey)
+            if by_tp is None:
+                slice_ = LayerSlice(num_layers=1, is_first=first, is_last=last, micro_batch_size=mbs,
+                                    in_flight=in_flight, data_parallel=dp, recompute_allowed=recompute)
+                by_tp = self._by_tp[skey] = {}
+                for c in reversed(self.configs(isl, slice_)):
+                    by_tp.setdefault(c.tp, {})[c.recompute] = c
+            found = by_tp.get(tp, {})
             out = []
             for rc in ((False, True) if recompute else (False,)):
                 c = found.get(rc)
@@ -300,7 +322,7 @@ class Estimator:
                             + (cost.output_forward_s + cost.output_backward_s if last else 0.0),
                             cost.layer_forward_s + cost.layer_backward_s, cap))
             self._rows[key] = out
-        return self._rows[key]
+        return out
 
     def params(self, n: int, first: bool, last: bool, tp: int) -> int:
         key = (n, first, last, tp)
@@ -326,21 +348,22 @@ class Estimator:
         if found is None:
             return None
         counts, picked = found
-        taus = [options[j][k][0] + n * options[j][k][1] for j, (n, k) in enumerate(zip(counts, picked))]
-        hops = [self.hop(stages[j], stages[j + 1], mbs) + self.hop(stages[j + 1], stages[j], mbs)
-                for j in range(p - 1)]
+        taus = [rows[k][0] + n * rows[k][1] for rows, n, k in zip(options, counts, picked)]
+        back = [self.hop(b, a, mbs) for a, b in zip(stages, stages[1:])]  # each transfer's backward leg
+        hops = [self.hop(a, b, mbs) + up for a, b, up in zip(stages, stages[1:], back)]
+        pp_of: dict[int, int] = {}  # stages of the island's (first) segment
+        for seg in template.segments:
+            pp_of.setdefault(seg.island, seg.pp)
+        shard = replicas if self.distributed_optimizer else 1
         lag = exposed = optimizer = 0.0
         for j, ((isl, tp), n, k) in enumerate(zip(stages, counts, picked)):
-            c = self.cost(isl, tp, mbs, k == 1)
             params = self.params(n, j == 0, j == p - 1, tp)
-            pp = next(seg.pp for seg in template.segments if seg.island == isl)
             sync = self.grad_sync(((isl, replicas),), params, replicas=replicas,
-                                  ranks_per_node=self.ranks_per_node(isl, tp, pp, replicas))
+                                  ranks_per_node=self.ranks_per_node(isl, tp, pp_of[isl], replicas))
             exposed = max(exposed, sync - lag)
-            shard = replicas if self.distributed_optimizer else 1
             optimizer = max(optimizer, self.optimizer_s(isl, params // shard))
             if j + 1 < p:
-                lag += c.backward_s(n, is_first=j == 0, is_last=False) + self.hop(stages[j + 1], stages[j], mbs)
+                lag += self._costs[(isl, tp, mbs, k == 1)].backward_s(n, is_first=j == 0, is_last=False) + back[j]
         return sum(taus) + sum(hops), pipeline_period(taus, hops), exposed + optimizer
 
     def evaluate(self, templates: Sequence[Template], mbs: int, recompute: bool) -> Estimate | str:
@@ -361,19 +384,22 @@ class Estimator:
             return (f"{replicas} replicas need at least {replicas} micro-batches but global_batch_size "
                     f"{self.global_batch_size} / micro_batch_size {mbs} = {total_mb}")
         max_m = total_mb - replicas + 1
-        groups, all_counts, all_flags, all_lags, zb = [], [], [], [], []
+        groups, all_counts, all_flags, all_lags, zb, all_stages = [], [], [], [], [], []
+        hop, costs = self.hop, self._costs
         for t in templates:
             stages = t.stage_islands()
+            all_stages.append(stages)
             p = len(stages)
             if p > L:
                 return f"{p} stages > num_layers {L}"
             # Per stage, the rows (fixed, per layer, cap) without recompute and, when allowed,
             # with it: a stage recomputes only when it holds more layers than fit without.
             okey = (stages, mbs, recompute, max_m, replicas)
-            if okey not in self._options:
-                self._options[okey] = [self.rows(isl, tp, mbs, recompute, j == 0, j == p - 1, min(p - j, max_m),
-                                                 replicas) for j, (isl, tp) in enumerate(stages)]
-            options = self._options[okey]
+            options = self._options.get(okey)
+            if options is None:
+                options = self._options[okey] = [self.rows(isl, tp, mbs, recompute, j == 0, j == p - 1,
+                                                           min(p - j, max_m), replicas)
+                                                 for j, (isl, tp) in enumerate(stages)]
             found = balanced_split_options(L, options)
             if found is None:
                 names = "+".join(f"{self.cluster.islands[s.island].name}(TP={s.tp},PP={s.pp})" for s in t.segments)
@@ -382,29 +408,28 @@ class Estimator:
                         f"{held} of {L} layers in memory")
             counts, picked = found
             cap_hit = cap_hit or any(n >= rows[0][2] and rows[0][2] < L for n, rows in zip(counts, options))
-            fixed = [options[j][k][0] for j, k in enumerate(picked)]
-            per_layer = [options[j][k][1] for j, k in enumerate(picked)]
             all_flags.append(tuple(k == 1 for k in picked))
-            taus = [f + n * x for f, n, x in zip(fixed, counts, per_layer)]
+            taus = [rows[k][0] + n * rows[k][1] for rows, n, k in zip(options, counts, picked)]
+            back = [hop(b, a, mbs) for a, b in zip(stages, stages[1:])]  # each transfer's backward leg
+            hops = [hop(a, b, mbs) + up for a, b, up in zip(stages, stages[1:], back)]
             # When each stage's last backward ends, relative to the replica's end: stage j
             # finishes before stage 0 by the backward cool-down of stages 0..j-1.
             lag, lags, chunk_rows, ws = 0.0, [], [], []
             for j, ((isl, tp), n, k) in enumerate(zip(stages, counts, picked)):
-                c = self.cost(isl, tp, mbs, k == 1)
+                c = costs[(isl, tp, mbs, k == 1)]  # self.cost, filled by rows
                 lags.append(lag)
                 bwd = c.backward_s(n, is_first=j == 0, is_last=j == p - 1)
                 chunk_rows.append((c, bwd))
                 ws.append(self._w_share[isl] * bwd)
                 if j + 1 < p:
-                    lag += bwd + self.hop(stages[j + 1], stages[j], mbs)
+                    lag += bwd + back[j]
             all_lags.append((lags, chunk_rows))
-            hops = [self.hop(stages[j], stages[j + 1], mbs) + self.hop(stages[j + 1], stages[j], mbs)
-                    for j in range(p - 1)]
-            groups.append((t.count, sum(taus) + sum(hops), pipeline_period(taus, hops)))
+            fill = sum(taus) + sum(hops)
+            groups.append((t.count, fill, pipeline_period(taus, hops)))
             all_counts.append(counts)
             # ZB-H1: the steady state's loops run F and B only (W waits), the cool-down fills with W
             zb_period = max(max(taus), pipeline_period([x - w for x, w in zip(taus, ws)], hops))
-            zb.append((sum(taus) + sum(hops) - 2.0 * (sum(ws) - max(ws)), zb_period))
+            zb.append((fill - 2.0 * (sum(ws) - max(ws)), zb_period))
         alloc = allocate_micro_batches(total_mb, groups)
         if alloc is None:
             return f"cannot give each of {replicas} replicas a micro-batch"
@@ -414,18 +439,20 @@ class Estimator:
         # Reduction peers of a stage: in every template, the stage holding the same first layer.
         # Its reduction starts when the last of them ends its backward (as in perf.predict).
         holders = []
-        for t, counts, (m, _), (lags, _), (_, a, c) in zip(templates, all_counts, split, all_lags, groups):
+        for t, stages, counts, (m, _), (lags, _), (_, a, c) in zip(templates, all_stages, all_counts, split, all_lags,
+                                                                     groups):
             end = a + (m - 1) * c  # this template's slowest replica
             starts = [0]
             for n in counts[:-1]:
                 starts.append(starts[-1] + n)
-            holders.append((t.count, starts, [isl for isl, _ in t.stage_islands()], [end - lag for lag in lags]))
+            holders.append((t.count, starts, [isl for isl, _ in stages], [end - lag for lag in lags]))
         reduced = zb_reduced = optimizer = 0.0
         shard = replicas if self.distributed_optimizer else 1
-        for t, counts, (_, rows) in zip(templates, all_counts, all_lags):
-            stages, first = t.stage_islands(), 0
-            seg_pp = [seg.pp for seg in t.segments for _ in range(seg.pp)]
-            for j, ((isl, tp), n) in enumerate(zip(stages, counts)):
+        for t, stages, counts, (_, rows) in zip(templates, all_stages, all_counts, all_lags):
+            first = 0
+            # per stage, its replicas sharing a node (one figure per segment)
+            rpns = [self.ranks_per_node(seg.island, seg.tp, seg.pp, t.count) for seg in t.segments for _ in range(seg.pp)]
+            for j, ((isl, tp), n, rpn) in enumerate(zip(stages, counts, rpns)):
                 is_first, is_last = j == 0, j == len(stages) - 1
                 params = self.params(n, is_first, is_last, tp)
                 where: dict[int, int] = {}
@@ -435,7 +462,6 @@ class Estimator:
                     where[isls[k]] = where.get(isls[k], 0) + cnt
                     start = max(start, ends[k])
                 placement = tuple(sorted(where.items()))
-                rpn = self.ranks_per_node(isl, tp, seg_pp[j], t.count)
                 tail = self.grad_sync(placement, params, replicas=replicas, ranks_per_node=rpn)
                 if self.overlap_grad_reduce and is_first and replicas > 1:
                     c, bwd = rows[j]

@@ -92,6 +92,7 @@ class MegatronParallelizer:
         self._costs: dict[tuple[int, int, int, bool], StageCost] = {}  # per-instance caches
         self._mem: dict[tuple[object, ...], tuple[int, int, int, int]] = {}
         self._tp_sizes: dict[int, tuple[int, ...]] = {}
+        self._slice_lines: dict[tuple[object, ...], list[tuple[int, bool, StageCost, int, int, int, int]]] = {}
 
     def tp_sizes(self, island_index: int) -> tuple[int, ...]:
         if island_index not in self._tp_sizes:
@@ -123,21 +124,30 @@ class MegatronParallelizer:
                               more.optimizer_bytes - here.optimizer_bytes)
         return self._mem[key]
 
+    def _lines(self, slice_: LayerSlice, isl: int) -> list[tuple[int, bool, StageCost, int, int, int, int]]:
+        """Per (TP, recompute) offered: its cost and ``_memory``'s unsharded lines. Cached per slice
+        less its replica count, which only shards the optimizer state: the planner asks for the same
+        slice at many replica counts."""
+        key = (isl, slice_.num_layers, slice_.is_first, slice_.is_last, slice_.micro_batch_size, slice_.in_flight,
+               slice_.recompute_allowed)
+        if key not in self._slice_lines:
+            flash = not self.cluster.islands[isl].device.is_host  # fused (flash) attention on GPUs, as perf.predict assumes
+            self._slice_lines[key] = [(tp, rc, self._cost(isl, tp, slice_.micro_batch_size, rc),
+                                       *self._memory(slice_, tp, rc, flash))
+                                      for tp in self.tp_sizes(isl)
+                                      for rc in ((False, True) if slice_.recompute_allowed else (False,))]
+        return self._slice_lines[key]
+
     def candidates(self, slice_: LayerSlice, island_index: int, budget_bytes: int) -> list[IntraConfig]:
         out = []
         shard = slice_.data_parallel if self.distributed_optimizer and slice_.data_parallel > 1 else 1
-        flash = not self.cluster.islands[island_index].device.is_host
-        for tp in self.tp_sizes(island_index):
-            for rc in (False, True) if slice_.recompute_allowed else (False,):
-                # fused (flash) attention on GPUs, as perf.predict assumes megatron-core runs it
-                rest, opt, rest_slope, opt_slope = self._memory(slice_, tp, rc, flash)
-                # Optimizer state is kept apart and sharded over the replicas (as the runtime does).
-                total = rest + -(-opt // shard)
-                slope = rest_slope + opt_slope / shard
-                if total > budget_bytes:
-                    continue
-                out.append(IntraConfig(tp=tp, recompute=rc, cost=self._cost(island_index, tp, slice_.micro_batch_size, rc),
-                                       memory_bytes=total, memory_per_layer_bytes=slope))
+        for tp, rc, cost, rest, opt, rest_slope, opt_slope in self._lines(slice_, island_index):
+            # Optimizer state is kept apart and sharded over the replicas (as the runtime does).
+            total = rest + -(-opt // shard)
+            if total > budget_bytes:
+                continue
+            out.append(IntraConfig(tp=tp, recompute=rc, cost=cost, memory_bytes=total,
+                                   memory_per_layer_bytes=rest_slope + opt_slope / shard))
         return out
 
 

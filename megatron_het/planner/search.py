@@ -481,6 +481,8 @@ class _Restricted:
     index: tuple[int, ...]  # view island index -> full cluster island index
 
     def lift(self, structure: tuple[Template, ...]) -> tuple[Template, ...]:
+        if self.index == tuple(range(len(self.index))):  # the view's indices are the cluster's: nothing to rebuild
+            return structure
         return tuple(replace(t, segments=tuple(replace(s, island=self.index[s.island]) for s in t.segments))
                      for t in structure)
 

@@ -4,6 +4,7 @@ balanced layer split, the micro-batch allocation and turning a choice into a Pla
 from __future__ import annotations
 
 import heapq
+import itertools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -45,7 +46,7 @@ class Template:
 
     def stage_islands(self) -> tuple[tuple[int, int], ...]:
         """(island index, tp) per stage in pipeline order."""
-        return tuple((s.island, s.tp) for s in self.segments for _ in range(s.pp))
+        return tuple(itertools.chain.from_iterable([((s.island, s.tp),) * s.pp for s in self.segments]))
 
 
 def tp_options(model: ModelSpec, island: IslandSpec, *, max_tp: int) -> tuple[int, ...]:
@@ -81,7 +82,7 @@ def balanced_split_options(num_layers: int, options: Sequence[Sequence[tuple[flo
     which matters at hundreds of stages and thousands of evaluations.
     """
     p = len(options)
-    most = [min(max(c for _, _, c in opts), num_layers) for opts in options]
+    most = [min(opts[0][2] if len(opts) == 1 else max(c for _, _, c in opts), num_layers) for opts in options]
     if p > num_layers or any(m < 1 for m in most) or sum(most) < num_layers:
         return None
 
@@ -92,15 +93,27 @@ def balanced_split_options(num_layers: int, options: Sequence[Sequence[tuple[flo
         raise AssertionError("unreachable: n <= most[j]")
 
     n = [1] * p
-    heap = [(time(options[j], 2), j) for j in range(p) if most[j] > 1]
+    heap = [(opts[0][0] + 2 * opts[0][1] if opts[0][2] >= 2 else time(opts, 2), j)  # time() inline, as below
+            for j, opts in enumerate(options) if most[j] > 1]
     heapq.heapify(heap)
+    heappop, heapreplace = heapq.heappop, heapq.heapreplace
     for _ in range(num_layers - p):
-        _, j = heapq.heappop(heap)  # non-empty: the caps hold num_layers (checked above)
-        n[j] += 1
-        if n[j] < most[j]:
-            heapq.heappush(heap, (time(options[j], n[j] + 1), j))
-    rows = tuple(next(k for k, (_, _, cap) in enumerate(options[j]) if n[j] <= cap) for j in range(p))
-    return tuple(n), rows
+        j = heap[0][1]  # non-empty: the caps hold num_layers (checked above)
+        k = n[j] = n[j] + 1
+        if k < most[j]:
+            # time(options[j], k + 1) inline while the first row holds it (the common case); the
+            # (time, stage) entries are distinct, so replacing the top pops in the same order
+            f, t, cap = options[j][0]
+            heapreplace(heap, (f + (k + 1) * t if k < cap else time(options[j], k + 1), j))
+        else:
+            heappop(heap)
+    rows = []
+    for nj, opts in zip(n, options):  # each stage's first row that holds its layers (one does: n <= most)
+        k = 0
+        while nj > opts[k][2]:
+            k += 1
+        rows.append(k)
+    return tuple(n), tuple(rows)
 
 
 def allocate_micro_batches(total: int, groups: Sequence[tuple[int, float, float]]) -> tuple[list[tuple[int, int]], float] | None:
@@ -126,7 +139,11 @@ def allocate_micro_batches(total: int, groups: Sequence[tuple[int, float, float]
         if hi - lo <= 1e-12 * hi:
             break
         mid = (lo + hi) / 2
-        if sum(n * m_at(mid, a, c) for n, a, c in groups) >= total:
+        # sum(n * m_at(mid, a, c)) inline: the bisection's 80 rounds over every group dominate this function
+        held = 0
+        for n, a, c in groups:
+            held += n * (max(1, math.floor((mid - a) / c + 1e-12) + 1) if c > 0 else total)
+        if held >= total:
             hi = mid
         else:
             lo = mid

@@ -71,6 +71,7 @@ def run(schedule: Schedule, duration: DurationFn, p2p: P2PFn | None = None) -> T
     free = [0.0] * p
     pos = [0] * p
     timings: list[list[ActionTiming]] = [[] for _ in range(p)]
+    waiting: list[tuple[tuple[int, Action], ...] | None] = [None] * p  # a blocked next action's dependencies
     progress = True
     while progress:
         progress = False
@@ -78,9 +79,13 @@ def run(schedule: Schedule, duration: DurationFn, p2p: P2PFn | None = None) -> T
             acts = schedule.actions[s]
             while pos[s] < len(acts):
                 a = acts[pos[s]]
-                deps = dependencies(schedule, s, a)
-                if any(d not in done for d in deps):
+                deps = waiting[s]
+                if deps is None:  # not derived again on every pass while the action waits
+                    deps = dependencies(schedule, s, a)
+                if not all(map(done.__contains__, deps)):
+                    waiting[s] = deps
                     break
+                waiting[s] = None
                 ready = free[s]
                 for ds, da in deps:
                     t = done[(ds, da)]
