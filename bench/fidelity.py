@@ -61,7 +61,8 @@ def plans() -> dict[str, tuple[str, Plan]]:
 
     def plan(*replicas, schedule="1f1b"):
         return Plan(replicas=tuple(ReplicaPlan(stages=tuple(st), num_micro_batches=m) for st, m in replicas),
-                    micro_batch_size=MICRO_BATCH, global_batch_size=GLOBAL_BATCH, schedule=schedule)
+                    micro_batch_size=MICRO_BATCH, global_batch_size=GLOBAL_BATCH, schedule=schedule,
+                    precision="fp32")  # what the profile measures; pretrain_gpt.py runs the plan's precision
 
     return {
         "pp2_equal_layers": ("pair", plan(([s("fast", 0, (0, 4)), s("slow", 1, (4, 8))], 8))),
