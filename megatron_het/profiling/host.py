@@ -75,14 +75,14 @@ def host_profile(model: ModelSpec, *, micro_batch_sizes: Sequence[int], ranks: i
     timed on ``clock`` ("wall" or "thread": thread CPU time); cached."""
     import torch
 
-    from megatron_het.profiling.layers import profile_concurrent, profile_layers
+    from megatron_het.profiling.layers import CLOCKS, profile_concurrent, profile_layers
     from megatron_het.profiling.links import measure_link
 
     if ranks < 1 or threads < 1 or not micro_batch_sizes:
         raise ConfigError("needs ranks >= 1, threads >= 1 and at least one micro-batch size", field="ranks",
                           value=ranks, fix="pass the number of training ranks this host runs")
-    if clock not in ("wall", "thread"):
-        raise ConfigError("unknown profile clock", field="clock", value=clock, fix="use 'wall' or 'thread'")
+    if clock not in CLOCKS:  # checked before the cache is read: a cached file must not answer a bad clock
+        raise ConfigError("unknown profile clock", field="clock", value=clock, fix=f"use one of {', '.join(CLOCKS)}")
     key = host_key(model, micro_batch_sizes=micro_batch_sizes, ranks=ranks, threads=threads, clock=clock)
     path = Path(cache_dir) / f"host_profile_{key}.json"
     if path.exists() and not refresh:
@@ -124,7 +124,7 @@ def predict_on_this_host(plan, model: ModelSpec, cluster: ClusterSpec, *, cache_
 
     sharded = isinstance(plan, ShardedPlan)
     sizes = sorted({r.micro_batch_size for r in plan.ranks}) if sharded else [plan.micro_batch_size]
-    thread_clock = cluster.emulated and all(cluster.emulation_clock(i.name) == "thread" for i in cluster.islands)
+    thread_clock = all(cluster.emulation_clock(i.name) == "thread" for i in cluster.islands)  # "wall" unemulated
     profile, path, fresh = host_profile(model, micro_batch_sizes=sizes, ranks=plan.world_size,
                                         cache_dir=cache_dir, device=devices.pop(), threads=threads,
                                         clock="thread" if thread_clock else "wall", refresh=refresh)
