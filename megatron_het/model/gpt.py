@@ -35,6 +35,9 @@ class StageModelSpec:
     params_dtype: torch.dtype = torch.float32
     sequence_parallel: bool = False  # the plan's flag; megatron's config turns it on only where tp > 1
     recompute: bool = False  # full activation recomputation of every layer of the stage
+    # with recompute: 0 every layer, N > 0 only the first N layers of this chunk (megatron-core's
+    # recompute_method "block"; StagePlan.recompute_num_layers)
+    recompute_num_layers: int = 0
     # Megatron's --transformer-impl: "transformer_engine" or "local"; None: transformer-engine where
     # it is importable on a GPU, else megatron-core's local spec (always local on CPU)
     transformer_impl: str | None = None
@@ -69,7 +72,10 @@ def transformer_config(spec: StageModelSpec, *, pp: int = 1, deterministic: bool
     if m.swiglu:
         kwargs.update(gated_linear_unit=True, activation_func=F.silu, add_bias_linear=False,
                       normalization="RMSNorm")
-    if spec.recompute:
+    if spec.recompute and spec.recompute_num_layers:
+        kwargs.update(recompute_granularity="full", recompute_method="block",
+                      recompute_num_layers=min(spec.recompute_num_layers, spec.num_layers))
+    elif spec.recompute:
         kwargs.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
     return TransformerConfig(**kwargs)
 

@@ -330,6 +330,23 @@ def check_cluster(replicas: Replicas, cluster: ClusterSpec) -> None:
             )
 
 
+def _check_recompute(replicas: Replicas) -> None:
+    """recompute_num_layers (Megatron's block method) needs recompute on and at most the stage's layers."""
+    for ri, r in enumerate(replicas):
+        for si, st in enumerate(r.stages):
+            n, path = st.recompute_num_layers, f"replicas[{ri}].stages[{si}].recompute_num_layers"
+            if n < 0:
+                raise PlanError(field=path, value=n, problem="must be >= 0 (0: every layer recomputes)",
+                                fix="write how many of each chunk's first layers recompute, or 0 for all")
+            if n and not st.recompute:
+                raise PlanError(field=path, value=n, problem="is set but the stage's recompute is false",
+                                fix='set "recompute": true on this stage, or remove recompute_num_layers')
+            if n > st.num_layers:
+                raise PlanError(field=path, value=n,
+                                problem=f"exceeds the stage's {st.num_layers} layers ({list(st.layers)})",
+                                fix=f"use 1..{st.num_layers}, or 0 to recompute every layer")
+
+
 def check_pipeline(*, replicas: Replicas, micro_batch_size: int, global_batch_size: int, schedule: str,
                    virtual_pipeline_size: int, sequence_parallel: bool, model: ModelSpec,
                    cluster: ClusterSpec | None) -> None:
@@ -341,6 +358,7 @@ def check_pipeline(*, replicas: Replicas, micro_batch_size: int, global_batch_si
     _check_batch(replicas, micro_batch_size, global_batch_size)
     check_schedule(replicas, schedule, virtual_pipeline_size, model.num_layers)
     _check_tp(replicas, model, sequence_parallel)
+    _check_recompute(replicas)
     check_tp_comm_overlap(replicas, sequence_parallel)
     if cluster is not None:
         check_cluster(replicas, cluster)

@@ -10,8 +10,8 @@ from megatron_het.plan.fields import as_bool, as_int, as_int_list, as_list, as_s
 __all__ = ["ReplicaPlan", "StagePlan"]
 
 _REPLICA_KEYS = ("num_micro_batches", "stages")
-_STAGE_KEYS = ("island", "device_type", "ranks", "layers", "recompute", "tp_comm_overlap", "tp_grid",
-               "chunk_layers")
+_STAGE_KEYS = ("island", "device_type", "ranks", "layers", "recompute", "recompute_num_layers", "tp_comm_overlap",
+               "tp_grid", "chunk_layers")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -26,6 +26,11 @@ class StagePlan:
     # stage's share in stage order; see layout.chunk_layers for the layers each model chunk holds.
     layers: tuple[int, int]
     recompute: bool = False  # full activation recomputation on this stage
+    # With recompute: 0 recomputes every layer (Megatron's --recompute-method uniform, one layer per
+    # unit); N > 0 only the first N layers of each of the stage's model chunks (--recompute-method block
+    # --recompute-num-layers N), so a stage short of memory pays for no more recomputation than it needs.
+    # Written to JSON only when given.
+    recompute_num_layers: int = 0
     tp_comm_overlap: bool = False  # chunked collective/GEMM overlap in this stage's TP layers
     # AxoNN 3D tensor parallelism instead of 1D: (gx, gy, gz) axis sizes of the stage's grid
     # (tp/grid.Grid4D: x splits input features, y output features, z tokens and the weight shards),
@@ -46,10 +51,24 @@ class StagePlan:
         """Number of transformer layers on this stage."""
         return self.layers[1] - self.layers[0]
 
+    def recomputed_layers(self, virtual_pipeline_size: int = 1) -> int:
+        """How many of the stage's layers recompute their forward in the backward (every model chunk
+        of Megatron's even split holds ``num_layers / virtual_pipeline_size`` unless ``chunk_layers``
+        lists them)."""
+        if not self.recompute:
+            return 0
+        if not self.recompute_num_layers:
+            return self.num_layers
+        sizes = ([b - a for a, b in self.chunk_layers] if self.chunk_layers
+                 else [self.num_layers // virtual_pipeline_size] * virtual_pipeline_size)
+        return sum(min(self.recompute_num_layers, n) for n in sizes)
+
     def to_dict(self) -> dict:
         """JSON-ready dict (every field, defaults included)."""
         out = {"island": self.island, "device_type": self.device_type, "ranks": list(self.ranks),
                "layers": list(self.layers), "recompute": self.recompute, "tp_comm_overlap": self.tp_comm_overlap}
+        if self.recompute_num_layers:
+            out["recompute_num_layers"] = self.recompute_num_layers
         if self.tp_grid is not None:  # written only when set: 1D plans keep their JSON unchanged
             out["tp_grid"] = list(self.tp_grid)
         if self.chunk_layers:
@@ -93,6 +112,7 @@ class StagePlan:
             ranks=as_int_list(required(d, "ranks", path, source), f"{path}.ranks", source),
             layers=(layers[0], layers[1]),
             recompute=as_bool(d.get("recompute", False), f"{path}.recompute", source),
+            recompute_num_layers=as_int(d.get("recompute_num_layers", 0), f"{path}.recompute_num_layers", source),
             tp_comm_overlap=as_bool(d.get("tp_comm_overlap", False), f"{path}.tp_comm_overlap", source),
             tp_grid=tp_grid,
         )

@@ -138,7 +138,9 @@ class PipelineStrategy:
         self.stage = StageModelSpec(model=model, num_layers=role.layers[1] - role.layers[0],
                                     layer_offset=role.layers[0], tp=role.tp_size, pre_process=self.is_first,
                                     post_process=self.is_last, vocab_size=padded_vocab or plan_padded_vocab(model, plan),
-                                    recompute=self.stage_plan.recompute, sequence_parallel=plan.sequence_parallel,
+                                    recompute=self.stage_plan.recompute,
+                                    recompute_num_layers=self.stage_plan.recompute_num_layers,
+                                    sequence_parallel=plan.sequence_parallel,
                                     params_dtype=params_dtype(train.precision), transformer_impl=train.transformer_impl)
         if self.grid_groups is not None:  # megatron-core runs a 3D stage at TP = gy (model/tp3d_stage.py), no
             # sequence parallelism (z splits the batch): its boundaries hold the whole sequence (full_sequence)

@@ -8,6 +8,8 @@ round-off; the max difference is printed).
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from megatron_het.checkpoint.full_state import assemble_full_state
@@ -25,8 +27,16 @@ from support.parity_plans import (
     MICRO_BATCH_SIZE,
     MODEL,
     PADDED_VOCAB,
+    plan,
+    stage,
 )
 from workers.megatron_workers import hetero_cases_worker, megatron_block_worker
+
+# Megatron's block recomputation (StagePlan.recompute_num_layers): replica 0's first stage recomputes
+# the first 2 of its 3 layers, its last stage every layer; replica 1 (TP4, all 4 layers) only layer 0.
+PARTIAL_RECOMPUTE = plan(([replace(stage([0, 1], (0, 3)), recompute=True, recompute_num_layers=2),
+                           replace(stage([2, 3], (3, 4)), recompute=True)], 2),
+                         ([replace(stage([4, 5, 6, 7], (0, 4)), recompute=True, recompute_num_layers=1)], 2))
 
 TRAIN = TrainConfig(micro_batch_size=MICRO_BATCH_SIZE, global_batch_size=GLOBAL_BATCH_SIZE, train_iters=5, lr=1e-3)
 
@@ -35,7 +45,7 @@ TRAIN = TrainConfig(micro_batch_size=MICRO_BATCH_SIZE, global_batch_size=GLOBAL_
 def runs():
     ref = run_local(1, megatron_block_worker, (MODEL, TRAIN, BlockShape(tp=1, pp=1, dp=1), None, PADDED_VOCAB))[0]
     init = assemble_full_state([ref.initial_shards])
-    cases = list(CASES.items()) + [("bridged_nv_amd", BRIDGED, BRIDGED_CLUSTER),
+    cases = list(CASES.items()) + [("partial_recompute", PARTIAL_RECOMPUTE), ("bridged_nv_amd", BRIDGED, BRIDGED_CLUSTER),
                                    ("cross_vendor_boundaries", CROSS_VENDOR_BOUNDARIES, BRIDGED_CLUSTER),
                                    ("homogeneous_runtime", HOMOGENEOUS),
                                    ("homogeneous_megatron", BlockShape(tp=2, pp=2, dp=2))]
@@ -54,7 +64,7 @@ def _losses(per_rank, name):
 
 
 @pytest.mark.multiproc
-@pytest.mark.parametrize("name", list(CASES) + ["bridged_nv_amd", "cross_vendor_boundaries", "homogeneous_runtime",
+@pytest.mark.parametrize("name", list(CASES) + ["partial_recompute", "bridged_nv_amd", "cross_vendor_boundaries", "homogeneous_runtime",
                                                  "homogeneous_megatron"])
 def test_plan_matches_single_process(runs, name):
     ref, per_rank = runs
@@ -105,3 +115,15 @@ def test_cross_vendor_boundaries_go_through_the_bridge(runs):
         assert "het-bridge" in c["gradient_routes"], (rank, c["gradient_routes"])  # the tied embedding spans vendors
     same_vendor = per_rank[0][("comm", "pp2tp2x3_pp1tp4x1")]["paths"]
     assert all(c["het-bridge"] == 0 for c in same_vendor.values()), same_vendor
+
+
+@pytest.mark.multiproc
+def test_block_recompute_reruns_only_the_first_layers(runs):
+    """The layers a plan's recompute_num_layers names run their forward twice per micro-batch (once
+    more in the backward), the others once: megatron-core's block method, per stage."""
+    _, per_rank = runs
+    micro = 2 * TRAIN.train_iters  # every replica of PARTIAL_RECOMPUTE has 2 micro-batches
+    expected = {0: [2, 2, 1], 1: [2, 2, 1], 2: [2], 3: [2], 4: [2, 1, 1, 1], 5: [2, 1, 1, 1], 6: [2, 1, 1, 1],
+                7: [2, 1, 1, 1]}
+    for rank, per_layer in expected.items():
+        assert per_rank[rank][("layer_calls", "partial_recompute")] == [micro * k for k in per_layer], rank

@@ -69,15 +69,17 @@ def hetero_cases_worker(rank, world_size, model: ModelSpec, cases, train: TrainC
             with captured_log("megatron_het.runtime.hetero_trainer") as lines:
                 trainer = HeteroTrainer(model=model, plan=plan, train=train, batch_fn=batch_fn(model, train.seed),
                                         init_full_state=init_full_state, padded_vocab=padded_vocab, cluster=cluster)
-            calls = []  # forward calls of the stage's first layer: twice per micro-batch under recompute
-            layers = getattr(getattr(trainer.strategy.gpt, "decoder", None), "layers", None)
-            hook = layers[0].register_forward_hook(lambda *_: calls.append(1)) if layers else None
+            # forward calls of each of the stage's layers: twice per micro-batch where it recomputes
+            layers = list(getattr(getattr(trainer.strategy.gpt, "decoder", None), "layers", None) or [])
+            calls = [[] for _ in layers]
+            hooks = [layer.register_forward_hook(lambda *_, c=c: c.append(1)) for layer, c in zip(layers, calls)]
             res = trainer.run(return_shards=True)
-            if hook is not None:
+            for hook in hooks:
                 hook.remove()
             res = dataclasses.replace(res, routes=tuple(trainer.strategy.sync.routes))
             out[("comm", name)] = comm_report(trainer.strategy, lines)
-            out[("first_layer_calls", name)] = len(calls)
+            out[("first_layer_calls", name)] = len(calls[0]) if calls else 0
+            out[("layer_calls", name)] = [len(c) for c in calls]
         out[name] = (res, time.perf_counter() - start)
     return out
 
