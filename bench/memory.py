@@ -33,8 +33,9 @@ MICRO, MICRO_BATCHES = 2, 4
 TARGET_COMPONENT, TARGET_PEAK = 0.05, 0.10
 
 
-def _stage(ranks, layers, recompute=False) -> StagePlan:
-    return StagePlan(island="cpu", device_type="CPU", ranks=tuple(ranks), layers=layers, recompute=recompute)
+def _stage(ranks, layers, recompute=False, recompute_num_layers=0) -> StagePlan:
+    return StagePlan(island="cpu", device_type="CPU", ranks=tuple(ranks), layers=layers, recompute=recompute,
+                     recompute_num_layers=recompute_num_layers)
 
 
 def _plan(*replicas, schedule="1f1b", precision="fp32", dist=False) -> Plan:
@@ -47,11 +48,14 @@ def _plan(*replicas, schedule="1f1b", precision="fp32", dist=False) -> Plan:
 def cases() -> list[tuple[str, Plan]]:
     pp3 = [_stage([0], (0, 1)), _stage([1, 2], (1, 3)), _stage([3], (3, 4))]  # first TP1, middle TP2, last TP1
     pp3_rc = [_stage([0], (0, 1)), _stage([1, 2], (1, 3), recompute=True), _stage([3], (3, 4), recompute=True)]
+    # Megatron's block method: the middle stage recomputes the first of its 2 layers only
+    pp3_block = [_stage([0], (0, 1)), _stage([1, 2], (1, 3), recompute=True, recompute_num_layers=1), _stage([3], (3, 4))]
     dp2 = ([_stage([0], (0, 2)), _stage([1], (2, 4))], 2), ([_stage([2, 3], (0, 4))], 2)
     return [
         ("pp3 fp32 1f1b", _plan((pp3, MICRO_BATCHES))),
         ("pp3 bf16 1f1b", _plan((pp3, MICRO_BATCHES), precision="bf16")),
         ("pp3 fp32 recompute 1f1b", _plan((pp3_rc, MICRO_BATCHES))),
+        ("pp3 fp32 block recompute 1f1b", _plan((pp3_block, MICRO_BATCHES))),
         ("pp3 fp32 gpipe", _plan((pp3, MICRO_BATCHES), schedule="gpipe")),
         ("tp4 bf16", _plan(([_stage([0, 1, 2, 3], (0, 4))], MICRO_BATCHES), precision="bf16")),
         ("dp2 fp32 plain", _plan(*dp2)),
@@ -126,6 +130,7 @@ def main(argv=None) -> int:
             mtot = sum(v["measured"] for v in parts.values())
             rows.append({"case": name, "rank": rank, "replica": role.replica, "stage": where, "tp": stage.tp,
                          "precision": plan.precision, "recompute": stage.recompute,
+                         "recompute_num_layers": stage.recompute_num_layers,
                          "distributed_optimizer": plan.use_distributed_optimizer, "schedule": plan.schedule,
                          "components": parts, "peak": {"predicted": ptot, "measured": mtot, "error": _err(ptot, mtot)},
                          "activations_per_microbatch_measured": meas.activations_per_microbatch_bytes})

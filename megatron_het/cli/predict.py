@@ -3,6 +3,7 @@
     python tools/predict.py --cluster C.yaml --model M.yaml --plan plan.json [--json] [--trace]
     python tools/predict.py --cluster C.yaml --model M.yaml --tp 2 --pp 2 --dp 2 \
         --micro-batch-size 1 --global-batch-size 32 [--virtual-pipeline-size 2] [--recompute-activations] \
+        [--recompute-num-layers N] \
         [--bf16 | --fp16 | --fp32 | --tf32 | --fp8]
 
 The second form needs a one-island cluster; the two forms do not mix. Precision: Megatron's flags
@@ -47,7 +48,9 @@ def _homogeneous(args, model, cluster) -> Plan:
                             micro_batch_size=args.micro_batch_size, global_batch_size=args.global_batch_size,
                             island=island.name, device_type=island.device.name, layers_per_stage=counts)
     v = args.virtual_pipeline_size or 1
-    replicas = tuple(replace(r, stages=tuple(replace(s, recompute=args.recompute_activations) for s in r.stages))
+    partial = args.recompute_num_layers or 0
+    replicas = tuple(replace(r, stages=tuple(replace(s, recompute=args.recompute_activations or partial > 0,
+                                                     recompute_num_layers=partial) for s in r.stages))
                      for r in plan.replicas)
     return replace(plan, replicas=replicas, schedule="interleaved" if v > 1 else "1f1b", virtual_pipeline_size=v,
                    sequence_parallel=args.sequence_parallel, use_distributed_optimizer=args.use_distributed_optimizer,
@@ -66,6 +69,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--global-batch-size", type=int)
     parser.add_argument("--virtual-pipeline-size", type=int, default=None, help="homogeneous form only (default 1)")
     parser.add_argument("--recompute-activations", action="store_true", help="full recomputation")
+    parser.add_argument("--recompute-num-layers", type=int, default=None, metavar="N",
+                        help="full recomputation of only the first N layers of each stage (Megatron's "
+                             "--recompute-granularity full --recompute-method block --recompute-num-layers N)")
     parser.add_argument("--sequence-parallel", action="store_true")
     parser.add_argument("--use-distributed-optimizer", action="store_true")
     prec = parser.add_mutually_exclusive_group()
@@ -85,7 +91,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("pass --plan, or all of --tp --pp --dp --micro-batch-size --global-batch-size")
     if args.plan is not None:  # the plan fixes every one of these; a flag beside it would be ignored
         given = [f"--{k.replace('_', '-')}" for k in (*homog, "virtual_pipeline_size", "recompute_activations",
-                                                    "sequence_parallel", "use_distributed_optimizer")
+                                                    "recompute_num_layers", "sequence_parallel",
+                                                    "use_distributed_optimizer")
                  if getattr(args, k) not in (None, False)]
         if args.precision is not None:
             given.append(f"--{args.precision}")

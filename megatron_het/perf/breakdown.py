@@ -50,22 +50,29 @@ def explain(plan: Plan, model: ModelSpec, cluster: ClusterSpec, *, profile: Prof
     mode = (predict_kwargs.get("recompute_mode") or "full") if st.recompute else "none"
     args = dict(micro_batch_size=plan.micro_batch_size, seq_length=predict_kwargs.get("seq_length"), tp=st.tp,
                 profile=measured, precision=plan.precision)
-    lt = layer_times(model, device, sequence_parallel=plan.sequence_parallel, recompute=mode, flash_attention=flash,
-                     **args)
-    cost = stage_cost(model, island, tp=st.tp, micro_batch_size=plan.micro_batch_size,
-                      seq_length=predict_kwargs.get("seq_length"), slowdown=cluster.slowdown(st.island),
-                      recompute=mode, sequence_parallel=plan.sequence_parallel, tp_comm_overlap=st.tp_comm_overlap,
-                      profile=profile, precision=plan.precision, flash_attention=flash)
+    n = st.num_layers
+    # layers that recompute and layers that do not (Megatron's block method: recompute_num_layers)
+    counts = {mode: st.recomputed_layers(plan.virtual_pipeline_size) if st.recompute else 0}
+    counts["none"] = counts.get("none", 0) + n - counts[mode]
     k = cluster.slowdown(st.island)
     parts: dict[str, float] = {}
 
     def add(name: str, seconds: float) -> None:
         parts[name] = parts.get(name, 0.0) + seconds
 
-    n = st.num_layers
-    for name, sec in (lt.parts.items() if lt.parts else [("measured", lt.forward_s + lt.backward_s)]):
-        add(name, k * n * sec)
-    add("tp_communication", n * (cost.layer_forward_s + cost.layer_backward_s) - k * n * (lt.forward_s + lt.backward_s))
+    layers_s = 0.0
+    for m, count in counts.items():
+        lt = layer_times(model, device, sequence_parallel=plan.sequence_parallel, recompute=m, flash_attention=flash,
+                         **args)
+        for name, sec in (lt.parts.items() if lt.parts else [("measured", lt.forward_s + lt.backward_s)]):
+            add(name, k * count * sec)
+        layers_s += k * count * (lt.forward_s + lt.backward_s)
+    cost = stage_cost(model, island, tp=st.tp, micro_batch_size=plan.micro_batch_size,
+                      seq_length=predict_kwargs.get("seq_length"), slowdown=cluster.slowdown(st.island),
+                      recompute=mode, sequence_parallel=plan.sequence_parallel, tp_comm_overlap=st.tp_comm_overlap,
+                      profile=profile, precision=plan.precision, flash_attention=flash,
+                      recompute_share=counts[mode] / n if mode != "none" else 1.0)
+    add("tp_communication", n * (cost.layer_forward_s + cost.layer_backward_s) - layers_s)
     if is_first:
         e = embedding_times(model, device, **args)
         for name, sec in (e.parts.items() if e.parts else [("measured", e.forward_s + e.backward_s)]):

@@ -224,14 +224,16 @@ def stage_memory(model: ModelSpec, *, num_layers: int, is_first: bool, is_last: 
                  sequence_parallel: bool = False, recompute: Recompute = "none",
                  distributed_optimizer: bool = True, virtual_stages: int = 1, flash_attention: bool = False,
                  overhead_bytes: int = DEFAULT_OVERHEAD_BYTES, precision: str = "bf16",
-                 dropout: bool = True, fused_softmax: bool = True) -> StageMemory:
+                 dropout: bool = True, fused_softmax: bool = True, recompute_num_layers: int = 0) -> StageMemory:
     """Peak bytes on one rank of a stage of ``num_layers`` layers.
 
     ``microbatches_in_flight`` comes from :func:`microbatches_in_flight` (chunk micro-batches when
     ``virtual_stages > 1``; each then holds ``num_layers / virtual_stages`` layers). The first and
     last stage extras are charged per in-flight micro-batch of the whole stage. With recomputation,
-    one layer's full activations are added for the layer being recomputed during backward. Weight,
-    gradient and optimizer bytes per parameter and activation element sizes follow ``precision``.
+    one layer's full activations are added for the layer being recomputed during backward; with
+    ``recompute_num_layers`` N > 0 only the first N layers of each chunk recompute (Megatron's block
+    method), the others keep their full activations. Weight, gradient and optimizer bytes per
+    parameter and activation element sizes follow ``precision``.
     """
     weight_b, grad_b, opt_b = state_bytes(precision)
     if isinstance(dp, bool) or not isinstance(dp, int) or dp < 1:
@@ -253,7 +255,14 @@ def stage_memory(model: ModelSpec, *, num_layers: int, is_first: bool, is_last: 
                                            flash_attention=flash_attention, precision=precision, dropout=dropout,
                                            fused_softmax=fused_softmax)
     # Layer-micro-batches alive at the peak: chunk micro-batches x layers per chunk.
-    activations = microbatches_in_flight * (num_layers // virtual_stages) * per_layer
+    chunk = num_layers // virtual_stages
+    recomputed = min(recompute_num_layers, chunk) if recompute != "none" and recompute_num_layers > 0 else chunk
+    activations = microbatches_in_flight * recomputed * per_layer
+    if recomputed < chunk:  # block method: the chunk's later layers store everything
+        activations += microbatches_in_flight * (chunk - recomputed) * activation_bytes_per_layer(
+            model, micro_batch_size=micro_batch_size, seq_length=seq_length, tp=tp,
+            sequence_parallel=sequence_parallel, flash_attention=flash_attention, precision=precision,
+            dropout=dropout, fused_softmax=fused_softmax)
     whole_stage_mbs = math.ceil(microbatches_in_flight / virtual_stages)
     extras = dict(model=model, micro_batch_size=micro_batch_size, seq_length=seq_length, tp=tp,
                   sequence_parallel=sequence_parallel, precision=precision)
@@ -261,16 +270,17 @@ def stage_memory(model: ModelSpec, *, num_layers: int, is_first: bool, is_last: 
         activations += whole_stage_mbs * first_stage_extra_activation_bytes(**extras)
     last_extra = last_stage_extra_activation_bytes(**extras) if is_last else 0
     activations += whole_stage_mbs * last_extra
-    if recompute != "none":
+    if recompute != "none" and recomputed:
         # Backward re-runs one layer's forward at a time, so one layer's stored activations
         # (without recomputation) are alive on top of what the stage keeps; by then the micro-batch's
-        # output-layer activations (last stage) have been freed by its backward: the peak is the larger
-        # of the forward's and this.
+        # output-layer activations (last stage) and, under the block method, the full activations of
+        # the chunk's later layers (backwarded first) have been freed: the peak is the larger of the
+        # forward's and this.
         full = activation_bytes_per_layer(model, micro_batch_size=micro_batch_size, seq_length=seq_length,
                                           tp=tp, sequence_parallel=sequence_parallel,
                                           flash_attention=flash_attention, precision=precision,
                                           dropout=dropout, fused_softmax=fused_softmax)
-        activations += max(0, full - per_layer - last_extra)
+        activations += max(0, full - per_layer - last_extra - (chunk - recomputed) * full)
     return StageMemory(
         parameters_bytes=weight_b * params,
         gradients_bytes=grad_b * params,
@@ -305,7 +315,7 @@ def optimizer_shard_weights(model: ModelSpec, plan, *, precision: str = "fp32") 
                                micro_batch_size=plan.micro_batch_size, microbatches_in_flight=in_flight,
                                tp=st.tp, sequence_parallel=plan.sequence_parallel,
                                recompute="full" if st.recompute else "none", distributed_optimizer=False,
-                               precision=precision)
+                               precision=precision, recompute_num_layers=st.recompute_num_layers)
             free = capacity - (mem.total_bytes - mem.optimizer_bytes)
             for r in st.ranks:
                 out[r] = float(max(free, capacity // 100))
@@ -426,7 +436,7 @@ def rank_memory(model: ModelSpec, plan, rank: int, *, precision: str | None = No
                        micro_batch_size=plan.micro_batch_size, microbatches_in_flight=in_flight, tp=tp,
                        sequence_parallel=plan.sequence_parallel, recompute="full" if st.recompute else "none",
                        virtual_stages=plan.virtual_pipeline_size, precision=precision, overhead_bytes=0,
-                       dropout=dropout, fused_softmax=not (st.device_type in CATALOG and CATALOG[st.device_type].is_host)
-                       ).activations_bytes
+                       dropout=dropout, fused_softmax=not (st.device_type in CATALOG and CATALOG[st.device_type].is_host),
+                       recompute_num_layers=st.recompute_num_layers).activations_bytes
     return StageMemory(parameters_bytes=weight_b * params, gradients_bytes=grad_b * params,
                        optimizer_bytes=int(round(optimizer)), activations_bytes=act, overhead_bytes=0)

@@ -45,9 +45,9 @@ Assumptions (docs/planner.md, "Prediction"):
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
-from megatron_het.cluster import ClusterSpec, DeviceType, IslandSpec, ModelSpec
+from megatron_het.cluster import ClusterSpec, ConfigError, DeviceType, IslandSpec, ModelSpec
 from megatron_het.perf.bounds import check_global_batch_size
 from megatron_het.perf.calibrate import with_measured_links
 from megatron_het.perf.comm import activation_message_bytes, dp_gradient_reduction, p2p_time, tp_layer_comm_times
@@ -175,10 +175,28 @@ def profile_for(profile: Profile | Sequence[Profile] | None, device_name: str) -
 def stage_cost(model: ModelSpec, island: IslandSpec, *, tp: int, micro_batch_size: int, slowdown: float = 1.0,
                seq_length: int | None = None, recompute: bool = False, sequence_parallel: bool = False,
                tp_comm_overlap: bool = False, profile: Profile | Sequence[Profile] | None = None,
-               precision: str = "bf16", flash_attention: bool | None = None) -> StageCost:
+               precision: str = "bf16", flash_attention: bool | None = None,
+               recompute_share: float = 1.0) -> StageCost:
     """Per-micro-batch costs of a stage of ``tp`` ranks on ``island``. ``recompute`` is a bool (full)
-    or a mode ("none", "selective", "full"); ``flash_attention`` None means fused on GPUs."""
+    or a mode ("none", "selective", "full"); ``flash_attention`` None means fused on GPUs.
+    ``recompute_share``: the share of the stage's layers that recompute (Megatron's block method,
+    ``StagePlan.recomputed_layers / num_layers``); a layer's times are then the share-weighted mean of
+    a recomputing and a plain layer, so ``num_layers x`` them is the stage's total."""
     mode = ("full" if recompute else "none") if isinstance(recompute, bool) else recompute
+    if not 0.0 <= recompute_share <= 1.0:
+        raise ConfigError("must be within [0, 1]", field="recompute_share", value=recompute_share,
+                          fix="pass the recomputed layers / the stage's layers")
+    kwargs = dict(tp=tp, micro_batch_size=micro_batch_size, slowdown=slowdown, seq_length=seq_length,
+                  sequence_parallel=sequence_parallel, tp_comm_overlap=tp_comm_overlap, profile=profile,
+                  precision=precision, flash_attention=flash_attention)
+    if mode != "none" and recompute_share < 1.0:
+        plain = stage_cost(model, island, recompute="none", **kwargs)
+        if recompute_share == 0.0:
+            return plain
+        full = stage_cost(model, island, recompute=mode, **kwargs)
+        a = recompute_share  # embedding and output are never recomputed: equal in both
+        return replace(full, layer_forward_s=a * full.layer_forward_s + (1 - a) * plain.layer_forward_s,
+                       layer_backward_s=a * full.layer_backward_s + (1 - a) * plain.layer_backward_s)
     device = island.device
     flash = not device.is_host if flash_attention is None else flash_attention
     lt = layer_times(model, device, micro_batch_size=micro_batch_size, seq_length=seq_length, tp=tp,
@@ -305,7 +323,7 @@ class Prediction:
 
 
 def _stage_key(stage: StagePlan) -> tuple[object, ...]:
-    return (stage.island, stage.tp, stage.layers, stage.recompute, stage.tp_comm_overlap)
+    return (stage.island, stage.tp, stage.layers, stage.recompute, stage.recompute_num_layers, stage.tp_comm_overlap)
 
 
 def _same_node(island: IslandSpec, a: StagePlan, b: StagePlan) -> bool:
@@ -389,14 +407,15 @@ def predict(plan: Plan, model: ModelSpec, cluster: ClusterSpec, *, profile: Prof
     costs: dict[tuple[object, ...], StageCost] = {}
 
     def cost(stage: StagePlan) -> StageCost:
-        key = (stage.island, stage.tp, stage.recompute, stage.tp_comm_overlap)
+        share = stage.recomputed_layers(v) / stage.num_layers if stage.recompute_num_layers else 1.0
+        key = (stage.island, stage.tp, stage.recompute, share, stage.tp_comm_overlap)
         if key not in costs:
             island = cluster.island(stage.island)
             mode = (recompute_mode or "full") if stage.recompute else "none"
             costs[key] = stage_cost(model, island, tp=stage.tp, micro_batch_size=mbs, seq_length=s_len,
                                     slowdown=cluster.slowdown(stage.island), recompute=mode,
                                     sequence_parallel=sp, tp_comm_overlap=stage.tp_comm_overlap, profile=profile,
-                                    precision=precision, flash_attention=flash_attention)
+                                    precision=precision, flash_attention=flash_attention, recompute_share=share)
         return costs[key]
 
     # Simulate each distinct replica once; record when every stage's last backward ends.
@@ -622,7 +641,7 @@ def _replica(plan: Plan, r: ReplicaPlan, model: ModelSpec, cluster: ClusterSpec,
                            distributed_optimizer=dist_opt, precision=plan.precision,
                            flash_attention=(not cluster.island(st.island).device.is_host
                                             if flash_attention is None else flash_attention),
-                           virtual_stages=v)
+                           virtual_stages=v, recompute_num_layers=st.recompute_num_layers)
         red, red_end, opt = reduce_and_step(st, is_first, is_last, bwd[i] / v)
         device = cluster.island(st.island).device
         stages.append(StagePrediction(
