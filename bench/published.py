@@ -83,6 +83,11 @@ def main() -> int:
         "shipped_defaults_are_the_full_fit": defaults_match,
     }
 
+    def recompute(r) -> str:  # "full 16/32": block recomputation of the first 16 of a stage's 32 layers
+        st = r.plan.replicas[0].stages[0]
+        return f"{r.recompute} {st.recomputed_layers(r.plan.virtual_pipeline_size)}/{st.num_layers}" \
+            if st.recompute_num_layers else r.recompute
+
     table = []
     for r in rows:
         p_out, e_out = out_of_sample[r.key]
@@ -90,7 +95,7 @@ def main() -> int:
         table.append({"row": r.key, "where": r.where, "url": r.url, "device": r.device, "precision": r.precision,
                       "gpus": r.gpus, "tp": r.plan.replicas[0].stages[0].tp, "pp": len(r.plan.replicas[0].stages),
                       "dp": len(r.plan.replicas), "micro_batch": r.plan.micro_batch_size,
-                      "global_batch": r.plan.global_batch_size, "recompute": r.recompute, "metric": r.metric,
+                      "global_batch": r.plan.global_batch_size, "recompute": recompute(r), "metric": r.metric,
                       "published": r.published, "published_iteration_s": r.published_iteration_s,
                       "predicted_iteration_s_loso": p_out, "error_loso": e_out,
                       "predicted_iteration_s_in_sample": p_in, "error_in_sample": e_in})

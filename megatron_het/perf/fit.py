@@ -116,7 +116,9 @@ def _stage_seconds(row: PublishedRow, profiles: Sequence[Profile]) -> float:
     c = stage_cost(row.model, island, tp=st.tp, micro_batch_size=row.plan.micro_batch_size,
                    recompute=row.recompute, sequence_parallel=row.plan.sequence_parallel,
                    tp_comm_overlap=st.tp_comm_overlap, profile=profiles, precision=row.precision,
-                   flash_attention=row.flash_attention)
+                   flash_attention=row.flash_attention,
+                   recompute_share=st.recomputed_layers(row.plan.virtual_pipeline_size) / st.num_layers
+                   if st.recompute_num_layers else 1.0)
     last = len(row.plan.replicas[0].stages) == 1
     return (c.forward_s(st.num_layers, is_first=True, is_last=last)
             + c.backward_s(st.num_layers, is_first=True, is_last=last))

@@ -9,7 +9,9 @@ device type, GPUs per node, inter-node Gbit/s per GPU), ``defaults`` for its row
 A row: ``id``, ``where`` (table and row in the source), ``model`` (a name from ``models``, a file of
 examples/models/ without ``.yaml``, or a mapping of ModelSpec fields), ``tp``, ``pp``, ``gpus``,
 ``micro_batch_size``, ``global_batch_size``, optional ``virtual_pipeline_size``, ``precision``,
-``seq_length``, ``recompute`` (none | selective | full), ``flash_attention``, ``attention_kernel`` (the
+``seq_length``, ``recompute`` (none | selective | full), ``recompute_num_layers`` (with ``full``: only the
+first N layers of each stage recompute, Megatron's block method; a layer-level policy recomputing every
+k-th layer costs the same time with N = its count per stage), ``flash_attention``, ``attention_kernel`` (the
 fused attention's design on H100: ``hopper`` for FlashAttention-3 or cuDNN 9's fused attention, which
 Transformer Engine runs; ``fa2``, the default, for FlashAttention-2 or kernels of its generation),
 ``fused_norm_casts`` (fp8 runs: the norms before QKV and fc1 write fp8, as megatron-core's Transformer
@@ -136,10 +138,20 @@ def _row(data: Mapping[str, Any], raw: Mapping[str, Any], path: str) -> Publishe
     mbs, gbs = int(row["micro_batch_size"]), int(row["global_batch_size"])
     v = int(row.get("virtual_pipeline_size", 1))
     recompute = row.get("recompute", "none")
+    partial = int(row.get("recompute_num_layers", 0))
+    if partial and recompute != "full":
+        raise ConfigError(f"recompute_num_layers needs recompute: full (the row says {recompute})",
+                          field=f"{where}.recompute_num_layers", value=partial,
+                          fix="set recompute: full, or remove recompute_num_layers")
+    if partial and data.get("flops", "model") == "hardware":  # Eq. 3 counts every layer's recomputed forward
+        raise ConfigError("recompute_num_layers cannot convert a hardware-FLOPs figure",
+                          field=f"{where}.recompute_num_layers", value=partial,
+                          fix="give the row's figure as tokens/s or seconds per iteration, or remove recompute_num_layers")
     plan = homogeneous_plan(tp=tp, pp=pp, dp=dp, num_layers=model.num_layers, micro_batch_size=mbs,
                             global_batch_size=gbs, island="published", device_type=cl["device"])
     overlap_tp = bool(row.get("tp_comm_overlap", False))
-    replicas = tuple(replace(r, stages=tuple(replace(s, recompute=recompute != "none", tp_comm_overlap=overlap_tp)
+    replicas = tuple(replace(r, stages=tuple(replace(s, recompute=recompute != "none", tp_comm_overlap=overlap_tp,
+                                                     recompute_num_layers=partial)
                                              for s in r.stages)) for r in plan.replicas)
     plan = replace(plan, replicas=replicas, schedule="interleaved" if v > 1 else "1f1b", virtual_pipeline_size=v,
                    sequence_parallel=bool(row.get("sequence_parallel", False)),

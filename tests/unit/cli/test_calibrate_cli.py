@@ -17,7 +17,7 @@ def test_calibrate_writes_profiles_that_predict_reads(tmp_path, capsys):
     out = tmp_path / "fit"
     assert calibrate_main(["--sources", "torchtitan", "--output", str(out), "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
-    assert report["fit"]["sources"] == ["torchtitan"] and report["fit"]["rows"] == 3
+    assert report["fit"]["sources"] == ["torchtitan"] and report["fit"]["rows"] == 5
     assert {p.rsplit("/", 1)[1] for p in report["written"]} >= {"A100-80GB.json", "H100-SXM.json"}
     cluster = tmp_path / "c.yaml"
     cluster.write_text(ONE_A100)
