@@ -61,7 +61,7 @@ from megatron_het.perf.memory import (
     stage_memory,
     state_bytes,
 )
-from megatron_het.perf.profile import Profile
+from megatron_het.perf.profile import Profile, check_profile_precision
 from megatron_het.plan.layout import chunk_layers
 from megatron_het.plan.types import Plan, ReplicaPlan, StagePlan
 from megatron_het.schedule import Action
@@ -395,6 +395,9 @@ def predict(plan: Plan, model: ModelSpec, cluster: ClusterSpec, *, profile: Prof
     sharding share their replicas' pipeline simulations.
     """
     check_global_batch_size(plan.global_batch_size)  # bounds every replica's micro-batch count
+    if profile is not None:  # measured times price only the precision they were taken in
+        check_profile_precision((profile,) if isinstance(profile, Profile) else profile, plan.precision,
+                                {island.device.name for island in cluster.islands})
     if plan.overlap_grad_reduce:  # what the runtime runs for this plan (module docstring)
         overlap_grad_reduce = bucket_all_stages = True
     precision = plan.precision

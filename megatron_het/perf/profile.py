@@ -27,6 +27,11 @@ Optional sections (``tools/profile_host.py --vocab-size``, ``--optimizer``, ``--
      "compute_model": {"16bit": {"gemm_efficiency": 0.8, "attention_efficiency": 0.5,
                                  "kernel_overhead_us": 6.0, ...}, "method": "tools/calibrate.py ..."}
 
+``"precision": "fp32"`` (or ``"bf16"``, ``"fp16"``; ``tools/profile_host.py --dtype``) records the dtype the
+entries and parts were timed in; ``perf.predict`` refuses to price a plan of another precision with
+them (fp32 times also price tf32 plans: both train in fp32 storage). Profiles without the key are not
+checked.
+
 ``compute_model`` holds the analytic compute model's kernel figures for this device type per
 precision class ("fp32", "tf32", "16bit", "fp8"), as tools/calibrate.py fits them from published
 runs (megatron_het.perf.compute.ComputeParams); a profile with it may have no layer entries.
@@ -54,6 +59,8 @@ from megatron_het.utils.atomic import write_text_atomic
 __all__ = [
     "PROFILE_FORMAT",
     "PROFILE_VERSION",
+    "MEASURED_PRECISIONS",
+    "check_profile_precision",
     "ProfileEntry",
     "PartEntry",
     "MeasuredLink",
@@ -69,6 +76,11 @@ __all__ = [
 
 PROFILE_FORMAT = "megatron-het-profile"
 PROFILE_VERSION = 1
+# precisions a profile's times can be taken in, and the plan precisions each one prices (fp32 storage
+# also runs tf32 plans: the CPU runtime trains both in fp32, runtime/plan_record.py)
+MEASURED_PRECISIONS = ("fp32", "bf16", "fp16")
+PRICES = {"fp32": ("fp32", "tf32"), "bf16": ("bf16",), "fp16": ("fp16",)}
+_DTYPE_FLAG = {"fp32": "float32", "tf32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 
 _SHAPE_KEYS = ("hidden_size", "num_attention_heads", "num_query_groups", "ffn_hidden_size", "swiglu",
                "seq_length", "tp")
@@ -166,6 +178,10 @@ class Profile:
     call_overhead: tuple[float, float] | None = None
     call_overhead_layers: int = 1  # layers of the stacks the entries were measured on (with call_overhead)
     call_overhead_method: str = ""  # how call_overhead was measured
+    # the precision the entries and parts were timed in ("fp32" or "bf16": tools/profile_host.py --dtype);
+    # None: not recorded (profiles written before it). perf.predict refuses to price a plan of another
+    # precision with these times (a bf16 plan on a CPU profile timed in fp32 trains ~10x slower here).
+    precision: str | None = None
 
 
 def _entry_from_dict(data: object, path: str) -> ProfileEntry:
@@ -226,7 +242,7 @@ def profile_from_dict(data: object, *, source: str | None = None) -> Profile:
         data = as_mapping(data, "(top level)", example='{"format": "megatron-het-profile", ...}')
         check_keys(data, "", allowed=("format", "version", "device", "method", "machine", "entries", "parts",
                                       "optimizer", "communication", "compute_model", "backward_split",
-                                      "call_overhead"),
+                                      "call_overhead", "precision"),
                    required=("format", "version", "device", "entries"))
         if data["format"] != PROFILE_FORMAT:
             raise ConfigError("not a megatron-het profile", field="format", value=data["format"],
@@ -291,7 +307,11 @@ def profile_from_dict(data: object, *, source: str | None = None) -> Profile:
                                   field="call_overhead.stack_layers", value=overhead_layers,
                                   fix="regenerate the profile with tools/profile_host.py --call-overhead --num-layers 2")
             overhead_method = as_str(raw.get("method", "unspecified"), "call_overhead.method")
-        return Profile(device=as_str(data["device"], "device"), entries=entries,
+        precision = data.get("precision")
+        if precision is not None and precision not in MEASURED_PRECISIONS:
+            raise ConfigError("unknown measured precision", field="precision", value=precision,
+                              fix=f"use one of {', '.join(MEASURED_PRECISIONS)}, or remove the key")
+        return Profile(precision=precision, device=as_str(data["device"], "device"), entries=entries,
                        method=as_str(data.get("method", "unspecified"), "method"),
                        machine=types.MappingProxyType(dict(machine)), source=source, parts=parts,
                        optimizer_s_per_parameter=opt_s, optimizer_method=opt_method, link=link,
@@ -358,6 +378,8 @@ def profile_to_dict(profile: Profile) -> dict[str, Any]:
     if profile.call_overhead is not None:
         out["call_overhead"] = {"forward_s": profile.call_overhead[0], "backward_s": profile.call_overhead[1],
                                 "stack_layers": profile.call_overhead_layers, "method": profile.call_overhead_method}
+    if profile.precision is not None:
+        out["precision"] = profile.precision
     if profile.compute_model:
         out["compute_model"] = {cls: p.to_dict() for cls, p in profile.compute_model.items()}
         out["compute_model"]["method"] = profile.compute_method
@@ -450,3 +472,18 @@ def lookup_part(profile: Profile, part: str, *, hidden_size: int, vocab_size: in
         near = points[0] if not below else points[-1]
         fwd, bwd = near.forward_s * tokens / near.tokens, near.backward_s * tokens / near.tokens
     return replace(points[0], micro_batch_size=micro_batch_size, forward_s=fwd, backward_s=bwd)
+
+
+def check_profile_precision(profiles, plan_precision: str, devices) -> None:
+    """Raise ConfigError when a profile with measured times for one of ``devices`` was timed in
+    another precision than ``plan_precision`` (its times would price the wrong kernels)."""
+    for p in profiles:
+        if p.precision is None or p.device not in devices or not (p.entries or p.parts):
+            continue
+        if plan_precision not in PRICES[p.precision]:
+            raise ConfigError(f"the {p.device} profile{f' ({p.source})' if p.source else ''} was timed in "
+                              f"{p.precision}, the plan trains in {plan_precision}", field="plan.precision",
+                              value=plan_precision,
+                              fix=f"price and train the plan at {p.precision} (tools/plan.py --precision "
+                                  f"{p.precision}), or time the profile in {plan_precision} (tools/profile_host.py "
+                                  f"--dtype {_DTYPE_FLAG.get(plan_precision, plan_precision)})")

@@ -54,7 +54,7 @@ def _concurrency(ranks: int) -> int:
 
 
 def host_key(model: ModelSpec, *, micro_batch_sizes: Sequence[int], ranks: int, threads: int,
-             clock: str = "wall") -> str:
+             clock: str = "wall", precision: str = "fp32") -> str:
     """Cache key: this host (processor, cores, platform, torch) and what is measured."""
     import torch
 
@@ -63,16 +63,18 @@ def host_key(model: ModelSpec, *, micro_batch_sizes: Sequence[int], ranks: int, 
              "shape": [model.hidden_size, model.num_attention_heads, model.num_query_groups, model.ffn_hidden_size,
                        model.seq_length, padded_vocab_size(model.vocab_size), model.swiglu],
              "micro_batch_sizes": sorted(set(micro_batch_sizes)), "ranks": ranks, "threads": threads,
-             "concurrent": _concurrency(ranks), **({"clock": clock} if clock != "wall" else {})}
+             "concurrent": _concurrency(ranks), **({"clock": clock} if clock != "wall" else {}),
+             **({"precision": precision} if precision != "fp32" else {})}
     return hashlib.sha256(json.dumps(facts, sort_keys=True).encode()).hexdigest()[:16]
 
 
 def host_profile(model: ModelSpec, *, micro_batch_sizes: Sequence[int], ranks: int, cache_dir: str | os.PathLike[str],
-                 device: str = "CPU", threads: int = 1, clock: str = "wall",
+                 device: str = "CPU", threads: int = 1, clock: str = "wall", precision: str = "fp32",
                  refresh: bool = False) -> tuple[Profile, str, bool]:
     """(profile, its file, measured now?) for ``model``'s layer shape on this host, measured on
     ``min(ranks, cores)`` processes at once (one thread each) with links among ``ranks`` processes,
-    timed on ``clock`` ("wall" or "thread": thread CPU time); cached."""
+    timed on ``clock`` ("wall" or "thread": thread CPU time) in ``precision`` (the dtype the run's
+    layers train in: "fp32", "bf16" or "fp16"); cached."""
     import torch
 
     from megatron_het.profiling.layers import CLOCKS, profile_concurrent, profile_layers
@@ -83,14 +85,19 @@ def host_profile(model: ModelSpec, *, micro_batch_sizes: Sequence[int], ranks: i
                           value=ranks, fix="pass the number of training ranks this host runs")
     if clock not in CLOCKS:  # checked before the cache is read: a cached file must not answer a bad clock
         raise ConfigError("unknown profile clock", field="clock", value=clock, fix=f"use one of {', '.join(CLOCKS)}")
-    key = host_key(model, micro_batch_sizes=micro_batch_sizes, ranks=ranks, threads=threads, clock=clock)
+    dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+    if precision not in dtypes:
+        raise ConfigError("a host profile is timed in fp32, bf16 or fp16", field="precision", value=precision,
+                          fix="price the plan at one of those (tf32 plans train in fp32 here)")
+    key = host_key(model, micro_batch_sizes=micro_batch_sizes, ranks=ranks, threads=threads, clock=clock,
+                   precision=precision)
     path = Path(cache_dir) / f"host_profile_{key}.json"
     if path.exists() and not refresh:
         cached = load_profile(path)
         if cached.device == device:
             return cached, str(path), False
     options = dict(num_layers=2, micro_batch_sizes=sorted(set(micro_batch_sizes)), device=device,
-                   warmup=QUICK_WARMUP, repeats=QUICK_REPEATS, dtype=torch.float32, implementation="auto",
+                   warmup=QUICK_WARMUP, repeats=QUICK_REPEATS, dtype=dtypes[precision], implementation="auto",
                    vocab_size=padded_vocab_size(model.vocab_size), optimizer=True, clock=clock)
     concurrent = _concurrency(ranks)
     if concurrent == 1:
@@ -125,9 +132,12 @@ def predict_on_this_host(plan, model: ModelSpec, cluster: ClusterSpec, *, cache_
     sharded = isinstance(plan, ShardedPlan)
     sizes = sorted({r.micro_batch_size for r in plan.ranks}) if sharded else [plan.micro_batch_size]
     thread_clock = all(cluster.emulation_clock(i.name) == "thread" for i in cluster.islands)  # "wall" unemulated
+    # timed in the dtype the run trains in (runtime/plan_record.py: tf32 plans train in fp32 storage)
+    precision = "fp32" if sharded else {"tf32": "fp32"}.get(plan.precision, plan.precision)
     profile, path, fresh = host_profile(model, micro_batch_sizes=sizes, ranks=plan.world_size,
                                         cache_dir=cache_dir, device=devices.pop(), threads=threads,
-                                        clock="thread" if thread_clock else "wall", refresh=refresh)
+                                        clock="thread" if thread_clock else "wall", precision=precision,
+                                        refresh=refresh)
     if sharded:
         from megatron_het.planner.sharded import predict_sharded
 

@@ -369,8 +369,9 @@ def _profile_layers(model: ModelSpec, *, num_layers: int, micro_batch_sizes: lis
     machine = {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
                "python": platform.python_version(), "torch": torch.__version__,
                "threads": torch.get_num_threads()}
+    precision = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}.get(dtype)
     return Profile(device=device, entries=tuple(entries), method=method, machine=machine, parts=parts,
-                   optimizer_s_per_parameter=opt_s, optimizer_method=opt_method,
+                   precision=precision, optimizer_s_per_parameter=opt_s, optimizer_method=opt_method,
                    backward_split=split[:2] if split_backward else None,
                    backward_split_method=f"{split[2]}, micro-batch {micro_batch_sizes[0]}" if split_backward else "",
                    call_overhead=overhead[:2] if overhead else None, call_overhead_layers=num_layers,

@@ -1,5 +1,7 @@
 """The demo's figure: a plan priced from a quick, cached profile of this host (#17 acceptance)."""
 
+import dataclasses
+
 from megatron_het.cluster import cluster_from_dict, load_model
 from megatron_het.plan import homogeneous_plan
 from megatron_het.profiling.host import host_key, predict_on_this_host
@@ -9,8 +11,10 @@ MODEL = load_model("examples/models/tiny-cpu.yaml")
 
 def test_one_rank_plan_priced_from_a_cached_host_profile(tmp_path):
     cluster = cluster_from_dict({"islands": [{"name": "cpu", "device": "CPU", "nodes": 1, "gpus_per_node": 1}]})
-    plan = homogeneous_plan(tp=1, pp=1, dp=1, num_layers=MODEL.num_layers, micro_batch_size=2, global_batch_size=4)
+    plan = dataclasses.replace(homogeneous_plan(tp=1, pp=1, dp=1, num_layers=MODEL.num_layers, micro_batch_size=2,
+                                                global_batch_size=4), precision="fp32")
     first = predict_on_this_host(plan, MODEL, cluster, cache_dir=tmp_path)
+    assert first.profile.precision == "fp32"  # timed in the dtype the plan trains in
     assert first.measured_now and first.profile_path.startswith(str(tmp_path))
     assert first.profile.entries and first.profile.parts and first.profile.optimizer_s_per_parameter
     # priced from the measurement, not the nominal 1 TFLOP/s CPU entry: milliseconds, not microseconds
@@ -21,6 +25,8 @@ def test_one_rank_plan_priced_from_a_cached_host_profile(tmp_path):
     assert again.iteration_time_s == first.iteration_time_s
     assert host_key(MODEL, micro_batch_sizes=[2], ranks=1, threads=1) in first.profile_path
     assert host_key(MODEL, micro_batch_sizes=[4], ranks=1, threads=1) not in first.profile_path
+    # a bf16 plan is not priced from this fp32 profile: it gets its own, timed in bf16
+    assert host_key(MODEL, micro_batch_sizes=[2], ranks=1, threads=1, precision="bf16") not in first.profile_path
 
 
 def test_a_cluster_on_the_thread_clock_is_profiled_in_thread_cpu_time(tmp_path, monkeypatch):
@@ -47,10 +53,39 @@ def test_a_cluster_on_the_thread_clock_is_profiled_in_thread_cpu_time(tmp_path, 
     from megatron_het.planner.modes import plan_best
 
     paced = load_cluster("examples/clusters/cpu-demo-paced.yaml")
-    plan = plan_best(MODEL, paced, global_batch_size=16, micro_batch_sizes=(2,)).plan
+    plan = dataclasses.replace(plan_best(MODEL, paced, global_batch_size=16, micro_batch_sizes=(2,)).plan,
+                               precision="fp32")  # what the demo records (no precision flag)
     result = predict_on_this_host(plan, MODEL, paced, cache_dir=tmp_path)
     assert seen == ["thread"]
     key = host_key(MODEL, micro_batch_sizes=[2], ranks=plan.world_size, threads=1, clock="thread")
     assert key in result.profile_path
     assert key != host_key(MODEL, micro_batch_sizes=[2], ranks=plan.world_size, threads=1)
     assert "thread CPU time" in result.profile.method
+
+
+def test_measured_times_price_only_the_precision_they_were_taken_in(tmp_path):
+    """A profile timed in fp32 cannot price a bf16 plan (on CPU bf16 trains ~10x slower): a clear
+    error naming both precisions and the fix; tf32 plans (fp32 storage) and unrecorded profiles pass."""
+    import pytest
+
+    from megatron_het.cluster import ConfigError
+    from megatron_het.perf import Profile, ProfileEntry, predict
+    from megatron_het.perf.profile import load_profile, save_profile
+
+    entry = ProfileEntry(hidden_size=MODEL.hidden_size, num_attention_heads=MODEL.num_attention_heads,
+                         num_query_groups=MODEL.num_query_groups, ffn_hidden_size=MODEL.ffn_hidden_size,
+                         swiglu=MODEL.swiglu, seq_length=MODEL.seq_length, micro_batch_size=2, tp=1,
+                         forward_s=0.01, backward_s=0.02, peak_memory_bytes=1000)
+    fp32 = Profile(device="CPU", entries=(entry,), method="test", precision="fp32")
+    path = tmp_path / "p.json"
+    save_profile(fp32, path)
+    assert load_profile(path).precision == "fp32"  # recorded in the file
+    cluster = cluster_from_dict({"islands": [{"name": "cpu", "device": "CPU", "nodes": 1, "gpus_per_node": 1}]})
+    plan = homogeneous_plan(tp=1, pp=1, dp=1, num_layers=MODEL.num_layers, micro_batch_size=2, global_batch_size=4)
+    with pytest.raises(ConfigError) as err:
+        predict(dataclasses.replace(plan, precision="bf16"), MODEL, cluster, profile=fp32)
+    assert "timed in fp32, the plan trains in bf16" in str(err.value) and "--dtype bfloat16" in str(err.value) and "--precision fp32" in str(err.value)
+    timed = predict(dataclasses.replace(plan, precision="fp32"), MODEL, cluster, profile=fp32).iteration_time_s
+    assert predict(dataclasses.replace(plan, precision="tf32"), MODEL, cluster, profile=fp32).iteration_time_s == timed
+    unrecorded = dataclasses.replace(fp32, precision=None)  # profiles written before the field: not checked
+    assert predict(dataclasses.replace(plan, precision="bf16"), MODEL, cluster, profile=unrecorded).iteration_time_s > 0
