@@ -93,6 +93,25 @@ def test_sharded_all_reduce_over_unequal_islands(results, implementations):
 
 
 @pytest.mark.multiproc
+def test_uneven_collectives_over_the_bridge_as_sharded_all_reduce(results, implementations):
+    """comm.uneven's reduce-scatter / all-gather over islands 4+2, leader-based and as the sharded
+    all-reduce (the distributed optimizer's choice there): exact gather, summed slice within the
+    fp32 rounding bound. Across the boundary the all-reduce form spreads the bytes over both members
+    of each island (no rank sends more than a leader does in the leader-based form)."""
+    for impl in implementations:
+        for method in ("leaders", "all_reduce"):
+            per_rank = [results[r]["uneven"][impl][method] for r in range(6)]
+            for rank, p in enumerate(per_rank):
+                assert p["member"] and p["bad"] == [], (impl, method, rank, p)
+        lead = [results[r]["uneven"][impl]["leaders"] for r in range(6)]
+        shard = [results[r]["uneven"][impl]["all_reduce"] for r in range(6)]
+        for kind in ("rs_bytes", "ag_bytes"):
+            assert [p[kind] > 0 for p in lead] == [True, False, False, False, True, False]  # leaders 0 and 4
+            assert [p[kind] > 0 for p in shard] == [True, True, False, False, True, True]  # holders 0, 1 and 4, 5
+            assert max(p[kind] for p in shard) <= max(p[kind] for p in lead)
+
+
+@pytest.mark.multiproc
 def test_three_uneven_islands_match_flat(results, implementations):
     three = [r["three"] for r in results]
     _check(three, implementations, members=6)
