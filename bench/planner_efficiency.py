@@ -23,7 +23,8 @@ For the clusters of three or more types, also where the iteration goes (``chosen
 GPU) and why a case misses the same-batch bound (``miss_reason``), from planner/gap.py's bounds: the
 fluid ceiling, the least time replicas kept on one island need for the batch with no
 synchronisation (vs the time a 0.95 ratio allows), and what reducing their gradients across the
-islands costs (as priced, and the sharded what-if of perf.comm.sharded_gradient_reduction).
+islands costs (as priced, and by perf.comm.sharded_gradient_reduction: the same where the islands
+mix collective libraries, which the runtime reduces sharded; a what-if where they share one).
 """
 
 from __future__ import annotations
@@ -133,8 +134,9 @@ def cross_island_reduction(est: Estimator, families: dict) -> tuple[float, float
     """Gradient synchronisation of data parallelism over every island, each island running the
     family its capacity was counted with (``families``: island index -> Family): the largest stage's
     per-rank parameters, reduce-scatter of the gradients + all-gather of the weights (distributed
-    optimizer), as the predictor prices it (one leader per island) and as the sharded what-if
-    (perf.comm.sharded_gradient_reduction)."""
+    optimizer), as the predictor prices it (sharded across collective libraries, through one leader
+    per island within one) and as perf.comm.sharded_gradient_reduction prices it (the sharded form
+    whatever the libraries: equal across libraries, a what-if within one)."""
     cluster, L = est.cluster, est.model.num_layers
     used = {i: f for i, f in families.items() if f is not None}
     counts = {i: cluster.islands[i].num_gpus // (f.tp * f.pp) for i, f in used.items()}
@@ -182,7 +184,7 @@ def gap(model: ModelSpec, cluster: ClusterSpec, global_batch: int, row: dict) ->
     else:
         out["miss_reason"] = (
             f"synchronisation: replicas kept on one island need >= {least_s:.3f} s of the {target_s:.3f} s a 0.95 "
-            f"ratio allows, but reducing their gradients across the islands costs {cross_s:.3f} s (sharded what-if: "
+            f"ratio allows, but reducing their gradients across the islands costs {cross_s:.3f} s (sharded form: "
             f"{sharded_s:.3f} s); {spent}")
     return out
 
