@@ -183,11 +183,12 @@ def new_hierarchical_group(ranks: Sequence[int], membership: IslandMembership, *
     """Create a hierarchical group over `ranks`; collective over the whole world.
 
     Returns None on ranks outside `ranks` (like ``new_group``'s non-member sentinel).
-    ``link_bytes_per_s`` > 0 emulates a slow inter-island link on CPU (leaders sleep bytes / rate).
+    ``link_bytes_per_s`` > 0 emulates a slow inter-island link on CPU: a rank sending across sleeps
+    bytes / rate, each on its own (one link per rank; an all-reduce's shard holders sleep at once).
     ``implementation``: "cpp" (the `het` torch backend), "python" (the twin) or "auto" (C++ if
     it can be loaded or compiled, else Python; see `het_backend_info`). Every rank must resolve
     "auto" the same way, which holds when they share a machine image. ``host_backend``: the
-    accelerator's backend for the host-staged leader and bridge groups.
+    accelerator's backend for the host-staged leader, peer and bridge groups.
     """
     _check_settings(timeout_s, chunk_bytes, implementation, link_bytes_per_s)
     topo = plan_topology(ranks, membership)
