@@ -13,7 +13,7 @@ everything its island sends over the pipe in that collective.
 
 What is compared (S = tensor bytes, n = k islands x m ranks):
 - hierarchical: the `het` group, sharded (m shards: inside each island shard j is reduced to member
-  j, member j of every island all-reduces it, each shard goes back from its holder; 4 MiB chunks).
+  j, member j of every island all-reduces it, each shard is broadcast from its holder; 4 MiB chunks).
   Each member crosses with 2(k-1)/k*S/m, 2(k-1)/k*S per island pipe. The het throttles each holder
   on its own (one link per rank); here the m holders share their island's pipe, so each sleeps
   inside the bridge before each chunk's exchange at 1/m of the pipe's rate (link_bytes_per_s), and

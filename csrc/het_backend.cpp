@@ -411,15 +411,15 @@ class HetBackend : public c10d::Backend {
     if (!t.is_contiguous()) t.copy_(flat.view(t.sizes()));
   }
 
-  // Sharded across islands (the Python twin's _all_reduce_flat has the same phases): the tensor is
-  // cut into shards_ = S contiguous pieces (the first numel % S one longer); inside each island
-  // shard j is reduced to member j (one reduce-scatter where the island has S members and the
-  // pieces are equal, else one reduce per shard), member j of every island all-reduces it over its
-  // own link (peer_), and each shard goes back from its holder (all-gather / broadcasts). S = 1 is
-  // the leader algorithm. Shards are cut into chunks: chunk c's exchange runs while the holder
-  // spends chunk c+1's link time, so no phase waits for the whole tensor. Intra-island ops are
-  // issued in the same order on every member (gloo matches collectives by issue order): all
-  // reduces first, then chunk by chunk the sends back.
+  // Sharded across islands (the Python twin's _all_reduce_flat has the same phases and says why
+  // per-shard reduces and broadcasts, not reduce-scatter / all-gather): the tensor is cut into
+  // shards_ = S contiguous pieces (the first numel % S one longer); inside each island shard j is
+  // reduced to member j, member j of every island all-reduces it over its own link (peer_), and
+  // each shard is broadcast back from its holder. S = 1 is the leader algorithm. Shards are cut
+  // into chunks: chunk c's exchange runs while the holder spends chunk c+1's link time, so no phase
+  // waits for the whole tensor. Intra-island ops are issued in the same order on every member
+  // (gloo matches collectives by issue order): all reduces first, then chunk by chunk the
+  // broadcasts.
   void runAllreduce(at::Tensor flat, c10d::ReduceOp op) {
     int64_t per = std::max<int64_t>(1, chunk_bytes_ / flat.element_size());
     int64_t S = shards_, m = islandSize(), k = islands();
@@ -434,43 +434,24 @@ class HetBackend : public c10d::Backend {
     }
     // row c: chunk c of every shard that has one (shards shrink with s, so always a prefix)
     std::vector<std::vector<at::Tensor>> rows(n);
-    std::vector<bool> scatter(n);
-    for (size_t c = 0; c < n; ++c) {
+    for (size_t c = 0; c < n; ++c)
       for (int64_t s = 0; s < S; ++s)
         if (c < pieces[s].size()) rows[c].push_back(pieces[s][c]);
-      bool equal = true;
-      for (auto& p : rows[c]) equal = equal && p.numel() == rows[c][0].numel();
-      scatter[c] = m == S && static_cast<int64_t>(rows[c].size()) == S && equal;
-    }
     std::vector<std::vector<c10::intrusive_ptr<c10d::Work>>> reducing(n);
-    std::vector<at::Tensor> scattered(n);  // reduce-scatter outputs, until copied into shard j
     if (m > 1) {
       for (size_t c = 0; c < n; ++c) {
-        if (scatter[c]) {  // the smallest island: one reduce-scatter hands member j its piece
-          scattered[c] = at::empty_like(rows[c][j]);
-          std::vector<at::Tensor> outv{scattered[c]};
-          std::vector<std::vector<at::Tensor>> inv{rows[c]};
-          c10d::ReduceScatterOptions rso;
-          rso.reduceOp = op;
-          reducing[c].push_back(intra_->reduce_scatter(outv, inv, rso));
-        } else {
-          for (size_t s = 0; s < rows[c].size(); ++s) {
-            c10d::ReduceOptions ro;
-            ro.reduceOp = op;
-            ro.rootRank = static_cast<int64_t>(s);
-            std::vector<at::Tensor> v{rows[c][s]};
-            reducing[c].push_back(intra_->reduce(v, ro));
-          }
+        for (size_t s = 0; s < rows[c].size(); ++s) {
+          c10d::ReduceOptions ro;
+          ro.reduceOp = op;
+          ro.rootRank = static_cast<int64_t>(s);
+          std::vector<at::Tensor> v{rows[c][s]};
+          reducing[c].push_back(intra_->reduce(v, ro));
         }
       }
     }
     auto reduced = [&](size_t c) {  // gloo may run ops concurrently: never send over a live reduce
       for (auto& w : reducing[c]) wait(w);
       reducing[c].clear();
-      if (scattered[c].defined()) {
-        rows[c][j].copy_(scattered[c]);
-        scattered[c] = at::Tensor();
-      }
     };
     std::vector<at::Tensor> staged(n);
     std::vector<c10::intrusive_ptr<c10d::Work>> exchanging(n);
@@ -492,17 +473,11 @@ class HetBackend : public c10d::Backend {
         exchanging[c].reset();
       }
       if (m == 1) return;
-      if (scatter[c]) {
-        std::vector<std::vector<at::Tensor>> outv{rows[c]};
-        std::vector<at::Tensor> inv{rows[c][j].clone()};
-        sends.push_back(intra_->allgather(outv, inv));
-      } else {
-        for (size_t s = 0; s < rows[c].size(); ++s) {
-          c10d::BroadcastOptions bo;
-          bo.rootRank = static_cast<int64_t>(s);
-          std::vector<at::Tensor> v{rows[c][s]};
-          sends.push_back(intra_->broadcast(v, bo));
-        }
+      for (size_t s = 0; s < rows[c].size(); ++s) {
+        c10d::BroadcastOptions bo;
+        bo.rootRank = static_cast<int64_t>(s);
+        std::vector<at::Tensor> v{rows[c][s]};
+        sends.push_back(intra_->broadcast(v, bo));
       }
     };
     size_t mine = (j < S && k > 1) ? pieces[j].size() : 0;

@@ -123,38 +123,33 @@ class PythonHetComm:
     def _all_reduce_flat(self, flat: torch.Tensor, op: ReduceOp) -> None:
         # Sharded across islands: the tensor is cut into S = topology.shards pieces; inside each
         # island shard j is reduced to member j, member j of every island all-reduces it over its own
-        # link (peer group j), and each shard goes back inside the island from its holder. So every
-        # island's link carries 2(k-1)/k of the tensor spread over S ranks at once, not through one
-        # leader. S = 1 is the leader algorithm. Every shard is cut into chunks, and chunk c's
-        # exchange runs while the holder spends chunk c+1's link time, so no phase waits for the
-        # whole tensor. Intra-island ops are issued in the same order on every member (gloo matches
-        # collectives by issue order): all reduces first, then chunk by chunk the sends back.
+        # link (peer group j), and each shard is broadcast back inside the island from its holder.
+        # So every island's link carries 2(k-1)/k of the tensor spread over S ranks at once, not
+        # through one leader. S = 1 is the leader algorithm. Every shard is cut into chunks, and chunk
+        # c's exchange runs while the holder spends chunk c+1's link time, so no phase waits for the
+        # whole tensor. Per-shard reduces and broadcasts, not reduce-scatter / all-gather: gloo's
+        # reduce-scatter and all-gather copy their inputs on the calling thread (the one that spends
+        # the link time) and cost more than the reduces (measured: docs/communicator.md). Intra-island
+        # ops are issued in the same order on every member (gloo matches collectives by issue
+        # order): all reduces first, then chunk by chunk the broadcasts.
         g, m, k, shards = self.groups, self._m, self._k, self.topology.shards
         j = self.members.index(self.rank)  # this rank holds shard j when j < shards
         per = max(1, self.chunk_bytes // flat.element_size())
         pieces = [p.split(per) if p.numel() else () for p in flat.split(shard_sizes(flat.numel(), shards))]
         n = max(len(p) for p in pieces)
-        # row c: chunk c of every shard that has one (shards shrink with j, so always a prefix)
+        # row c: chunk c of every shard that has one (a later shard is never longer: always a prefix)
         rows = [[p[c] for p in pieces if c < len(p)] for c in range(n)]
-        scatter = [m == shards and len(r) == shards and len({p.numel() for p in r}) == 1 for r in rows]
         reducing: dict[int, list] = {}  # chunk -> its island reduce works, until waited here
-        scattered: dict[int, torch.Tensor] = {}  # chunk -> reduce-scatter output, until copied into shard j
         if m > 1:
             for c, row in enumerate(rows):
-                if scatter[c]:  # the smallest island: one reduce-scatter hands member j its piece
-                    scattered[c] = torch.empty_like(row[j])
-                    reducing[c] = [dist.reduce_scatter(scattered[c], list(row), op=op, group=g.intra, async_op=True)]
-                else:
-                    reducing[c] = [dist.reduce(p, dst=self.members[s], op=op, group=g.intra, async_op=True)
-                                   for s, p in enumerate(row)]
+                reducing[c] = [dist.reduce(p, dst=self.members[s], op=op, group=g.intra, async_op=True)
+                               for s, p in enumerate(row)]
         exchanging: dict[int, tuple[torch.Tensor, torch.Tensor, object]] = {}  # chunk -> (piece, staged, work)
         sends: list = []
 
         def reduced(c: int) -> None:  # gloo may run ops concurrently: never send over a live reduce
             for w in reducing.pop(c, ()):
                 w.wait()
-            if c in scattered:
-                rows[c][j].copy_(scattered.pop(c))
 
         def exchange(c: int) -> None:  # shard j's chunk c to the other islands' holders of shard j
             reduced(c)
@@ -170,14 +165,9 @@ class PythonHetComm:
                 work.wait()
                 if staged.data_ptr() != piece.data_ptr():
                     piece.copy_(staged)
-            if m == 1:
-                return
-            row = rows[c]
-            if scatter[c]:
-                sends.append(dist.all_gather(list(row), row[j].clone(), group=g.intra, async_op=True))
-            else:
+            if m > 1:
                 sends.extend(dist.broadcast(p, src=self.members[s], group=g.intra, async_op=True)
-                             for s, p in enumerate(row))
+                             for s, p in enumerate(rows[c]))
 
         mine = len(pieces[j]) if j < shards and k > 1 else 0
         for c in range(n):

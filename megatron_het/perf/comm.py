@@ -294,12 +294,11 @@ def sharded_gradient_reduction(nbytes: float, cluster: ClusterSpec, *, replica_i
     """The all-reduce of ``nbytes`` as the `het` communicator runs it across islands
     (comm/python_impl.py, csrc/het_backend.cpp): the buffer is cut into ``S = min(n_i)`` shards
     (the fewest replicas on an island); inside every island shard ``j`` is reduced to member ``j``
-    (a ring reduce-scatter where the island has exactly ``S`` members, else ``S`` concurrent
-    pipelined chains, whose bytes add up to one chain of the whole buffer); member ``j`` of every
-    island all-reduces its ``nbytes / S`` shard over its own link (the ``S`` rings run at once,
-    one per rank's link, so the exchange costs one ring of one shard); each shard goes back inside
-    the island from its holder (all-gather, or chains of broadcasts). ``S = 1`` is the leader
-    form: chain, leaders' ring of the whole buffer, chain.
+    (``S`` concurrent pipelined chains of ``nbytes / S``, whose bytes add up to one chain of the
+    whole buffer); member ``j`` of every island all-reduces its ``nbytes / S`` shard over its own
+    link (the ``S`` rings run at once, one per rank's link, so the exchange costs one ring of one
+    shard); each shard is broadcast back inside the island from its holder (chains again).
+    ``S = 1`` is the leader form: chain, leaders' ring of the whole buffer, chain.
 
     :func:`dp_gradient_reduction` prices a group spanning collective libraries with this; for a
     same-library group across islands (a native ring, priced through one leader per island) it is
@@ -309,23 +308,14 @@ def sharded_gradient_reduction(nbytes: float, cluster: ClusterSpec, *, replica_i
     if len(counts) == 1:
         return dp_gradient_reduction(nbytes, cluster, replica_islands=replica_islands, ranks_per_node=ranks_per_node)
     shards = min(counts.values())
-    reduce_s = broadcast_s = 0.0
+    inside = 0.0  # S chains of nbytes / S each, at once over the same links: one chain of nbytes
     for name, n in counts.items():
-        island = cluster.island(name)
-        if n == shards:  # reduce-scatter / all-gather of the buffer among the island's n members
-            ch = _island_ring_channel(island, ranks_per_node)
-            args = dict(n=n, bandwidth_gbps=ch.bandwidth_gbps, latency_us=ch.latency_us)
-            reduce_s = max(reduce_s, ring_reduce_scatter_time(nbytes, **args))
-            broadcast_s = max(broadcast_s, ring_all_gather_time(nbytes, **args))
-        else:  # S chains of nbytes / S each, at once over the same links
-            ch = _dp_channel(island)
-            chain = chain_time(nbytes, n=n, bandwidth_gbps=ch.bandwidth_gbps, latency_us=ch.latency_us)
-            reduce_s, broadcast_s = max(reduce_s, chain), max(broadcast_s, chain)
+        ch = _dp_channel(cluster.island(name))
+        inside = max(inside, chain_time(nbytes, n=n, bandwidth_gbps=ch.bandwidth_gbps, latency_us=ch.latency_us))
     ring = _cross_ring(cluster, list(counts))
     exchange = ring_all_reduce_time(nbytes / shards, n=len(counts), bandwidth_gbps=ring.bandwidth_gbps,
                                     latency_us=ring.latency_us)
-    return GradientReduction(reduce_s=reduce_s, inter_island_s=exchange, broadcast_s=broadcast_s,
-                             islands=len(counts))
+    return GradientReduction(reduce_s=inside, inter_island_s=exchange, broadcast_s=inside, islands=len(counts))
 
 
 def distributed_optimizer_share(cluster: ClusterSpec, *, replica_islands: Sequence[str]) -> float:
