@@ -295,7 +295,8 @@ def sharded_gradient_reduction(nbytes: float, cluster: ClusterSpec, *, replica_i
     (comm/python_impl.py, csrc/het_backend.cpp): the buffer is cut into ``S = min(n_i)`` shards
     (the fewest replicas on an island); inside every island shard ``j`` is reduced to member ``j``
     (``S`` concurrent pipelined chains of ``nbytes / S``, whose bytes add up to one chain of the
-    whole buffer); member ``j`` of every island all-reduces its ``nbytes / S`` shard over its own
+    whole buffer, over the channel of the island's flat ring, ``ranks_per_node`` included);
+    member ``j`` of every island all-reduces its ``nbytes / S`` shard over its own
     link (the ``S`` rings run at once, one per rank's link, so the exchange costs one ring of one
     shard); each shard is broadcast back inside the island from its holder (chains again).
     ``S = 1`` is the leader form: chain, leaders' ring of the whole buffer, chain.
@@ -310,7 +311,8 @@ def sharded_gradient_reduction(nbytes: float, cluster: ClusterSpec, *, replica_i
     shards = min(counts.values())
     inside = 0.0  # S chains of nbytes / S each, at once over the same links: one chain of nbytes
     for name, n in counts.items():
-        ch = _dp_channel(cluster.island(name))
+        # NCCL runs reduce and broadcast over the same striped channels as its rings
+        ch = _island_ring_channel(cluster.island(name), ranks_per_node)
         inside = max(inside, chain_time(nbytes, n=n, bandwidth_gbps=ch.bandwidth_gbps, latency_us=ch.latency_us))
     ring = _cross_ring(cluster, list(counts))
     exchange = ring_all_reduce_time(nbytes / shards, n=len(counts), bandwidth_gbps=ring.bandwidth_gbps,

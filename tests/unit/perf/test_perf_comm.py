@@ -96,6 +96,9 @@ def test_dp_reduction_across_vendors_is_sharded():
     # each holder all-reduces its GB/2 shard over the host-staged 50 Gbit/s link (ring of 2): half the leaders' bytes
     assert r.inter_island_s == pytest.approx(2 * 10e-6 + (GB / 2) / 6.25e9)
     assert r.total_s == pytest.approx(2 * (2 * 5e-6 + 0.04) + 2 * 10e-6 + 0.08)
+    # replicas sharing a node: the chains stripe over their NICs like the flat ring (a100: 2 x 200 Gbit/s)
+    paired = dp_gradient_reduction(GB, CLUSTER, replica_islands=["a100"] * 3 + ["mi300"] * 2, ranks_per_node=2)
+    assert paired.reduce_s == pytest.approx(max(2 * 5e-6 + GB / 50e9, 5e-6 + GB / 100e9))
     three = dp_gradient_reduction(GB, CLUSTER, replica_islands=["a100", "a100-box", "mi300"])
     # one replica per island: S = 1, the leader form; ring a100 -> a100-box -> mi300 -> a100: slowest
     # is a100-box<->mi300, 50 Gbit/s staged -> 33.3 Gbit/s
