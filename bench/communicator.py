@@ -12,9 +12,12 @@ islands: one shared pipe per direction); a rank that sends over it sleeps B / ra
 everything its island sends over the pipe in that collective.
 
 What is compared (S = tensor bytes, n = k islands x m ranks):
-- hierarchical: the `het` group (intra reduce -> leaders ring all-reduce -> intra broadcast,
-  4 MiB chunks). Only leaders cross: 2(k-1)/k*S per island pipe. The leaders sleep inside the
-  bridge before each chunk's exchange (link_bytes_per_s), so the link time is never hidden.
+- hierarchical: the `het` group, sharded (m shards: inside each island shard j is reduced to member
+  j, member j of every island all-reduces it, each shard is broadcast from its holder; 4 MiB chunks).
+  Each member crosses with 2(k-1)/k*S/m, 2(k-1)/k*S per island pipe. The het throttles each holder
+  on its own (one link per rank); here the m holders share their island's pipe, so each sleeps
+  inside the bridge before each chunk's exchange at 1/m of the pipe's rate (link_bytes_per_s), and
+  the link time is never hidden.
 - flat in order: one gloo ring over all ranks, islands in rank order (what a topology-aware
   single-ring NCCL all-reduce does): k ring edges cross, 2(n-1)/n*S each.
 - flat interleaved: the same ring with rank r on island r % k (a topology-oblivious placement):
@@ -169,7 +172,8 @@ def bench_rank(rank: int, world: int, k: int, m: int, sizes_mib: tuple[int, ...]
     membership = IslandMembership(rank_to_island={r: f"island{r // m}" for r in range(n)},
                                   island_backend={f"island{i}": ("nccl" if i % 2 else "gloo")
                                                   for i in range(k)})
-    het = new_hierarchical_group(list(range(n)), membership, link_bytes_per_s=inter,
+    # the m shard holders of an island send at once through its one pipe: 1/m of its rate each
+    het = new_hierarchical_group(list(range(n)), membership, link_bytes_per_s=inter / m,
                                  chunk_bytes=CHUNK_BYTES, timeout_s=600)
 
     def run(method: str, x: torch.Tensor) -> None:

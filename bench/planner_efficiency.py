@@ -23,7 +23,8 @@ For the clusters of three or more types, also where the iteration goes (``chosen
 GPU) and why a case misses the same-batch bound (``miss_reason``), from planner/gap.py's bounds: the
 fluid ceiling, the least time replicas kept on one island need for the batch with no
 synchronisation (vs the time a 0.95 ratio allows), and what reducing their gradients across the
-islands costs (as priced, and the sharded what-if of perf.comm.sharded_gradient_reduction).
+islands costs (as priced, and as the what-if of a sharded reduce-scatter + all-gather proper, from
+perf.comm.sharded_gradient_reduction).
 """
 
 from __future__ import annotations
@@ -41,7 +42,11 @@ from bench_record import machine, perf_commit, write_result  # noqa: E402
 
 from megatron_het.cluster import CATALOG, ClusterSpec, IslandSpec, LinkSpec, ModelSpec, load_cluster, load_model  # noqa: E402
 from megatron_het.perf import predict  # noqa: E402
-from megatron_het.perf.comm import dp_gradient_reduction, sharded_gradient_reduction  # noqa: E402
+from megatron_het.perf.comm import (  # noqa: E402
+    distributed_optimizer_share,
+    dp_gradient_reduction,
+    sharded_gradient_reduction,
+)
 from megatron_het.perf.memory import state_bytes  # noqa: E402
 from megatron_het.plan import PlanError, validate_plan  # noqa: E402
 from megatron_het.planner import InfeasibleError, Segment, Template, build_plan, plan_cluster, tp_options  # noqa: E402
@@ -133,8 +138,12 @@ def cross_island_reduction(est: Estimator, families: dict) -> tuple[float, float
     """Gradient synchronisation of data parallelism over every island, each island running the
     family its capacity was counted with (``families``: island index -> Family): the largest stage's
     per-rank parameters, reduce-scatter of the gradients + all-gather of the weights (distributed
-    optimizer), as the predictor prices it (one leader per island) and as the sharded what-if
-    (perf.comm.sharded_gradient_reduction)."""
+    optimizer), as the predictor prices it (across collective libraries the runtime runs each of
+    the two as the bridge's sharded all-reduce where every island has >= 2 replicas: a whole one
+    each, perf.comm.distributed_optimizer_share; within one library through one leader per island)
+    and as the what-if of a sharded reduce-scatter + all-gather proper (half of
+    perf.comm.sharded_gradient_reduction each, whatever the libraries), which the bridge does not
+    run yet."""
     cluster, L = est.cluster, est.model.num_layers
     used = {i: f for i, f in families.items() if f is not None}
     counts = {i: cluster.islands[i].num_gpus // (f.tp * f.pp) for i, f in used.items()}
@@ -142,9 +151,12 @@ def cross_island_reduction(est: Estimator, families: dict) -> tuple[float, float
     rpn = min(est.ranks_per_node(i, f.tp, f.pp, counts[i]) for i, f in used.items())
     names = [cluster.islands[i].name for i, n in counts.items() for _ in range(n)]
     weight, grad = state_bytes("bf16")[:2]
-    priced = [sum(0.5 * f(b * params, cluster, replica_islands=names, ranks_per_node=rpn).total_s for b in (grad, weight))
-              for f in (dp_gradient_reduction, sharded_gradient_reduction)]
-    return priced[0], priced[1]
+    share = distributed_optimizer_share(cluster, replica_islands=names)
+    priced = sum(share * dp_gradient_reduction(b * params, cluster, replica_islands=names, ranks_per_node=rpn).total_s
+                 for b in (grad, weight))
+    what_if = sum(0.5 * sharded_gradient_reduction(b * params, cluster, replica_islands=names,
+                                                   ranks_per_node=rpn).total_s for b in (grad, weight))
+    return priced, what_if
 
 
 def gap(model: ModelSpec, cluster: ClusterSpec, global_batch: int, row: dict) -> dict:
@@ -182,7 +194,7 @@ def gap(model: ModelSpec, cluster: ClusterSpec, global_batch: int, row: dict) ->
     else:
         out["miss_reason"] = (
             f"synchronisation: replicas kept on one island need >= {least_s:.3f} s of the {target_s:.3f} s a 0.95 "
-            f"ratio allows, but reducing their gradients across the islands costs {cross_s:.3f} s (sharded what-if: "
+            f"ratio allows, but reducing their gradients across the islands costs {cross_s:.3f} s (sharded reduce-scatter what-if: "
             f"{sharded_s:.3f} s); {spent}")
     return out
 

@@ -2,8 +2,10 @@
 // whose native collective libraries cannot join one communicator (NCCL vs RCCL vs gloo).
 //
 // Every collective runs in three phases: inside each island through that island's own process
-// group (created in Python with the island's native backend), between islands among one leader
-// per island over a host-staged gloo group (the "bridge"), then back inside each island.
+// group (created in Python with the island's native backend), between islands over host-staged
+// gloo groups (the "bridge"), then back inside each island. All-reduce is sharded between islands:
+// member j of every island exchanges piece j of the tensor (peer group j), so every member of the
+// smallest island carries a share; the other collectives go through one leader per island.
 // Phases run on one worker thread per backend so calls return asynchronous Work at once; large
 // all-reduces are cut into chunks so intra- and inter-island phases of different chunks overlap.
 // The Python twin (megatron_het/comm/python_impl.py) has the same semantics.
@@ -149,15 +151,19 @@ class HetBackend : public c10d::Backend {
  public:
   // island_of_rank / intra_rank_of_rank are indexed by group rank; leader_of_island by island
   // index (islands ordered by their leader's rank, so an island's index is its leaders-group rank).
+  // shards: pieces of a cross-island all-reduce (the fewest members of any island; 1 for one
+  // island); peer: member j of every island for this rank's j < shards, else absent.
   HetBackend(c10::intrusive_ptr<c10d::Store> store, int rank, int size, std::string name,
-             PG intra, std::optional<PG> leaders, PG bridge,
+             PG intra, std::optional<PG> leaders, std::optional<PG> peer, PG bridge,
              std::vector<int64_t> island_of_rank, std::vector<int64_t> intra_rank_of_rank,
-             std::vector<int64_t> leader_of_island, int64_t chunk_bytes,
+             std::vector<int64_t> leader_of_island, int64_t shards, int64_t chunk_bytes,
              double link_bytes_per_s, double timeout_s)
       : Backend(rank, size), store_(std::move(store)), name_(std::move(name)),
-        intra_(std::move(intra)), leaders_(leaders.value_or(PG())), bridge_(std::move(bridge)),
+        intra_(std::move(intra)), leaders_(leaders.value_or(PG())), peer_(peer.value_or(PG())),
+        bridge_(std::move(bridge)),
         island_of_(std::move(island_of_rank)), intra_rank_of_(std::move(intra_rank_of_rank)),
-        leader_of_(std::move(leader_of_island)), chunk_bytes_(std::max<int64_t>(chunk_bytes, 1)),
+        leader_of_(std::move(leader_of_island)), shards_(std::max<int64_t>(shards, 1)),
+        chunk_bytes_(std::max<int64_t>(chunk_bytes, 1)),
         link_rate_(link_bytes_per_s), timeout_s_(timeout_s) {
     my_island_ = island_of_[rank];
     is_leader_ = leader_of_[my_island_] == rank;
@@ -370,7 +376,8 @@ class HetBackend : public c10d::Backend {
   int islands() const { return static_cast<int>(leader_of_.size()); }
   int islandSize() const { return static_cast<int>(members_.size()); }
 
-  // Emulated slow inter-island link: leaders sleep bytes / rate (0 disables the emulation).
+  // Emulated slow inter-island link: the sending rank sleeps bytes / rate, each on its own (one
+  // link per rank; 0 disables the emulation).
   void throttle(int64_t bytes) {
     bridge_bytes_ += bytes;
     if (link_rate_ > 0) {
@@ -404,57 +411,82 @@ class HetBackend : public c10d::Backend {
     if (!t.is_contiguous()) t.copy_(flat.view(t.sizes()));
   }
 
-  // Chunked pipeline: all intra reduces are queued at once; the leader forwards chunk i over the
-  // bridge as soon as its reduce is done, and while it spends chunk i+1's link time chunk i's
-  // bridge exchange runs, after which chunk i's broadcast is queued (no phase waits for the whole
-  // tensor).
+  // Sharded across islands (the Python twin's _all_reduce_flat has the same phases and says why
+  // per-shard reduces and broadcasts, not reduce-scatter / all-gather): the tensor is cut into
+  // shards_ = S contiguous pieces (the first numel % S one longer); inside each island shard j is
+  // reduced to member j, member j of every island all-reduces it over its own link (peer_), and
+  // each shard is broadcast back from its holder. S = 1 is the leader algorithm. Shards are cut
+  // into chunks: chunk c's exchange runs while the holder spends chunk c+1's link time, so no phase
+  // waits for the whole tensor. Intra-island ops are issued in the same order on every member
+  // (gloo matches collectives by issue order): all reduces first, then chunk by chunk the
+  // broadcasts.
   void runAllreduce(at::Tensor flat, c10d::ReduceOp op) {
     int64_t per = std::max<int64_t>(1, chunk_bytes_ / flat.element_size());
-    auto chunks = flat.split(per);
-    size_t n = chunks.size();
-    std::vector<c10::intrusive_ptr<c10d::Work>> reduces, bridges, bcasts;
-    if (islandSize() > 1) {
-      c10d::ReduceOptions ro;
-      ro.reduceOp = op;
-      ro.rootRank = 0;
-      for (auto& c : chunks) {
-        std::vector<at::Tensor> v{c};
-        reduces.push_back(intra_->reduce(v, ro));
+    int64_t S = shards_, m = islandSize(), k = islands();
+    int64_t j = intra_rank_of_[rank_];  // this rank holds shard j when j < S
+    std::vector<std::vector<at::Tensor>> pieces(S);
+    size_t n = 0;
+    for (int64_t s = 0, off = 0; s < S; ++s) {
+      int64_t len = flat.numel() / S + (s < flat.numel() % S ? 1 : 0);
+      if (len > 0) pieces[s] = flat.narrow(0, off, len).split(per);
+      off += len;
+      n = std::max(n, pieces[s].size());
+    }
+    // row c: chunk c of every shard that has one (shards shrink with s, so always a prefix)
+    std::vector<std::vector<at::Tensor>> rows(n);
+    for (size_t c = 0; c < n; ++c)
+      for (int64_t s = 0; s < S; ++s)
+        if (c < pieces[s].size()) rows[c].push_back(pieces[s][c]);
+    std::vector<std::vector<c10::intrusive_ptr<c10d::Work>>> reducing(n);
+    if (m > 1) {
+      for (size_t c = 0; c < n; ++c) {
+        for (size_t s = 0; s < rows[c].size(); ++s) {
+          c10d::ReduceOptions ro;
+          ro.reduceOp = op;
+          ro.rootRank = static_cast<int64_t>(s);
+          std::vector<at::Tensor> v{rows[c][s]};
+          reducing[c].push_back(intra_->reduce(v, ro));
+        }
       }
     }
-    c10d::BroadcastOptions bo;
-    bo.rootRank = 0;
-    auto broadcast = [&](size_t i) {
-      std::vector<at::Tensor> v{chunks[i]};
-      bcasts.push_back(intra_->broadcast(v, bo));
+    auto reduced = [&](size_t c) {  // gloo may run ops concurrently: never send over a live reduce
+      for (auto& w : reducing[c]) wait(w);
+      reducing[c].clear();
     };
-    bool bridging = is_leader_ && islands() > 1;
     std::vector<at::Tensor> staged(n);
-    size_t released = 0;  // bridged chunks [0, released) are copied back and broadcast
-    auto release = [&] {  // oldest bridged chunk: copy back, then broadcast inside the island
-      wait(bridges[released]);
-      if (!staged[released].is_same(chunks[released])) chunks[released].copy_(staged[released]);
-      if (islandSize() > 1) broadcast(released);
-      ++released;
-    };
+    std::vector<c10::intrusive_ptr<c10d::Work>> exchanging(n);
     c10d::AllreduceOptions ao;
     ao.reduceOp = op;
-    int64_t k = islands();
-    for (size_t i = 0; i < n; ++i) {
-      if (!reduces.empty()) wait(reduces[i]);  // gloo may run ops concurrently: never broadcast over a live reduce
-      if (bridging) {
-        staged[i] = stage(chunks[i]);
-        throttle(2 * (k - 1) * staged[i].numel() * staged[i].element_size() / k);  // ring model
-        std::vector<at::Tensor> v{staged[i]};
-        bridges.push_back(leaders_->allreduce(v, ao));
-        if (bridges.size() - released > 1) release();
-      } else if (islandSize() > 1) {
-        broadcast(i);
+    auto exchange = [&](size_t c) {  // shard j's chunk c to the other islands' holders of shard j
+      reduced(c);
+      staged[c] = stage(rows[c][j]);
+      throttle(2 * (k - 1) * staged[c].numel() * staged[c].element_size() / k);  // ring model
+      std::vector<at::Tensor> v{staged[c]};
+      exchanging[c] = peer_->allreduce(v, ao);
+    };
+    std::vector<c10::intrusive_ptr<c10d::Work>> sends;
+    auto send_back = [&](size_t c) {  // chunk c of every shard from its holder to the island
+      reduced(c);
+      if (exchanging[c].defined()) {
+        wait(exchanging[c]);
+        if (!staged[c].is_same(rows[c][j])) rows[c][j].copy_(staged[c]);
+        exchanging[c].reset();
       }
+      if (m == 1) return;
+      for (size_t s = 0; s < rows[c].size(); ++s) {
+        c10d::BroadcastOptions bo;
+        bo.rootRank = static_cast<int64_t>(s);
+        std::vector<at::Tensor> v{rows[c][s]};
+        sends.push_back(intra_->broadcast(v, bo));
+      }
+    };
+    size_t mine = (j < S && k > 1) ? pieces[j].size() : 0;
+    for (size_t c = 0; c < n; ++c) {
+      if (c < mine) exchange(c);
+      if (c > 0) send_back(c - 1);
     }
-    while (released < bridges.size()) release();
-    for (auto& w : reduces) wait(w);
-    for (auto& w : bcasts) wait(w);
+    if (n > 0) send_back(n - 1);
+    for (auto& w : sends) wait(w);
   }
 
   void doBroadcast(at::Tensor t, int root) {
@@ -639,8 +671,10 @@ class HetBackend : public c10d::Backend {
   std::string name_;
   PG intra_;    // this rank's island, native backend
   PG leaders_;  // one rank per island, gloo (null on non-leaders)
+  PG peer_;     // member j of every island, gloo: exchanges all-reduce shard j (null when j >= shards)
   PG bridge_;   // every rank of the group, gloo: cross-island send/recv
   std::vector<int64_t> island_of_, intra_rank_of_, leader_of_;
+  int64_t shards_;
   std::vector<int> members_;
   int64_t my_island_ = 0;
   bool is_leader_ = false;
@@ -671,11 +705,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   py::module::import("torch.distributed");  // registers the c10d::Backend base type
   py::class_<het::HetBackend, c10::intrusive_ptr<het::HetBackend>, c10d::Backend>(m, "HetBackend")
       .def(py::init<c10::intrusive_ptr<c10d::Store>, int, int, std::string, het::PG,
-                    std::optional<het::PG>, het::PG, std::vector<int64_t>, std::vector<int64_t>,
-                    std::vector<int64_t>, int64_t, double, double>(),
+                    std::optional<het::PG>, std::optional<het::PG>, het::PG, std::vector<int64_t>,
+                    std::vector<int64_t>, std::vector<int64_t>, int64_t, int64_t, double, double>(),
            py::arg("store"), py::arg("rank"), py::arg("size"), py::arg("name"), py::arg("intra"),
-           py::arg("leaders"), py::arg("bridge"), py::arg("island_of_rank"),
-           py::arg("intra_rank_of_rank"), py::arg("leader_of_island"), py::arg("chunk_bytes"),
+           py::arg("leaders"), py::arg("peer"), py::arg("bridge"), py::arg("island_of_rank"),
+           py::arg("intra_rank_of_rank"), py::arg("leader_of_island"), py::arg("shards"), py::arg("chunk_bytes"),
            py::arg("link_bytes_per_s"), py::arg("timeout_s"),
            py::call_guard<py::gil_scoped_release>())
       .def("bridge_bytes", &het::HetBackend::bridgeBytes);

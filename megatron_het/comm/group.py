@@ -28,7 +28,7 @@ MIN_CHUNK_BYTES = 1024  # smaller chunks only add per-message latency
 class HetBackendOptions:
     """What the `het` backend creator needs besides the store (passed as ``pg_options``)."""
 
-    groups: BridgeGroups  # this rank's intra, leaders and bridge process groups
+    groups: BridgeGroups  # this rank's intra, leaders, peer and bridge process groups
     topology: HetTopology  # islands of the group, same on every rank
     chunk_bytes: int  # all-reduce pipeline chunk
     link_bytes_per_s: float  # emulated inter-island rate (0: none)
@@ -43,9 +43,9 @@ def _create_het_backend(dist_opts, options: HetBackendOptions):
     topo = options.topology
     return module.HetBackend(
         dist_opts.store, dist_opts.group_rank, dist_opts.group_size, str(dist_opts.group_id),
-        options.groups.intra, options.groups.leaders, options.groups.bridge,
+        options.groups.intra, options.groups.leaders, options.groups.peer, options.groups.bridge,
         topo.island_of_group_rank(), topo.intra_rank_of_group_rank(), topo.leader_group_ranks(),
-        options.chunk_bytes, options.link_bytes_per_s, options.timeout_s)
+        topo.shards, options.chunk_bytes, options.link_bytes_per_s, options.timeout_s)
 
 
 def register_het_backend() -> None:
@@ -183,11 +183,12 @@ def new_hierarchical_group(ranks: Sequence[int], membership: IslandMembership, *
     """Create a hierarchical group over `ranks`; collective over the whole world.
 
     Returns None on ranks outside `ranks` (like ``new_group``'s non-member sentinel).
-    ``link_bytes_per_s`` > 0 emulates a slow inter-island link on CPU (leaders sleep bytes / rate).
+    ``link_bytes_per_s`` > 0 emulates a slow inter-island link on CPU: a rank sending across sleeps
+    bytes / rate, each on its own (one link per rank; an all-reduce's shard holders sleep at once).
     ``implementation``: "cpp" (the `het` torch backend), "python" (the twin) or "auto" (C++ if
     it can be loaded or compiled, else Python; see `het_backend_info`). Every rank must resolve
     "auto" the same way, which holds when they share a machine image. ``host_backend``: the
-    accelerator's backend for the host-staged leader and bridge groups.
+    accelerator's backend for the host-staged leader, peer and bridge groups.
     """
     _check_settings(timeout_s, chunk_bytes, implementation, link_bytes_per_s)
     topo = plan_topology(ranks, membership)
@@ -196,15 +197,20 @@ def new_hierarchical_group(ranks: Sequence[int], membership: IslandMembership, *
     intra = [dist.new_group(list(m), backend=intra_backend(b), timeout=timeout)
              for m, b in zip(topo.members, topo.backends)]
     leaders = dist.new_group(list(topo.leaders), backend=host_backend, timeout=timeout)
+    # peer group j: member j of every island, exchanging shard j of an all-reduce over its own link;
+    # member 0 of every island is the leaders group already
+    peers = [leaders] + [dist.new_group([m[j] for m in topo.members], backend=host_backend, timeout=timeout)
+                         for j in range(1, topo.shards)]
     bridge = dist.new_group(list(topo.ranks), backend=host_backend, timeout=timeout)
     me = dist.get_rank()
     member = me in topo.ranks
     groups = None
     if member:
         island = topo.island_of(me)
+        j = topo.members[island].index(me)
         store = dist.PrefixStore(f"het/{bridge.group_name}/", dist.distributed_c10d._get_default_store())
         groups = BridgeGroups(intra=intra[island], leaders=leaders if me == topo.leaders[island] else None,
-                              bridge=bridge, store=store)
+                              peer=peers[j] if j < topo.shards else None, bridge=bridge, store=store)
     if info.implementation == "cpp":
         register_het_backend()
         options = (HetBackendOptions(groups=groups, topology=topo, chunk_bytes=chunk_bytes,

@@ -47,6 +47,13 @@ class HetTopology:
         """Global rank of each island's leader (its lowest rank), in island order."""
         return tuple(m[0] for m in self.members)
 
+    @property
+    def shards(self) -> int:
+        """Pieces a cross-island all-reduce is cut into: the fewest members of any island (member j
+        of every island exchanges piece j over its own link); 1 for one island (reduce to the
+        leader, broadcast back: nothing crosses)."""
+        return min(len(m) for m in self.members) if len(self.members) > 1 else 1
+
     def island_of(self, global_rank: int) -> int:
         """Island index of a global rank of the group."""
         for i, m in enumerate(self.members):
@@ -71,6 +78,13 @@ class HetTopology:
     def leader_group_ranks(self) -> list[int]:
         """Per island index: the group rank of its leader."""
         return [self.ranks.index(r) for r in self.leaders]
+
+
+def shard_sizes(numel: int, shards: int) -> list[int]:
+    """Elements of each of ``shards`` contiguous, nearly equal pieces of ``numel`` (the first
+    ``numel % shards`` one longer); pieces are empty when ``numel < shards``. Same on every rank."""
+    base, extra = divmod(numel, shards)
+    return [base + (1 if j < extra else 0) for j in range(shards)]
 
 
 def _check_ranks(ranks: Sequence[int], membership: IslandMembership) -> tuple[int, ...]:

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_het.comm.diagnose import failure_message, ranks_behind, record_entry
-from megatron_het.comm.membership import HetTopology
+from megatron_het.comm.membership import HetTopology, shard_sizes
 from megatron_het.comm.work import HetCommError
 from megatron_het.platform import HOST_DEVICE
 
@@ -29,6 +29,8 @@ class BridgeGroups:
 
     intra: dist.ProcessGroup  # this rank's island, native backend
     leaders: dist.ProcessGroup | None  # one rank per island, gloo; None on non-leaders
+    peer: dist.ProcessGroup | None  # member j of every island (j < shards), gloo: exchanges all-reduce
+    # shard j; the leaders group for j = 0; None on members j >= shards (they hold no shard)
     bridge: dist.ProcessGroup  # every rank of the group, gloo: cross-island send/recv
     store: dist.Store  # prefix store for the entry counters of this group
 
@@ -66,7 +68,8 @@ class PythonHetComm:
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"het-{name}")
 
     def bridge_bytes(self) -> int:
-        """Bytes this rank has sent across the island boundary (ring model, see docs)."""
+        """Bytes this rank has sent across the island boundary (ring model, see docs): in an
+        all-reduce only shard holders send, each 2(k-1)/k of its shard."""
         return self._bridge_bytes
 
     def close(self) -> None:
@@ -118,38 +121,63 @@ class PythonHetComm:
         return self.submit("all_reduce", job)
 
     def _all_reduce_flat(self, flat: torch.Tensor, op: ReduceOp) -> None:
-        # Chunk i's bridge exchange runs while the leader spends chunk i+1's link time, and chunk
-        # i's broadcast is queued right after, so no phase waits for the whole tensor.
-        g = self.groups
-        chunks = flat.split(max(1, self.chunk_bytes // flat.element_size()))
-        reduces = ([dist.reduce(c, dst=self.leader, op=op, group=g.intra, async_op=True) for c in chunks]
-                   if self._m > 1 else [])
-        bridging = self.is_leader and self._k > 1
-        in_flight: list[tuple[torch.Tensor, torch.Tensor, object]] = []  # (chunk, staged, bridge work)
-        bcasts = []
+        # Sharded across islands: the tensor is cut into S = topology.shards pieces; inside each
+        # island shard j is reduced to member j, member j of every island all-reduces it over its own
+        # link (peer group j), and each shard is broadcast back inside the island from its holder.
+        # So every island's link carries 2(k-1)/k of the tensor spread over S ranks at once, not
+        # through one leader. S = 1 is the leader algorithm. Every shard is cut into chunks, and chunk
+        # c's exchange runs while the holder spends chunk c+1's link time, so no phase waits for the
+        # whole tensor. Per-shard reduces and broadcasts, not reduce-scatter / all-gather: gloo's
+        # reduce-scatter and all-gather copy their inputs on the calling thread (the one that spends
+        # the link time) and cost more than the reduces (measured: docs/communicator.md). Intra-island
+        # ops are issued in the same order on every member (gloo matches collectives by issue
+        # order): all reduces first, then chunk by chunk the broadcasts.
+        g, m, k, shards = self.groups, self._m, self._k, self.topology.shards
+        j = self.members.index(self.rank)  # this rank holds shard j when j < shards
+        per = max(1, self.chunk_bytes // flat.element_size())
+        pieces = [p.split(per) if p.numel() else () for p in flat.split(shard_sizes(flat.numel(), shards))]
+        n = max(len(p) for p in pieces)
+        # row c: chunk c of every shard that has one (a later shard is never longer: always a prefix)
+        rows = [[p[c] for p in pieces if c < len(p)] for c in range(n)]
+        reducing: dict[int, list] = {}  # chunk -> its island reduce works, until waited here
+        if m > 1:
+            for c, row in enumerate(rows):
+                reducing[c] = [dist.reduce(p, dst=self.members[s], op=op, group=g.intra, async_op=True)
+                               for s, p in enumerate(row)]
+        exchanging: dict[int, tuple[torch.Tensor, torch.Tensor, object]] = {}  # chunk -> (piece, staged, work)
+        sends: list = []
 
-        def release() -> None:  # oldest bridged chunk: copy back, then broadcast inside the island
-            c, staged, bridge = in_flight.pop(0)
-            bridge.wait()
-            if staged.data_ptr() != c.data_ptr():
-                c.copy_(staged)
-            if self._m > 1:
-                bcasts.append(dist.broadcast(c, src=self.leader, group=g.intra, async_op=True))
+        def reduced(c: int) -> None:  # gloo may run ops concurrently: never send over a live reduce
+            for w in reducing.pop(c, ()):
+                w.wait()
 
-        for i, c in enumerate(chunks):
-            if reduces:  # gloo may run ops concurrently: never broadcast over a live reduce
-                reduces[i].wait()
-            if bridging:
-                staged = stage(c)
-                self._throttle(2 * (self._k - 1) * c.numel() * c.element_size() // self._k)  # ring model
-                in_flight.append((c, staged, dist.all_reduce(staged, op=op, group=g.leaders, async_op=True)))
-                if len(in_flight) > 1:
-                    release()
-            elif self._m > 1:
-                bcasts.append(dist.broadcast(c, src=self.leader, group=g.intra, async_op=True))
-        while in_flight:
-            release()
-        for w in itertools.chain(reduces, bcasts):
+        def exchange(c: int) -> None:  # shard j's chunk c to the other islands' holders of shard j
+            reduced(c)
+            piece = rows[c][j]
+            staged = stage(piece)
+            self._throttle(2 * (k - 1) * piece.numel() * piece.element_size() // k)  # ring model
+            exchanging[c] = (piece, staged, dist.all_reduce(staged, op=op, group=g.peer, async_op=True))
+
+        def send_back(c: int) -> None:  # chunk c of every shard from its holder to the island
+            reduced(c)
+            if c in exchanging:
+                piece, staged, work = exchanging.pop(c)
+                work.wait()
+                if staged.data_ptr() != piece.data_ptr():
+                    piece.copy_(staged)
+            if m > 1:
+                sends.extend(dist.broadcast(p, src=self.members[s], group=g.intra, async_op=True)
+                             for s, p in enumerate(rows[c]))
+
+        mine = len(pieces[j]) if j < shards and k > 1 else 0
+        for c in range(n):
+            if c < mine:
+                exchange(c)
+            if c > 0:
+                send_back(c - 1)
+        if n:
+            send_back(n - 1)
+        for w in sends:
             w.wait()
 
     def broadcast(self, t: torch.Tensor, src: int) -> Future:

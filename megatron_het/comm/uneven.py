@@ -7,6 +7,8 @@ uneven collectives nor a reduce-scatter at all, so two portable constructions ar
   ``all_gather`` moves ``world x max_size`` elements; the padding is cut off afterwards. One
   collective; costs what a ring over the largest shard costs (the perf model assumes this).
   ``"broadcast"``: each owner broadcasts its exact shard in turn (no padding, ``world`` calls).
+  ``"all_reduce"``: every rank writes its shard into a zero buffer and the buffers are summed (exact:
+  adding zeros rounds nothing); twice a ring all-gather's traffic, but one all-reduce.
 - reduce-scatter ``"reduce"`` (default): the slice owned by rank ``r`` is summed onto ``r`` with one
   ``dist.reduce`` per owner, so every rank sends about the full buffer once (the traffic of a ring
   reduce-scatter) and receives only its own slice. ``"all_reduce"``: all-reduce the full buffer and
@@ -17,7 +19,9 @@ the same layout.
 
 ``bridge``: a ``comm.HetGroup`` (any subset of the world), for groups whose ranks span collective
 libraries (NVIDIA beside AMD): the padded all-gather and a padded reduce-scatter then run through
-the bridge (native inside each island, host-staged between them) instead of one torch group.
+the bridge (native inside each island, host-staged between them, through one leader per island)
+instead of one torch group; with ``method="all_reduce"`` both run as the bridge's sharded
+all-reduce instead (each island's ranks then share the crossing, see docs/communicator.md).
 
 These are the project's one home for collectives gloo lacks (no reduce-scatter, no uneven
 variants): the sharded strategy (Cephalo mode) and the pipeline runtime's distributed optimizer
@@ -34,7 +38,7 @@ import torch.distributed as dist
 __all__ = ["uneven_all_gather", "uneven_all_gather_start", "uneven_reduce_scatter", "GATHER_METHODS",
            "REDUCE_SCATTER_METHODS", "PendingGather"]
 
-GATHER_METHODS = ("padded", "broadcast")
+GATHER_METHODS = ("padded", "broadcast", "all_reduce")
 REDUCE_SCATTER_METHODS = ("reduce", "all_reduce")
 
 
@@ -61,12 +65,21 @@ def _bridge_order(bridge) -> list[int]:
 
 
 def uneven_all_gather(shard: torch.Tensor, layout, *, group: dist.ProcessGroup | None = None,
-                      method: Literal["padded", "broadcast"] = "padded", bridge=None) -> torch.Tensor:
+                      method: Literal["padded", "broadcast", "all_reduce"] = "padded", bridge=None) -> torch.Tensor:
     """Concatenate every rank's 1-D ``shard`` (rank ``r`` passes ``layout.sizes[r]`` elements)."""
     me = _check(layout, group, bridge)
     if shard.dim() != 1 or shard.numel() != layout.sizes[me]:
         raise ValueError(f"shard: rank {me} must pass a 1-D tensor of {layout.sizes[me]} elements "
                          f"(got shape {tuple(shard.shape)}). Fix: pass this rank's flat shard")
+    if method == "all_reduce":
+        full = shard.new_zeros(layout.numel)
+        start, stop = layout.range(me)
+        full[start:stop] = shard
+        if bridge is not None:
+            bridge.all_reduce(full)
+        else:
+            dist.all_reduce(full, group=group)
+        return full
     if bridge is not None:
         padded = shard.new_zeros(layout.max_size)
         padded[:shard.numel()] = shard
@@ -101,6 +114,10 @@ def uneven_reduce_scatter(full: torch.Tensor, layout, *, group: dist.ProcessGrou
         raise ValueError(f"full: must be a 1-D tensor of {layout.numel} elements (got shape {tuple(full.shape)}). "
                          "Fix: pass the flat buffer the layout was built for")
     start, stop = layout.range(me)
+    if bridge is not None and method == "all_reduce":
+        total = full.clone()
+        bridge.all_reduce(total)
+        return total[start:stop].clone()
     if bridge is not None:  # pieces padded to the largest shard, in the bridge's rank order
         pieces = [full.new_zeros(layout.max_size) for _ in range(layout.world)]
         for r, at in enumerate(_bridge_order(bridge)):
@@ -144,12 +161,13 @@ class PendingGather:
 
 
 def uneven_all_gather_start(shard: torch.Tensor, layout, *, group: dist.ProcessGroup | None = None,
-                            bridge=None) -> PendingGather:
+                            bridge=None, bridge_method: Literal["padded", "all_reduce"] = "padded") -> PendingGather:
     """``uneven_all_gather`` (padded) started asynchronously on a torch group; a bridged group has
-    no async form here, so it completes before returning (still correct, nothing overlapped)."""
+    no async form here, so it completes before returning (still correct, nothing overlapped);
+    ``bridge_method``: the bridge's construction (``uneven_all_gather``'s ``method``)."""
     if bridge is not None:
         return PendingGather(work=None, bufs=None, sizes=layout.sizes,
-                             done=uneven_all_gather(shard, layout, bridge=bridge))
+                             done=uneven_all_gather(shard, layout, bridge=bridge, method=bridge_method))
     me = _check(layout, group)
     if shard.dim() != 1 or shard.numel() != layout.sizes[me]:
         raise ValueError(f"shard: rank {me} must pass a 1-D tensor of {layout.sizes[me]} elements "

@@ -41,6 +41,15 @@ from megatron_het.optim.layout import ShardLayout
 __all__ = ["DistributedOptimizer"]
 
 
+def _bridge_method(het, leaders: str) -> str:
+    """The construction of a reduce-scatter / all-gather over a bridged group: the bridge's sharded
+    all-reduce of the whole buffer where its all-reduce is sharded (every island has >= 2 ranks:
+    each holder then sends 2(k-1)/k of 1/S of the buffer across, no more than one leader's
+    (k-1)/k of all of it), else ``leaders`` (its leader-based collective). perf.comm prices the
+    same choice (``distributed_optimizer_share``)."""
+    return "all_reduce" if het.topology.shards > 1 else leaders
+
+
 class DistributedOptimizer:
     """Sharded fp32 main values + Adam moments over each parameter's holders (construct on every rank)."""
 
@@ -183,7 +192,7 @@ class DistributedOptimizer:
             if group is None:
                 mine = inp
             else:
-                kw = ({"bridge": group.het} if group.kind != "native"
+                kw = ({"bridge": group.het, "method": _bridge_method(group.het, "reduce")} if group.kind != "native"
                       else {"group": group.group, "method": self._methods["reduce_scatter"]})
                 mine = uneven_reduce_scatter(inp, ShardLayout(sizes=b.sizes()), **kw)
             out[self._start[i]:self._start[i] + n] = mine
@@ -198,7 +207,7 @@ class DistributedOptimizer:
             if group is None:
                 gathered = piece
             else:
-                kw = ({"bridge": group.het} if group.kind != "native"
+                kw = ({"bridge": group.het, "method": _bridge_method(group.het, "padded")} if group.kind != "native"
                       else {"group": group.group, "method": self._methods["gather"]})
                 gathered = uneven_all_gather(piece.contiguous(), ShardLayout(sizes=b.sizes()), **kw)
             self._scatter_gathered(i, gathered, sink)
@@ -230,7 +239,8 @@ class DistributedOptimizer:
             if group is None:
                 self._scatter_gathered(i, piece, self._write_params)
                 continue
-            kw = {"bridge": group.het} if group.kind != "native" else {"group": group.group}
+            kw = ({"bridge": group.het, "bridge_method": _bridge_method(group.het, "padded")}
+                  if group.kind != "native" else {"group": group.group})
             self._pending[i] = uneven_all_gather_start(piece, ShardLayout(sizes=b.sizes()), **kw)
 
     def _scatter_gathered(self, i: int, gathered: torch.Tensor, sink: Callable[[str, torch.Tensor], None]) -> None:

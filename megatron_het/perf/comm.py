@@ -49,6 +49,7 @@ __all__ = [
     "p2p_time",
     "dp_gradient_reduction",
     "sharded_gradient_reduction",
+    "distributed_optimizer_share",
 ]
 
 HOST_STAGING_BANDWIDTH_GBPS = 200.0  # sustained PCIe Gen4 x16 device<->host copy, one direction
@@ -76,9 +77,11 @@ class CommTimes:
 class GradientReduction:
     """Phases of one stage's gradient reduction among its replicas, seconds."""
 
-    reduce_s: float  # inside islands (slowest island); the whole flat all-reduce for one island
-    inter_island_s: float  # all-reduce among one leader per island; 0 for one island
-    broadcast_s: float  # leaders back to their island (slowest island); 0 for one island
+    reduce_s: float  # inside islands to the rank(s) that exchange (slowest island); the whole flat
+    # all-reduce for one island
+    inter_island_s: float  # the exchange between islands (one shard per holder, or the whole buffer
+    # among one leader per island); 0 for one island
+    broadcast_s: float  # back inside each island (slowest island); 0 for one island
     islands: int  # number of islands the replicas span
 
     @property
@@ -222,21 +225,7 @@ def _dp_channel(island: IslandSpec) -> Channel:
     return _intra_island_channel(island, same_node=island.nodes == 1)
 
 
-def dp_gradient_reduction(nbytes: float, cluster: ClusterSpec, *, replica_islands: Sequence[str],
-                          ranks_per_node: int = 1) -> GradientReduction:
-    """Time to all-reduce ``nbytes`` of one stage rank's gradients among its replicas.
-
-    ``ranks_per_node``: how many of the replicas share one node of a multi-node island (Megatron
-    places data-parallel peers next to each other after tensor parallelism). NCCL stripes the ring's
-    channels over every NIC of the node, so the node's inter-node traffic is carried by that many
-    network links at once (the ring's intra-node hops run over the faster intra-node link).
-
-    ``replica_islands`` names the island of each replica's copy of this stage (one entry per
-    replica, repeats allowed). One island: a flat ring all-reduce. Several: reduce to one leader
-    per island (in parallel; the slowest island counts), ring all-reduce among the leaders over the
-    cross-island links (slowest link and largest latency in the ring; host-staged if vendors mix),
-    broadcast back inside each island.
-    """
+def _replica_counts(cluster: ClusterSpec, replica_islands: Sequence[str]) -> dict[str, int]:
     if not replica_islands:
         raise ConfigError("needs at least one replica", field="replica_islands", value=list(replica_islands),
                           fix="pass the island name of each replica of the stage")
@@ -244,53 +233,102 @@ def dp_gradient_reduction(nbytes: float, cluster: ClusterSpec, *, replica_island
     for name in replica_islands:
         cluster.island(name)  # unknown names fail loudly
         counts[name] = counts.get(name, 0) + 1
+    return counts
+
+
+def _island_ring_channel(island: IslandSpec, ranks_per_node: int) -> Channel:
+    # NCCL stripes a ring's channels over the NICs of the replicas sharing a node (see below)
+    ch = _dp_channel(island)
+    if island.nodes > 1 and ranks_per_node > 1:
+        ch = Channel(bandwidth_gbps=min(island.intra_node_bandwidth_gbps, ranks_per_node * ch.bandwidth_gbps),
+                     latency_us=ch.latency_us, host_staged=ch.host_staged)
+    return ch
+
+
+def _cross_ring(cluster: ClusterSpec, names: list[str]) -> Channel:
+    """The ring among one rank per island: its slowest link and largest latency (host-staged
+    where vendors mix)."""
+    ring = [p2p_channel(cluster, src=a, dst=b) for a, b in zip(names, names[1:] + names[:1]) if a != b]
+    return Channel(bandwidth_gbps=min(c.bandwidth_gbps for c in ring), latency_us=max(c.latency_us for c in ring),
+                   host_staged=any(c.host_staged for c in ring))
+
+
+def dp_gradient_reduction(nbytes: float, cluster: ClusterSpec, *, replica_islands: Sequence[str],
+                          ranks_per_node: int = 1) -> GradientReduction:
+    """Time to all-reduce ``nbytes`` of one stage rank's gradients among its replicas, as the
+    runtime's group for them runs it (runtime/comm_routing.py).
+
+    ``ranks_per_node``: how many of the replicas share one node of a multi-node island (Megatron
+    places data-parallel peers next to each other after tensor parallelism). NCCL stripes the ring's
+    channels over every NIC of the node, so the node's inter-node traffic is carried by that many
+    network links at once (the ring's intra-node hops run over the faster intra-node link).
+
+    ``replica_islands`` names the island of each replica's copy of this stage (one entry per
+    replica, repeats allowed). One island: a flat ring all-reduce. Islands of several collective
+    libraries (NVIDIA and AMD): the `het` communicator's sharded form,
+    :func:`sharded_gradient_reduction`. Islands of one library: a native group spanning them,
+    priced hierarchically through one leader per island: reduce to the leader (in parallel; the
+    slowest island counts), ring all-reduce among the leaders over the cross-island links (slowest
+    link and largest latency in the ring), broadcast back inside each island.
+    """
+    counts = _replica_counts(cluster, replica_islands)
     if len(counts) == 1:
         (name, n), = counts.items()
-        island = cluster.island(name)
-        ch = _dp_channel(island)
-        if island.nodes > 1 and ranks_per_node > 1:
-            ch = Channel(bandwidth_gbps=min(island.intra_node_bandwidth_gbps, ranks_per_node * ch.bandwidth_gbps),
-                         latency_us=ch.latency_us, host_staged=ch.host_staged)
+        ch = _island_ring_channel(cluster.island(name), ranks_per_node)
         flat = ring_all_reduce_time(nbytes, n=n, bandwidth_gbps=ch.bandwidth_gbps, latency_us=ch.latency_us)
         return GradientReduction(reduce_s=flat, inter_island_s=0.0, broadcast_s=0.0, islands=1)
+    if len({cluster.island(name).device.collective_library for name in counts}) > 1:
+        return sharded_gradient_reduction(nbytes, cluster, replica_islands=replica_islands,
+                                          ranks_per_node=ranks_per_node)
     intra = 0.0
     for name, n in counts.items():
         ch = _dp_channel(cluster.island(name))
         intra = max(intra, chain_time(nbytes, n=n, bandwidth_gbps=ch.bandwidth_gbps, latency_us=ch.latency_us))
-    leaders = list(counts)
-    ring = [p2p_channel(cluster, src=a, dst=b) for a, b in zip(leaders, leaders[1:] + leaders[:1]) if a != b]
-    inter = ring_all_reduce_time(nbytes, n=len(leaders), bandwidth_gbps=min(c.bandwidth_gbps for c in ring),
-                                 latency_us=max(c.latency_us for c in ring))
-    return GradientReduction(reduce_s=intra, inter_island_s=inter, broadcast_s=intra, islands=len(leaders))
+    ring = _cross_ring(cluster, list(counts))
+    inter = ring_all_reduce_time(nbytes, n=len(counts), bandwidth_gbps=ring.bandwidth_gbps, latency_us=ring.latency_us)
+    return GradientReduction(reduce_s=intra, inter_island_s=inter, broadcast_s=intra, islands=len(counts))
 
 
 def sharded_gradient_reduction(nbytes: float, cluster: ClusterSpec, *, replica_islands: Sequence[str],
                                ranks_per_node: int = 1) -> GradientReduction:
-    """What-if: the same all-reduce as :func:`dp_gradient_reduction`, done the bandwidth-optimal
-    hierarchical way (Megatron's ``num_distributed_optimizer_instances`` with one instance per island):
-    reduce-scatter inside every island, an all-reduce of each rank's shard with its peers in the other
-    islands (every rank over its own NIC at once, so the island with the fewest replicas moves the
-    largest shard, ``nbytes / min(n_i)``), all-gather inside. Not what megatron-het's runtime runs
-    (its cross-vendor bridge reduces through one leader per island, which the predictor prices); used
-    to show what a runtime that shards the exchange would gain.
+    """The all-reduce of ``nbytes`` as the `het` communicator runs it across islands
+    (comm/python_impl.py, csrc/het_backend.cpp): the buffer is cut into ``S = min(n_i)`` shards
+    (the fewest replicas on an island); inside every island shard ``j`` is reduced to member ``j``
+    (``S`` concurrent pipelined chains of ``nbytes / S``, whose bytes add up to one chain of the
+    whole buffer, over the channel of the island's flat ring, ``ranks_per_node`` included);
+    member ``j`` of every island all-reduces its ``nbytes / S`` shard over its own
+    link (the ``S`` rings run at once, one per rank's link, so the exchange costs one ring of one
+    shard); each shard is broadcast back inside the island from its holder (chains again).
+    ``S = 1`` is the leader form: chain, leaders' ring of the whole buffer, chain.
 
-    One island: the flat ring of :func:`dp_gradient_reduction`. ``reduce_s``/``broadcast_s`` hold the
-    reduce-scatter/all-gather of the slowest island, ``inter_island_s`` the shard exchange."""
-    if not replica_islands:
-        raise ConfigError("needs at least one replica", field="replica_islands", value=list(replica_islands),
-                          fix="pass the island name of each replica of the stage")
-    counts: dict[str, int] = {}
-    for name in replica_islands:
-        cluster.island(name)
-        counts[name] = counts.get(name, 0) + 1
+    :func:`dp_gradient_reduction` prices a group spanning collective libraries with this; for a
+    same-library group across islands (a native ring, priced through one leader per island) it is
+    the what-if of sharding the exchange. One island: the flat ring of :func:`dp_gradient_reduction`.
+    ``reduce_s``/``broadcast_s`` hold the slowest island's phase, ``inter_island_s`` the exchange."""
+    counts = _replica_counts(cluster, replica_islands)
     if len(counts) == 1:
         return dp_gradient_reduction(nbytes, cluster, replica_islands=replica_islands, ranks_per_node=ranks_per_node)
-    # Inside: reduce-scatter + all-gather = the island's flat ring all-reduce; each half of it.
-    inside = max(dp_gradient_reduction(nbytes, cluster, replica_islands=[name] * n,
-                                       ranks_per_node=ranks_per_node).total_s for name, n in counts.items())
-    names = list(counts)
-    ring = [p2p_channel(cluster, src=a, dst=b) for a, b in zip(names, names[1:] + names[:1]) if a != b]
-    exchange = ring_all_reduce_time(nbytes / min(counts.values()), n=len(names),
-                                    bandwidth_gbps=min(c.bandwidth_gbps for c in ring),
-                                    latency_us=max(c.latency_us for c in ring))
-    return GradientReduction(reduce_s=inside / 2, inter_island_s=exchange, broadcast_s=inside / 2, islands=len(names))
+    shards = min(counts.values())
+    inside = 0.0  # S chains of nbytes / S each, at once over the same links: one chain of nbytes
+    for name, n in counts.items():
+        # NCCL runs reduce and broadcast over the same striped channels as its rings
+        ch = _island_ring_channel(cluster.island(name), ranks_per_node)
+        inside = max(inside, chain_time(nbytes, n=n, bandwidth_gbps=ch.bandwidth_gbps, latency_us=ch.latency_us))
+    ring = _cross_ring(cluster, list(counts))
+    exchange = ring_all_reduce_time(nbytes / shards, n=len(counts), bandwidth_gbps=ring.bandwidth_gbps,
+                                    latency_us=ring.latency_us)
+    return GradientReduction(reduce_s=inside, inter_island_s=exchange, broadcast_s=inside, islands=len(counts))
+
+
+def distributed_optimizer_share(cluster: ClusterSpec, *, replica_islands: Sequence[str]) -> float:
+    """What each of the distributed optimizer's two collectives among the replicas (gradient
+    reduce-scatter, weight all-gather) costs, as a share of :func:`dp_gradient_reduction`'s
+    all-reduce of the same bytes, as the runtime runs them (optim/distributed.py): 1.0 across
+    collective libraries when every island has at least 2 replicas, where each runs as the `het`
+    bridge's sharded all-reduce of the whole buffer (keeping its slice: each holder's 2(k-1)/k of
+    1/S of the buffer crosses, no more than one leader's (k-1)/k of all of it); else 0.5 (a ring
+    reduce-scatter or all-gather is half a ring all-reduce, and the bridge's leader-based ones move
+    half the leaders' all-reduce bytes)."""
+    counts = _replica_counts(cluster, replica_islands)
+    bridged = len({cluster.island(name).device.collective_library for name in counts}) > 1
+    return 1.0 if bridged and min(counts.values()) > 1 else 0.5

@@ -50,7 +50,13 @@ from dataclasses import dataclass, replace
 from megatron_het.cluster import ClusterSpec, ConfigError, DeviceType, IslandSpec, ModelSpec
 from megatron_het.perf.bounds import check_global_batch_size
 from megatron_het.perf.calibrate import with_measured_links
-from megatron_het.perf.comm import activation_message_bytes, dp_gradient_reduction, p2p_time, tp_layer_comm_times
+from megatron_het.perf.comm import (
+    activation_message_bytes,
+    distributed_optimizer_share,
+    dp_gradient_reduction,
+    p2p_time,
+    tp_layer_comm_times,
+)
 from megatron_het.perf.compute import compute_params_for, embedding_times, layer_times, logits_times
 from megatron_het.perf.flops import model_flops_per_iteration, stage_parameters
 from megatron_het.perf.memory import (
@@ -462,12 +468,14 @@ def predict(plan: Plan, model: ModelSpec, cluster: ClusterSpec, *, profile: Prof
                                              ranks_per_node=max(1, same_node)).total_s
 
             def reduce_s(n: int) -> float:
-                # distributed optimizer: reduce-scatter the gradients (half a ring all-reduce); the
+                # distributed optimizer: reduce-scatter the gradients (half a ring all-reduce; across
+                # collective libraries maybe a whole sharded one: distributed_optimizer_share); the
                 # updated weights' all-gather overlaps the next forward with overlap_grad_reduce
                 # (--overlap-param-gather), else it follows the optimizer step (added to the tail here)
                 if dist_opt:
-                    rs = 0.5 * all_reduce_s(grad_bytes * n)
-                    return rs if overlap_grad_reduce else rs + 0.5 * all_reduce_s(param_bytes * n)
+                    share = distributed_optimizer_share(cluster, replica_islands=names)
+                    rs = share * all_reduce_s(grad_bytes * n)
+                    return rs if overlap_grad_reduce else rs + share * all_reduce_s(param_bytes * n)
                 return all_reduce_s(grad_bytes * n)
 
             red = reduce_s(params) if dp > 1 else 0.0

@@ -25,7 +25,12 @@ import numpy as np
 
 from megatron_het.cluster import ClusterSpec, ModelSpec
 from megatron_het.perf.calibrate import with_measured_links
-from megatron_het.perf.comm import activation_message_bytes, dp_gradient_reduction, p2p_time
+from megatron_het.perf.comm import (
+    activation_message_bytes,
+    distributed_optimizer_share,
+    dp_gradient_reduction,
+    p2p_time,
+)
 from megatron_het.perf.flops import stage_parameters
 from megatron_het.perf.memory import device_capacity_bytes, stage_memory, state_bytes
 from megatron_het.perf.predict import (
@@ -270,9 +275,11 @@ class Estimator:
                    ) -> float:
         param_bytes, grad_bytes = self._state_bytes
         if self.distributed_optimizer and replicas > 1:
-            rs = 0.5 * self.reduction(counts, grad_bytes * params, ranks_per_node)
-            return rs if self.overlap_grad_reduce else rs + 0.5 * self.reduction(counts, param_bytes * params,
-                                                                                  ranks_per_node)
+            names = [self.cluster.islands[i].name for i, n in counts for _ in range(n)]
+            share = distributed_optimizer_share(self.cluster, replica_islands=names)  # 0.5, or 1 bridged sharded
+            rs = share * self.reduction(counts, grad_bytes * params, ranks_per_node)
+            return rs if self.overlap_grad_reduce else rs + share * self.reduction(counts, param_bytes * params,
+                                                                                    ranks_per_node)
         return self.reduction(counts, grad_bytes * params, ranks_per_node)
 
     def optimizer_s(self, isl: int, params: int) -> float:

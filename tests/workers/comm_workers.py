@@ -14,6 +14,13 @@ OPS = {"sum": dist.ReduceOp.SUM, "avg": dist.ReduceOp.AVG, "max": dist.ReduceOp.
        "min": dist.ReduceOp.MIN}
 
 
+SHARDED_ISLANDS = ([3, 2], [2, 2, 1], [4, 2], [3, 3])  # shards: 2, 1 (the leader algorithm), 2, 3
+SHARDED_DTYPES = (torch.float32, torch.float64, torch.bfloat16)
+SHARDED_SIZES = (1, 2, 37, 700, 1025)  # below the shard count, odd, several 1 KiB chunks per shard
+UNIT_ROUNDOFF = {torch.float32: 2.0 ** -24, torch.float64: 2.0 ** -53, torch.bfloat16: 2.0 ** -8}
+BYTES_PROBE = 700  # fp32 elements of the all-reduce whose bridge bytes the test checks
+
+
 def membership_of(island_sizes: list[int]) -> IslandMembership:
     """Islands as consecutive rank blocks; alternate backends so the group needs a bridge."""
     rank_to_island, backends, r = {}, {}, 0
@@ -42,8 +49,11 @@ def all_cases(rank: int, world: int, implementations: list[str]) -> dict:
     "three": islands of 1-2-3 ranks over the world; "two": islands of 2-2 on ranks 0-3 (4 and 5
     are non-members, which only join group creation); "skip": rank 3 skips an all-reduce.
     """
-    out: dict = {"three": {}, "two": {}, "skip": {}, "wait": {}}
+    out: dict = {"three": {}, "two": {}, "skip": {}, "wait": {}, "sharded": {}, "uneven": {}}
     for impl in implementations:
+        out["sharded"][impl] = {str(sizes): _sharded_all_reduce(rank, sizes, impl) for sizes in SHARDED_ISLANDS}
+        out["uneven"][impl] = {method: _uneven_over_bridge(rank, [4, 2], impl, method)
+                               for method in ("leaders", "all_reduce")}
         out["three"][impl] = _compare_one(rank, world, [1, 2, 3], impl, [5, 37], 1024)
         # 1 and 37 elements: not divisible by the island size; 700 fp32 elements with 1 KiB
         # chunks: the all-reduce pipeline runs three chunks.
@@ -186,3 +196,73 @@ def _wait_timeout(rank: int, world: int, implementation: str, skipper: int, time
             result["final"] = str(exc)
     dist.barrier()
     return result
+
+
+def _sharded_all_reduce(rank: int, island_sizes: list[int], implementation: str) -> dict:
+    """All-reduce (sum, avg) over islands of unequal sizes against a float64 sum computed here from
+    every rank's (reproducible) input. Tolerance: the bound of n - 1 rounded additions (plus the
+    average's division), n * u * sum |x_r|, u the dtype's unit roundoff. Also the bridge bytes of
+    one BYTES_PROBE-element fp32 all-reduce."""
+    n = sum(island_sizes)
+    het = new_hierarchical_group(list(range(n)), membership_of(island_sizes), implementation=implementation,
+                                 chunk_bytes=1024, timeout_s=60)
+    if het is None:
+        return {"member": False}
+    bad: list[str] = []
+    seed = 100
+    for dtype in SHARDED_DTYPES:
+        for numel in SHARDED_SIZES:
+            for name in ("sum", "avg"):
+                seed += 1
+                inputs = [_data(seed, r, numel, dtype) for r in range(n)]
+                ref = sum(x.double() for x in inputs)
+                bound = n * UNIT_ROUNDOFF[dtype] * sum(x.double().abs() for x in inputs) + 1e-300
+                if name == "avg":
+                    ref, bound = ref / n, bound / n
+                x = inputs[rank].clone()
+                het.all_reduce(x, op=OPS[name])
+                err = (x.double() - ref).abs()
+                if not bool((err <= bound).all()):
+                    bad.append(f"{name} {dtype} n={numel}: max error {err.max().item():.3g}, "
+                               f"bound {bound[err.argmax()].item():.3g}")
+    before = het.bridge_bytes()
+    het.all_reduce(torch.ones(BYTES_PROBE))
+    sent = het.bridge_bytes() - before
+    het.close()
+    return {"member": True, "bad": bad, "bridge_bytes": sent}
+
+
+
+def _uneven_over_bridge(rank: int, island_sizes: list[int], implementation: str, method: str) -> dict:
+    """comm.uneven's reduce-scatter and all-gather through the bridge, leader-based (``leaders``:
+    the default methods) or as the sharded all-reduce (``all_reduce``, the distributed optimizer's
+    choice when every island has >= 2 ranks), uneven sizes (one rank owns nothing), against sums
+    and concatenations computed here; bridge bytes of each."""
+    from megatron_het.comm.uneven import uneven_all_gather, uneven_reduce_scatter
+    from megatron_het.optim.layout import ShardLayout
+
+    n = sum(island_sizes)
+    het = new_hierarchical_group(list(range(n)), membership_of(island_sizes), implementation=implementation,
+                                 chunk_bytes=1024, timeout_s=60)
+    if het is None:
+        return {"member": False}
+    layout = ShardLayout(sizes=tuple(37 + 50 * r if r != 2 else 0 for r in range(n)))
+    rs_kw, ag_kw = ({"method": "all_reduce"}, {"method": "all_reduce"}) if method == "all_reduce" else ({}, {})
+    bad: list[str] = []
+    fulls = [_data(300, r, layout.numel, torch.float32) for r in range(n)]
+    before = het.bridge_bytes()
+    mine = uneven_reduce_scatter(fulls[rank], layout, bridge=het, **rs_kw)
+    rs_bytes = het.bridge_bytes() - before
+    start, stop = layout.range(rank)
+    ref = sum(f.double() for f in fulls)[start:stop]
+    bound = n * 2.0 ** -24 * sum(f.double().abs() for f in fulls)[start:stop]
+    if mine.shape != ref.shape or not bool(((mine.double() - ref).abs() <= bound).all()):
+        bad.append(f"reduce_scatter {method}")
+    shards = [_data(400, r, layout.sizes[r], torch.float32) for r in range(n)]
+    before = het.bridge_bytes()
+    full = uneven_all_gather(shards[rank], layout, bridge=het, **ag_kw)
+    ag_bytes = het.bridge_bytes() - before
+    if not torch.equal(full, torch.cat(shards)):
+        bad.append(f"all_gather {method}")
+    het.close()
+    return {"member": True, "bad": bad, "rs_bytes": rs_bytes, "ag_bytes": ag_bytes}

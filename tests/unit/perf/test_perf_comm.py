@@ -6,6 +6,7 @@ from megatron_het.cluster import CATALOG, ClusterSpec, ConfigError, IslandSpec, 
 from megatron_het.perf.comm import (
     activation_message_bytes,
     chain_time,
+    distributed_optimizer_share,
     dp_gradient_reduction,
     p2p_channel,
     p2p_time,
@@ -84,35 +85,62 @@ def test_dp_reduction_single_island_is_flat_ring():
     assert box.total_s == pytest.approx(2 * 2e-6 + 1.0 * GB / 300e9)  # single node: NVLink
 
 
-def test_dp_reduction_hierarchical_across_islands():
+def test_dp_reduction_across_vendors_is_sharded():
+    """NVIDIA + AMD: the het communicator's sharded form. a100 x3 + mi300 x2: 2 shards."""
     r = dp_gradient_reduction(GB, CLUSTER, replica_islands=["a100", "a100", "a100", "mi300", "mi300"])
-    # reduce: a100 chain of 3 over 25 GB/s = 2*5e-6 + 0.04; mi300 chain of 2 over 50 GB/s = 5e-6 + 0.02
+    assert r == sharded_gradient_reduction(GB, CLUSTER, replica_islands=["a100"] * 3 + ["mi300"] * 2)
+    # a100: two chains of GB/2 at once = one chain of GB over 25 GB/s: 2*5e-6 + 0.04; mi300: one chain
+    # of GB over 50 GB/s: 5e-6 + 0.02; the slowest island counts
     assert r.reduce_s == pytest.approx(2 * 5e-6 + 0.04)
-    # leaders: all-reduce of 2 over the host-staged 50 Gbit/s link, 10 us: 2*10e-6 + 1.0 * 1e9/6.25e9
-    assert r.inter_island_s == pytest.approx(2 * 10e-6 + 0.16)
-    assert r.broadcast_s == r.reduce_s
-    assert r.total_s == pytest.approx(2 * (2 * 5e-6 + 0.04) + 2 * 10e-6 + 0.16)
+    assert r.broadcast_s == pytest.approx(2 * 5e-6 + 0.04)
+    # each holder all-reduces its GB/2 shard over the host-staged 50 Gbit/s link (ring of 2): half the leaders' bytes
+    assert r.inter_island_s == pytest.approx(2 * 10e-6 + (GB / 2) / 6.25e9)
+    assert r.total_s == pytest.approx(2 * (2 * 5e-6 + 0.04) + 2 * 10e-6 + 0.08)
+    # replicas sharing a node: the chains stripe over their NICs like the flat ring (a100: 2 x 200 Gbit/s)
+    paired = dp_gradient_reduction(GB, CLUSTER, replica_islands=["a100"] * 3 + ["mi300"] * 2, ranks_per_node=2)
+    assert paired.reduce_s == pytest.approx(max(2 * 5e-6 + GB / 50e9, 5e-6 + GB / 100e9))
     three = dp_gradient_reduction(GB, CLUSTER, replica_islands=["a100", "a100-box", "mi300"])
-    # ring a100 -> a100-box -> mi300 -> a100: slowest is a100-box<->mi300, 50 Gbit/s staged -> 33.3 Gbit/s
+    # one replica per island: S = 1, the leader form; ring a100 -> a100-box -> mi300 -> a100: slowest
+    # is a100-box<->mi300, 50 Gbit/s staged -> 33.3 Gbit/s
+    assert three.reduce_s == three.broadcast_s == 0.0
     assert three.inter_island_s == pytest.approx(4 * 20e-6 + 2 * 2 / 3 * GB / (100 / 3 * 1e9 / 8))
 
 
-def test_sharded_reduction_what_if():
-    """Reduce-scatter inside, shards exchanged by every rank at once, all-gather inside: the
-    exchange moves GB / (fewest replicas on an island); one island is the flat ring."""
+def test_dp_reduction_one_library_across_islands_goes_through_leaders():
+    """A100 pod + A100 box share NCCL: a native group, priced reduce to a leader, leaders' ring, broadcast."""
+    r = dp_gradient_reduction(GB, CLUSTER, replica_islands=["a100"] * 3 + ["a100-box"] * 2)
+    # reduce: a100 chain of 3 over 25 GB/s; a100-box chain of 2 over 300 GB/s NVLink
+    assert r.reduce_s == r.broadcast_s == pytest.approx(2 * 5e-6 + 0.04)
+    assert r.inter_island_s == pytest.approx(2 * 10e-6 + GB / 12.5e9)  # the whole buffer, 100 Gbit/s
+    sharded = sharded_gradient_reduction(GB, CLUSTER, replica_islands=["a100"] * 3 + ["a100-box"] * 2)
+    assert sharded.inter_island_s == pytest.approx(2 * 10e-6 + (GB / 2) / 12.5e9)  # the what-if
+
+
+def test_sharded_reduction_shrinks_the_exchange_with_the_smallest_island():
+    """The exchange moves GB / (fewest replicas on an island); one island is the flat ring."""
     one = sharded_gradient_reduction(GB, CLUSTER, replica_islands=["a100"] * 4)
     assert one == dp_gradient_reduction(GB, CLUSTER, replica_islands=["a100"] * 4)
-    r = sharded_gradient_reduction(GB, CLUSTER, replica_islands=["a100"] * 3 + ["mi300"] * 2)
-    inside = max(4 * 5e-6 + 2 * 2 / 3 * GB / 25e9, 2 * 5e-6 + GB / 50e9)  # a100 ring of 3, mi300 ring of 2
-    assert r.reduce_s + r.broadcast_s == pytest.approx(inside)
-    assert r.inter_island_s == pytest.approx(2 * 10e-6 + (GB / 2) / 6.25e9)  # half the bytes, staged 50 Gbit/s
     # With 64 replicas per island the exchange is 1/64 of the leaders' (the links' share vanishes);
-    # what is left is the islands' own reduce-scatter + all-gather.
+    # what is left is the islands' own chains (the same as the leader form's).
     many = ["a100"] * 64 + ["mi300"] * 64
-    sharded, leader = (f(GB, CLUSTER, replica_islands=many) for f in (sharded_gradient_reduction, dp_gradient_reduction))
+    sharded = dp_gradient_reduction(GB, CLUSTER, replica_islands=many)
     assert sharded.inter_island_s == pytest.approx(2 * 10e-6 + (GB / 64) / 6.25e9)
-    assert leader.inter_island_s == pytest.approx(2 * 10e-6 + GB / 6.25e9)
-    assert sharded.total_s < 0.5 * leader.total_s
+    assert sharded.reduce_s == sharded.broadcast_s == pytest.approx(63 * 5e-6 + GB / 25e9)
+    leader_exchange = 2 * 10e-6 + GB / 6.25e9  # what one leader per island would send
+    assert sharded.total_s < 0.5 * (2 * (63 * 5e-6 + GB / 25e9) + leader_exchange)
+    # the smallest island sets the shard count: 64 + 1 replicas exchange the whole buffer through one rank
+    lopsided = dp_gradient_reduction(GB, CLUSTER, replica_islands=["a100"] * 64 + ["mi300"])
+    assert lopsided.inter_island_s == pytest.approx(leader_exchange)
+
+
+def test_distributed_optimizer_share_follows_the_runtime():
+    """The runtime (optim/distributed.py) runs the reduce-scatter / all-gather as the bridge's sharded
+    all-reduce when the islands mix libraries and each has >= 2 replicas (a whole all-reduce each);
+    otherwise as a reduce-scatter / all-gather (half of one)."""
+    assert distributed_optimizer_share(CLUSTER, replica_islands=["a100"] * 3 + ["mi300"] * 2) == 1.0
+    assert distributed_optimizer_share(CLUSTER, replica_islands=["a100"] * 3 + ["mi300"]) == 0.5  # one shard: leaders
+    assert distributed_optimizer_share(CLUSTER, replica_islands=["a100"] * 2 + ["a100-box"] * 2) == 0.5  # native
+    assert distributed_optimizer_share(CLUSTER, replica_islands=["mi300"] * 4) == 0.5
 
 
 def test_dp_reduction_validation():
