@@ -60,6 +60,7 @@ __all__ = [
     "PROFILE_FORMAT",
     "PROFILE_VERSION",
     "MEASURED_PRECISIONS",
+    "TRAINS_IN",
     "check_profile_precision",
     "ProfileEntry",
     "PartEntry",
@@ -76,11 +77,11 @@ __all__ = [
 
 PROFILE_FORMAT = "megatron-het-profile"
 PROFILE_VERSION = 1
-# precisions a profile's times can be taken in, and the plan precisions each one prices (fp32 storage
-# also runs tf32 plans: the CPU runtime trains both in fp32, runtime/plan_record.py)
-MEASURED_PRECISIONS = ("fp32", "bf16", "fp16")
-PRICES = {"fp32": ("fp32", "tf32"), "bf16": ("bf16",), "fp16": ("fp16",)}
-_DTYPE_FLAG = {"fp32": "float32", "tf32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+# plan precision -> the dtype its layers train in (tf32 plans train in fp32 storage,
+# runtime/plan_record.py), which is what a profile's times must have been taken in
+TRAINS_IN = {"fp32": "fp32", "tf32": "fp32", "bf16": "bf16", "fp16": "fp16"}
+MEASURED_PRECISIONS = ("fp32", "bf16", "fp16")  # what a profile's "precision" may say
+_DTYPE_FLAG = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}  # tools/profile_host.py --dtype
 
 _SHAPE_KEYS = ("hidden_size", "num_attention_heads", "num_query_groups", "ffn_hidden_size", "swiglu",
                "seq_length", "tp")
@@ -480,10 +481,10 @@ def check_profile_precision(profiles, plan_precision: str, devices) -> None:
     for p in profiles:
         if p.precision is None or p.device not in devices or not (p.entries or p.parts):
             continue
-        if plan_precision not in PRICES[p.precision]:
+        if TRAINS_IN.get(plan_precision) != p.precision:
             raise ConfigError(f"the {p.device} profile{f' ({p.source})' if p.source else ''} was timed in "
                               f"{p.precision}, the plan trains in {plan_precision}", field="plan.precision",
                               value=plan_precision,
                               fix=f"price and train the plan at {p.precision} (tools/plan.py --precision "
                                   f"{p.precision}), or time the profile in {plan_precision} (tools/profile_host.py "
-                                  f"--dtype {_DTYPE_FLAG.get(plan_precision, plan_precision)})")
+                                  f"--dtype {_DTYPE_FLAG.get(TRAINS_IN.get(plan_precision), plan_precision)})")

@@ -32,7 +32,7 @@ from pathlib import Path
 from megatron_het.cluster import ClusterSpec, ConfigError, ModelSpec
 from megatron_het.perf.flops import padded_vocab_size
 from megatron_het.perf.predict import SYNC_ALL_REDUCES_PER_ITERATION, Prediction, predict, small_all_reduce_s
-from megatron_het.perf.profile import Profile, load_profile, save_profile
+from megatron_het.perf.profile import TRAINS_IN, Profile, load_profile, save_profile
 
 __all__ = ["HostPrediction", "host_key", "host_profile", "predict_on_this_host"]
 
@@ -138,7 +138,7 @@ def predict_on_this_host(plan, model: ModelSpec, cluster: ClusterSpec, *, cache_
     sizes = sorted({r.micro_batch_size for r in plan.ranks}) if sharded else [plan.micro_batch_size]
     thread_clock = all(cluster.emulation_clock(i.name) == "thread" for i in cluster.islands)  # "wall" unemulated
     # timed in the dtype the run trains in (runtime/plan_record.py: tf32 plans train in fp32 storage)
-    precision = "fp32" if sharded else {"tf32": "fp32"}.get(plan.precision, plan.precision)
+    precision = "fp32" if sharded else TRAINS_IN.get(plan.precision, plan.precision)
     profile, path, fresh = host_profile(model, micro_batch_sizes=sizes, ranks=plan.world_size,
                                         cache_dir=cache_dir, device=devices.pop(), threads=threads,
                                         clock="thread" if thread_clock else "wall", precision=precision,
