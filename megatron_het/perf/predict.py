@@ -467,13 +467,15 @@ def predict(plan: Plan, model: ModelSpec, cluster: ClusterSpec, *, profile: Prof
                 return dp_gradient_reduction(nbytes, cluster, replica_islands=names,
                                              ranks_per_node=max(1, same_node)).total_s
 
+            # distributed optimizer: reduce-scatter the gradients (half a ring all-reduce; across
+            # collective libraries maybe a whole sharded one: distributed_optimizer_share); the
+            # updated weights' all-gather overlaps the next forward with overlap_grad_reduce
+            # (--overlap-param-gather), else it follows the optimizer step (added to the tail here).
+            # Once per stage: reduce_s runs per gradient bucket.
+            share = distributed_optimizer_share(cluster, replica_islands=names) if dist_opt else 1.0
+
             def reduce_s(n: int) -> float:
-                # distributed optimizer: reduce-scatter the gradients (half a ring all-reduce; across
-                # collective libraries maybe a whole sharded one: distributed_optimizer_share); the
-                # updated weights' all-gather overlaps the next forward with overlap_grad_reduce
-                # (--overlap-param-gather), else it follows the optimizer step (added to the tail here)
                 if dist_opt:
-                    share = distributed_optimizer_share(cluster, replica_islands=names)
                     rs = share * all_reduce_s(grad_bytes * n)
                     return rs if overlap_grad_reduce else rs + share * all_reduce_s(param_bytes * n)
                 return all_reduce_s(grad_bytes * n)
