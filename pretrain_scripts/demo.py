@@ -106,8 +106,9 @@ def main() -> int:
     code, measured = train(cmd, dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore"))
     if code == 0 and len(measured) > 1:
         steady = statistics.median(measured[1:])  # the first interval includes start-up
+        where = ", ".join(os.path.relpath(p, ROOT) for p in predicted.profile_paths)
         print(f"demo: iteration time: predicted {predicted.iteration_time_s * 1e3:.1f} ms (plan priced from a "
-              f"profile of this host, {os.path.relpath(predicted.profile_path, ROOT)}), measured {steady:.1f} ms "
+              f"profile of this host, {where}), measured {steady:.1f} ms "
               f"(median of the log intervals after the first): predicted/measured "
               f"{predicted.iteration_time_s * 1e3 / steady:.2f}", flush=True)
     return code

@@ -291,11 +291,19 @@ class DistributedOptimizer:
                 self.params[name].grad.zero_()
 
     @torch.no_grad()
-    def step(self) -> None:
-        """AdamW on this rank's pieces, then the updated values all-gathered into every holder's model."""
+    def step(self, *, compute: Callable[[Callable[[], object]], object] | None = None) -> None:
+        """AdamW on this rank's pieces, then the updated values all-gathered into every holder's model.
+
+        ``compute(fn)`` runs the local update (an emulated device's timer stretches it: EmulationTimer.stretch);
+        the all-gather is communication, which a slower device does not slow, and runs outside it."""
         self.finish_param_gather()
-        self._master()
-        self.adam.step(self.shard_grad, float(self.param_groups[0]["lr"]))
+        lr = float(self.param_groups[0]["lr"])
+
+        def update() -> None:
+            self._master()
+            self.adam.step(self.shard_grad, lr)
+
+        (compute or (lambda fn: fn()))(update)
         if self.overlap_param_gather:  # finished by the next forward's pre-hooks, bucket by bucket
             self._start_gathers(self.adam.master)
         else:

@@ -44,7 +44,7 @@ def explain(plan: Plan, model: ModelSpec, cluster: ClusterSpec, *, profile: Prof
     is_first, is_last = si == 0, si == len(replica.stages) - 1
     island = cluster.island(st.island)
     device = island.device
-    measured = profile_for(profile, device.name)
+    measured = profile_for(profile, device.name, st.island)
     flash = predict_kwargs.get("flash_attention")
     flash = not device.is_host if flash is None else flash
     mode = (predict_kwargs.get("recompute_mode") or "full") if st.recompute else "none"

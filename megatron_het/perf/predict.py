@@ -121,11 +121,11 @@ class StageCost:
 
 
 def optimizer_step_s(device: DeviceType, params: int, *, profile: Profile | Sequence[Profile] | None = None,
-                     precision: str = "bf16") -> float:
+                     precision: str = "bf16", island: str | None = None) -> float:
     """One Adam step over ``params`` parameters on ``device``: measured per parameter when the
     device's profile has it, else memory-bound at ``OPTIMIZER_STEP_BYTES`` (per precision) per
-    parameter at the compute model's memory efficiency."""
-    measured = profile_for(profile, device.name)
+    parameter at the compute model's memory efficiency. ``island``: the island's own profile wins."""
+    measured = profile_for(profile, device.name, island)
     if measured is not None and measured.optimizer_s_per_parameter is not None:
         return measured.optimizer_s_per_parameter * params
     state_bytes(precision)
@@ -152,30 +152,35 @@ def small_all_reduce_s(cluster: ClusterSpec, ranks: int, *, profile: Profile | S
     return 0.0
 
 
-def backward_split_shares(profile: Profile | Sequence[Profile] | None, device_name: str) -> tuple[float, float]:
-    """(B, W) of a split backward as shares of the fused backward on ``device_name``: measured by the
-    device's profile (profile_host times the split of the same layers), else half each."""
-    prof = profile_for(profile, device_name)
+def backward_split_shares(profile: Profile | Sequence[Profile] | None, device_name: str,
+                          island: str | None = None) -> tuple[float, float]:
+    """(B, W) of a split backward as shares of the fused backward on ``device_name`` (on ``island``):
+    measured by the device's profile (profile_host times the split of the same layers), else half each."""
+    prof = profile_for(profile, device_name, island)
     return prof.backward_split if prof is not None and prof.backward_split is not None else (0.5, 0.5)
 
 
-def call_overhead_s(profile: Profile | Sequence[Profile] | None, device_name: str) -> tuple[float, float, int]:
+def call_overhead_s(profile: Profile | Sequence[Profile] | None, device_name: str,
+                    island: str | None = None) -> tuple[float, float, int]:
     """(forward, backward) fixed seconds of one model-chunk call on ``device_name`` and the stack size its
     per-layer times were measured at (each layer time holds 1/that of the call cost): measured by the
     device's profile (profile_host --call-overhead), else (0, 0, 1): nothing charged per call."""
-    prof = profile_for(profile, device_name)
+    prof = profile_for(profile, device_name, island)
     if prof is None or prof.call_overhead is None:
         return 0.0, 0.0, 1
     # a fixed cost is not negative: a negative measured intercept is the noise of two medians, priced as none
     return max(0.0, prof.call_overhead[0]), max(0.0, prof.call_overhead[1]), prof.call_overhead_layers
 
 
-def profile_for(profile: Profile | Sequence[Profile] | None, device_name: str) -> Profile | None:
-    """The profile measured on ``device_name`` among those given, or None (analytic model)."""
+def profile_for(profile: Profile | Sequence[Profile] | None, device_name: str,
+                island: str | None = None) -> Profile | None:
+    """The profile measured on ``device_name`` among those given, or None (analytic model): the one
+    measured for ``island`` (Profile.island) if there is one, else one standing for every island."""
     if profile is None:
         return None
-    profiles = (profile,) if isinstance(profile, Profile) else tuple(profile)
-    return next((p for p in profiles if p.device == device_name), None)
+    profiles = [p for p in ((profile,) if isinstance(profile, Profile) else profile) if p.device == device_name]
+    mine = next((p for p in profiles if island is not None and p.island == island), None)
+    return mine if mine is not None else next((p for p in profiles if p.island is None), None)
 
 
 def stage_cost(model: ModelSpec, island: IslandSpec, *, tp: int, micro_batch_size: int, slowdown: float = 1.0,
@@ -207,7 +212,8 @@ def stage_cost(model: ModelSpec, island: IslandSpec, *, tp: int, micro_batch_siz
     flash = not device.is_host if flash_attention is None else flash_attention
     lt = layer_times(model, device, micro_batch_size=micro_batch_size, seq_length=seq_length, tp=tp,
                      sequence_parallel=sequence_parallel, recompute=mode,
-                     profile=profile_for(profile, device.name), precision=precision, flash_attention=flash)
+                     profile=profile_for(profile, device.name, island.name), precision=precision,
+                     flash_attention=flash)
     comm = tp_layer_comm_times(model, island, micro_batch_size=micro_batch_size, tp=tp, seq_length=seq_length,
                                sequence_parallel=sequence_parallel, recompute=mode,
                                element_bytes=activation_element_bytes(precision))
@@ -217,7 +223,7 @@ def stage_cost(model: ModelSpec, island: IslandSpec, *, tp: int, micro_batch_siz
         fwd_comm, bwd_comm = max(0.0, comm.forward_s - lt.forward_s), max(0.0, comm.backward_s - lt.backward_s)
     else:
         fwd_comm, bwd_comm = comm.forward_s, comm.backward_s
-    measured = profile_for(profile, device.name)
+    measured = profile_for(profile, device.name, island.name)
     emb = embedding_times(model, device, micro_batch_size=micro_batch_size, seq_length=seq_length, tp=tp,
                           profile=measured, precision=precision)
     out = logits_times(model, device, micro_batch_size=micro_batch_size, seq_length=seq_length, tp=tp,
@@ -492,7 +498,7 @@ def predict(plan: Plan, model: ModelSpec, cluster: ClusterSpec, *, profile: Prof
             island = cluster.island(stage.island)
             shard = len(peers) if dist_opt else 1
             opt = cluster.slowdown(stage.island) * optimizer_step_s(island.device, params // shard, profile=profile,
-                                                                        precision=precision)
+                                                                        precision=precision, island=stage.island)
             reductions[key] = (red, start + tail, opt)
         return reductions[key]
 
@@ -536,10 +542,10 @@ def _simulate(plan: Plan, r: ReplicaPlan, model: ModelSpec, cluster: ClusterSpec
         fwd.append(c.forward_s(st.num_layers, is_first=i == 0, is_last=i == p - 1))
         bwd.append(c.backward_s(st.num_layers, is_first=i == 0, is_last=i == p - 1))
         ends.append(stage_ends(c, is_first=i == 0, is_last=i == p - 1))
-    split = [backward_split_shares(profile, cluster.island(st.island).device.name) for st in r.stages]
+    split = [backward_split_shares(profile, cluster.island(st.island).device.name, st.island) for st in r.stages]
     overhead = stage_call_overheads(r, v, profile, cluster)
     for i, st in enumerate(r.stages):  # v calls per micro-batch, not the 1/n of one per layer the entries hold
-        of, ob, n = call_overhead_s(profile, cluster.island(st.island).device.name)
+        of, ob, n = call_overhead_s(profile, cluster.island(st.island).device.name, st.island)
         fwd[i] += v * of - st.num_layers * of / n
         bwd[i] += v * ob - st.num_layers * ob / n
     duration = action_duration(plan, r, fwd, bwd, ends=ends, split=split, overhead=overhead)
@@ -552,7 +558,7 @@ def _simulate(plan: Plan, r: ReplicaPlan, model: ModelSpec, cluster: ClusterSpec
 def stage_call_overheads(r: ReplicaPlan, v: int, profile: Profile | Sequence[Profile] | None,
                          cluster: ClusterSpec) -> list[tuple[float, float]]:
     """Per stage: (forward, backward) seconds each model-chunk call costs beyond its layers."""
-    return [call_overhead_s(profile, cluster.island(st.island).device.name)[:2] for st in r.stages]
+    return [call_overhead_s(profile, cluster.island(st.island).device.name, st.island)[:2] for st in r.stages]
 
 
 def stage_ends(cost: StageCost, *, is_first: bool, is_last: bool) -> tuple[float, float, float, float]:
@@ -661,8 +667,8 @@ def _replica(plan: Plan, r: ReplicaPlan, model: ModelSpec, cluster: ClusterSpec,
             island=st.island, device_type=st.device_type, tp=st.tp, layers=st.layers, forward_s=fwd[i],
             backward_s=bwd[i], compute_s=sim.busy[i], idle_s=sim.idle[i], gradient_reduction_s=red,
             gradient_reduction_end_s=red_end, optimizer_s=opt, memory=mem, capacity_gib=device_capacity_bytes(device) / _GIB,
-            ends_s=tuple(ends[i]), backward_split=backward_split_shares(profile, device.name),
-            call_overhead_s=call_overhead_s(profile, device.name)[:2],
+            ends_s=tuple(ends[i]), backward_split=backward_split_shares(profile, device.name, st.island),
+            call_overhead_s=call_overhead_s(profile, device.name, st.island)[:2],
         ))
     return ReplicaPrediction(num_micro_batches=m, pipeline_time_s=sim.iteration_time,
                              bubble_fraction=sim.bubble_fraction, stages=tuple(stages))

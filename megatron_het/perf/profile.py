@@ -30,7 +30,8 @@ Optional sections (``tools/profile_host.py --vocab-size``, ``--optimizer``, ``--
 ``"precision": "fp32"`` (or ``"bf16"``, ``"fp16"``; ``tools/profile_host.py --dtype``) records the dtype the
 entries and parts were timed in; ``perf.predict`` refuses to price a plan of another precision with
 them (fp32 times also price tf32 plans: both train in fp32 storage). Profiles without the key are not
-checked.
+checked. ``"island": "slow"`` says the times stand for that island's devices only (an emulated island
+measured as it runs, profiling.host); a profile without it stands for every island of its device type.
 
 ``compute_model`` holds the analytic compute model's kernel figures for this device type per
 precision class ("fp32", "tf32", "16bit", "fp8"), as tools/calibrate.py fits them from published
@@ -183,6 +184,11 @@ class Profile:
     # None: not recorded (profiles written before it). perf.predict refuses to price a plan of another
     # precision with these times (a bf16 plan on a CPU profile timed in fp32 trains ~10x slower here).
     precision: str | None = None
+    # the island whose devices these times stand for (None: every island of ``device``). An island's own
+    # profile wins over the device type's (perf.predict.profile_for): CPU ranks emulating two devices on
+    # one host wait differently between actions, and their caches are colder the longer they wait
+    # (profiling.host measures one profile per emulated island).
+    island: str | None = None
 
 
 def _entry_from_dict(data: object, path: str) -> ProfileEntry:
@@ -243,7 +249,7 @@ def profile_from_dict(data: object, *, source: str | None = None) -> Profile:
         data = as_mapping(data, "(top level)", example='{"format": "megatron-het-profile", ...}')
         check_keys(data, "", allowed=("format", "version", "device", "method", "machine", "entries", "parts",
                                       "optimizer", "communication", "compute_model", "backward_split",
-                                      "call_overhead", "precision"),
+                                      "call_overhead", "precision", "island"),
                    required=("format", "version", "device", "entries"))
         if data["format"] != PROFILE_FORMAT:
             raise ConfigError("not a megatron-het profile", field="format", value=data["format"],
@@ -312,7 +318,9 @@ def profile_from_dict(data: object, *, source: str | None = None) -> Profile:
         if precision is not None and precision not in MEASURED_PRECISIONS:
             raise ConfigError("unknown measured precision", field="precision", value=precision,
                               fix=f"use one of {', '.join(MEASURED_PRECISIONS)}, or remove the key")
-        return Profile(precision=precision, device=as_str(data["device"], "device"), entries=entries,
+        island = data.get("island")
+        return Profile(precision=precision, island=None if island is None else as_str(island, "island"),
+                       device=as_str(data["device"], "device"), entries=entries,
                        method=as_str(data.get("method", "unspecified"), "method"),
                        machine=types.MappingProxyType(dict(machine)), source=source, parts=parts,
                        optimizer_s_per_parameter=opt_s, optimizer_method=opt_method, link=link,
@@ -381,6 +389,8 @@ def profile_to_dict(profile: Profile) -> dict[str, Any]:
                                 "stack_layers": profile.call_overhead_layers, "method": profile.call_overhead_method}
     if profile.precision is not None:
         out["precision"] = profile.precision
+    if profile.island is not None:
+        out["island"] = profile.island
     if profile.compute_model:
         out["compute_model"] = {cls: p.to_dict() for cls, p in profile.compute_model.items()}
         out["compute_model"]["method"] = profile.compute_method

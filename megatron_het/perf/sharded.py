@@ -199,7 +199,7 @@ def predict_sharded_ranks(model: ModelSpec, cluster: ClusterSpec, *, islands: Se
             computes[ckey] = rank_compute_s(model, island, micro_batch_size=ckey[1], num_micro_batches=ckey[2],
                                             recompute=ckey[3], slowdown=cluster.slowdown(islands[r]), profile=profile)
         comp = computes[ckey]
-        opt = optimizer_step_s(island.device, round(p * shard_fractions[r]), profile=profile)
+        opt = optimizer_step_s(island.device, round(p * shard_fractions[r]), profile=profile, island=islands[r])
         cap = capacity_bytes[r] if capacity_bytes is not None else int(island.device.memory_gib * 2**30)
         ranks.append(RankPrediction(rank=r, island=islands[r], compute_s=comp, optimizer_s=opt, memory=mem,
                                     capacity_bytes=cap))

@@ -143,7 +143,7 @@ class Estimator:
         self._candidates: dict[tuple[int, LayerSlice], Sequence[IntraConfig]] = {}
         self._tps: dict[int, tuple[int, ...]] = {}
         # W's share of a fused backward per island (measured split, else half): ZB-H1's estimate
-        self._w_share = [backward_split_shares(profile, i.device.name)[1] for i in cluster.islands]
+        self._w_share = [backward_split_shares(profile, i.device.name, i.name)[1] for i in cluster.islands]
 
     def configs(self, isl: int, slice_: LayerSlice) -> Sequence[IntraConfig]:
         """The parallelizer's candidates for ``slice_`` on island ``isl`` within device memory (cached)."""
@@ -289,7 +289,7 @@ class Estimator:
         if rate is None:
             island = self.cluster.islands[isl]
             rate = self._opt_rate[isl] = self.cluster.slowdown(island.name) * optimizer_step_s(
-                island.device, 1_000_000, profile=self.profile, precision=self.precision) / 1_000_000
+                island.device, 1_000_000, profile=self.profile, precision=self.precision, island=island.name) / 1_000_000
         return rate * params
 
     def ranks_per_node(self, isl: int, tp: int, pp: int, count: int) -> int:

@@ -443,7 +443,7 @@ class PipelineStrategy:
             if self.train.clip_grad > 0:
                 raise ConfigError("the staggered optimizer step cannot wait for the global gradient norm",
                                   field="--clip-grad", value=self.train.clip_grad, fix="use --clip-grad 0")
-            timer.stretch(self._optimizer_step)
+            self._optimizer_step(timer)
         # Global norm and global mean loss in one world all-reduce, kept on the device (read at the log
         # interval). Before the step, so that a failure in any collective leaves every survivor un-stepped
         # (a staggered step is taken before it: the resilience hooks then undo it on a failure).
@@ -451,7 +451,7 @@ class PipelineStrategy:
         if not skipped:
             self._clip(norm)
         if not skipped and not staggered:
-            timer.stretch(self._optimizer_step)  # a slower device steps its optimizer slower too (priced so)
+            self._optimizer_step(timer)
         return StepResult(lm_loss=report / self.total_micro_batches, grad_norm=norm if not skipped else math.nan,
                           skipped=skipped, loss_scale=scale)
 
@@ -462,10 +462,16 @@ class PipelineStrategy:
             return [self.sync.shard_grad]
         return [m.grad for m in self.opt_params.values()]
 
-    def _optimizer_step(self) -> None:
-        self.optimizer.step()
+    def _optimizer_step(self, timer: EmulationTimer) -> None:
+        """A slower device steps its optimizer slower too (priced so: perf.predict's optimizer_step_s x
+        slowdown); the distributed optimizer's all-gather of the updated values is communication,
+        priced on the links, so only its local update is stretched."""
+        if self.plan.use_distributed_optimizer:
+            self.optimizer.step(compute=timer.stretch)
+        else:
+            timer.stretch(self.optimizer.step)
         if self.main is not None:
-            self.main.copy_to_model()  # Megatron's _copy_main_params_to_model_params
+            timer.stretch(self.main.copy_to_model)  # Megatron's _copy_main_params_to_model_params
 
     @torch.no_grad()
     def evaluate(self, batch_fn: BatchFn, iteration: int) -> float:

@@ -23,30 +23,36 @@ def test_one_rank_plan_priced_from_a_cached_host_profile(tmp_path):
     again = predict_on_this_host(plan, MODEL, cluster, cache_dir=tmp_path)
     assert not again.measured_now and again.profile_path == first.profile_path
     assert again.iteration_time_s == first.iteration_time_s
-    assert host_key(MODEL, micro_batch_sizes=[2], ranks=1, threads=1) in first.profile_path
-    assert host_key(MODEL, micro_batch_sizes=[4], ranks=1, threads=1) not in first.profile_path
+    # a pipeline plan's chunk calls: their fixed cost is measured too (and keys the cache)
+    assert first.profile.call_overhead is not None and first.profile.backward_split is None  # 1F1B: fused backward
+    assert host_key(MODEL, micro_batch_sizes=[2], ranks=1, threads=1, call_overhead=True) in first.profile_path
+    assert host_key(MODEL, micro_batch_sizes=[2], ranks=1, threads=1) not in first.profile_path
+    assert host_key(MODEL, micro_batch_sizes=[4], ranks=1, threads=1, call_overhead=True) not in first.profile_path
     # a bf16 plan is not priced from this fp32 profile: it gets its own, timed in bf16
-    assert host_key(MODEL, micro_batch_sizes=[2], ranks=1, threads=1, precision="bf16") not in first.profile_path
+    assert host_key(MODEL, micro_batch_sizes=[2], ranks=1, threads=1, precision="bf16",
+                    call_overhead=True) not in first.profile_path
 
 
-def test_a_cluster_on_the_thread_clock_is_profiled_in_thread_cpu_time(tmp_path, monkeypatch):
-    """Compute timed as the run times it: thread CPU time when the emulation paces devices in it."""
+def test_a_cluster_on_the_thread_clock_is_profiled_in_thread_cpu_time_one_profile_per_island(tmp_path, monkeypatch):
+    """Compute timed as the run times it: thread CPU time when the emulation paces devices in it, every
+    rank of the run measured at once, each waiting as its island's emulated device does; one profile per
+    island, and the plan's stages are priced from their own island's."""
     import megatron_het.profiling.layers as layers
     from megatron_het.cluster import load_cluster
 
     seen = []
     single = layers.profile_layers
 
-    def spy_concurrent(model, *, processes, **options):  # measured in this process: the clock is the point
-        seen.append((options["clock"], processes))
-        return single(model, **options)
+    def spy_emulated(model, *, islands, slowdowns, **options):  # measured in this process: the routing is the point
+        seen.append((options["clock"], list(islands), list(slowdowns), options["split_backward"],
+                     options["call_overhead"]))
+        base = single(model, **options)
+        # the slow island's measurement made twice the fast one's, so its pricing shows where it went
+        return tuple(dataclasses.replace(base, island=name, entries=tuple(
+            dataclasses.replace(e, forward_s=e.forward_s * k, backward_s=e.backward_s * k) for e in base.entries))
+            for name, k in (("fast", 1.0), ("slow", 2.0)))
 
-    def spy_single(model, **options):
-        seen.append((options["clock"], 1))
-        return single(model, **options)
-
-    monkeypatch.setattr(layers, "profile_concurrent", spy_concurrent)
-    monkeypatch.setattr(layers, "profile_layers", spy_single)
+    monkeypatch.setattr(layers, "profile_emulated", spy_emulated)
     import megatron_het.profiling.links as links
 
     monkeypatch.setattr(links, "measure_link", lambda ranks: None)  # links are not what this test is about
@@ -56,13 +62,24 @@ def test_a_cluster_on_the_thread_clock_is_profiled_in_thread_cpu_time(tmp_path, 
     plan = dataclasses.replace(plan_best(MODEL, paced, global_batch_size=16, micro_batch_sizes=(2,)).plan,
                                precision="fp32")  # what the demo records (no precision flag)
     result = predict_on_this_host(plan, MODEL, paced, cache_dir=tmp_path)
-    # on the thread clock every rank of the run is timed at once (they share the cores as in the run),
-    # whatever the host's core count
-    assert seen == [("thread", plan.world_size)]
-    key = host_key(MODEL, micro_batch_sizes=[2], ranks=plan.world_size, threads=1, clock="thread")
-    assert key in result.profile_path
-    assert key != host_key(MODEL, micro_batch_sizes=[2], ranks=plan.world_size, threads=1)
+    ranks = sorted((rank, st.island) for r in plan.replicas for st in r.stages for rank in st.ranks)
+    islands = [name for _, name in ranks]
+    slowdowns = [paced.slowdown(name) for name in islands]
+    assert seen == [("thread", islands, slowdowns, plan.schedule == "zb-h1", True)]
+    assert [p.island for p in result.profiles] == ["fast", "slow"] and len(result.profile_paths) == 2
+    key = host_key(MODEL, micro_batch_sizes=[2], ranks=plan.world_size, threads=1, clock="thread",
+                   emulated=list(zip(islands, slowdowns)), split_backward=plan.schedule == "zb-h1", call_overhead=True)
+    assert all(key in path for path in result.profile_paths)
     assert "thread CPU time" in result.profile.method
+    # each stage priced from its own island's profile: per layer, the slow island's entries are twice the
+    # fast one's and its device 2x slower in the emulation
+    per_layer = {}
+    for rp, r in zip(result.prediction.replicas, plan.replicas):
+        for sp, st in zip(rp.stages, r.stages):
+            per_layer.setdefault(st.island, []).append(sp.forward_s / st.num_layers)
+    assert min(per_layer["slow"]) > 3.0 * max(per_layer["fast"])  # 2 (profile) x 2 (slowdown), less the ends
+    again = predict_on_this_host(plan, MODEL, paced, cache_dir=tmp_path)
+    assert not again.measured_now and again.iteration_time_s == result.iteration_time_s and len(seen) == 1
 
 
 def test_measured_times_price_only_the_precision_they_were_taken_in(tmp_path):

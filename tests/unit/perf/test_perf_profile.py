@@ -123,3 +123,22 @@ def test_negative_call_overhead_loads_and_is_priced_as_none():
     assert profile.call_overhead == (8e-4, -1.4e-3)
     assert call_overhead_s(profile, profile.device) == (8e-4, 0.0, 2)
     assert call_overhead_s(profile_from_dict(DOC), profile.device) == (0.0, 0.0, 1)
+
+
+def test_island_profile_round_trips_and_wins_over_the_device_types_for_its_island(tmp_path):
+    """A profile measured for one island's devices (profiling.host, emulated islands) prices that island;
+    other islands of the device type take the profile standing for all of them, or the analytic model."""
+    from megatron_het.perf.predict import profile_for
+
+    path = tmp_path / "p.json"
+    save_profile(profile_from_dict({**DOC, "island": "slow"}), path)
+    slow = load_profile(path)
+    assert slow.island == "slow" and profile_to_dict(slow)["island"] == "slow"
+    assert "island" not in profile_to_dict(profile_from_dict(DOC))  # written only when set
+    every = profile_from_dict(DOC)
+    assert profile_for([every, slow], "CPU", "slow") is slow
+    assert profile_for([slow, every], "CPU", "fast") is every and profile_for([slow, every], "CPU") is every
+    assert profile_for([slow], "CPU", "fast") is None  # another island's times are not this one's
+    assert profile_for([slow], "GPU", "slow") is None
+    with pytest.raises(ConfigError, match="island"):
+        profile_from_dict({**DOC, "island": 3})

@@ -86,3 +86,31 @@ def test_profile_in_rank_refuses_outside_a_run_and_faster_than_the_host():
         profile_in_rank(MODEL, slowdown=0.5, **options)
     with pytest.raises(ValueError, match="init_process_group"):
         profile_in_rank(MODEL, slowdown=2.0, **options)
+
+
+def test_emulated_profile_is_one_median_per_island_each_rank_waiting_its_own_share(monkeypatch):
+    """profile_emulated: rank i waits slowdown_i - 1 after each section, no barrier; one profile per
+    island (Profile.island), the median over that island's ranks only."""
+    import megatron_het.platform.local_launch as local_launch
+
+    calls = []
+
+    def fake_run_local(world, fn, args, timeout_s):
+        model, kwargs, factors = args
+        calls.append((world, list(factors)))
+        return [_profile(t, 2 * t) for t in (1.0, 3.0, 10.0, 30.0, 50.0)]
+
+    monkeypatch.setattr(local_launch, "run_local", fake_run_local)
+    got = layers_mod.profile_emulated(MODEL, islands=["fast", "fast", "slow", "slow", "slow"],
+                                      slowdowns=[4.0, 4.0, 8.0, 8.0, 8.0], num_layers=1, micro_batch_sizes=[2])
+    assert calls == [(5, [3.0, 3.0, 7.0, 7.0, 7.0])]
+    assert [p.island for p in got] == ["fast", "slow"]
+    assert got[0].entries[0].forward_s == 2.0 and got[1].entries[0].forward_s == 30.0  # medians of 1,3 and 10,30,50
+    assert got[1].entries[0].backward_s == 60.0 and "island 'slow'" in got[1].method
+    # each process stands for its rank: the idle factor and no barrier reach profile_layers
+    seen = []
+    monkeypatch.setattr(layers_mod, "profile_layers", lambda model, **kw: seen.append(kw) or _profile(1.0, 1.0))
+    layers_mod._concurrent_rank(2, 5, MODEL, {"clock": "thread"}, [3.0, 3.0, 7.0, 7.0, 7.0])
+    assert seen == [{"clock": "thread", "idle_factor": 7.0, "barrier": False}]
+    with pytest.raises(ValueError, match="one island and one slowdown >= 1 per rank"):
+        layers_mod.profile_emulated(MODEL, islands=["fast"], slowdowns=[0.5], num_layers=1, micro_batch_sizes=[2])
