@@ -25,7 +25,7 @@ sustained), not overlapped with the network transfer.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from megatron_het.cluster import DEFAULT_INTRA_NODE_LATENCY_US, ClusterSpec, ConfigError, IslandSpec, ModelSpec
@@ -37,6 +37,7 @@ __all__ = [
     "Channel",
     "CommTimes",
     "GradientReduction",
+    "spans_collective_libraries",
     "bytes_per_s",
     "ring_all_reduce_time",
     "ring_all_gather_time",
@@ -253,6 +254,12 @@ def _cross_ring(cluster: ClusterSpec, names: list[str]) -> Channel:
                    host_staged=any(c.host_staged for c in ring))
 
 
+def spans_collective_libraries(cluster: ClusterSpec, islands: Iterable[str]) -> bool:
+    """True when the islands' devices use more than one collective library (NCCL and RCCL): a group
+    over them runs through the runtime's het bridge (comm/), not as one native group."""
+    return len({cluster.island(name).device.collective_library for name in islands}) > 1
+
+
 def dp_gradient_reduction(nbytes: float, cluster: ClusterSpec, *, replica_islands: Sequence[str],
                           ranks_per_node: int = 1) -> GradientReduction:
     """Time to all-reduce ``nbytes`` of one stage rank's gradients among its replicas, as the
@@ -277,7 +284,7 @@ def dp_gradient_reduction(nbytes: float, cluster: ClusterSpec, *, replica_island
         ch = _island_ring_channel(cluster.island(name), ranks_per_node)
         flat = ring_all_reduce_time(nbytes, n=n, bandwidth_gbps=ch.bandwidth_gbps, latency_us=ch.latency_us)
         return GradientReduction(reduce_s=flat, inter_island_s=0.0, broadcast_s=0.0, islands=1)
-    if len({cluster.island(name).device.collective_library for name in counts}) > 1:
+    if spans_collective_libraries(cluster, counts):
         return sharded_gradient_reduction(nbytes, cluster, replica_islands=replica_islands,
                                           ranks_per_node=ranks_per_node)
     intra = 0.0
@@ -330,5 +337,5 @@ def distributed_optimizer_share(cluster: ClusterSpec, *, replica_islands: Sequen
     reduce-scatter or all-gather is half a ring all-reduce, and the bridge's leader-based ones move
     half the leaders' all-reduce bytes)."""
     counts = _replica_counts(cluster, replica_islands)
-    bridged = len({cluster.island(name).device.collective_library for name in counts}) > 1
+    bridged = spans_collective_libraries(cluster, counts)
     return 1.0 if bridged and min(counts.values()) > 1 else 0.5

@@ -55,6 +55,7 @@ from megatron_het.perf.comm import (
     distributed_optimizer_share,
     dp_gradient_reduction,
     p2p_time,
+    spans_collective_libraries,
     tp_layer_comm_times,
 )
 from megatron_het.perf.compute import compute_params_for, embedding_times, layer_times, logits_times
@@ -488,8 +489,7 @@ def predict(plan: Plan, model: ModelSpec, cluster: ClusterSpec, *, profile: Prof
 
             red = reduce_s(params) if dp > 1 else 0.0
             tail = red
-            bridged = bucket_all_stages and len({cluster.island(n).device.collective_library
-                                                   for n in names}) > 1
+            bridged = bucket_all_stages and spans_collective_libraries(cluster, names)
             if dp > 1 and overlap_grad_reduce and (is_first or bucket_all_stages) and v == 1 and not bridged:
                 chunks = stage_gradient_chunks(model, cost(stage), num_layers=stage.num_layers, is_first=is_first,
                                                is_last=is_last, tp=stage.tp)

@@ -55,6 +55,7 @@ from typing import Any
 from megatron_het.cluster import ConfigError
 from megatron_het.cluster.fields import as_bool, as_float, as_int, as_list, as_mapping, as_str, check_keys, join
 from megatron_het.perf.kernels import PRECISION_CLASSES, ComputeParams
+from megatron_het.plan.types import TRAINS_IN
 from megatron_het.utils.atomic import write_text_atomic
 
 __all__ = [
@@ -80,7 +81,6 @@ PROFILE_FORMAT = "megatron-het-profile"
 PROFILE_VERSION = 1
 # plan precision -> the dtype its layers train in (tf32 plans train in fp32 storage,
 # runtime/plan_record.py), which is what a profile's times must have been taken in
-TRAINS_IN = {"fp32": "fp32", "tf32": "fp32", "bf16": "bf16", "fp16": "fp16"}
 MEASURED_PRECISIONS = ("fp32", "bf16", "fp16")  # what a profile's "precision" may say
 _DTYPE_FLAG = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}  # tools/profile_host.py --dtype
 

@@ -23,7 +23,7 @@ if TYPE_CHECKING:
     from megatron_het.cluster import ClusterSpec, ModelSpec
     from megatron_het.plan.interface import MemoryCheck
 
-__all__ = ["DEFAULT_PRECISION", "PLAN_FORMAT", "PLAN_FORMAT_VERSION", "PLAN_PRECISIONS", "Plan", "ReplicaPlan",
+__all__ = ["DEFAULT_PRECISION", "PLAN_FORMAT", "PLAN_FORMAT_VERSION", "PLAN_PRECISIONS", "TRAINS_IN", "Plan", "ReplicaPlan",
            "StagePlan"]
 
 PLAN_FORMAT = "megatron-het-plan"  # value of the "format" key in plan JSON
@@ -36,6 +36,10 @@ _PLAN_KEYS = ("format", "version", "micro_batch_size", "global_batch_size", "sch
 # not import cluster/ at run time).
 PLAN_PRECISIONS = ("fp32", "tf32", "fp16", "bf16", "fp8")
 DEFAULT_PRECISION = "bf16"  # what every plan written before the field existed was priced as
+# Plan precision -> the dtype its layers train in on this runtime (tf32: fp32 storage, TF32 matmuls where
+# the hardware has them; fp8 plans are priced but not run). runtime/plan_record.py trains in it and a
+# measured profile prices only plans of its own (perf.profile.check_profile_precision).
+TRAINS_IN = {"fp32": "fp32", "tf32": "fp32", "bf16": "bf16", "fp16": "fp16"}
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -23,21 +23,19 @@ import dataclasses
 
 from megatron_het.cluster import ConfigError
 from megatron_het.plan import Plan
+from megatron_het.plan.types import TRAINS_IN
 from megatron_het.train.config import TrainConfig
 
 __all__ = ["reconcile_plan"]
 
-_RUNTIME_PRECISION = {"fp32": "fp32", "tf32": "fp32", "bf16": "bf16", "fp16": "fp16"}
-
-
 def reconcile_plan(plan: Plan, train: TrainConfig, *, use_distributed_optimizer: bool = False
                    ) -> tuple[Plan, TrainConfig]:
     """(plan, train) that agree on precision, optimizer sharding and gradient overlap; raises ConfigError on a conflict."""
-    if plan.precision not in _RUNTIME_PRECISION:
+    if plan.precision not in TRAINS_IN:
         raise ConfigError(f"the plan was priced at {plan.precision}, which this runtime does not train in",
                           field="plan.precision", value=plan.precision,
                           fix="re-plan with precision fp32, bf16 or fp16")
-    runs = _RUNTIME_PRECISION[plan.precision]
+    runs = TRAINS_IN[plan.precision]
     if train.precision != "fp32" and train.precision != runs:
         raise ConfigError(f"the plan was priced at {plan.precision}, the flag asks for {train.precision}",
                           field=f"--{train.precision}", value=train.precision,
