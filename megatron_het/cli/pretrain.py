@@ -52,7 +52,7 @@ def resolve_plan(args: PretrainArgs) -> AnyPlan:
         # out overlapping the all-reduce (the runtime overlaps it only without that optimizer)
         choice = plan_best(args.model, args.cluster, global_batch_size=args.train.global_batch_size,
                            micro_batch_sizes=(args.train.micro_batch_size,),
-                           profile=load_profile(args.profile) if args.profile else None,
+                           profile=[load_profile(p) for p in args.profile] if args.profile else None,
                            pipeline_options={"top_k": 3, "precision": args.train.precision,
                                              "consider_grad_overlap": not args.use_distributed_optimizer})
         if choice.pipeline_result is not None:

@@ -44,7 +44,7 @@ Assumptions (docs/planner.md, "Prediction"):
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, replace
 
 from megatron_het.cluster import ClusterSpec, ConfigError, DeviceType, IslandSpec, ModelSpec
@@ -83,6 +83,7 @@ __all__ = [
     "Prediction",
     "stage_cost",
     "profile_for",
+    "check_island_profiles",
     "optimizer_step_s",
     "predict",
     "replica_trace",
@@ -182,6 +183,23 @@ def profile_for(profile: Profile | Sequence[Profile] | None, device_name: str,
     profiles = [p for p in ((profile,) if isinstance(profile, Profile) else profile) if p.device == device_name]
     mine = next((p for p in profiles if island is not None and p.island == island), None)
     return mine if mine is not None else next((p for p in profiles if p.island is None), None)
+
+
+def check_island_profiles(profile: Profile | Sequence[Profile] | None, cluster: ClusterSpec,
+                          islands: Iterable[str]) -> None:
+    """Refuse to price an island from the nominal catalog entry when its device type was profiled per
+    island (Profile.island) but not for this island, and no profile stands for every island of it."""
+    if profile is None:
+        return
+    profiles = (profile,) if isinstance(profile, Profile) else tuple(profile)
+    for name in dict.fromkeys(islands):
+        device = cluster.island(name).device.name
+        tagged = sorted({p.island for p in profiles if p.device == device and p.island is not None})
+        if tagged and profile_for(profiles, device, name) is None:
+            raise ConfigError(f"the {device} profiles given were measured for island(s) {', '.join(tagged)}, "
+                              f"not for island {name!r}", field="profile", value=name,
+                              fix=f"pass island {name!r}'s own profile too (profiling.host writes one per island: "
+                                  f"host_profile_<key>_<n>_{name}.json), or a profile without \"island\"")
 
 
 def stage_cost(model: ModelSpec, island: IslandSpec, *, tp: int, micro_batch_size: int, slowdown: float = 1.0,
@@ -411,6 +429,7 @@ def predict(plan: Plan, model: ModelSpec, cluster: ClusterSpec, *, profile: Prof
     if profile is not None:  # measured times price only the precision they were taken in
         check_profile_precision((profile,) if isinstance(profile, Profile) else profile, plan.precision,
                                 {island.device.name for island in cluster.islands})
+        check_island_profiles(profile, cluster, (st.island for r in plan.replicas for st in r.stages))
     if plan.overlap_grad_reduce:  # what the runtime runs for this plan (module docstring)
         overlap_grad_reduce = bucket_all_stages = True
     precision = plan.precision

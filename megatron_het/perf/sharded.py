@@ -34,7 +34,7 @@ from megatron_het.perf.bounds import check_global_batch_size
 from megatron_het.perf.comm import bytes_per_s, p2p_channel
 from megatron_het.perf.flops import total_parameters
 from megatron_het.perf.memory import DEFAULT_OVERHEAD_BYTES, StageMemory, runtime_state_bytes, stage_memory
-from megatron_het.perf.predict import optimizer_step_s, stage_cost
+from megatron_het.perf.predict import check_island_profiles, optimizer_step_s, stage_cost
 from megatron_het.perf.profile import Profile
 
 __all__ = ["Precision", "StateBytes", "state_bytes_for", "sharded_rank_memory", "free_state_bytes",
@@ -174,6 +174,7 @@ def predict_sharded_ranks(model: ModelSpec, cluster: ClusterSpec, *, islands: Se
                           overhead_bytes: int = DEFAULT_OVERHEAD_BYTES) -> ShardedPrediction:
     """Predict an iteration from per-rank lists (``planner.sharded`` wraps this for a ShardedPlan)."""
     check_global_batch_size(global_batch_size)
+    check_island_profiles(profile, cluster, islands)
     n = len(islands)
     for name, seq in (("micro_batch_sizes", micro_batch_sizes), ("num_micro_batches", num_micro_batches),
                       ("shard_fractions", shard_fractions), ("recompute", recompute)):

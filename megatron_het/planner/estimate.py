@@ -37,6 +37,7 @@ from megatron_het.perf.predict import (
     StageCost,
     backward_split_shares,
     bucket_parameters,
+    check_island_profiles,
     optimizer_step_s,
     overlapped_reduction_tail_s,
     stage_gradient_chunks,
@@ -116,6 +117,7 @@ class Estimator:
                  overlap_grad_reduce: bool = False, parallelizer: Parallelizer | None = None,
                  max_tp: int = 8, precision: str = "bf16") -> None:
         self.model = model
+        check_island_profiles(profile, cluster, (i.name for i in cluster.islands))
         self.cluster = with_measured_links(cluster, profile)  # the same links predict() prices
         self.global_batch_size = global_batch_size
         self.profile = profile

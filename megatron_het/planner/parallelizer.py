@@ -87,7 +87,7 @@ class MegatronParallelizer:
         self.precision = precision  # what the plan trains in: matmul rate, state and activation bytes
         self.cluster = cluster
         self.max_tp = max_tp  # largest TP size offered
-        self.profile = profile  # measured layer times per device type, or None (analytic)
+        self.profile = profile  # measured layer times per device type (or per island), or None (analytic)
         self.distributed_optimizer = distributed_optimizer  # shard optimizer state over the replicas
         self._costs: dict[tuple[int, int, int, bool], StageCost] = {}  # per-instance caches
         self._mem: dict[tuple[object, ...], tuple[int, int, int, int]] = {}

@@ -8,12 +8,13 @@ AdamW step per parameter, on ``min(ranks, cores)`` processes at once on the wall
 ``ranks`` at once on the thread clock (one thread each; :func:`_concurrency`; there each process waits
 as its rank's emulated device does and the result is one profile per island), for a pipeline plan the
 fixed cost of a chunk call and the zero-bubble B/W split, and the links between ``ranks`` local gloo
-processes. The clock follows the cluster's emulation: on the
+processes (every spawned process runs one thread; a one-rank profile is measured in this process with
+``threads``). The clock follows the cluster's emulation: on the
 "thread" clock (IslandEmulation.clock) a rank's compute lasts its thread CPU time x slowdown, so the
 profile is timed in thread CPU time too; on the "wall" clock in wall time, which is only right
 while no more ranks compute at once than the host has cores (4 ranks on 2 cores under ZB-H1
 measured 2.3x the profile: examples/clusters/cpu-demo-paced.yaml is the demo's answer). It is cached in a
-JSON profile keyed by the host (processor, core count, torch version) and the shape, so the second
+JSON profile (on the thread clock one file per island) keyed by the host (processor, core count, torch version) and the shape, so the second
 run costs nothing; ``refresh=True`` measures again.
 
     from megatron_het.profiling.host import predict_on_this_host
@@ -134,16 +135,17 @@ def host_profile(model: ModelSpec, *, micro_batch_sizes: Sequence[int], ranks: i
                    vocab_size=padded_vocab_size(model.vocab_size), optimizer=True, clock=clock,
                    split_backward=split_backward, call_overhead=call_overhead)
     concurrent = _concurrency(ranks, clock)
-    if emulated is not None:
-        profiles = profile_emulated(model, islands=[i for i, _ in emulated], slowdowns=[f for _, f in emulated],
-                                    **options)
-    elif concurrent == 1:
+    if concurrent == 1:  # measured in this process: with the run's threads per rank
         old = torch.get_num_threads()
         torch.set_num_threads(threads)
         try:
-            profiles = (profile_layers(model, **options),)
+            profiles = (profile_emulated(model, islands=[i for i, _ in emulated], slowdowns=[f for _, f in emulated],
+                                         **options) if emulated is not None else (profile_layers(model, **options),))
         finally:
             torch.set_num_threads(old)
+    elif emulated is not None:
+        profiles = profile_emulated(model, islands=[i for i, _ in emulated], slowdowns=[f for _, f in emulated],
+                                    **options)
     else:
         profiles = (profile_concurrent(model, processes=concurrent, **options),)
     link = measure_link(ranks) if ranks > 1 else None

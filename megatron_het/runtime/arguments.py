@@ -87,7 +87,8 @@ FLAGS = (
     Flag("--hetero-cluster", "run.cluster_file", help="CLUSTER.yaml", required=True),
     Flag("--hetero-plan", "run.plan_source", help="a plan file (tools/plan.py writes one) or 'auto' to run the "
          "planner at start-up", required=True),
-    Flag("--hetero-profile", "run.profile", help="measured profile (PROFILE.json) for --hetero-plan auto"),
+    Flag("--hetero-profile", "run.profile", tuple,
+         "measured profiles (PROFILE.json ...) for --hetero-plan auto: one per device type, or one per island"),
     Flag("--no-emulation", "run.no_emulation", bool, "ignore the cluster file's emulation block"),
     Flag("--hetero-resilience", "run.resilience", bool, "survive rank failures in-process: re-route a failed "
          "rank's work to its data-parallel peers or re-plan over the survivors (off by default)"),
@@ -136,7 +137,7 @@ class PretrainArgs:
     loop: LoopConfig
     cluster: ClusterSpec
     plan_source: str  # a path or "auto"
-    profile: str | None  # measured profile for plan_source "auto"
+    profile: tuple[str, ...] | None  # measured profiles for plan_source "auto"
     no_emulation: bool  # run every island at host speed despite the cluster's emulation block
     sequence_parallel: bool  # turn on the plan's sequence parallelism
     tp_comm_overlap: bool  # overlap TP communication on every stage with TP > 1
@@ -215,7 +216,7 @@ def parse_args(argv: list[str] | None = None) -> PretrainArgs:
     except ValueError as e:  # UserError included: the flag's value is wrong
         parser.error(str(e))
     return PretrainArgs(model=model, train=train, data=data_config, loop=loop, cluster=cluster,
-                        plan_source=run["plan_source"], profile=run["profile"], no_emulation=bool(run["no_emulation"]),
+                        plan_source=run["plan_source"], profile=tuple(run["profile"]) if run["profile"] else None, no_emulation=bool(run["no_emulation"]),
                         sequence_parallel=bool(run["sequence_parallel"]), tp_comm_overlap=bool(run["tp_comm_overlap"]),
                         tensorboard=tensorboard, use_distributed_optimizer=bool(run["use_distributed_optimizer"]),
                         resilience=resilience, staggered_step=bool(run["staggered_step"]))

@@ -96,6 +96,34 @@ def test_auto_plans_at_the_precision_the_run_trains_in(flag, precision):
     assert other != pytest.approx(plan.predicted["iteration_time_s"], rel=1e-6)  # the precision matters here
 
 
+def test_auto_plan_takes_one_profile_per_island(tmp_path):
+    """--hetero-profile takes several files (the demo's host profiles are one per emulated island), and
+    the plan chosen is priced from each island's own."""
+    import dataclasses
+
+    from megatron_het.cli.pretrain import resolve_plan
+    from megatron_het.perf import Profile, ProfileEntry, predict, save_profile
+
+    args = parse_args(BASE + ["--mock-data"])
+    m = args.model
+    entry = ProfileEntry(hidden_size=m.hidden_size, num_attention_heads=m.num_attention_heads,
+                         num_query_groups=m.num_query_groups, ffn_hidden_size=m.ffn_hidden_size, swiglu=m.swiglu,
+                         seq_length=m.seq_length, micro_batch_size=args.train.micro_batch_size, tp=1,
+                         forward_s=0.01, backward_s=0.02, peak_memory_bytes=1000)
+    paths, profiles = [], []
+    for name, k in [(i.name, n + 1.0) for n, i in enumerate(args.cluster.islands)]:
+        prof = Profile(device=args.cluster.island(name).device.name, island=name, method="test", entries=(
+            dataclasses.replace(entry, forward_s=0.01 * k, backward_s=0.02 * k),))
+        paths.append(str(tmp_path / f"{name}.json"))
+        save_profile(prof, paths[-1])
+        profiles.append(prof)
+    args = parse_args(BASE + ["--mock-data", "--hetero-profile", *paths])
+    assert args.profile == tuple(paths)
+    plan = resolve_plan(args)
+    assert predict(plan, args.model, args.cluster, profile=profiles).iteration_time_s == pytest.approx(
+        plan.predicted["iteration_time_s"], rel=1e-9)
+
+
 @pytest.fixture(scope="module")
 def tokenizer_512(tmp_path_factory) -> str:
     """A real SentencePiece model of 512 pieces, trained on the first 60 documents of the shipped corpus."""

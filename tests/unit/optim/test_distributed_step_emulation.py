@@ -55,5 +55,5 @@ def test_an_emulated_timer_stretches_the_update_and_not_the_gather(monkeypatch):
     stub._all_gather_into = lambda shard, sink: clock.__setitem__(0, clock[0] + 1.0)  # 1 s in the gather
     DistributedOptimizer.step(stub, compute=timer.stretch)
     # 4 x 10 ms of CPU, less the (real, tiny) wall time it took; with the gather inside it would be ~4 s
-    assert len(slept) == 1 and 0.039 < slept[0] <= 0.040
+    assert len(slept) == 1 and 0.02 < slept[0] <= 0.040
     assert timer.emulated_s == slept[0]

@@ -47,9 +47,12 @@ def test_a_cluster_on_the_thread_clock_is_profiled_in_thread_cpu_time_one_profil
         seen.append((options["clock"], list(islands), list(slowdowns), options["split_backward"],
                      options["call_overhead"]))
         base = single(model, **options)
-        # the slow island's measurement made twice the fast one's, so its pricing shows where it went
-        return tuple(dataclasses.replace(base, island=name, entries=tuple(
-            dataclasses.replace(e, forward_s=e.forward_s * k, backward_s=e.backward_s * k) for e in base.entries))
+        # the slow island's measurements made unlike the fast one's (layers, optimizer, B/W split, chunk
+        # call), so its pricing shows which profile each figure came from
+        return tuple(dataclasses.replace(
+            base, island=name, optimizer_s_per_parameter=1e-8 * k, backward_split=(0.5 * k, 0.3),
+            call_overhead=(1e-4 * k, 2e-4 * k), entries=tuple(
+                dataclasses.replace(e, forward_s=e.forward_s * k, backward_s=e.backward_s * k) for e in base.entries))
             for name, k in (("fast", 1.0), ("slow", 2.0)))
 
     monkeypatch.setattr(layers, "profile_emulated", spy_emulated)
@@ -78,6 +81,16 @@ def test_a_cluster_on_the_thread_clock_is_profiled_in_thread_cpu_time_one_profil
         for sp, st in zip(rp.stages, r.stages):
             per_layer.setdefault(st.island, []).append(sp.forward_s / st.num_layers)
     assert min(per_layer["slow"]) > 3.0 * max(per_layer["fast"])  # 2 (profile) x 2 (slowdown), less the ends
+    from megatron_het.perf.flops import stage_parameters
+
+    k = {"fast": 1.0, "slow": 2.0}
+    for rp, r in zip(result.prediction.replicas, plan.replicas):
+        for j, (sp, st) in enumerate(zip(rp.stages, r.stages)):
+            assert sp.backward_split == (0.5 * k[st.island], 0.3) and sp.call_overhead_s == (1e-4 * k[st.island],
+                                                                                             2e-4 * k[st.island])
+            params = stage_parameters(MODEL, num_layers=st.num_layers, is_first=j == 0, is_last=j == len(r.stages) - 1)
+            shard = len(plan.replicas) if plan.use_distributed_optimizer else 1
+            assert abs(sp.optimizer_s - paced.slowdown(st.island) * 1e-8 * k[st.island] * (params // shard)) < 1e-12
     again = predict_on_this_host(plan, MODEL, paced, cache_dir=tmp_path)
     assert not again.measured_now and again.iteration_time_s == result.iteration_time_s and len(seen) == 1
 
@@ -108,3 +121,29 @@ def test_measured_times_price_only_the_precision_they_were_taken_in(tmp_path):
     assert predict(dataclasses.replace(plan, precision="tf32"), MODEL, cluster, profile=fp32).iteration_time_s == timed
     unrecorded = dataclasses.replace(fp32, precision=None)  # profiles written before the field: not checked
     assert predict(dataclasses.replace(plan, precision="bf16"), MODEL, cluster, profile=unrecorded).iteration_time_s > 0
+
+
+def test_an_island_profiled_for_other_islands_only_is_refused_not_priced_nominally():
+    """Per-island profiles (the demo's) given without one island's: a clear error, not the 1 TFLOP/s entry."""
+    import pytest
+
+    from megatron_het.cluster import ConfigError, load_cluster
+    from megatron_het.perf import Profile, ProfileEntry, predict
+    from megatron_het.planner.modes import plan_best
+
+    entry = ProfileEntry(hidden_size=MODEL.hidden_size, num_attention_heads=MODEL.num_attention_heads,
+                         num_query_groups=MODEL.num_query_groups, ffn_hidden_size=MODEL.ffn_hidden_size,
+                         swiglu=MODEL.swiglu, seq_length=MODEL.seq_length, micro_batch_size=2, tp=1,
+                         forward_s=0.01, backward_s=0.02, peak_memory_bytes=1000)
+    fast = Profile(device="CPU", entries=(entry,), method="test", island="fast")
+    paced = load_cluster("examples/clusters/cpu-demo-paced.yaml")
+    plan = plan_best(MODEL, paced, global_batch_size=16, micro_batch_sizes=(2,)).plan
+    with pytest.raises(ConfigError) as err:
+        predict(plan, MODEL, paced, profile=[fast])
+    assert "measured for island(s) fast, not for island 'slow'" in str(err.value) and "_slow.json" in str(err.value)
+    with pytest.raises(ConfigError, match="not for island 'slow'"):
+        plan_best(MODEL, paced, global_batch_size=16, micro_batch_sizes=(2,), profile=[fast])
+    slow = dataclasses.replace(fast, island="slow")
+    every = dataclasses.replace(fast, island=None)
+    assert predict(plan, MODEL, paced, profile=[fast, slow]).iteration_time_s > 0
+    assert predict(plan, MODEL, paced, profile=[fast, every]).iteration_time_s > 0  # the device-wide one stands in
