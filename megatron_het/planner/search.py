@@ -30,6 +30,7 @@ from megatron_het.perf.profile import Profile
 from megatron_het.plan.errors import PlanError
 from megatron_het.plan.types import Plan
 from megatron_het.plan.validate import validate_plan
+from megatron_het.planner.block_recompute import least_recompute_layers
 from megatron_het.planner.compose import compose
 from megatron_het.planner.errors import InfeasibleError
 from megatron_het.planner.estimate import Estimate, Estimator
@@ -356,13 +357,32 @@ def plan_cluster(model: ModelSpec, cluster: ClusterSpec, *, global_batch_size: i
                 reasons[f"internal: overlapped plan invalid: {err}"] = None
         return forms
 
+    def least_recompute(chosen: tuple[Plan, Prediction]) -> tuple[Plan, Prediction]:
+        """``chosen`` with its fully recomputing stages trimmed to the least block recomputation that
+        fits (block_recompute.py), when that validates, fits and is faster; else ``chosen``."""
+        plan, pred = chosen
+        if not any(st.recompute for r in plan.replicas for st in r.stages):
+            return chosen
+        trimmed = least_recompute_layers(plan, model, cluster)
+        if trimmed is plan:
+            return chosen
+        try:
+            validate_plan(trimmed, model, cluster)
+        except PlanError as err:
+            reasons[f"internal: block-recompute plan invalid: {err}"] = None
+            return chosen
+        tpred = predict_plan(trimmed)
+        if not tpred.fits or tpred.iteration_time_s >= pred.iteration_time_s:
+            return chosen
+        return replace(trimmed, predicted=tpred.to_json_dict()), tpred
+
     def fastest_form(plan: Plan) -> tuple[Plan, Prediction]:
         """``plan``'s layout in the fastest form and schedule the search would give it (idle.py
         compares the chosen plan with alternatives priced the same way)."""
         pred = predict_plan(plan)
         if not pred.fits:
             return plan, pred
-        chosen = [choose_schedule(one_f, model, cluster, predict_plan=predict_plan)[0]
+        chosen = [least_recompute(choose_schedule(one_f, model, cluster, predict_plan=predict_plan)[0])
                   for one_f, _ in runnable_forms(plan, pred)]
         return min(chosen, key=lambda c: c[1].iteration_time_s)
 
@@ -371,7 +391,9 @@ def plan_cluster(model: ModelSpec, cluster: ClusterSpec, *, global_batch_size: i
         the runtime runs that only without the distributed optimizer, so memory decides where it
         fits), and each of those under every schedule the runtime runs (schedule_choice.py: a layout
         second under 1F1B may gain more from ZB-H1 or interleaving than the first, e.g. the
-        overlapped variant, whose reduction ZB-H1's deferred W would otherwise expose)."""
+        overlapped variant, whose reduction ZB-H1's deferred W would otherwise expose); a chosen form
+        whose stages recompute every layer then takes the least block recomputation that fits when
+        that is faster (block_recompute.py)."""
         considered.add(id(e))
         plan = build_plan(cluster, e.templates, e.layer_counts, e.micro_batches, micro_batch_size=e.micro_batch_size,
                           global_batch_size=global_batch_size, recompute=e.recompute,
@@ -394,7 +416,11 @@ def plan_cluster(model: ModelSpec, cluster: ClusterSpec, *, global_batch_size: i
         forms = runnable_forms(plan, pred)
         for one_f, sharded_alt in forms:
             chosen, note = choose_schedule(one_f, model, cluster, predict_plan=predict_plan)
-            ranked.append(chosen)
+            trimmed = least_recompute(chosen)
+            if trimmed is not chosen:
+                note += (f" Block recomputation (the least that fits) instead of full: predicted "
+                         f"{trimmed[1].iteration_time_s:.4g} s/iteration.")
+            ranked.append(trimmed)
             notes.append((note, one_f, sharded_alt))
             origin.append(e)
 

@@ -1,0 +1,79 @@
+"""planner.block_recompute.least_recompute_layers and its use by plan_cluster: a stage short of memory
+recomputes the least number of each chunk's first layers that fits (Megatron's block method), priced
+against perf.memory.stage_memory directly and against the full-recompute plan."""
+
+from dataclasses import replace
+
+import pytest
+
+from megatron_het.cluster import cluster_from_dict, load_model
+from megatron_het.perf import predict
+from megatron_het.perf.memory import device_capacity_bytes, microbatches_in_flight, stage_memory
+from megatron_het.plan import homogeneous_plan
+from megatron_het.planner import plan_cluster
+from megatron_het.planner.block_recompute import least_recompute_layers
+
+MODEL = load_model("examples/models/llama2-13b.yaml")
+CLUSTER = cluster_from_dict({"islands": [{"name": "a", "device": "A100-40GB", "nodes": 1, "gpus_per_node": 8}]})
+CAPACITY = device_capacity_bytes(CLUSTER.island("a").device)
+
+
+def _plan(*, mbs: int, pp: int, plain: tuple[int, ...] = ()):
+    """TP x PP = 8 on the 40 GB island, every stage but ``plain`` recomputing all its layers."""
+    plan = homogeneous_plan(tp=8 // pp, pp=pp, dp=1, num_layers=MODEL.num_layers, micro_batch_size=mbs,
+                            global_batch_size=64, island="a", device_type="A100-40GB")
+    stages = tuple(replace(s, recompute=i not in plain) for i, s in enumerate(plan.replicas[0].stages))
+    return replace(plan, replicas=(replace(plan.replicas[0], stages=stages),))
+
+
+def _fits(plan, i: int, n: int) -> bool:
+    r = plan.replicas[0]
+    st, p = r.stages[i], len(r.stages)
+    mem = stage_memory(MODEL, num_layers=st.num_layers, is_first=i == 0, is_last=i == p - 1,
+                       micro_batch_size=plan.micro_batch_size,
+                       microbatches_in_flight=microbatches_in_flight(stage=i, pipeline_size=p,
+                                                                     num_microbatches=r.num_micro_batches),
+                       tp=st.tp, dp=1, recompute="full", distributed_optimizer=plan.use_distributed_optimizer,
+                       flash_attention=True, recompute_num_layers=n)
+    return mem.total_bytes <= CAPACITY
+
+
+def test_each_stage_gets_the_least_count_that_fits_and_plain_stages_are_untouched():
+    plan = _plan(mbs=2, pp=8, plain=(7,))
+    trimmed = least_recompute_layers(plan, MODEL, CLUSTER)
+    counts = [st.recompute_num_layers for st in trimmed.replicas[0].stages]
+    assert trimmed.replicas[0].stages[7] == plan.replicas[0].stages[7]  # no recompute: untouched
+    assert any(n >= 2 for n in counts) and 0 in counts[:7]
+    for i, (st, n) in enumerate(zip(trimmed.replicas[0].stages[:7], counts)):
+        assert st.recompute
+        if n:
+            assert 0 < n < st.num_layers and _fits(plan, i, n)
+            assert all(not _fits(plan, i, k) for k in range(1, n))  # nothing less fits
+        else:  # every layer recomputes: no smaller count fits
+            assert all(not _fits(plan, i, k) for k in range(1, st.num_layers))
+    stages = predict(trimmed, MODEL, CLUSTER).replicas[0].stages  # the same memory as the prediction's
+    assert [s.fits for s in stages[:7]] == [bool(n) or _fits(plan, i, 0) for i, n in enumerate(counts[:7])]
+
+
+def test_a_count_equal_to_every_layer_stays_zero():
+    plan = _plan(mbs=2, pp=8)
+    st = least_recompute_layers(plan, MODEL, CLUSTER).replicas[0].stages[0]
+    assert st.recompute and st.recompute_num_layers == 0
+    assert _fits(plan, 0, st.num_layers) and not _fits(plan, 0, st.num_layers - 1)
+
+
+def test_selective_recomputation_is_left_alone():
+    plan = _plan(mbs=2, pp=4)
+    assert least_recompute_layers(plan, MODEL, CLUSTER, recompute_mode="selective") is plan
+    assert least_recompute_layers(plan, MODEL, CLUSTER, recompute_mode="full") != plan
+
+
+def test_planner_gives_a_tight_stage_block_recomputation_and_it_is_faster_than_full():
+    best = plan_cluster(MODEL, CLUSTER, global_batch_size=64).best
+    partial = [st for r in best.replicas for st in r.stages if st.recompute_num_layers]
+    assert partial and all(0 < st.recompute_num_layers < st.num_layers for st in partial)
+    pred = predict(best, MODEL, CLUSTER)
+    assert pred.fits and best.predicted["iteration_time_s"] == pytest.approx(pred.iteration_time_s)
+    full = replace(best, replicas=tuple(replace(r, stages=tuple(replace(st, recompute_num_layers=0) for st in r.stages))
+                                        for r in best.replicas))
+    assert pred.iteration_time_s < predict(full, MODEL, CLUSTER).iteration_time_s
