@@ -13,7 +13,12 @@ Two figures that need no search and hold for any plan of the planner's building 
   needs, no such plan (data parallelism across islands, whatever the reduction costs) meets it.
 
 Both use the Estimator's rows, i.e. the parallelizer's costs and memory caps, so they move with the
-performance model.
+performance model. Since the planner gives a recomputing stage the least block recomputation that
+fits (planner/block_recompute.py: only each chunk's first N layers recompute), a family with
+recompute holds up to the full-recompute row's memory cap of layers (full recomputation needs the
+least memory) but its layers are priced at the non-recomputing row's time when that row exists
+(a stage's layers cannot cost less); before, at the full-recompute time, which a plan recomputing
+fewer layers could beat.
 """
 
 from __future__ import annotations
@@ -36,7 +41,7 @@ class Family:
     tp: int  # tensor-parallel size of every stage
     pp: int  # stages per replica
     micro_batch_size: int  # sequences per micro-batch
-    recompute: bool  # full recomputation on every stage
+    recompute: bool  # recomputation allowed (full-recompute memory cap, non-recomputing layer time)
     micro_batch_s: float  # one micro-batch through the whole model on one stage (forward + backward), seconds
 
 
@@ -57,12 +62,19 @@ def _families(est: Estimator, isl: int):
                 # the whole cluster could hold (distributed optimizer; cross-island DP shards wider).
                 replicas = est.cluster.num_gpus // (tp * pp)
                 rows = est.rows(isl, tp, mbs, True, pp == 1, pp == 1, 1, replicas)
+                plain = rows[0]
                 for rc, (fixed, per_layer, cap) in enumerate(rows):
                     if per_layer <= 0 or cap < -(-L // pp):
                         continue
+                    # Block recomputation: a recomputing stage may recompute as few as one layer per
+                    # chunk, so its layers are priced at the plain row's time when one layer fits
+                    # without recompute (otherwise every layer must recompute), under this row's cap.
+                    cheap = rc == 1 and plain[1] > 0
+                    if cheap:
+                        fixed, per_layer = plain[0], plain[1]
                     # Whole model on one stage: the embedding and output layer are in ``fixed``
                     # only when the row is first and last; a pipeline pays them once too.
-                    whole = fixed + L * per_layer if pp == 1 else _whole(est, isl, tp, mbs, rc == 1)
+                    whole = fixed + L * per_layer if pp == 1 else _whole(est, isl, tp, mbs, rc == 1 and not cheap)
                     yield Family(island=name, tp=tp, pp=pp, micro_batch_size=mbs, recompute=rc == 1,
                                  micro_batch_s=whole)
 

@@ -70,3 +70,23 @@ def test_one_island_time_is_where_the_capacity_reaches_the_batch(est):
     # no faster than the fluid time, and no slower than either island alone
     assert t >= GBS * LLAMA7.seq_length / fluid_tokens_per_s(est, both)
     assert t <= min(one_island_time(est, [i], GBS) for i in both)
+
+
+def test_a_recomputing_family_is_priced_at_the_plain_layer_time(est):
+    """The planner recomputes only the layers a stage needs (block method), so a family allowed to
+    recompute may cost as little as the same layout without recompute: the bound prices it so."""
+    from megatron_het.planner.gap import _families
+
+    for isl in range(len(CLUSTER.islands)):
+        fams = list(_families(est, isl))
+        plain = {(f.tp, f.pp, f.micro_batch_size): f.micro_batch_s for f in fams if not f.recompute}
+        recomputing = [f for f in fams if f.recompute]
+        assert recomputing
+        for f in recomputing:
+            if (f.tp, f.pp, f.micro_batch_size) in plain:
+                assert f.micro_batch_s == plain[(f.tp, f.pp, f.micro_batch_size)]
+            # the plain row's time even where only full recompute's memory cap holds the layers
+            c = est.cost(isl, f.tp, f.micro_batch_size, False)
+            assert f.micro_batch_s == pytest.approx(
+                c.embedding_forward_s + c.embedding_backward_s + c.output_forward_s + c.output_backward_s
+                + LLAMA7.num_layers * (c.layer_forward_s + c.layer_backward_s), rel=1e-12)
