@@ -11,6 +11,7 @@ from megatron_het.perf.predict import Prediction
 from megatron_het.plan.types import Plan
 from megatron_het.planner.estimate import Estimator
 from megatron_het.planner.space import tp_options
+from megatron_het.planner.summary import recompute_tag
 
 __all__ = ["island_infeasibility", "describe_plan", "explain_choice", "optimizer_sharding_note"]
 
@@ -52,14 +53,15 @@ def island_infeasibility(est: Estimator, isl: int, *, max_tp: int, micro_batch_s
 
 def describe_plan(plan: Plan) -> str:
     """One line per distinct replica layout: "2 x [a100 TP=2 L0-9 | h100 TP=1 L10-31 RC] m=8,8"
-    (RC: the stage recomputes activations; "TP=4 grid [1, 1, 4]": a 3D tensor-parallel stage)."""
+    (RC: the stage recomputes every layer's activations, RC2 only the first 2 layers of each chunk;
+    "TP=4 grid [1, 1, 4]": a 3D tensor-parallel stage)."""
     groups: dict[tuple[object, ...], list[int]] = {}
     for r in plan.replicas:
-        key = tuple((s.island, s.tp, s.layers, s.recompute, s.tp_grid) for s in r.stages)
+        key = tuple((s.island, s.tp, s.layers, recompute_tag(s), s.tp_grid) for s in r.stages)
         groups.setdefault(key, []).append(r.num_micro_batches)
     lines = []
     for key, ms in groups.items():
-        stages = " | ".join(f"{isl} TP={tp}{f' grid {list(g)}' if g else ''} L{a}-{b - 1}{' RC' if rc else ''}"
+        stages = " | ".join(f"{isl} TP={tp}{f' grid {list(g)}' if g else ''} L{a}-{b - 1}{rc}"
                             for isl, tp, (a, b), rc, g in key)
         lines.append(f"{len(ms)} x [{stages}] micro-batches {sorted(set(ms), reverse=True)}")
     return "\n".join(lines)

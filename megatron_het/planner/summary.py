@@ -34,16 +34,24 @@ def rank_ranges(ranks: Iterable[int]) -> str:
     return ",".join(out)
 
 
-def _layout_groups(plan: Plan) -> list[tuple[tuple[tuple[str, int, tuple[int, int], bool], ...], list[int]]]:
+def recompute_tag(stage) -> str:
+    """" RC" when the stage recomputes every layer, " RC2" when only the first 2 layers of each model
+    chunk recompute (Megatron's block method), "" when it does not recompute."""
+    if not stage.recompute:
+        return ""
+    return f" RC{stage.recompute_num_layers}" if stage.recompute_num_layers else " RC"
+
+
+def _layout_groups(plan: Plan) -> list[tuple[tuple[tuple[str, int, tuple[int, int], str], ...], list[int]]]:
     """(stage key per stage, replica indices) per distinct layout, in first-use order."""
-    groups: dict[tuple[tuple[str, int, tuple[int, int], bool], ...], list[int]] = {}
+    groups: dict[tuple[tuple[str, int, tuple[int, int], str], ...], list[int]] = {}
     for i, r in enumerate(plan.replicas):
-        groups.setdefault(tuple((s.island, s.tp, s.layers, s.recompute) for s in r.stages), []).append(i)
+        groups.setdefault(tuple((s.island, s.tp, s.layers, recompute_tag(s)) for s in r.stages), []).append(i)
     return list(groups.items())
 
 
-def _layout_text(key: Sequence[tuple[str, int, tuple[int, int], bool]]) -> str:
-    return " | ".join(f"{isl} TP={tp} L{a}-{b - 1}{' RC' if rc else ''}" for isl, tp, (a, b), rc in key)
+def _layout_text(key: Sequence[tuple[str, int, tuple[int, int], str]]) -> str:
+    return " | ".join(f"{isl} TP={tp} L{a}-{b - 1}{rc}" for isl, tp, (a, b), rc in key)
 
 
 def summarize_plan(plan: Plan, *, verbose: bool = False) -> list[str]:

@@ -77,3 +77,21 @@ def test_planner_gives_a_tight_stage_block_recomputation_and_it_is_faster_than_f
     full = replace(best, replicas=tuple(replace(r, stages=tuple(replace(st, recompute_num_layers=0) for st in r.stages))
                                         for r in best.replicas))
     assert pred.iteration_time_s < predict(full, MODEL, CLUSTER).iteration_time_s
+
+
+def test_printed_layouts_say_how_many_layers_recompute():
+    """tools/plan.py's grouped lines: "RC" every layer, "RC2" the first 2 of each chunk, nothing when none."""
+    from megatron_het.planner.explain import describe_plan
+    from megatron_het.planner.summary import recompute_tag, summarize_plan
+
+    plan = _plan(mbs=2, pp=8, plain=(7,))
+    trimmed = least_recompute_layers(plan, MODEL, CLUSTER)
+    stages = trimmed.replicas[0].stages
+    tags = [recompute_tag(st) for st in stages]
+    assert tags[7] == "" and all(t == (f" RC{st.recompute_num_layers}" if st.recompute_num_layers else " RC")
+                                 for t, st in zip(tags[:7], stages[:7]))
+    assert any(t.startswith(" RC") and t != " RC" for t in tags)
+    text = describe_plan(trimmed)
+    for st, t in zip(stages, tags):
+        assert f"L{st.layers[0]}-{st.layers[1] - 1}{t}{' ' if st is not stages[-1] else ']'}" in text
+    assert any(f"RC{st.recompute_num_layers}" in "\n".join(summarize_plan(trimmed)) for st in stages if st.recompute_num_layers)
