@@ -522,7 +522,7 @@ def profile_emulated(model: ModelSpec, *, islands: Sequence[str], slowdowns: Seq
     waiting 7x after each section and 3.8 ms waiting 3x, and a profile over both islands priced the slow
     island's actions 30% short."""
     from megatron_het.platform.local_launch import run_local
-    from megatron_het.profiling.in_run import median_profile
+    from megatron_het.profiling.combine import median_profile
 
     if len(islands) != len(slowdowns) or not islands or not all(s >= 1.0 for s in slowdowns):
         raise ValueError(f"profile_emulated needs one island and one slowdown >= 1 per rank, got islands {list(islands)} "
