@@ -295,7 +295,9 @@ class DistributedOptimizer:
         """AdamW on this rank's pieces, then the updated values all-gathered into every holder's model.
 
         ``compute(fn)`` runs the local update (an emulated device's timer stretches it: EmulationTimer.stretch);
-        the all-gather is communication, which a slower device does not slow, and runs outside it."""
+        the all-gather is communication, which a slower device does not slow, and runs outside it, with the
+        copy of the gathered values into the model's parameters (a cast per element, unstretched here while
+        the plain optimizer's ``copy_to_model`` is stretched: small beside the update, left so)."""
         self.finish_param_gather()
         lr = float(self.param_groups[0]["lr"])
 
