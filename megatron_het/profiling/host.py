@@ -135,19 +135,23 @@ def host_profile(model: ModelSpec, *, micro_batch_sizes: Sequence[int], ranks: i
                    vocab_size=padded_vocab_size(model.vocab_size), optimizer=True, clock=clock,
                    split_backward=split_backward, call_overhead=call_overhead)
     concurrent = _concurrency(ranks, clock)
-    if concurrent == 1:  # measured in this process: with the run's threads per rank
+    def measure() -> tuple[Profile, ...]:
+        if emulated is not None:
+            return profile_emulated(model, islands=[i for i, _ in emulated], slowdowns=[f for _, f in emulated],
+                                    **options)
+        if concurrent == 1:
+            return (profile_layers(model, **options),)
+        return (profile_concurrent(model, processes=concurrent, **options),)
+
+    if concurrent == 1:  # measured in this process: with the run's threads per rank (spawned ones run one)
         old = torch.get_num_threads()
         torch.set_num_threads(threads)
         try:
-            profiles = (profile_emulated(model, islands=[i for i, _ in emulated], slowdowns=[f for _, f in emulated],
-                                         **options) if emulated is not None else (profile_layers(model, **options),))
+            profiles = measure()
         finally:
             torch.set_num_threads(old)
-    elif emulated is not None:
-        profiles = profile_emulated(model, islands=[i for i, _ in emulated], slowdowns=[f for _, f in emulated],
-                                    **options)
     else:
-        profiles = (profile_concurrent(model, processes=concurrent, **options),)
+        profiles = measure()
     link = measure_link(ranks) if ranks > 1 else None
     out = []
     for prof, path in zip(profiles, paths):
