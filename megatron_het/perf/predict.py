@@ -661,25 +661,37 @@ def replica_trace(plan: Plan, replica: int, model: ModelSpec, cluster: ClusterSp
                     duration, p2p)
 
 
+def plan_stage_memory(plan: Plan, r: ReplicaPlan, i: int, model: ModelSpec, cluster: ClusterSpec, *, dp: int,
+                      distributed_optimizer: bool, seq_length: int, flash_attention: bool | None = None,
+                      recompute_mode: str | None = None, recompute_num_layers: int | None = None) -> StageMemory:
+    """Memory on one rank of stage ``i`` of replica ``r`` as :func:`predict` prices it (its peak
+    micro-batches in flight under the plan's schedule); ``recompute_num_layers`` overrides the stage's
+    (planner.block_recompute tries counts with it)."""
+    st, p, m, v = r.stages[i], len(r.stages), r.num_micro_batches, plan.virtual_pipeline_size
+    in_flight = m if plan.schedule == "gpipe" else microbatches_in_flight(
+        stage=i, pipeline_size=p, num_microbatches=m, virtual_stages=v)
+    return stage_memory(model, num_layers=st.num_layers, is_first=i == 0, is_last=i == p - 1,
+                        micro_batch_size=plan.micro_batch_size, microbatches_in_flight=in_flight, tp=st.tp, dp=dp,
+                        seq_length=seq_length, sequence_parallel=plan.sequence_parallel,
+                        recompute=(recompute_mode or "full") if st.recompute else "none",
+                        distributed_optimizer=distributed_optimizer, precision=plan.precision,
+                        flash_attention=(not cluster.island(st.island).device.is_host
+                                         if flash_attention is None else flash_attention),
+                        virtual_stages=v, recompute_num_layers=(st.recompute_num_layers if recompute_num_layers is None
+                                                                else recompute_num_layers))
+
+
 def _replica(plan: Plan, r: ReplicaPlan, model: ModelSpec, cluster: ClusterSpec,
              simulated: tuple[list[float], list[float], PipelineTimes, list[tuple[float, ...]]], reduce_and_step, *, dp: int, dist_opt: bool,
              seq_length: int, flash_attention: bool | None = None, recompute_mode: str | None = None,
              profile: Profile | Sequence[Profile] | None = None) -> ReplicaPrediction:
-    p, m, v, mbs = len(r.stages), r.num_micro_batches, plan.virtual_pipeline_size, plan.micro_batch_size
+    p, m, v = len(r.stages), r.num_micro_batches, plan.virtual_pipeline_size
     fwd, bwd, sim, ends = simulated
     stages = []
     for i, st in enumerate(r.stages):
         is_first, is_last = i == 0, i == p - 1
-        in_flight = m if plan.schedule == "gpipe" else microbatches_in_flight(
-            stage=i, pipeline_size=p, num_microbatches=m, virtual_stages=v)
-        mem = stage_memory(model, num_layers=st.num_layers, is_first=is_first, is_last=is_last,
-                           micro_batch_size=mbs, microbatches_in_flight=in_flight, tp=st.tp, dp=dp,
-                           seq_length=seq_length, sequence_parallel=plan.sequence_parallel,
-                           recompute=(recompute_mode or "full") if st.recompute else "none",
-                           distributed_optimizer=dist_opt, precision=plan.precision,
-                           flash_attention=(not cluster.island(st.island).device.is_host
-                                            if flash_attention is None else flash_attention),
-                           virtual_stages=v, recompute_num_layers=st.recompute_num_layers)
+        mem = plan_stage_memory(plan, r, i, model, cluster, dp=dp, distributed_optimizer=dist_opt,
+                                seq_length=seq_length, flash_attention=flash_attention, recompute_mode=recompute_mode)
         red, red_end, opt = reduce_and_step(st, is_first, is_last, bwd[i] / v)
         device = cluster.island(st.island).device
         stages.append(StagePrediction(

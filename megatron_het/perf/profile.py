@@ -79,8 +79,8 @@ __all__ = [
 
 PROFILE_FORMAT = "megatron-het-profile"
 PROFILE_VERSION = 1
-# plan precision -> the dtype its layers train in (tf32 plans train in fp32 storage,
-# runtime/plan_record.py), which is what a profile's times must have been taken in
+# a profile's times must have been taken in the dtype the plan trains in (TRAINS_IN, plan/types.py:
+# tf32 plans train in fp32 storage)
 MEASURED_PRECISIONS = ("fp32", "bf16", "fp16")  # what a profile's "precision" may say
 _DTYPE_FLAG = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}  # tools/profile_host.py --dtype
 

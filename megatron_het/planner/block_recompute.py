@@ -12,8 +12,9 @@ from __future__ import annotations
 from dataclasses import replace
 
 from megatron_het.cluster import ClusterSpec, ModelSpec
-from megatron_het.perf.memory import device_capacity_bytes, microbatches_in_flight, stage_memory
-from megatron_het.plan.types import Plan
+from megatron_het.perf.memory import device_capacity_bytes
+from megatron_het.perf.predict import plan_stage_memory
+from megatron_het.plan.types import Plan, ReplicaPlan
 
 __all__ = ["least_recompute_layers"]
 
@@ -28,40 +29,34 @@ def least_recompute_layers(plan: Plan, model: ModelSpec, cluster: ClusterSpec, *
     if recompute_mode not in (None, "full"):
         return plan
     s_len = model.seq_length if seq_length is None else seq_length
-    mbs, v, dp = plan.micro_batch_size, plan.virtual_pipeline_size, len(plan.replicas)
+    v, dp = plan.virtual_pipeline_size, len(plan.replicas)
     chosen: dict[tuple[object, ...], int] = {}  # stage signature -> N (0: all)
 
-    def least(island: str, tp: int, num_layers: int, is_first: bool, is_last: bool, in_flight: int) -> int:
-        key = (island, tp, num_layers, is_first, is_last, in_flight)
+    def least(r: ReplicaPlan, i: int) -> int:
+        st, p = r.stages[i], len(r.stages)
+        key = (st.island, st.tp, st.num_layers, i, p, r.num_micro_batches)
         if key not in chosen:
-            device = cluster.island(island).device
-            capacity = device_capacity_bytes(device)
-            chunk = num_layers // v
-            flash = not device.is_host if flash_attention is None else flash_attention
-            n_fit = 0
-            for n in range(1, chunk):  # memory need not fall monotonically with N: scan upward
-                mem = stage_memory(model, num_layers=num_layers, is_first=is_first, is_last=is_last,
-                                   micro_batch_size=mbs, microbatches_in_flight=in_flight, tp=tp, dp=dp,
-                                   seq_length=s_len, sequence_parallel=plan.sequence_parallel, recompute="full",
-                                   distributed_optimizer=plan.use_distributed_optimizer, precision=plan.precision,
-                                   flash_attention=flash, virtual_stages=v, recompute_num_layers=n)
+            capacity = device_capacity_bytes(cluster.island(st.island).device)
+            chosen[key] = 0
+            for n in range(1, st.num_layers // v):  # memory need not fall monotonically with N: scan upward
+                mem = plan_stage_memory(plan, r, i, model, cluster, dp=dp,
+                                        distributed_optimizer=plan.use_distributed_optimizer, seq_length=s_len,
+                                        flash_attention=flash_attention, recompute_num_layers=n)
                 if mem.total_bytes <= capacity:
-                    n_fit = n
+                    chosen[key] = n
                     break
-            chosen[key] = n_fit
         return chosen[key]
 
     replicas, changed = [], False
     for r in plan.replicas:
-        p, m = len(r.stages), r.num_micro_batches
         stages = []
         for i, st in enumerate(r.stages):
             if st.recompute and not st.recompute_num_layers and not st.chunk_layers and st.num_layers // v > 1:
-                in_flight = m if plan.schedule == "gpipe" else microbatches_in_flight(
-                    stage=i, pipeline_size=p, num_microbatches=m, virtual_stages=v)
-                n = least(st.island, st.tp, st.num_layers, i == 0, i == p - 1, in_flight)
+                n = least(r, i)
                 if n:
-                    st, changed = replace(st, recompute_num_layers=n), True
+                    st = replace(st, recompute_num_layers=n)
             stages.append(st)
-        replicas.append(replace(r, stages=tuple(stages)) if changed else r)
+        if tuple(stages) != r.stages:
+            r, changed = replace(r, stages=tuple(stages)), True
+        replicas.append(r)
     return replace(plan, replicas=tuple(replicas)) if changed else plan
