@@ -4,8 +4,9 @@ GPUs, give the predicted throughput of the best priced plan that uses them, and 
 The alternative is the fastest closed-form point of the search that puts at least half of the
 island's idle GPUs to work; it is priced as the chosen plan was (``perf.predict``, in its fastest
 runnable schedule and gradient-reduction form) so that the two figures are comparable. Why it lost
-is read off the two predictions: the part of the iteration that grew most (gradient reduction
-across islands: links; recomputation added: memory; as many micro-batches on its slowest replica:
+is read off the two predictions: the part of the iteration that grew most (gradient reduction:
+the stage whose reduction ends last and the network it crosses, a link between islands or the
+island's own; recomputation added: memory; as many micro-batches on its slowest replica:
 batch divisibility; more on fewer, deeper replicas: batch split; otherwise the pipeline: stage
 balance and transfers).
 """
@@ -21,7 +22,7 @@ from megatron_het.planner.estimate import Estimate
 from megatron_het.planner.space import island_gpus_used
 from megatron_het.planner.summary import plan_form
 
-__all__ = ["idle_islands", "explain_idle"]
+__all__ = ["idle_islands", "explain_idle", "crossed_link_gbps", "reduction_reason"]
 
 _TIE = 5e-4  # an alternative this close to the chosen plan's time is no faster: ties go to fewer GPUs
 _TRIES = 4  # alternatives built and predicted per idle island before giving up
@@ -36,9 +37,41 @@ def idle_islands(cluster: ClusterSpec, plan: Plan) -> dict[str, int]:
     return {i.name: i.num_gpus - used.get(i.name, 0) for i in cluster.islands if used.get(i.name, 0) < i.num_gpus}
 
 
-def _slowest_link_gbps(cluster: ClusterSpec, island: str) -> float | None:
-    speeds = [link.bandwidth_gbps for link in cluster.links if island in link.between]
+def _holder_islands(plan: Plan) -> dict[int, set[str]]:
+    """Layer -> the islands holding it in some replica (a reduction's peers are spread over them)."""
+    holders: dict[int, set[str]] = {}
+    for r in plan.replicas:
+        for s in r.stages:
+            for layer in range(s.layers[0], s.layers[1]):
+                holders.setdefault(layer, set()).add(s.island)
+    return holders
+
+
+def crossed_link_gbps(cluster: ClusterSpec, plan: Plan, layers: tuple[int, int]) -> float | None:
+    """The slowest link the gradient reduction of ``layers`` crosses in ``plan`` (links among the
+    islands holding those layers); None when every holder is on one island."""
+    holders = _holder_islands(plan)
+    names = set().union(*(holders.get(layer, set()) for layer in range(*layers)))
+    speeds = [link.bandwidth_gbps for a in names for b in names if a < b
+              if (link := cluster.link(a, b)) is not None]
     return min(speeds) if speeds else None
+
+
+def reduction_reason(cluster: ClusterSpec, alt: tuple[Plan, Prediction], d_red: float) -> str:
+    """The stage whose reduction ends last sets what is exposed: name it and the network it crosses."""
+    plan, pred = alt
+    st, sp = max(((s, ps) for r, pr in zip(plan.replicas, pred.replicas) for s, ps in zip(r.stages, pr.stages)),
+                 key=lambda t: t[1].gradient_reduction_end_s)
+    where = f"layers {st.layers[0]}-{st.layers[1] - 1} on {st.island} (TP={st.tp})"
+    link = crossed_link_gbps(cluster, plan, st.layers)
+    if link is not None:
+        return (f"links: the gradients of {where} are reduced across islands (slowest link crossed: "
+                f"{link:g} Gbit/s), +{d_red:.3g} s exposed")
+    island = cluster.island(st.island)
+    net = (f"its {island.inter_node_bandwidth_gbps:g} Gbit/s inter-node network" if island.nodes > 1
+           else "one node")
+    return (f"gradient reduction: the gradients of {where} are reduced within {st.island} ({net}) and end "
+            f"last, +{d_red:.3g} s exposed")
 
 
 def _why(cluster: ClusterSpec, island: str, best: tuple[Plan, Prediction], alt: tuple[Plan, Prediction]) -> str:
@@ -53,10 +86,7 @@ def _why(cluster: ClusterSpec, island: str, best: tuple[Plan, Prediction], alt: 
         return (f"batch divisibility: no faster, micro-batches are whole and the slowest replica still runs "
                 f"{alt_most} (the chosen plan's: {most}), so the GPUs stay free")
     if d_red >= max(d_pipe, d_opt) and d_red > 0:
-        link = _slowest_link_gbps(cluster, island)
-        over = f" (its slowest link: {link:g} Gbit/s)" if link is not None else ""
-        return (f"links: gradients of layers placed on {island} and elsewhere are reduced across islands{over}, "
-                f"+{d_red:.3g} s exposed")
+        return reduction_reason(cluster, alt, d_red)
     if alt_rc > rc and d_pipe > 0:
         return f"memory: {alt_rc} stages must recompute activations to fit, +{d_pipe:.3g} s of pipeline"
     if alt_most == most and d_pipe >= 0:
