@@ -22,7 +22,7 @@ __all__ = ["least_recompute_layers"]
 def least_recompute_layers(plan: Plan, model: ModelSpec, cluster: ClusterSpec, *, seq_length: int | None = None,
                            flash_attention: bool | None = None, recompute_mode: str | None = None) -> Plan:
     """``plan`` with every stage that recomputes all its layers (``recompute=True``,
-    ``recompute_num_layers == 0``, no ``chunk_layers``) given the least N in 1..layers per chunk
+    ``recompute_num_layers == 0``; model chunks, when listed, of equal size) given the least N in 1..layers per chunk
     whose memory (perf.predict's, against the device's capacity) fits; N equal to the layers per
     chunk stays 0 (all), as does a stage no N fits. Selective recomputation: ``plan`` unchanged.
     The options mean what they mean to :func:`megatron_het.perf.predict.predict`."""
@@ -51,7 +51,9 @@ def least_recompute_layers(plan: Plan, model: ModelSpec, cluster: ClusterSpec, *
     for r in plan.replicas:
         stages = []
         for i, st in enumerate(r.stages):
-            if st.recompute and not st.recompute_num_layers and not st.chunk_layers and st.num_layers // v > 1:
+            # chunk_layers: only equal chunks (the planner's interleaved variants), which stage_memory prices
+            equal = all(b - a == st.num_layers // v for a, b in st.chunk_layers)
+            if st.recompute and not st.recompute_num_layers and equal and st.num_layers // v > 1:
                 n = least(r, i)
                 if n:
                     st = replace(st, recompute_num_layers=n)

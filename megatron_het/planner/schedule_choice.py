@@ -52,8 +52,14 @@ def schedule_variants(plan: Plan) -> dict[str, Plan | str]:
 
 
 def choose_schedule(best: tuple[Plan, Prediction], model: ModelSpec, cluster: ClusterSpec, *,
-                    predict_plan: Callable[[Plan], Prediction]) -> tuple[tuple[Plan, Prediction], str]:
-    """The fastest runnable schedule for ``best``'s layout (its prediction attached) and a sentence why."""
+                    predict_plan: Callable[[Plan], Prediction],
+                    refine: Callable[[tuple[Plan, Prediction]], tuple[Plan, Prediction]] | None = None,
+                    ) -> tuple[tuple[Plan, Prediction], str]:
+    """The fastest runnable schedule for ``best``'s layout (its prediction attached) and a sentence why.
+
+    ``refine`` (the planner's least block recomputation) is applied to every schedule's plan before
+    they are compared: a schedule whose activations need more recomputation under full recompute may
+    need less once trimmed, so trimming only the winner could keep the wrong schedule."""
     plan, pred = best
     priced: dict[str, tuple[Plan, Prediction]] = {"1f1b": (plan, pred)} if plan.schedule == "1f1b" else {}
     refused: dict[str, str] = {}
@@ -73,6 +79,9 @@ def choose_schedule(best: tuple[Plan, Prediction], model: ModelSpec, cluster: Cl
             refused[label] = f"predicted memory {p.memory_gib_per_rank_max:.1f} GiB exceeds a device"
             continue
         priced[label] = (replace(variant, predicted=p.to_json_dict()), p)
+    untrimmed = {k: v[1].iteration_time_s for k, v in priced.items()}
+    if refine is not None:
+        priced = {k: refine(v) for k, v in priced.items()}
     order = list(priced)  # 1f1b first: it wins ties
     chosen = min(order, key=lambda k: (priced[k][1].iteration_time_s, order.index(k)))
     t0 = priced[chosen][1].iteration_time_s
@@ -85,4 +94,7 @@ def choose_schedule(best: tuple[Plan, Prediction], model: ModelSpec, cluster: Cl
             f"{priced[chosen][1].replicas[0].bubble_fraction:.0%} ({why})"
             + (f"; priced also: {others}" if others else "")
             + "".join(f"; {k} not possible: {r}" for k, r in refused.items()) + ".")
+    if t0 < untrimmed[chosen]:
+        text += (f" Block recomputation (the least that fits) instead of full: predicted {t0:.4g} s/iteration "
+                 f"({untrimmed[chosen]:.4g} s with every layer recomputed).")
     return priced[chosen], text

@@ -382,7 +382,7 @@ def plan_cluster(model: ModelSpec, cluster: ClusterSpec, *, global_batch_size: i
         pred = predict_plan(plan)
         if not pred.fits:
             return plan, pred
-        chosen = [least_recompute(choose_schedule(one_f, model, cluster, predict_plan=predict_plan)[0])
+        chosen = [choose_schedule(one_f, model, cluster, predict_plan=predict_plan, refine=least_recompute)[0]
                   for one_f, _ in runnable_forms(plan, pred)]
         return min(chosen, key=lambda c: c[1].iteration_time_s)
 
@@ -391,9 +391,9 @@ def plan_cluster(model: ModelSpec, cluster: ClusterSpec, *, global_batch_size: i
         the runtime runs that only without the distributed optimizer, so memory decides where it
         fits), and each of those under every schedule the runtime runs (schedule_choice.py: a layout
         second under 1F1B may gain more from ZB-H1 or interleaving than the first, e.g. the
-        overlapped variant, whose reduction ZB-H1's deferred W would otherwise expose); a chosen form
-        whose stages recompute every layer then takes the least block recomputation that fits when
-        that is faster (block_recompute.py)."""
+        overlapped variant, whose reduction ZB-H1's deferred W would otherwise expose); every
+        schedule's form whose stages recompute every layer takes the least block recomputation that
+        fits when that is faster (block_recompute.py) before the schedules are compared."""
         considered.add(id(e))
         plan = build_plan(cluster, e.templates, e.layer_counts, e.micro_batches, micro_batch_size=e.micro_batch_size,
                           global_batch_size=global_batch_size, recompute=e.recompute,
@@ -415,12 +415,8 @@ def plan_cluster(model: ModelSpec, cluster: ClusterSpec, *, global_batch_size: i
             return
         forms = runnable_forms(plan, pred)
         for one_f, sharded_alt in forms:
-            chosen, note = choose_schedule(one_f, model, cluster, predict_plan=predict_plan)
-            trimmed = least_recompute(chosen)
-            if trimmed is not chosen:
-                note += (f" Block recomputation (the least that fits) instead of full: predicted "
-                         f"{trimmed[1].iteration_time_s:.4g} s/iteration.")
-            ranked.append(trimmed)
+            chosen, note = choose_schedule(one_f, model, cluster, predict_plan=predict_plan, refine=least_recompute)
+            ranked.append(chosen)
             notes.append((note, one_f, sharded_alt))
             origin.append(e)
 

@@ -95,3 +95,36 @@ def test_printed_layouts_say_how_many_layers_recompute():
     for st, t in zip(stages, tags):
         assert f"L{st.layers[0]}-{st.layers[1] - 1}{t}{' ' if st is not stages[-1] else ']'}" in text
     assert any(f"RC{st.recompute_num_layers}" in "\n".join(summarize_plan(trimmed)) for st in stages if st.recompute_num_layers)
+
+
+def test_interleaved_stages_of_equal_chunks_are_trimmed_per_chunk_and_uneven_ones_left_alone():
+    from megatron_het.planner.schedule_choice import schedule_variants
+
+    inter = schedule_variants(_plan(mbs=1, pp=4))["interleaved v=2"]
+    assert inter.virtual_pipeline_size == 2 and all(st.chunk_layers for st in inter.replicas[0].stages)
+    r = inter.replicas[0]
+    p, v = len(r.stages), 2
+
+    def fits(i: int, n: int) -> bool:
+        st = r.stages[i]
+        mem = stage_memory(MODEL, num_layers=st.num_layers, is_first=i == 0, is_last=i == p - 1, micro_batch_size=1,
+                           microbatches_in_flight=microbatches_in_flight(stage=i, pipeline_size=p, virtual_stages=v,
+                                                                         num_microbatches=r.num_micro_batches),
+                           tp=st.tp, dp=1, recompute="full", distributed_optimizer=False, flash_attention=True,
+                           virtual_stages=v, recompute_num_layers=n)
+        return mem.total_bytes <= CAPACITY
+
+    counts = [st.recompute_num_layers for st in least_recompute_layers(inter, MODEL, CLUSTER).replicas[0].stages]
+    assert any(counts), counts
+    for i, n in enumerate(counts):
+        chunk = r.stages[i].num_layers // v
+        if n:  # the least count of each chunk's first layers that fits
+            assert 0 < n < chunk and fits(i, n) and not any(fits(i, k) for k in range(1, n))
+        else:
+            assert not any(fits(i, k) for k in range(1, chunk))
+    # uneven chunks within a stage: stage_memory prices equal chunks only, so the stage is not trimmed
+    assert counts[0]  # stage 0 is trimmed when its chunks are equal ...
+    (c0, _), (c1, _) = r.stages[0].chunk_layers
+    uneven = replace(inter, replicas=(replace(r, stages=(replace(r.stages[0], chunk_layers=((c0, c0 + 3), (c1, c1 + 7))),)
+                                              + r.stages[1:]),))
+    assert least_recompute_layers(uneven, MODEL, CLUSTER).replicas[0].stages[0].recompute_num_layers == 0  # ... not here

@@ -67,3 +67,29 @@ def test_planner_result_says_which_schedule_and_runs_it():
     assert line.startswith(f"Schedule: {result.best.schedule if result.best.virtual_pipeline_size == 1 else 'interleaved'}")
     validate_plan(result.best, TINY, cluster)
     assert result.best.predicted["iteration_time_s"] == pytest.approx(result.candidates[0][1].iteration_time_s)
+
+
+def test_every_schedule_is_trimmed_before_they_are_compared():
+    """Under full recomputation 1F1B is fastest, but interleaving, trimmed to the least block
+    recomputation, beats 1F1B trimmed: the refined schedules are compared, not the untrimmed ones
+    (trimming only the untrimmed winner kept 1F1B)."""
+    plan = _plan(layers=((0, 4), (4, 8)), m=4)
+    full = {"1f1b": 1.0, "zb-h1": 1.05, "interleaved": 1.1}
+    trimmed = {"1f1b": 0.95, "zb-h1": 1.0, "interleaved": 0.8}
+    seen = []
+
+    def refine(priced):
+        p, pred = priced
+        seen.append(p.schedule)
+        return replace(p, predicted={"iteration_time_s": trimmed[p.schedule]}), _Pred(trimmed[p.schedule])
+
+    (got, pred), text = choose_schedule((plan, _Pred(full["1f1b"])), replace(TINY, num_layers=8), None,
+                                        predict_plan=lambda p: _Pred(full[p.schedule]), refine=refine)
+    assert sorted(seen) == ["1f1b", "interleaved", "zb-h1"]
+    assert got.schedule == "interleaved" and pred.iteration_time_s == 0.8
+    assert text.startswith("Schedule: interleaved v=2, predicted 0.8 s/iteration")
+    assert "Block recomputation (the least that fits) instead of full: predicted 0.8 s/iteration (1.1 s" in text
+    # without a gain from trimming the sentence says nothing about it
+    _, plain = choose_schedule((plan, _Pred(1.0)), replace(TINY, num_layers=8), None,
+                               predict_plan=lambda p: _Pred(full[p.schedule]), refine=lambda x: x)
+    assert plain.startswith("Schedule: 1f1b") and "Block recomputation" not in plain
