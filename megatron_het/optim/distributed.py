@@ -57,7 +57,7 @@ class DistributedOptimizer:
                  new_group: Callable[[tuple[int, ...]], object | None], owned: Callable[[list], set] | None = None,
                  main_grads: Mapping[str, torch.Tensor] | None = None, weights: Mapping[int, float] | None = None,
                  device: torch.device, overlap_param_gather_in: torch.nn.Module | None = None,
-                 gather_method: str = "padded", reduce_scatter_method: str = "reduce") -> None:
+                 gather_method: str = "padded", reduce_scatter_method: str = "reduce", reducer=None) -> None:
         """``local``: this rank's holdings (``runtime.grad_sync.Holding``); ``params``: the model's
         parameters by global name; ``new_group(ranks)``: creates a group over ``ranks`` (collective
         over the world, None on non-members; runtime.comm_routing routes it natively or through the
@@ -68,8 +68,16 @@ class DistributedOptimizer:
         all-gather, and a forward pre-hook on every sub-module that owns parameters finishes the
         buckets of its parameters just before it runs (Megatron's ``--overlap-param-gather``);
         ``gather_method`` / ``reduce_scatter_method``: the comm layer's constructions on torch groups
-        (``comm/uneven.py``)."""
+        (``comm/uneven.py``); ``reducer``: a gradient synchronizer over the same gradients
+        (``runtime/overlap_grad.OverlappedGradientSynchronizer``, ``--overlap-grad-reduce``) that
+        all-reduces them in buckets during the last backward; ``reduce()`` then takes this rank's
+        pieces of the summed gradients instead of reduce-scattering after the backward."""
         self._methods = {"gather": gather_method, "reduce_scatter": reduce_scatter_method}
+        # --overlap-grad-reduce: gradients all-reduced in buckets as the last backward produces them (an
+        # all-reduce, not megatron-core's bucketed reduce-scatter: the runtime's overlapped buckets are
+        # all-reduce buckets, and twice the traffic hidden behind the backward beats half of it after)
+        self.reducer = reducer
+        self.arm = reducer.arm if reducer is not None else None  # the executor arms the last backward
         self.device, self.train = device, train
         self.rank = dist.get_rank()
         gathered: list = [None] * dist.get_world_size()
@@ -262,9 +270,19 @@ class DistributedOptimizer:
 
     # ---- synchronizer interface -----------------------------------------------------------------
     def reduce(self) -> None:
-        """Reduce-scatter every gradient over its holders into this rank's pieces."""
+        """Reduce-scatter every gradient over its holders into this rank's pieces (with a reducer: wait
+        for its overlapped all-reduces, then take this rank's pieces of the sums)."""
         self.finish_param_gather()  # a stage whose forward never touched a bucket (none today): finish here
+        if self.reducer is not None:
+            self.reducer.reduce()  # every holder's gradient is now the sum over the holders
+            self.shard_grad = self._my_pieces(self._grad)
+            return
         self.shard_grad = self._reduce_scatter(lambda n: self._grad(n) if self._contributes(n) else None)
+
+    @property
+    def launched_in_backward(self) -> int | None:
+        """Buckets the reducer launched during the last armed backward (None: no reducer)."""
+        return None if self.reducer is None else self.reducer.launched_in_backward
 
     def grad_norm_sq_local(self) -> torch.Tensor:
         """This rank's share of the squared global norm (each element is owned exactly once)."""

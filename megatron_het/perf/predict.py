@@ -26,7 +26,11 @@ Assumptions (docs/planner.md, "Prediction"):
   as that runtime: every stage bucketed, except where the runtime cannot overlap: a reduction whose
   peers span collective libraries goes through the cross-vendor bridge, which has no asynchronous
   form (``runtime/overlap_grad.py``: those buckets wait for the end), and interleaved stages
-  (whose chunks' last backwards come before the armed one) are priced without overlap.
+  (whose chunks' last backwards come before the armed one) are priced without overlap. With the
+  distributed optimizer that runtime's overlapped buckets all-reduce (each owner then takes its
+  pieces: ``optim/distributed.py``'s reducer), and the updated weights' gather runs during the next
+  forward (--overlap-param-gather), priced hidden except through the bridge, which has no
+  asynchronous gather either.
 - Precision is the plan's (``Plan.precision``): it sets the matmul rate (``DeviceType.rate_tflops``),
   the compute model's calibrated figures, bytes per weight/gradient/optimizer state and activation
   (perf/memory.py), the gradient bytes reduced and the optimizer step's traffic.
@@ -499,8 +503,12 @@ def predict(plan: Plan, model: ModelSpec, cluster: ClusterSpec, *, profile: Prof
             # (--overlap-param-gather), else it follows the optimizer step (added to the tail here).
             # Once per stage: reduce_s runs per gradient bucket.
             share = distributed_optimizer_share(cluster, replica_islands=names) if dist_opt else 1.0
+            bridged = bucket_all_stages and spans_collective_libraries(cluster, names)
 
             def reduce_s(n: int) -> float:
+                if dist_opt and plan.overlap_grad_reduce:  # the runtime's all-reduce buckets (module docstring)
+                    gather = share * all_reduce_s(param_bytes * n) if bridged else 0.0
+                    return all_reduce_s(grad_bytes * n) + gather
                 if dist_opt:
                     rs = share * all_reduce_s(grad_bytes * n)
                     return rs if overlap_grad_reduce else rs + share * all_reduce_s(param_bytes * n)
@@ -508,7 +516,6 @@ def predict(plan: Plan, model: ModelSpec, cluster: ClusterSpec, *, profile: Prof
 
             red = reduce_s(params) if dp > 1 else 0.0
             tail = red
-            bridged = bucket_all_stages and spans_collective_libraries(cluster, names)
             if dp > 1 and overlap_grad_reduce and (is_first or bucket_all_stages) and v == 1 and not bridged:
                 chunks = stage_gradient_chunks(model, cost(stage), num_layers=stage.num_layers, is_first=is_first,
                                                is_last=is_last, tp=stage.tp)

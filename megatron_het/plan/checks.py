@@ -16,7 +16,7 @@ from megatron_het.schedule.generators import SCHEDULE_NAMES
 if TYPE_CHECKING:
     from megatron_het.cluster import ClusterSpec, ModelSpec
 
-__all__ = ["check_cluster", "check_grad_overlap", "check_pipeline", "check_schedule", "check_tp_comm_overlap", "check_tp_grid",
+__all__ = ["check_cluster", "check_pipeline", "check_schedule", "check_tp_comm_overlap", "check_tp_grid",
            "tp_grid_divisors"]
 
 Replicas = Sequence[ReplicaPlan]
@@ -287,16 +287,6 @@ def check_tp_comm_overlap(replicas: Replicas, sequence_parallel: bool) -> None:
                     "but the plan has sequence_parallel false",
                     fix='set "sequence_parallel": true in the plan, or "tp_comm_overlap": false on this stage',
                 )
-
-
-def check_grad_overlap(*, overlap_grad_reduce: bool, use_distributed_optimizer: bool) -> None:
-    """The runtime overlaps the gradient all-reduce with the backward, not the distributed optimizer's
-    reduce-scatter (``runtime/hetero_trainer.py`` refuses the pair): a plan may not record both."""
-    if overlap_grad_reduce and use_distributed_optimizer:
-        raise PlanError(field="overlap_grad_reduce", value=True,
-                        problem="the runtime overlaps the gradient all-reduce, not the distributed optimizer's "
-                        "reduce-scatter",
-                        fix='set "overlap_grad_reduce": false, or "use_distributed_optimizer": false')
 
 
 def check_cluster(replicas: Replicas, cluster: ClusterSpec) -> None:

@@ -13,7 +13,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from megatron_het.plan.checks import check_grad_overlap, check_pipeline
+from megatron_het.plan.checks import check_pipeline
 from megatron_het.plan.errors import PlanError
 from megatron_het.plan.fields import as_bool, as_int, as_list, as_str, check_keys, required
 from megatron_het.plan.jsonio import json_text, read_json, write_json
@@ -54,7 +54,8 @@ class Plan:
     sequence_parallel: bool = False  # Megatron sequence parallelism inside TP groups
     use_distributed_optimizer: bool = False  # shard optimizer state across replicas
     # reduce gradient buckets during each stage's last backward (the runtime's --overlap-grad-reduce;
-    # not with the distributed optimizer, which the runtime refuses); absent from older plans: False
+    # with the distributed optimizer also the updated weights' gather during the next forward,
+    # --overlap-param-gather); absent from older plans: False
     overlap_grad_reduce: bool = False
     # Training precision the plan was priced for (Megatron: no flag = fp32, --fp16, --bf16, --fp8-format;
     # tf32 = fp32 storage with tensor-core matmuls). Absent from older plan files, which were priced as bf16.
@@ -82,8 +83,6 @@ class Plan:
                        global_batch_size=self.global_batch_size, schedule=self.schedule,
                        virtual_pipeline_size=self.virtual_pipeline_size, sequence_parallel=self.sequence_parallel,
                        model=model, cluster=cluster)
-        check_grad_overlap(overlap_grad_reduce=self.overlap_grad_reduce,
-                           use_distributed_optimizer=self.use_distributed_optimizer)
         if memory_check is not None:
             memory_check(self, model, cluster)
 

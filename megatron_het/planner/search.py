@@ -35,7 +35,7 @@ from megatron_het.planner.compose import compose
 from megatron_het.planner.errors import InfeasibleError
 from megatron_het.planner.estimate import Estimate, Estimator
 from megatron_het.planner.explain import explain_choice, island_infeasibility
-from megatron_het.planner.grad_overlap import overlap_note, overlap_variant
+from megatron_het.planner.grad_overlap import overlap_note, overlap_variants
 from megatron_het.planner.idle import explain_idle
 from megatron_het.planner.parallelizer import Parallelizer
 from megatron_het.planner.refine import hill_climb
@@ -193,7 +193,8 @@ def plan_cluster(model: ModelSpec, cluster: ClusterSpec, *, global_batch_size: i
     with its last backward, as megatron-core's DDP option of that name does (see perf.predict), a
     what-if. ``consider_grad_overlap`` (default on) also prices every predicted layout as megatron-het's
     runtime runs ``overlap_grad_reduce`` (every stage's all-reduce in buckets during its last backward,
-    without the distributed optimizer: planner/grad_overlap.py) and records the choice in the plan.
+    with the distributed optimizer kept and without it: planner/grad_overlap.py) and records the choice
+    in the plan.
     ``precision`` (a Plan precision) is what every point is priced at and what the plans record. Raises
     :class:`InfeasibleError` (a ValueError) naming the failed memory or divisibility constraint.
     ``progress(done, total)`` is called after each candidate structure priced and each plan predicted
@@ -330,8 +331,8 @@ def plan_cluster(model: ModelSpec, cluster: ClusterSpec, *, global_batch_size: i
     seen: set[Plan] = set()
     considered: set[int] = set()
 
-    # Per ranked plan: (schedule sentence, its 1F1B form, the distributed-optimizer form's prediction
-    # when the plan is the overlapped variant).
+    # Per ranked plan: (schedule sentence, its 1F1B form, the prediction of the form as built when the
+    # plan is an overlapped variant).
     notes: list[tuple[str, tuple[Plan, Prediction], Prediction | None]] = []
 
     simulations: dict = {}  # pipeline simulations shared by a layout's forms and schedules
@@ -341,13 +342,13 @@ def plan_cluster(model: ModelSpec, cluster: ClusterSpec, *, global_batch_size: i
                        simulations=simulations)
 
     def runnable_forms(plan: Plan, pred: Prediction) -> list[tuple[tuple[Plan, Prediction], Prediction | None]]:
-        """The layout as built (``pred``: fits) and, memory permitting, with its all-reduce overlapped
-        (grad_overlap.py), each with its prediction attached and, for the overlapped one, the
-        distributed-optimizer form's prediction."""
+        """The layout as built (``pred``: fits) and, memory permitting, with its reduction overlapped
+        (grad_overlap.py: with and without the distributed optimizer), each with its prediction
+        attached and, for an overlapped one, the prediction of the form as built."""
         forms: list[tuple[tuple[Plan, Prediction], Prediction | None]] = [
             ((replace(plan, predicted=pred.to_json_dict()), pred), None)]
-        variant = overlap_variant(plan) if consider_grad_overlap else "not asked"
-        if not isinstance(variant, str):
+        variants = overlap_variants(plan) if consider_grad_overlap else "not asked"
+        for variant in ([] if isinstance(variants, str) else variants):
             try:
                 validate_plan(variant, model, cluster)
                 vpred = predict_plan(variant)
@@ -387,9 +388,8 @@ def plan_cluster(model: ModelSpec, cluster: ClusterSpec, *, global_batch_size: i
         return min(chosen, key=lambda c: c[1].iteration_time_s)
 
     def predict_point(e: Estimate) -> None:
-        """Predict the point's layout under 1F1B, also with its all-reduce overlapped (grad_overlap.py:
-        the runtime runs that only without the distributed optimizer, so memory decides where it
-        fits), and each of those under every schedule the runtime runs (schedule_choice.py: a layout
+        """Predict the point's layout under 1F1B, also with its reduction overlapped (grad_overlap.py:
+        with the distributed optimizer kept and without it, where that fits), and each of those under every schedule the runtime runs (schedule_choice.py: a layout
         second under 1F1B may gain more from ZB-H1 or interleaving than the first, e.g. the
         overlapped variant, whose reduction ZB-H1's deferred W would otherwise expose); every
         schedule's form whose stages recompute every layer takes the least block recomputation that

@@ -106,8 +106,8 @@ def plan_form(plan: Plan) -> str:
 
 def _grads_text(plan: Plan) -> str:
     """How the plan reduces gradients across replicas: the rows of one layout differ only here."""
-    if plan.use_distributed_optimizer:
-        return "dist-opt"  # reduce-scatter after the backward, sharded optimizer state
+    if plan.use_distributed_optimizer:  # sharded optimizer state; reduce-scatter after the backward, or
+        return "dopt+ovl" if plan.overlap_grad_reduce else "dist-opt"  # all-reduce buckets within it
     return "overlap" if plan.overlap_grad_reduce else "sync"
 
 

@@ -216,12 +216,14 @@ class GradientSynchronizer:
 
     def __init__(self, local: Sequence[Holding], params: Mapping[str, torch.nn.Parameter], *,
                  placement=None, bucket_numel: int | None = None, timeout: datetime.timedelta | None = None,
-                 accelerator=None) -> None:
+                 accelerator=None, grads: Mapping[str, torch.Tensor] | None = None) -> None:
         """``placement`` (comm_routing.RankPlacement) routes groups that span collective libraries
         through the cross-vendor bridge; None: every group is a plain torch group.
         ``accelerator`` (platform.Accelerator; None: detected) places the buffers and picks backends.
         ``bucket_numel``: see ``plan_buckets`` (None: one bucket per group of holders).
-        ``timeout``: the run's group timeout (TrainConfig.group_timeout)."""
+        ``timeout``: the run's group timeout (TrainConfig.group_timeout).
+        ``grads``: the gradients reduced, by name, where they are not the parameters' ``.grad`` (the
+        distributed optimizer's fp32 main gradients in mixed precision, ``MainGrads.grads``)."""
         from megatron_het.platform import detect_accelerator
         from megatron_het.runtime.comm_routing import new_reduction_group, rank_placement_of
 
@@ -234,6 +236,7 @@ class GradientSynchronizer:
         self.buckets = plan_buckets(self.all_holdings, bucket_numel=bucket_numel)
         self.rank = dist.get_rank()
         self.params = dict(params)
+        self._grads = dict(grads) if grads is not None else None
         self.local = {h.name: h for h in local}
         self._groups = []
         self.routes: list[tuple[tuple[int, ...], str]] = []  # (ranks, "native" | "het-bridge"), for the log
@@ -308,6 +311,8 @@ class GradientSynchronizer:
         return total
 
     def _grad(self, name: str) -> torch.Tensor:
+        if self._grads is not None:
+            return self._grads[name]
         p = self.params[name]
         if p.grad is None:
             p.grad = torch.zeros_like(p)

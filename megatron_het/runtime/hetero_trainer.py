@@ -325,21 +325,32 @@ class PipelineStrategy:
         from megatron_het.runtime.mixed_precision import MainGrads
 
         train = self.train
-        if train.overlap_grad_reduce:
-            raise ConfigError("the distributed optimizer reduce-scatters after the backward",
-                              field="--use-distributed-optimizer", value="--overlap-grad-reduce",
-                              fix="drop --overlap-grad-reduce with the distributed optimizer")
         if self.main is not None:  # no full fp32 copy: the optimizer keeps main values as shards
             self.main.remove_hooks()
             self.main = MainGrads(self.params)
+        # --overlap-grad-reduce (or a plan recording it, which perf.predict prices with the updated
+        # weights' gather hidden in the next forward, hence --overlap-param-gather too)
+        overlap = train.overlap_grad_reduce or self.plan.overlap_grad_reduce
+        reducer = None
+        if overlap:
+            from megatron_het.perf.predict import bucket_parameters
+            from megatron_het.runtime.overlap_grad import OverlappedGradientSynchronizer
+
+            # registered after MainGrads' hooks: a bucket fires once its fp32 main gradients are complete
+            reducer = OverlappedGradientSynchronizer(
+                self.holdings(), self.params, hook_params=self.params, placement=self.placement,
+                grads=self.main.grads if self.main is not None else None,
+                bucket_numel=train.ddp_bucket_size or bucket_parameters(len(self.plan.replicas)),
+                timeout=train.group_timeout, accelerator=self.accelerator)
         weights = optimizer_shard_weights(self.model_spec, self.plan, precision=train.precision)
+        gather_overlap = train.overlap_param_gather or self.plan.overlap_grad_reduce
         return DistributedOptimizer(
             self.holdings(), self.params, train=train, device=self.device, owned=owned_norm_holdings,
             main_grads=self.main.grads if self.main is not None else None, weights=weights,
             # every model chunk's sub-modules finish their gathers (interleaved: several chunks)
-            overlap_param_gather_in=torch.nn.ModuleList(self.gpts) if train.overlap_param_gather else None,
+            overlap_param_gather_in=torch.nn.ModuleList(self.gpts) if gather_overlap else None,
             new_group=lambda ranks: new_reduction_group(ranks, self.placement, accelerator=self.accelerator,
-                                                        timeout=train.group_timeout))
+                                                        timeout=train.group_timeout), reducer=reducer)
 
     def _optimizer(self) -> torch.optim.AdamW:
         """AdamW with Megatron-LM's groups: no weight decay on biases and 1-D parameters (with the

@@ -44,8 +44,12 @@ BF16_RTOL = 1e-3
 # --overlap-grad-reduce: fp32 main-gradient buckets reduced from the backward's hooks, several per
 # holder group (20k parameters each), on a mixed-TP plan and across vendors
 BF16_OVERLAP = dataclasses.replace(BF16, overlap_grad_reduce=True, ddp_bucket_size=20_000)
+# (with the distributed optimizer: the main gradients all-reduced in those buckets, each owner taking
+# its pieces, against the same plan's reduce-scatter after the backward)
+DISTOPT = dataclasses.replace(CASES["pp2tp2x3_pp1tp4x1"], use_distributed_optimizer=True)
 OVERLAP_CASES = {"bf16_overlap_pp2tp2x3_pp1tp4x1": ("pp2tp2x3_pp1tp4x1", CASES["pp2tp2x3_pp1tp4x1"], None),
-                 "bf16_overlap_bridged_nv_amd": ("bridged_nv_amd", BRIDGED, BRIDGED_CLUSTER)}
+                 "bf16_overlap_bridged_nv_amd": ("bridged_nv_amd", BRIDGED, BRIDGED_CLUSTER),
+                 "bf16_overlap_distopt_pp2tp2x3_pp1tp4x1": ("bf16_distopt_pp2tp2x3_pp1tp4x1", DISTOPT, None)}
 # overlapped vs the same plan reduced after the backward: the same sums of the same fp32 main
 # gradients, in buckets of other sizes (gloo may add a bucket's elements in another order): fp32
 # round-off in the main gradients, which may flip single bf16 roundings of the weights
@@ -81,6 +85,7 @@ def runs():
     cases += [("bridged_nv_amd", BRIDGED, BF16, BRIDGED_CLUSTER),
               ("cross_vendor_boundaries", CROSS_VENDOR_BOUNDARIES, BF16, BRIDGED_CLUSTER),
               ("fp16_pp2tp2x3_pp1tp4x1", CASES["pp2tp2x3_pp1tp4x1"], FP16, None)]
+    cases += [("bf16_distopt_pp2tp2x3_pp1tp4x1", DISTOPT, BF16, None)]
     cases += [(name, p, BF16_OVERLAP, cluster) for name, (_, p, cluster) in OVERLAP_CASES.items()]
     cases += [(name, p, FP16, None) for name, p in FP16_MORE.items()]
     cases += [("sharded_bf16", SHARDED_BF16, BF16, None),

@@ -65,9 +65,10 @@ def cases_worker(rank, world_size, model, cases, init_full_state, padded_vocab):
                                 init_full_state=init_full_state, padded_vocab=padded_vocab)
         res = trainer.run(return_shards=True)
         stage = trainer.strategy
+        sync = getattr(stage.sync, "reducer", None) or stage.sync  # the distributed optimizer's overlapped buckets
         out[name] = {"run": res, "report": stage.overlap_report,
-                     "launched": getattr(stage.sync, "launched_in_backward", None),
-                     "buckets": len(stage.sync._groups), "stage": (stage.role.replica, stage.role.stage)}
+                     "launched": getattr(sync, "launched_in_backward", None),
+                     "buckets": len(sync._groups), "stage": (stage.role.replica, stage.role.stage)}
     return out
 
 
@@ -82,7 +83,13 @@ def runs():
              ("grad_overlap_one_bucket", overlap, dataclasses.replace(TRAIN, overlap_grad_reduce=True)),
              ("grad_overlap", overlap, dataclasses.replace(TRAIN, overlap_grad_reduce=True, ddp_bucket_size=BUCKET)),
              # the planner's record (#19): a plan with overlap_grad_reduce overlaps without the flag
-             ("plan_records_overlap", dataclasses.replace(overlap, overlap_grad_reduce=True), TRAIN)]
+             ("plan_records_overlap", dataclasses.replace(overlap, overlap_grad_reduce=True), TRAIN),
+             # the distributed optimizer: reduce-scatter after the backward, or all-reduce buckets in it
+             ("dist_opt", dataclasses.replace(overlap, use_distributed_optimizer=True), TRAIN),
+             ("dist_opt_overlap", dataclasses.replace(overlap, use_distributed_optimizer=True),
+              dataclasses.replace(TRAIN, overlap_grad_reduce=True, ddp_bucket_size=BUCKET)),
+             ("dist_opt_plan_overlap", dataclasses.replace(overlap, use_distributed_optimizer=True,
+                                                           overlap_grad_reduce=True), TRAIN)]
     per_rank = run_local(6, cases_worker, (MODEL, cases, init, PADDED_VOCAB), timeout_s=900)
     return ref, per_rank
 
@@ -164,6 +171,30 @@ def test_overlap_grad_reduce_equals_synchronous_reduction(runs):
             assert out[name]["launched"] == out[name]["buckets"] > 0, (name, out[name])
         assert out["grad_overlap"]["buckets"] > out["sp_tp_overlap"]["buckets"]
         assert out["sp_tp_overlap"]["launched"] is None  # the plain synchronizer without the flag
+
+
+@pytest.mark.multiproc
+@pytest.mark.slow
+def test_distributed_optimizer_with_overlapped_buckets_equals_its_reduce_scatter(runs):
+    """--use-distributed-optimizer --overlap-grad-reduce: the gradients are all-reduced in buckets
+    launched during the last backward and each owner takes its pieces of the sums; the reduce-scatter
+    after the backward gives the same sums, added in another order (1e-6 relative on losses, 1e-5 on
+    parameters, as above). A plan recording the overlap also gathers the updated weights during the
+    next forward (--overlap-param-gather). A bucket launched before its gradients were final, or a
+    piece taken from the wrong owner's offsets, would be off by whole contributions."""
+    _, per_rank = runs
+    ref_losses, ref_final = _losses(per_rank, "dist_opt"), _final(per_rank, "dist_opt")
+    for name in ("dist_opt_overlap", "dist_opt_plan_overlap"):
+        for a, b in zip(_losses(per_rank, name), ref_losses):
+            assert abs(a - b) <= 1e-6 * abs(b), (name, a, b)
+        final = _final(per_rank, name)
+        worst = max(float((final[k] - ref_final[k]).abs().max()) for k in ref_final)
+        print(f"{name}: max |param diff| vs the reduce-scatter after the backward {worst:.2e}")
+        assert worst <= 1e-5, (name, worst)
+    for out in per_rank:
+        assert out["dist_opt"]["launched"] is None  # no reducer without the flag or the record
+        for name in ("dist_opt_overlap", "dist_opt_plan_overlap"):
+            assert out[name]["launched"] == out[name]["buckets"] > 0, (name, out[name])
 
 
 # ---- pure pieces -----------------------------------------------------------------------------

@@ -1,5 +1,7 @@
 """perf.predict: when gradient reductions start and megatron-style overlapped buckets."""
 
+import dataclasses
+
 import pytest
 
 from megatron_het.cluster import CATALOG, ClusterSpec, IslandSpec, ModelSpec
@@ -89,3 +91,25 @@ def test_bridged_cross_vendor_reductions_are_not_overlapped():
     assert got.iteration_time_s == pytest.approx(predict(plain, MODEL, cluster).iteration_time_s)
     assert got.iteration_time_s > predict(plain, MODEL, cluster, overlap_grad_reduce=True,
                                           bucket_all_stages=False).iteration_time_s
+
+
+def test_a_plan_recording_overlap_with_the_distributed_optimizer_is_priced_as_that_runtime():
+    """The runtime's overlapped buckets all-reduce with the distributed optimizer too (each owner then
+    takes its pieces) and the updated weights are gathered in the next forward: the reduction is
+    priced as the plain overlapped plan's, the optimizer step as the sharded one's; through the
+    cross-vendor bridge nothing overlaps and the gather is exposed as well."""
+    cluster = _two_islands("A100-80GB")
+    plain, recorded = _replica_per_island(cluster)
+    both = dataclasses.replace(recorded, use_distributed_optimizer=True)
+    got, overlapped = predict(both, MODEL, cluster), predict(recorded, MODEL, cluster)
+    sharded = predict(dataclasses.replace(plain, use_distributed_optimizer=True), MODEL, cluster)
+    for g, o in zip(got.replicas[0].stages, overlapped.replicas[0].stages):
+        assert g.gradient_reduction_end_s == pytest.approx(o.gradient_reduction_end_s)
+    assert got.optimizer_s == pytest.approx(sharded.optimizer_s) and got.optimizer_s < overlapped.optimizer_s
+    assert got.memory_gib_per_rank_max == pytest.approx(sharded.memory_gib_per_rank_max)
+    bridged = _two_islands("MI250X")
+    plain_b, recorded_b = _replica_per_island(bridged)
+    got_b = predict(dataclasses.replace(recorded_b, use_distributed_optimizer=True), MODEL, bridged)
+    sync_b = predict(dataclasses.replace(plain_b, use_distributed_optimizer=True), MODEL, bridged)
+    # all-reduce (twice the reduce-scatter's bytes) plus the gather, after the backward: no faster
+    assert got_b.gradient_reduction_s >= sync_b.gradient_reduction_s
