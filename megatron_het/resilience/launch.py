@@ -29,9 +29,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
-from megatron_het.platform.local_launch import LocalLaunchError
+from megatron_het.platform.local_launch import LocalLaunchError, adopt_launcher_state, start_context
 from megatron_het.resilience.agreement import StoreAddress
 
 LOOPBACK = "127.0.0.1"  # where a single-machine run's store listens
@@ -47,8 +46,9 @@ class RankOutcome:
     exitcode: int | None = None  # process exit code (-9 for SIGKILL)
 
 
-def _child(fn, rank, world_size, address, args, queue, pg_timeout_s):
+def _child(fn, rank, world_size, address, args, queue, pg_timeout_s, launcher_env=None):
     os.setpgid(0, 0)  # this rank and everything it starts: one group the launcher can kill
+    adopt_launcher_state(launcher_env)
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
     import torch
 
@@ -103,9 +103,9 @@ def run_resilient_local(world_size: int, fn: Callable[..., Any], args: Sequence[
     if world_size < 1:
         raise ValueError(f"world_size: must be >= 1 (got {world_size}). Fix: launch at least one rank")
     store, address = serve_store(host)
-    ctx = mp.get_context("spawn")
+    ctx, launcher_env = start_context()
     q = ctx.Queue()
-    procs = [ctx.Process(target=_child, args=(fn, r, world_size, address, tuple(args), q, pg_timeout_s))
+    procs = [ctx.Process(target=_child, args=(fn, r, world_size, address, tuple(args), q, pg_timeout_s, launcher_env))
              for r in range(world_size)]
     for p in procs:
         p.start()
