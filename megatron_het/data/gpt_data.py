@@ -213,10 +213,11 @@ class GptBatches:
         self.split = dataset
 
     def __call__(self, iteration: int, indices: range) -> torch.Tensor:
-        return self.samples(iteration * self.split.global_batch_size, indices)
+        return self.samples(iteration * self.split.global_batch_size, indices, iteration=iteration)
 
-    def samples(self, first: int, indices: range) -> torch.Tensor:
-        """Rows ``first + i`` for ``i`` in ``indices`` (``first``: the global batch's first sample)."""
+    def samples(self, first: int, indices: range, *, iteration: int | None = None) -> torch.Tensor:
+        """Rows ``first + i`` for ``i`` in ``indices`` (``first``: the global batch's first sample;
+        ``iteration``: its 0-based iteration, for the error message)."""
         split, gbs = self.split, self.split.global_batch_size
         available = split.num_samples
         rows = []
@@ -226,10 +227,12 @@ class GptBatches:
                                  "Fix: pass indices within the global batch size.")
             sample = first + i
             if not 0 <= sample < available:
+                where = f"iteration: {iteration}" if iteration is not None else f"the batch from sample {first}"
                 raise ValueError(
-                    f"the global batch from {split.name} sample {first} needs sample {sample}, but the split has "
-                    f"{available} ({available // gbs} iterations of {gbs}). Fix: build the datasets with "
-                    "train_iters/eval_iters (and a resumed run's consumed samples) covering every iteration you run.")
+                    f"{where} needs {split.name} sample {sample}, but the split has {available} "
+                    f"({available // gbs} iterations of {gbs}). Fix: build the datasets with train_iters/eval_iters "
+                    "covering every iteration you run (a resumed run: from the checkpoint's consumed samples on, "
+                    "GptDataConfig.resume_consumed_samples).")
             rows.append(sample_row(split.dataset, sample))
         if not rows:
             return torch.empty((0, split.seq_length + 1), dtype=torch.long)

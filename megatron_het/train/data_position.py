@@ -19,6 +19,8 @@ from typing import Any
 
 import torch
 
+from megatron_het.errors import UserError
+
 
 @dataclass(frozen=True)
 class DataPosition:
@@ -49,12 +51,34 @@ def consumed_samples(strategy: Any, iteration: int, global_batch_size: int) -> i
     return position.consumed_at(iteration, global_batch_size)
 
 
+def check_resumed_data(batch_fn: Any, position: DataPosition | None, *, train_iters: int,
+                       global_batch_size: int) -> None:
+    """Refuse, at load time and on every rank alike, a resumed run whose data split ends before its last
+    iteration (instead of failing mid-step): a larger consumed-samples count than the split was sized
+    for (``GptDataConfig.resume_consumed_samples``). Batch functions that are not sample-addressed
+    (mock data) have no end."""
+    split = getattr(batch_fn, "split", None)
+    if position is None or split is None or not hasattr(batch_fn, "samples"):
+        return
+    need, available = position.consumed_at(train_iters, global_batch_size), split.num_samples
+    if need <= available:
+        return
+    before = (f" (its global batch size: {position.consumed_samples // position.iteration})"
+              if position.iteration and position.consumed_samples % position.iteration == 0 else "")
+    raise UserError(f"the checkpoint's run consumed {position.consumed_samples} training samples in "
+                    f"{position.iteration} iterations; iterations {position.iteration + 1}-{train_iters} at global "
+                    f"batch size {global_batch_size} read samples up to {need - 1}, but the train split has "
+                    f"{available}", field="--load", value=position.consumed_samples,
+                    fix=f"resume with the checkpoint's global batch size{before}, fewer --train-iters, or a "
+                        "larger corpus")
+
+
 def positioned_batches(batch_fn: Any, position: DataPosition, global_batch_size: int):
     """``batch_fn`` as the strategies call it, ``(iteration, indices)``, reading iteration ``t``'s row
     ``i`` from sample ``position.consumed_at(t, global_batch_size) + i``.
 
-    Sample-addressed batch functions (``data.gpt_data.gpt_batch_fn``: a ``samples(first, indices)``
-    method) follow the position; others (mock data: random tokens keyed by iteration, test batches)
+    Sample-addressed batch functions (``data.gpt_data.gpt_batch_fn``: a ``samples(first, indices, *,
+    iteration)`` method) follow the position; others (mock data: random tokens keyed by iteration, test batches)
     are returned as given.
     """
     samples = getattr(batch_fn, "samples", None)
@@ -62,6 +86,6 @@ def positioned_batches(batch_fn: Any, position: DataPosition, global_batch_size:
         return batch_fn
 
     def batch(iteration: int, indices: range) -> torch.Tensor:
-        return samples(position.consumed_at(iteration, global_batch_size), indices)
+        return samples(position.consumed_at(iteration, global_batch_size), indices, iteration=iteration)
 
     return batch

@@ -13,7 +13,7 @@ import time
 from collections.abc import Callable, Mapping
 
 from megatron_het.train.config import TrainConfig
-from megatron_het.train.data_position import consumed_samples
+from megatron_het.train.data_position import check_resumed_data, consumed_samples
 from megatron_het.train.readout import Readout, read_all
 from megatron_het.train.strategy import BatchFn, IterationLog, RunResult, Strategy
 from megatron_het.train.timer import EmulationTimer
@@ -169,6 +169,8 @@ class Trainer:
         """Load a checkpoint written under any plan and continue from its iteration and its data position
         (its consumed samples: ``consumed_samples``) (collective)."""
         self.iteration = self.strategy.load_checkpoint(path, with_optimizer=with_optimizer)
+        check_resumed_data(getattr(self.strategy, "batch_fn", None), getattr(self.strategy, "data_position", None),
+                           train_iters=self.train.train_iters, global_batch_size=self.train.global_batch_size)
         return self.iteration
 
     @property

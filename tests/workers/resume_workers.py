@@ -16,7 +16,7 @@ class RecordingBatches:
     def __call__(self, iteration, indices):
         return self.samples(iteration * self.gbs, indices)
 
-    def samples(self, first, indices):
+    def samples(self, first, indices, *, iteration=None):
         self.firsts.append(first + indices.start)
         return synthetic_batch(seed=0, iteration=0, indices=range(first + indices.start, first + indices.stop),
                                seq_length=self.model.seq_length, vocab_size=self.model.vocab_size)

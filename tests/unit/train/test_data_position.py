@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from megatron_het.data.gpt_data import GptDataConfig, GptSplit, gpt_batch_fn
+from megatron_het.errors import UserError
 from megatron_het.train.config import TrainConfig
 from megatron_het.train.data_position import DataPosition, position_from_checkpoint, positioned_batches
 from megatron_het.train.loop import iteration_line
@@ -56,7 +57,7 @@ def test_gpt_batches_follow_the_position():
     resumed = positioned_batches(batches, DataPosition(20, 320), 4)
     assert first_column(resumed(20, range(1, 3))) == [321, 322]
     assert first_column(resumed(21, range(4))) == [324, 325, 326, 327]
-    with pytest.raises(ValueError, match="needs sample 400"):
+    with pytest.raises(ValueError, match="iteration: 21 needs train sample 400, but the split has 400"):
         positioned_batches(batches, DataPosition(20, 396), 4)(21, range(4))
 
 
@@ -114,3 +115,15 @@ def test_trainer_resumes_data_and_logs_from_the_checkpoints_count():
     trainer.use_strategy(other, iteration=trainer.iteration)
     assert other.data_position == DataPosition(20, 320) and trainer.consumed_samples == 328
 
+
+
+def test_resume_beyond_the_split_is_refused_at_load_naming_the_fix():
+    train = TrainConfig(micro_batch_size=2, global_batch_size=4, train_iters=22, lr=1e-3)
+    strategy = RecordingStrategy(gpt_batch_fn(split(88, 4)), 4)  # sized for 22 x 4 from sample 0
+    with pytest.raises(UserError, match=r"--load: the checkpoint's run consumed 320 training samples in 20 "
+                                        r"iterations; iterations 21-22 at global batch size 4 read samples up to "
+                                        r"327, but the train split has 88 .*global batch size \(its global batch "
+                                        r"size: 16\)"):
+        Trainer(strategy=strategy, train=train, timer=EmulationTimer()).load_checkpoint("ckpt/iter_0000020")
+    mock = RecordingStrategy(lambda iteration, indices: torch.zeros((len(indices), 4), dtype=torch.long), 4)
+    Trainer(strategy=mock, train=train, timer=EmulationTimer()).load_checkpoint("ckpt/iter_0000020")  # no end
