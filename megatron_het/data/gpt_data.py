@@ -14,7 +14,6 @@ one, the calling process builds (or loads) the cache itself. The C++ helper mega
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -35,10 +34,14 @@ class GptDataConfig:
     seq_length: int  # tokens per sample fed to the model (each sample carries one more for the label)
     seed: int = 1234  # --seed: document/sample shuffling
     global_batch_size: int  # samples per iteration over all replicas
-    train_iters: int  # train samples needed = train_iters * global_batch_size
+    train_iters: int  # train samples needed = train_iters * global_batch_size (fresh run)
     eval_iters: int = 0  # batches per evaluation; 0 builds no valid/test samples
     eval_interval: int = 1000  # iterations between evaluations (sizes the valid split as Megatron-LM)
     data_cache_path: Path | None = None  # --data-cache-path: index cache; None: "cache" next to the first prefix
+    # a resumed run: the checkpoint's iteration and consumed samples (train.data_position); it reads
+    # train samples up to resume_consumed_samples + (train_iters - resume_iteration) * global_batch_size
+    resume_iteration: int = 0
+    resume_consumed_samples: int = 0
 
     def __post_init__(self) -> None:
         for name in ("seq_length", "global_batch_size", "train_iters", "eval_interval"):
@@ -68,7 +71,9 @@ class GptDataConfig:
         """Samples per split, as Megatron-LM: train, valid (every evaluation), test (one evaluation)."""
         gbs = self.global_batch_size
         evaluations = self.train_iters // self.eval_interval + 1
-        return [self.train_iters * gbs, evaluations * self.eval_iters * gbs, self.eval_iters * gbs]
+        train = max(self.train_iters * gbs,
+                    self.resume_consumed_samples + (self.train_iters - self.resume_iteration) * gbs)
+        return [train, evaluations * self.eval_iters * gbs, self.eval_iters * gbs]
 
     def cache_dir(self) -> Path:
         """Where megatron-core caches document/sample/shuffle indices."""
@@ -195,30 +200,45 @@ def sample_row(dataset: Any, index: int) -> torch.Tensor:
     return torch.cat((sample["tokens"], sample["labels"][-1:])).long()
 
 
-def gpt_batch_fn(dataset: GptSplit) -> Callable[[int, range], torch.Tensor]:
-    """``batch_fn(iteration, indices)`` -> LongTensor ``[len(indices), seq_length + 1]``.
+class GptBatches:
+    """A split as the trainers' ``batch_fn(iteration, indices)`` -> LongTensor ``[len(indices), seq_length + 1]``.
 
     Row ``k`` is dataset sample ``iteration * global_batch_size + indices[k]`` (0-based iteration,
-    ``indices`` within the global batch), independent of how a plan splits the batch.
+    ``indices`` within the global batch), independent of how a plan splits the batch. A resumed run
+    reads by sample instead (``samples``, through ``train.data_position.positioned_batches``): the
+    global batch starting at the checkpoint's consumed-samples count.
     """
-    gbs = dataset.global_batch_size
-    available = dataset.num_samples
 
-    def batch_fn(iteration: int, indices: range) -> torch.Tensor:
+    def __init__(self, dataset: GptSplit) -> None:
+        self.split = dataset
+
+    def __call__(self, iteration: int, indices: range) -> torch.Tensor:
+        return self.samples(iteration * self.split.global_batch_size, indices, iteration=iteration)
+
+    def samples(self, first: int, indices: range, *, iteration: int | None = None) -> torch.Tensor:
+        """Rows ``first + i`` for ``i`` in ``indices`` (``first``: the global batch's first sample;
+        ``iteration``: its 0-based iteration, for the error message)."""
+        split, gbs = self.split, self.split.global_batch_size
+        available = split.num_samples
         rows = []
         for i in indices:
             if not 0 <= i < gbs:
                 raise ValueError(f"indices: {i} is outside the global batch 0..{gbs - 1}. "
                                  "Fix: pass indices within the global batch size.")
-            sample = iteration * gbs + i
+            sample = first + i
             if not 0 <= sample < available:
+                where = f"iteration: {iteration}" if iteration is not None else f"the batch from sample {first}"
                 raise ValueError(
-                    f"iteration: {iteration} needs {dataset.name} sample {sample}, but the split has {available} "
+                    f"{where} needs {split.name} sample {sample}, but the split has {available} "
                     f"({available // gbs} iterations of {gbs}). Fix: build the datasets with train_iters/eval_iters "
-                    "covering every iteration you run.")
-            rows.append(sample_row(dataset.dataset, sample))
+                    "covering every iteration you run (a resumed run: from the checkpoint's consumed samples on, "
+                    "GptDataConfig.resume_consumed_samples).")
+            rows.append(sample_row(split.dataset, sample))
         if not rows:
-            return torch.empty((0, dataset.seq_length + 1), dtype=torch.long)
+            return torch.empty((0, split.seq_length + 1), dtype=torch.long)
         return torch.stack(rows)
 
-    return batch_fn
+
+def gpt_batch_fn(dataset: GptSplit) -> GptBatches:
+    """``batch_fn(iteration, indices)`` of ``dataset`` (``GptBatches``)."""
+    return GptBatches(dataset)

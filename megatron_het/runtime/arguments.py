@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -208,6 +209,7 @@ def parse_args(argv: list[str] | None = None) -> PretrainArgs:
         cluster = load_cluster(run["cluster_file"])
         train = TrainConfig(**values["train"])
         loop = LoopConfig(**values["loop"])
+        check_load_path(loop)
         tensorboard = tensorboard_from_args(values["tensorboard"])
         resilience = resilience_from_args(run)
         if run["staggered_step"] and train.clip_grad > 0:
@@ -220,6 +222,23 @@ def parse_args(argv: list[str] | None = None) -> PretrainArgs:
                         sequence_parallel=bool(run["sequence_parallel"]), tp_comm_overlap=bool(run["tp_comm_overlap"]),
                         tensorboard=tensorboard, use_distributed_optimizer=bool(run["use_distributed_optimizer"]),
                         resilience=resilience, staggered_step=bool(run["staggered_step"]))
+
+
+def check_load_path(loop: LoopConfig) -> None:
+    """--load must name an existing directory: a mistyped path would otherwise train from scratch.
+    An existing directory without a checkpoint still starts from scratch (said in the log), and so
+    does a missing one that is also --save (Megatron's restartable ``--save DIR --load DIR``: the
+    first run creates it)."""
+    path = loop.load
+    if not path or os.path.isdir(path):
+        return
+    if os.path.exists(path):
+        raise ValueError(f"--load {path}: is a file, not a checkpoint directory. Fix: pass the directory given to "
+                         "--save (the one holding latest_checkpointed_iteration.txt), or drop --load")
+    if loop.save and os.path.abspath(loop.save) == os.path.abspath(path):
+        return
+    raise ValueError(f"--load {path}: no such directory. Fix: check the spelling, create the directory, or drop "
+                     "--load to start from scratch")
 
 
 def tensorboard_from_args(values: dict[str, object]) -> TensorBoardConfig | None:

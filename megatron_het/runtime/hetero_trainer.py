@@ -62,6 +62,7 @@ from megatron_het.runtime.stage_groups import build_stage_groups
 from megatron_het.runtime.tp3d_groups import tp3d_holdings
 from megatron_het.schedule import Action, build_schedule
 from megatron_het.train.config import TrainConfig
+from megatron_het.train.data_position import DataPosition, position_from_checkpoint, positioned_batches
 from megatron_het.train.strategy import ActionHook, BatchFn, IterationLog, StepResult
 from megatron_het.train.timer import EmulationTimer, emulation_timer
 from megatron_het.train.trainer import Trainer, TrainerHooks
@@ -117,6 +118,7 @@ class PipelineStrategy:
                               value=(train.micro_batch_size, train.global_batch_size),
                               fix="pass the plan's sizes (or re-plan for yours)")
         self.model_spec, self.plan, self.train, self.batch_fn = model, plan, train, batch_fn
+        self.data_position = DataPosition()  # fresh run; load_checkpoint resumes the checkpoint's (train/data_position.py)
         # device, backends, timing and memory of this rank (platform/): every tensor and group below uses it
         self.accelerator = acc = accelerator or detect_accelerator()
         self.device = acc.device
@@ -442,7 +444,8 @@ class PipelineStrategy:
                 if p.grad is None:
                     p.grad = torch.zeros_like(p)
         self.executor.grad_scale = self.scaler.scale if self.scaler is not None else None
-        loss_sum = self.executor.run(iteration=iteration, batch_fn=self.batch_fn, forward=self._forward,
+        batch_fn = positioned_batches(self.batch_fn, self.data_position, self.train.global_batch_size)
+        loss_sum = self.executor.run(iteration=iteration, batch_fn=batch_fn, forward=self._forward,
                                      params=list(self.params.values()), timer=timer, on_action=on_action)
         self.sync.reduce()
         # the loss scale of this step, read at the log interval (the scaler replaces its tensor on update)
@@ -605,7 +608,7 @@ class PipelineStrategy:
                 st = self.optimizer.state.get(p, {})
                 moments[name] = {k: st.get(k, torch.zeros_like(p)).detach() for k in ("exp_avg", "exp_avg_sq")}
         common = {"model": model_common_state(self.model_spec), "padded_vocab": self.stage.vocab_size,
-                  "consumed_samples": iteration * self.train.global_batch_size,
+                  "consumed_samples": self.data_position.consumed_at(iteration, self.train.global_batch_size),
                   "plan": self.plan.to_dict(), "seed": self.train.seed}
         return save_checkpoint(save, iteration, params=self._slots(values), optimizer_state=moments, common=common,
                                tokenizer_model=tokenizer_model)
@@ -623,6 +626,7 @@ class PipelineStrategy:
                 f"builds {self.stage.vocab_size}. Fix: construct the trainer with padded_vocab="
                 f"{common.get('padded_vocab')} (pretrain_gpt.py does this when --load is given)")
         iteration = int(common["iteration"])
+        self.data_position = position_from_checkpoint(common, self.train.global_batch_size)
         if self.plan.use_distributed_optimizer:  # this rank's pieces of the plan-independent form
             self.sync.load_local_state(values, moments if with_optimizer else None, step=iteration)
             return iteration

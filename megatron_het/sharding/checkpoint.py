@@ -17,6 +17,7 @@ import torch
 
 from megatron_het.checkpoint.dist_ckpt import CheckpointError, TensorSlot, model_common_state
 from megatron_het.checkpoint.full_state import local_shards
+from megatron_het.train.data_position import position_from_checkpoint
 
 __all__ = ["save_sharded", "load_sharded"]
 
@@ -37,7 +38,7 @@ def save_sharded(strategy, save: str, iteration: int, *, tokenizer_model: str | 
 
     model, moments = strategy.optimizer.local_state()  # full tensors: every rank holds every parameter
     common = {"model": model_common_state(strategy.model_spec), "padded_vocab": strategy.stage.vocab_size,
-              "consumed_samples": iteration * strategy.train.global_batch_size,
+              "consumed_samples": strategy.data_position.consumed_at(iteration, strategy.train.global_batch_size),
               "plan": strategy.plan.to_dict(), "seed": strategy.train.seed}
     return save_checkpoint(save, iteration, params=_slots(strategy, model), optimizer_state=moments,
                            common=common, tokenizer_model=tokenizer_model)
@@ -57,5 +58,6 @@ def load_sharded(strategy, path: str, *, with_optimizer: bool = True) -> int:
     common, values, moments = load_checkpoint(path, params=_slots(strategy, empty), model=strategy.model_spec,
                                               with_optimizer=with_optimizer)
     iteration = int(common["iteration"])
+    strategy.data_position = position_from_checkpoint(common, strategy.train.global_batch_size)
     strategy.optimizer.load_local_state(values, moments if with_optimizer else None, step=iteration)
     return iteration

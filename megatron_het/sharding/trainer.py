@@ -53,6 +53,7 @@ from megatron_het.runtime.mixed_precision import LossScaler, MainGrads, params_d
 from megatron_het.sharding.budget import check_budget
 from megatron_het.sharding.checkpoint import load_sharded, save_sharded
 from megatron_het.train.config import TrainConfig
+from megatron_het.train.data_position import DataPosition, positioned_batches
 from megatron_het.train.strategy import ActionHook, BatchFn, IterationLog, StepResult
 from megatron_het.train.timer import EmulationTimer, emulation_timer
 from megatron_het.train.trainer import Trainer
@@ -87,6 +88,7 @@ class ShardedStrategy:
             raise ValueError(f"memory_budget_bytes: has {len(memory_budget_bytes)} entries for {world} ranks. "
                              "Fix: pass one budget per rank")
         self.model_spec, self.plan, self.train, self.batch_fn = model, plan, train, batch_fn
+        self.data_position = DataPosition()  # fresh run; load_checkpoint resumes the checkpoint's (train/data_position.py)
         self.rank, self.share = rank, plan.ranks[rank]
         self.reports_shards = rank == 0  # every rank gathers the same full tensors; one copy is enough
         self.gather_method, self.reduce_scatter_method = gather_method, reduce_scatter_method
@@ -184,9 +186,10 @@ class ShardedStrategy:
         scale = 1.0 / (train.global_batch_size * self.model_spec.seq_length)
         loss_scale = self.scaler.scale.clone() if self.scaler is not None else None  # read at the log interval
         loss_sum = torch.zeros(1, dtype=torch.float64, device=self.device)  # on the device: no sync per micro-batch
+        batch_fn = positioned_batches(self.batch_fn, self.data_position, train.global_batch_size)
         for m in range(share.num_micro_batches):
             first = self.samples.start + m * share.micro_batch_size
-            tokens = self.batch_fn(it, range(first, first + share.micro_batch_size))
+            tokens = batch_fn(it, range(first, first + share.micro_batch_size))
             inputs, labels, position_ids, _ = split_tokens(tokens, self.device)
             loss = timer.compute(lambda: self.module(inputs, position_ids, None, labels=labels).float().sum() * scale)
             scaled = loss * loss_scale if loss_scale is not None else loss  # fp16: the scaled loss's backward

@@ -28,10 +28,14 @@ def print_rank0(msg: str) -> None:
 
 def iteration_line(*, iteration: int, train_iters: int, global_batch_size: int, elapsed_s: float, lr: float,
                    loss: float, grad_norm: float, tokens_per_s: float, loss_scale: float | None = None,
-                   skipped: int | None = None) -> str:
+                   skipped: int | None = None, consumed_samples: int | None = None) -> str:
     """Megatron-LM's per-iteration log line (``elapsed_s``: mean per iteration over the log window);
-    with fp16 loss scaling also the scale and the skipped iterations of the window, as Megatron."""
-    line = (f" iteration {iteration:8d}/{train_iters:8d} | consumed samples: {iteration * global_batch_size:10d} "
+    with fp16 loss scaling also the scale and the skipped iterations of the window, as Megatron.
+    ``consumed_samples``: the run's data position (train/data_position.py; None: a fresh run's
+    ``iteration * global_batch_size``)."""
+    if consumed_samples is None:
+        consumed_samples = iteration * global_batch_size
+    line = (f" iteration {iteration:8d}/{train_iters:8d} | consumed samples: {consumed_samples:10d} "
             f"| elapsed time per iteration (ms): {elapsed_s * 1000:.1f} | learning rate: {lr:.3E} "
             f"| global batch size: {global_batch_size:5d} | lm loss: {loss:.6E} ")
     if loss_scale is not None:
@@ -82,7 +86,8 @@ def train_loop(trainer: Trainer, *, loop: LoopConfig, seq_length: int, valid_fn:
                                        lr=train.lr_at(it - 1), loss=entry.lm_loss, grad_norm=entry.grad_norm,
                                        tokens_per_s=train.global_batch_size * seq_length / elapsed,
                                        loss_scale=entry.loss_scale,
-                                       skipped=skipped if entry.loss_scale is not None else None))
+                                       skipped=skipped if entry.loss_scale is not None else None,
+                                       consumed_samples=entry.consumed_samples))
             skipped = 0
             if not memory_reported and entry.memory is not None:  # once, every rank's line, as Megatron
                 gathered = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
@@ -100,6 +105,9 @@ def train_loop(trainer: Trainer, *, loop: LoopConfig, seq_length: int, valid_fn:
         if loop.save and loop.save_interval and it % loop.save_interval == 0 and it < train.train_iters:
             print_rank0(f"saved checkpoint {trainer.save_checkpoint(loop.save, tokenizer_model=tokenizer_model)}")
 
+    if trainer.iteration > 0:  # resumed: the data continues where the checkpoint's run stopped
+        print_rank0(f"resuming data at consumed samples {trainer.consumed_samples} (iteration {trainer.iteration}, "
+                    f"global batch size {train.global_batch_size})")
     logs = trainer.run(max(0, train.train_iters - trainer.iteration), on_iteration=after_step).iterations
     if loop.save:
         print_rank0(f"saved checkpoint {trainer.save_checkpoint(loop.save, tokenizer_model=tokenizer_model)}")

@@ -49,6 +49,7 @@ class IterationLog:
     """What one rank saw of one iteration."""
 
     iteration: int  # 1-based, as Megatron logs it
+    consumed_samples: int | None = None  # training samples read after this iteration (None: iteration * global batch)
     # lm_loss (mean token loss over the global batch; None: not known on this rank), grad_norm (global
     # gradient norm before clipping) and loss_scale (StepResult.loss_scale), read from the device at
     # the log interval (properties below)

@@ -13,6 +13,7 @@ import time
 from collections.abc import Callable, Mapping
 
 from megatron_het.train.config import TrainConfig
+from megatron_het.train.data_position import check_resumed_data, consumed_samples
 from megatron_het.train.readout import Readout, read_all
 from megatron_het.train.strategy import BatchFn, IterationLog, RunResult, Strategy
 from megatron_het.train.timer import EmulationTimer
@@ -106,7 +107,8 @@ class Trainer:
         self.iteration = it + 1
         tokens = self.train.global_batch_size * self.strategy.model_spec.seq_length
         readout = Readout(lm_loss=result.lm_loss, grad_norm=result.grad_norm, loss_scale=result.loss_scale)
-        return IterationLog(iteration=self.iteration, readout=readout, elapsed_s=elapsed,
+        consumed = consumed_samples(self.strategy, self.iteration, self.train.global_batch_size)
+        return IterationLog(iteration=self.iteration, consumed_samples=consumed, readout=readout, elapsed_s=elapsed,
                             compute_s=self.timer.compute_s, emulated_s=self.timer.emulated_s, comm_s=result.comm_s, optimizer_s=result.optimizer_s, tokens_per_s=tokens / elapsed,
                             skipped=result.skipped, memory=self._memory())
 
@@ -115,7 +117,11 @@ class Trainer:
         return acc.memory() if acc is not None else None
 
     def use_strategy(self, strategy: Strategy, *, iteration: int) -> None:
-        """Continue with another strategy (a re-plan) from ``iteration``; a checkpoint load may follow."""
+        """Continue with another strategy (a re-plan) from ``iteration``; a checkpoint load may follow.
+        The data position (a resumed run's consumed samples) carries over to the new strategy."""
+        position = getattr(self.strategy, "data_position", None)
+        if position is not None and hasattr(strategy, "data_position"):
+            strategy.data_position = position
         self.strategy, self.iteration = strategy, iteration
 
     def run(self, iterations: int | None = None, *, return_shards: bool = False,
@@ -160,9 +166,17 @@ class Trainer:
         return self.strategy.save_checkpoint(save, self.iteration, tokenizer_model=tokenizer_model)
 
     def load_checkpoint(self, path: str, *, with_optimizer: bool = True) -> int:
-        """Load a checkpoint written under any plan and continue from its iteration (collective)."""
+        """Load a checkpoint written under any plan and continue from its iteration and its data position
+        (its consumed samples: ``consumed_samples``) (collective)."""
         self.iteration = self.strategy.load_checkpoint(path, with_optimizer=with_optimizer)
+        check_resumed_data(getattr(self.strategy, "batch_fn", None), getattr(self.strategy, "data_position", None),
+                           train_iters=self.train.train_iters, global_batch_size=self.train.global_batch_size)
         return self.iteration
+
+    @property
+    def consumed_samples(self) -> int:
+        """Training samples read so far (a resumed run: from the checkpoint's count on)."""
+        return consumed_samples(self.strategy, self.iteration, self.train.global_batch_size)
 
     def shards(self) -> Mapping:
         """The strategy's current parameters as global-named shards (collective for some strategies)."""
