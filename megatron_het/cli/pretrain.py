@@ -74,8 +74,10 @@ def resolve_plan(args: PretrainArgs) -> AnyPlan:
     return plan
 
 
-def batch_fns(args: PretrainArgs):
-    """(training batch_fn, validation batch_fn or None) of the run's data."""
+def batch_fns(args: PretrainArgs, *, resume: tuple[int, int] = (0, 0)):
+    """(training batch_fn, validation batch_fn or None) of the run's data; ``resume``: the checkpoint's
+    (iteration, consumed samples) a resumed run continues from, which sizes the train split so that a
+    changed global batch size still has its samples (``GptDataConfig.resume_consumed_samples``)."""
     model = args.model
     if args.data.mock_data:
         fn = partial(_mock_batch, model.seq_length, model.vocab_size, args.train.seed)
@@ -88,7 +90,8 @@ def batch_fns(args: PretrainArgs):
                         seed=args.train.seed, global_batch_size=args.train.global_batch_size,
                         train_iters=args.train.train_iters, eval_iters=args.loop.eval_iters,
                         eval_interval=args.loop.eval_interval or args.train.train_iters,
-                        data_cache_path=data.data_cache_path)
+                        data_cache_path=data.data_cache_path, resume_iteration=resume[0],
+                        resume_consumed_samples=resume[1])
     datasets = build_gpt_datasets(cfg, tokenizer)
     valid = gpt_batch_fn(datasets.valid) if datasets.valid is not None else None
     return gpt_batch_fn(datasets.train), valid
@@ -115,6 +118,12 @@ def main(argv: list[str] | None = None) -> int:
     acc = detect_accelerator()
     owned = not dist.is_initialized()  # run_local (tests) sets the group up itself
     if owned:
+        from megatron_het.launch.torchrun import launcher_error, missing_rendezvous
+
+        missing = missing_rendezvous()
+        if missing:  # plain python: one line on how to launch instead of torch's rendezvous traceback
+            print(f"pretrain_gpt.py: error: {launcher_error(plan.world_size, missing)}", file=sys.stderr)
+            return 2
         acc.set_device()  # before any group: NCCL binds its communicators to the current device
         minutes = (args.resilience.failure_timeout_s / 60 if args.resilience is not None
                    else args.train.distributed_timeout_minutes)  # resilience: a dead peer fails calls that soon
@@ -183,8 +192,8 @@ def run(args: PretrainArgs, acc, *, plan: AnyPlan | None = None,
     print_rank0(communication_line(plan, cluster))
     if sharded and args.tensorboard is not None:
         print_rank0("note: --tensorboard-dir is not written for sharded plans yet (log lines only)")
-    batch_fn, valid_fn = batch_fns(args)
     load_path, padded_vocab = checkpoint_to_load(args)
+    batch_fn, valid_fn = batch_fns(args, resume=resume_position(args.loop.load if load_path else None))
     tensorboard = resilience = None
     try:
         if sharded:
@@ -273,6 +282,20 @@ def announce_emulation(cluster, *, no_emulation: bool) -> bool:
         print_rank0(f"EMULATION (CPU): slower device types are emulated by waiting (slowdown-1) x the measured "
                     f"compute time after each forward/backward: {factors}")
     return emulate
+
+
+def resume_position(load: str | None) -> tuple[int, int]:
+    """(iteration, consumed samples) of the latest checkpoint under ``load`` (--load); (0, 0) for a
+    fresh run or a checkpoint older than the count (its data position is then iteration x global batch)."""
+    from megatron_het.checkpoint.dist_ckpt import iteration_dir, latest_iteration, read_common
+
+    it = latest_iteration(load) if load else None
+    if it is None:
+        return 0, 0
+    consumed = read_common(iteration_dir(load, it)).get("consumed_samples")
+    if not isinstance(consumed, int) or isinstance(consumed, bool) or consumed < 0:
+        return 0, 0
+    return it, consumed
 
 
 def checkpoint_to_load(args: PretrainArgs) -> tuple[str | None, int | None]:
