@@ -677,15 +677,21 @@ def plan_stage_memory(plan: Plan, r: ReplicaPlan, i: int, model: ModelSpec, clus
     st, p, m, v = r.stages[i], len(r.stages), r.num_micro_batches, plan.virtual_pipeline_size
     in_flight = m if plan.schedule == "gpipe" else microbatches_in_flight(
         stage=i, pipeline_size=p, num_microbatches=m, virtual_stages=v)
-    return stage_memory(model, num_layers=st.num_layers, is_first=i == 0, is_last=i == p - 1,
-                        micro_batch_size=plan.micro_batch_size, microbatches_in_flight=in_flight, tp=st.tp, dp=dp,
-                        seq_length=seq_length, sequence_parallel=plan.sequence_parallel,
-                        recompute=(recompute_mode or "full") if st.recompute else "none",
-                        distributed_optimizer=distributed_optimizer, precision=plan.precision,
-                        flash_attention=(not cluster.island(st.island).device.is_host
-                                         if flash_attention is None else flash_attention),
-                        virtual_stages=v, recompute_num_layers=(st.recompute_num_layers if recompute_num_layers is None
-                                                                else recompute_num_layers))
+    mem = stage_memory(model, num_layers=st.num_layers, is_first=i == 0, is_last=i == p - 1,
+                       micro_batch_size=plan.micro_batch_size, microbatches_in_flight=in_flight, tp=st.tp, dp=dp,
+                       seq_length=seq_length, sequence_parallel=plan.sequence_parallel,
+                       recompute=(recompute_mode or "full") if st.recompute else "none",
+                       distributed_optimizer=distributed_optimizer, precision=plan.precision,
+                       flash_attention=(not cluster.island(st.island).device.is_host
+                                        if flash_attention is None else flash_attention),
+                       virtual_stages=v, recompute_num_layers=(st.recompute_num_layers if recompute_num_layers is None
+                                                               else recompute_num_layers))
+    if plan.overlap_grad_reduce and dp > 1:
+        # the runtime's overlapped buckets (runtime/overlap_grad.py) pack each bucket's gradients into a
+        # flat buffer at launch and keep it until reduce() unpacks it after the backward: at the peak every
+        # bucket's copy beside the gradients themselves
+        mem = replace(mem, gradients_bytes=2 * mem.gradients_bytes)
+    return mem
 
 
 def _replica(plan: Plan, r: ReplicaPlan, model: ModelSpec, cluster: ClusterSpec,
