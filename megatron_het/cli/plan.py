@@ -13,7 +13,7 @@ import argparse
 import json
 import sys
 
-from megatron_het.cli.output import check_output_file
+from megatron_het.cli.output import check_output_file, quiet_on_broken_pipe
 from megatron_het.cluster import load_cluster, load_model
 from megatron_het.errors import UserError
 from megatron_het.perf import load_profile
@@ -25,6 +25,7 @@ from megatron_het.planner.summary import candidates_table, rank_ranges, summariz
 from megatron_het.utils.progress import Progress, add_progress_argument
 
 
+@quiet_on_broken_pipe
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="plan.py", description=__doc__.split("\n")[0])
     parser.add_argument("--cluster", required=True, help="cluster YAML")
