@@ -14,6 +14,7 @@ import json
 import sys
 
 from megatron_het.cli.output import check_output_file, quiet_on_broken_pipe
+from megatron_het.cli.profiles import warn_unused_profiles
 from megatron_het.cluster import load_cluster, load_model
 from megatron_het.errors import UserError
 from megatron_het.perf import load_profile
@@ -60,6 +61,7 @@ def main(argv: list[str] | None = None) -> int:
             check_output_file(args.output, flag="--output")
         model, cluster = load_model(args.model), load_cluster(args.cluster)
         profiles = [load_profile(p) for p in args.profile] or None
+        warn_unused_profiles(profiles, with_seq_length(model, args.seq_length), cluster, prog="plan.py")
         pipeline_options = {"top_k": args.top, "exhaustive": args.exhaustive, "precision": args.precision}
         # the sharded mode knows two state layouts: fp32 weights, or 16-bit weights with fp32 state
         sharded_options = {"precision": "fp32" if args.precision in ("fp32", "tf32") else "mixed"}

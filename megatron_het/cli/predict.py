@@ -25,6 +25,7 @@ import sys
 from dataclasses import replace
 
 from megatron_het.cli.output import quiet_on_broken_pipe
+from megatron_het.cli.profiles import warn_unused_profiles
 from megatron_het.cluster import load_cluster, load_model
 from megatron_het.errors import UserError
 from megatron_het.perf import load_profile
@@ -110,6 +111,7 @@ def main(argv: list[str] | None = None) -> int:
         model, cluster = load_model(args.model), load_cluster(args.cluster)
         plan = load_any_plan(args.plan) if args.plan else _homogeneous(args, model, cluster)
         profiles = [load_profile(p) for p in args.profile] or None
+        warn_unused_profiles(profiles, model, cluster, prog="predict.py")
         try:
             if isinstance(plan, ShardedPlan):
                 validate_sharded_plan(plan, cluster)
