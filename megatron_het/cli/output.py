@@ -6,15 +6,16 @@ checks run first and raise a one-line ``UserError`` naming the flag and the path
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from megatron_het.errors import UserError
 
-__all__ = ["check_output_file", "quiet_on_broken_pipe"]
+__all__ = ["check_output_file", "quiet_on_broken_pipe", "undo_created_dirs"]
 
 
 def check_output_file(path: str | os.PathLike[str], *, flag: str) -> None:
@@ -60,3 +61,32 @@ def quiet_on_broken_pipe(main: Callable[..., int]) -> Callable[..., int]:
             return 1
 
     return wrapper
+
+
+@contextlib.contextmanager
+def undo_created_dirs(directory: str | os.PathLike[str]) -> Iterator[None]:
+    """On an error inside the block, remove the directories on the way to ``directory`` that did not
+    exist before it (deepest first, each only while still empty): a tool that promises to write nothing
+    on failure leaves no ``--output-prefix nodir/sub/`` behind."""
+    missing = []
+    here = Path(os.path.abspath(directory))
+    while not here.exists() and here != here.parent:
+        missing.append(here)
+        here = here.parent
+    try:
+        before = here.stat() if missing else None  # the existing ancestor: its times are restored too
+    except OSError:
+        before = None
+    try:
+        yield
+    except BaseException:
+        for d in missing:  # deepest first
+            try:
+                d.rmdir()
+            except OSError:  # not created, not empty (another writer's files), or not ours to remove
+                break
+        else:
+            if before is not None:
+                with contextlib.suppress(OSError):
+                    os.utime(here, ns=(before.st_atime_ns, before.st_mtime_ns))
+        raise
