@@ -83,6 +83,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {err}", file=sys.stderr)
         return 2
     result = choice.pipeline_result
+    if args.output:  # before printing: a reader closing the pipe (plan.py ... | head) must not lose the plan
+        choice.plan.save(args.output)
     if args.json:  # the chosen mode's plans, best first
         plans = ([plan.to_dict() for plan, _ in result.candidates] if choice.mode == "pipeline"
                  else [choice.plan.to_dict()])
@@ -100,8 +102,6 @@ def main(argv: list[str] | None = None) -> int:
         if choice.sharded is not None:
             print("\n".join(summarize_sharded(choice.sharded, verbose=args.verbose)))
         print(f"mode: {choice.explanation}")
-    if args.output:
-        choice.plan.save(args.output)
-        if not args.json:
-            print(f"wrote {args.output}")
+    if args.output and not args.json:
+        print(f"wrote {args.output}")
     return 0

@@ -73,3 +73,11 @@ def test_layer_ranges_are_inclusive_like_plan_py(capsys):
     assert predict.main(["--cluster", CPU_DEMO, "--model", TINY, "--plan", DEMO_PLAN]) == 0
     rows = [line.split() for line in capsys.readouterr().out.splitlines() if line.startswith("0 ")]
     assert [row[5] for row in rows] == ["L0-2", "L3-3"]  # the plan's layers [0, 3) and [3, 4)
+
+
+def test_plan_output_is_written_even_when_the_pipe_closes(tmp_path, monkeypatch):
+    monkeypatch.setattr(sys, "stdout", _ClosedPipe(1))
+    out = tmp_path / "plan.json"
+    assert plan_cli.main(["--cluster", CPU_DEMO, "--model", TINY, "--global-batch-size", "16", "--no-progress",
+                          "--output", str(out)]) == 1
+    assert out.exists()
