@@ -43,7 +43,7 @@ def prepare_data() -> tuple[str, str]:
         report = preprocess(PreprocessConfig(input=Path(corpus), output_prefix=prefix,
                                              tokenizer_type="SentencePieceTokenizer", tokenizer_model=Path(model),
                                              append_eod=True))
-        print(f"demo: preprocessed {report.documents} documents, {report.tokens} tokens")
+        print(f"demo: preprocessed {report.documents} documents, {sum(report.tokens.values())} tokens")
     return model, prefix + "_text_document"
 
 

@@ -102,13 +102,15 @@ def model_common_state(model: ModelSpec) -> dict:
     return {k: v for k, v in dataclasses.asdict(model).items() if k != "name"}
 
 
-def check_model_matches(common: Mapping, model: ModelSpec, path: str) -> None:
+def check_model_matches(common: Mapping, model: ModelSpec, path: str, *,
+                        fix: str = "use the checkpoint's model settings, or start without --load") -> None:
+    """``fix``: what the caller's user should do (pretrain_gpt.py has --load, convert.py --model)."""
     saved = common.get("model", {})
     for key, value in model_common_state(model).items():
         if key in saved and saved[key] != value:
             raise CheckpointError(
                 f"{path}: model.{key}: the checkpoint was trained with {key}={saved[key]!r}, this run has "
-                f"{key}={value!r}. Fix: use the checkpoint's model settings, or start without --load")
+                f"{key}={value!r}. Fix: {fix}")
 
 
 def read_common(path: str) -> dict:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from megatron_het.cli.output import quiet_on_broken_pipe
 from megatron_het.cluster import (
     CATALOG,
     format_catalog,
@@ -23,6 +24,7 @@ from megatron_het.cluster import (
 from megatron_het.errors import UserError
 
 
+@quiet_on_broken_pipe
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="cluster.py", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)

@@ -13,7 +13,8 @@ import argparse
 import json
 import sys
 
-from megatron_het.cli.output import check_output_file
+from megatron_het.cli.output import check_output_file, quiet_on_broken_pipe
+from megatron_het.cli.profiles import warn_unused_profiles
 from megatron_het.cluster import load_cluster, load_model
 from megatron_het.errors import UserError
 from megatron_het.perf import load_profile
@@ -25,6 +26,7 @@ from megatron_het.planner.summary import candidates_table, rank_ranges, summariz
 from megatron_het.utils.progress import Progress, add_progress_argument
 
 
+@quiet_on_broken_pipe
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="plan.py", description=__doc__.split("\n")[0])
     parser.add_argument("--cluster", required=True, help="cluster YAML")
@@ -59,6 +61,7 @@ def main(argv: list[str] | None = None) -> int:
             check_output_file(args.output, flag="--output")
         model, cluster = load_model(args.model), load_cluster(args.cluster)
         profiles = [load_profile(p) for p in args.profile] or None
+        warn_unused_profiles(profiles, with_seq_length(model, args.seq_length), cluster, prog="plan.py")
         pipeline_options = {"top_k": args.top, "exhaustive": args.exhaustive, "precision": args.precision}
         # the sharded mode knows two state layouts: fp32 weights, or 16-bit weights with fp32 state
         sharded_options = {"precision": "fp32" if args.precision in ("fp32", "tf32") else "mixed"}
@@ -80,6 +83,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {err}", file=sys.stderr)
         return 2
     result = choice.pipeline_result
+    if args.output:  # before printing: a reader closing the pipe (plan.py ... | head) must not lose the plan
+        choice.plan.save(args.output)
     if args.json:  # the chosen mode's plans, best first
         plans = ([plan.to_dict() for plan, _ in result.candidates] if choice.mode == "pipeline"
                  else [choice.plan.to_dict()])
@@ -97,8 +102,6 @@ def main(argv: list[str] | None = None) -> int:
         if choice.sharded is not None:
             print("\n".join(summarize_sharded(choice.sharded, verbose=args.verbose)))
         print(f"mode: {choice.explanation}")
-    if args.output:
-        choice.plan.save(args.output)
-        if not args.json:
-            print(f"wrote {args.output}")
+    if args.output and not args.json:
+        print(f"wrote {args.output}")
     return 0

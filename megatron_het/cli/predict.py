@@ -24,6 +24,8 @@ import json
 import sys
 from dataclasses import replace
 
+from megatron_het.cli.output import quiet_on_broken_pipe
+from megatron_het.cli.profiles import warn_unused_profiles
 from megatron_het.cluster import load_cluster, load_model
 from megatron_het.errors import UserError
 from megatron_het.perf import load_profile
@@ -47,7 +49,7 @@ def _homogeneous(args, model, cluster) -> Plan:
     plan = homogeneous_plan(tp=args.tp, pp=args.pp, dp=args.dp, num_layers=model.num_layers,
                             micro_batch_size=args.micro_batch_size, global_batch_size=args.global_batch_size,
                             island=island.name, device_type=island.device.name, layers_per_stage=counts)
-    v = args.virtual_pipeline_size or 1
+    v = 1 if args.virtual_pipeline_size is None else args.virtual_pipeline_size
     partial = args.recompute_num_layers or 0
     replicas = tuple(replace(r, stages=tuple(replace(s, recompute=args.recompute_activations or partial > 0,
                                                      recompute_num_layers=partial) for s in r.stages))
@@ -57,6 +59,7 @@ def _homogeneous(args, model, cluster) -> Plan:
                    precision=args.precision or "bf16")
 
 
+@quiet_on_broken_pipe
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="predict.py", description=__doc__.split("\n")[0])
     parser.add_argument("--cluster", required=True)
@@ -89,6 +92,9 @@ def main(argv: list[str] | None = None) -> int:
     homog = ("tp", "pp", "dp", "micro_batch_size", "global_batch_size")
     if args.plan is None and any(getattr(args, k) is None for k in homog):
         parser.error("pass --plan, or all of --tp --pp --dp --micro-batch-size --global-batch-size")
+    if args.virtual_pipeline_size is not None and args.virtual_pipeline_size < 1:
+        parser.error(f"--virtual-pipeline-size must be >= 1 (model chunks per pipeline stage; 1 = no interleaving), "
+                     f"got {args.virtual_pipeline_size}")
     if args.plan is not None:  # the plan fixes every one of these; a flag beside it would be ignored
         given = [f"--{k.replace('_', '-')}" for k in (*homog, "virtual_pipeline_size", "recompute_activations",
                                                     "recompute_num_layers", "sequence_parallel",
@@ -105,6 +111,7 @@ def main(argv: list[str] | None = None) -> int:
         model, cluster = load_model(args.model), load_cluster(args.cluster)
         plan = load_any_plan(args.plan) if args.plan else _homogeneous(args, model, cluster)
         profiles = [load_profile(p) for p in args.profile] or None
+        warn_unused_profiles(profiles, model, cluster, prog="predict.py")
         try:
             if isinstance(plan, ShardedPlan):
                 validate_sharded_plan(plan, cluster)
@@ -135,7 +142,8 @@ def main(argv: list[str] | None = None) -> int:
             continue
         seen.add(id(r))
         for si, s in enumerate(r.stages):
-            print(f"{ri:<7} {si:<5} {s.island:<13} {s.device_type:<11} {s.tp:<3} {s.layers[0]}-{s.layers[1]:<6} "
+            layers = f"L{s.layers[0]}-{s.layers[1] - 1}"  # inclusive, as plan.py and pretrain_gpt.py print them
+            print(f"{ri:<7} {si:<5} {s.island:<13} {s.device_type:<11} {s.tp:<3} {layers:<8} "
                   f"{1e3 * s.forward_s:<9.4g} {1e3 * s.backward_s:<9.4g} {s.idle_s:<9.4g} "
                   f"{s.memory_gib:.2f} / {s.capacity_gib:g}{'' if s.fits else '  DOES NOT FIT'}")
     print(f"where the iteration goes ({plan.precision}; busiest stage of the slowest replica, then the rest):")

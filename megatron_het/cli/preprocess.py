@@ -16,6 +16,7 @@ import argparse
 import sys
 from pathlib import Path
 
+from megatron_het.cli.output import undo_created_dirs
 from megatron_het.data.preprocess import PreprocessConfig, preprocess
 from megatron_het.data.tokenizer import SENTENCEPIECE_TYPES
 from megatron_het.errors import UserError
@@ -40,7 +41,8 @@ def main(argv: list[str] | None = None) -> int:
                                   workers=args.workers)
         bar = Progress("preprocess", unit="documents", quiet=args.no_progress)
         try:
-            report = preprocess(config, progress=bar.update)
+            with undo_created_dirs(Path(args.output_prefix).parent):  # nothing left behind on failure
+                report = preprocess(config, progress=bar.update)
         except UserError:
             bar.quiet = True  # the error line is the whole report
             raise

@@ -18,7 +18,8 @@ from dataclasses import replace
 import torch
 
 from megatron_het.cli.output import check_output_file
-from megatron_het.cluster import ModelSpec
+from megatron_het.cluster import CATALOG, ModelSpec
+from megatron_het.cluster.errors import suggest
 from megatron_het.errors import UserError
 from megatron_het.perf.flops import padded_vocab_size
 from megatron_het.perf.profile import save_profile
@@ -98,6 +99,10 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"--comm-ranks must be 0 (skip) or >= 2, got {args.comm_ranks}")
     try:  # everything checkable is checked before minutes of measuring
         check_output_file(args.output, flag="--output")
+        if args.device not in CATALOG:  # a typo would be recorded and the profile never matched by plan/predict
+            raise UserError("not a catalog device type (plan.py and predict.py match profiles to the cluster's "
+                            "devices by this name)", field="--device", value=args.device,
+                            fix=suggest(args.device, CATALOG, what="device types (tools/cluster.py catalog)"))
         model = ModelSpec(num_layers=args.num_layers, hidden_size=args.hidden_size,
                           num_attention_heads=args.num_attention_heads, num_query_groups=args.num_query_groups,
                           ffn_hidden_size=args.ffn_hidden_size, seq_length=args.seq_length, vocab_size=1,

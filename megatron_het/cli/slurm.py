@@ -23,13 +23,14 @@ from megatron_het.launch import (
     DEFAULT_SCRIPT,
     JobOptions,
     LaunchError,
+    check_job_flags,
     het_components,
     model_for_job,
     parse_assignments,
     placements_from_options,
     render_sbatch,
 )
-from megatron_het.plan import PlanError, load_any_plan
+from megatron_het.plan import PlanError, ShardedPlan, load_any_plan
 from megatron_het.utils.atomic import write_text_atomic
 
 
@@ -45,6 +46,30 @@ def _check_output(path: str, *, force: bool) -> None:
     if os.path.lexists(path) and not force:
         raise LaunchError(field="--output", value=path, problem="the file exists (it is kept)",
                           fix="pass --force to replace it, or choose another --output")
+
+
+def _memory_check(plan, model, cluster) -> None:
+    """The predictor's fit test (what tools/predict.py prints as DOES NOT FIT): refuse the first rank or
+    stage whose predicted peak exceeds its device memory."""
+    fix = ("re-plan with tools/plan.py (it prices memory), or raise recompute / TP / PP; "
+           "tools/predict.py shows every stage's memory")
+    if isinstance(plan, ShardedPlan):
+        from megatron_het.planner.sharded import predict_sharded
+
+        for r in predict_sharded(plan, model, cluster).ranks:
+            if not r.fits:
+                raise PlanError(field=f"ranks[{r.rank}]", value=f"{r.memory.total_bytes / 2**30:.3g} GiB",
+                                problem=f"does not fit device memory ({r.capacity_bytes / 2**30:.3g} GiB on "
+                                        f"island {r.island})", fix=fix)
+        return
+    from megatron_het.perf.predict import predict
+
+    for ri, rep in enumerate(predict(plan, model, cluster).replicas):
+        for si, s in enumerate(rep.stages):
+            if not s.fits:
+                raise PlanError(field=f"replicas[{ri}].stages[{si}]", value=f"{s.memory_gib:.3g} GiB",
+                                problem=f"does not fit device memory ({s.capacity_gib:.3g} GiB per {s.device_type} "
+                                        f"on island {s.island})", fix=fix)
 
 
 def _write(path: str, text: str) -> None:
@@ -89,9 +114,10 @@ def main(argv: list[str] | None = None) -> int:
             raise LaunchError(field="--model", value=None, problem="the plan must be checked against the model",
                               fix="pass --model MODEL.yaml, or --hetero-model MODEL.yaml after --")
         try:
-            plan.validate(model, cluster)
+            plan.validate(model, cluster, memory_check=_memory_check)
         except PlanError as e:
             raise e.with_file(args.plan) from None
+        check_job_flags(training_args, plan, model_file=args.model)
         placements = placements_from_options(cluster, parse_assignments(args.partition, option="--partition"),
                                              parse_assignments(args.nodelist, option="--nodelist"))
         options = JobOptions(cluster_file=args.cluster, plan_file=args.plan, training_args=tuple(training_args),

@@ -175,10 +175,28 @@ def _emulation(raw: object) -> dict[str, IslandEmulation]:
     return out
 
 
+_MODEL_MARKS = ("num_layers", "hidden_size")  # keys only a model file has
+_CLUSTER_MARKS = ("islands", "links", "default_link")  # keys only a cluster file has
+
+
+def _check_not_swapped(top: dict, *, expected: str) -> None:
+    """A model file read as a cluster file (or the reverse) is named as such, rather than by its first
+    unknown key: the usual cause is --cluster and --model given the other's file."""
+    mine, other = (_CLUSTER_MARKS, _MODEL_MARKS) if expected == "cluster" else (_MODEL_MARKS, _CLUSTER_MARKS)
+    found = [k for k in other if k in top]
+    if found and not any(k in top for k in mine):
+        kind = "model" if expected == "cluster" else "cluster"
+        raise ConfigError(f"this looks like a {kind} file, not a {expected} file: did you swap --cluster and "
+                          f"--model?", field=found[0], value=top[found[0]] if kind == "model" else "...",
+                          fix="pass the cluster YAML as --cluster and the model YAML as --model (tools/cluster.py: "
+                              "'show' reads a cluster file, 'model' a model file)")
+
+
 def cluster_from_dict(data: object, *, source: str | None = None) -> ClusterSpec:
     """Build a validated ClusterSpec from parsed YAML; ``source`` names the file in errors."""
     try:
         top = as_mapping(data, TOP, example="islands: [...]")
+        _check_not_swapped(top, expected="cluster")
         check_keys(top, "", allowed=_CLUSTER_KEYS, required=("islands",))
         devices = resolve_device_types(top["device_types"]) if "device_types" in top else dict(CATALOG)
         raw_islands = as_list(top["islands"], "islands", example="[{name: a100-pod, device: A100-80GB, ...}]")
@@ -206,6 +224,7 @@ def model_from_dict(data: object, *, source: str | None = None) -> ModelSpec:
     """Build a validated ModelSpec from parsed YAML; ``source`` names the file in errors."""
     try:
         top = as_mapping(data, TOP, example="num_layers: 24")
+        _check_not_swapped(top, expected="model")
         check_keys(top, "", allowed=_MODEL_KEYS, required=_MODEL_REQUIRED)
         return ModelSpec(**top)
     except ConfigError as err:

@@ -16,7 +16,7 @@ from megatron_het.launch.layout import (
     placements_from_options,
     total_nodes,
 )
-from megatron_het.launch.model_args import model_for_job
+from megatron_het.launch.model_args import check_job_flags, model_for_job
 from megatron_het.launch.sbatch import DEFAULT_SCRIPT, JobOptions, render_sbatch
 
 __all__ = [
@@ -26,6 +26,7 @@ __all__ = [
     "IslandPlacement",
     "JobOptions",
     "LaunchError",
+    "check_job_flags",
     "het_components",
     "island_environment",
     "model_for_job",

@@ -62,6 +62,26 @@ def write_state(state: ModelState, out_dir: str, fmt: str, *, tp: int = 1, pp: i
         write_megatron(state, out_dir, tp=tp, pp=pp, progress=progress)
 
 
+def check_parallel_sizes(model: ModelSpec, *, tp: int, pp: int) -> None:
+    """Refuse a --tp / --pp the model cannot be split by: TP with the check plan.py and predict.py apply
+    (it divides the heads, query groups and MLP width); PP must divide the layers, as the het and
+    Megatron-LM writers split them evenly over the stages (so it never exceeds them)."""
+    from megatron_het.plan import PlanError, homogeneous_plan, validate_plan
+
+    try:
+        validate_plan(homogeneous_plan(tp=tp, pp=1, dp=1, num_layers=model.num_layers, micro_batch_size=1,
+                                       global_batch_size=1, island="target", device_type="CPU"), model)
+    except PlanError as e:
+        raise ConvertError(f"--tp {tp}: {e.problem} (the model has {model.num_attention_heads} attention heads). "
+                           f"Fix: {e.fix}") from None
+    layers = model.num_layers
+    if layers % pp:
+        fits = [d for d in range(1, layers + 1) if layers % d == 0]
+        why = "exceeds" if pp > layers else "does not divide"
+        raise ConvertError(f"--pp {pp}: {why} the model's num_layers={layers} (the output splits the layers evenly "
+                           f"over the pipeline stages). Fix: use a PP size that divides {layers}: one of {fits[:12]}")
+
+
 PhaseProgress = Callable[[str], ProgressCallback]  # phase label ("read hf", "write het") -> its callback
 
 
@@ -79,6 +99,8 @@ def convert(request: ConvertRequest, *, progress: PhaseProgress | None = None) -
         check_tokenizer_model(request.tokenizer_model, export=export)
     on_read = progress(f"read {request.input_format}") if progress is not None else None
     state = read_state(request.input, request.input_format, model=request.model, progress=on_read)
+    if request.output_format != "hf":  # hf output is unsharded; het/megatron record tp and pp
+        check_parallel_sizes(state.model, tp=request.tp, pp=request.pp)
     if request.no_tokenizer or request.tokenizer_model is not None:
         state = dataclasses.replace(state, tokenizer_model=request.tokenizer_model)
     if state.tokenizer_model is not None:

@@ -33,6 +33,21 @@ def checkpoint_dir(path: str) -> str:
                        f"Fix: point --input at the --save directory of the run")
 
 
+def is_het_checkpoint(path: str) -> bool:
+    """Whether ``path`` (a --save directory or an iteration directory) holds a megatron-het checkpoint:
+    its verified common state names the format. For the fix of a reader given the wrong --input-format."""
+    from megatron_het.checkpoint.dist_ckpt import FORMAT
+    from megatron_het.checkpoint.safe_read import load_common_state
+    from megatron_het.errors import UserError
+
+    try:
+        src = checkpoint_dir(path)
+        with single_process_group():
+            return load_common_state(src).get("format") == FORMAT
+    except (UserError, OSError):
+        return False
+
+
 def read_het(path: str, *, model: ModelSpec | None = None, progress: ProgressCallback | None = None) -> ModelState:
     """Weights of the latest (or the given) iteration, and its ``tokenizer.model`` when it keeps one;
     optimizer moments are not converted."""
@@ -47,7 +62,8 @@ def read_het(path: str, *, model: ModelSpec | None = None, progress: ProgressCal
         common = read_common(src)
         saved = _saved_model(common, src)
         if model is not None:
-            check_model_matches(common, model, src)
+            check_model_matches(common, model, src, fix="drop --model (a megatron-het checkpoint records its "
+                                                        "model), or pass the model file it was trained with")
         model = model or saved
         meta = load_tensor_metadata(src)
         keys = [k for k in meta if k.startswith(PREFIX)]

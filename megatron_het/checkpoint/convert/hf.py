@@ -271,6 +271,12 @@ def read_hf(in_dir: str, *, model: ModelSpec | None = None, progress: ProgressCa
     from safetensors.torch import load_file
 
     config_path = os.path.join(in_dir, CONFIG)
+    if not os.path.exists(config_path):
+        from megatron_het.checkpoint.convert.het import is_het_checkpoint
+
+        if is_het_checkpoint(in_dir):
+            raise ConvertError(f"{in_dir}: a megatron-het checkpoint, not a Hugging Face model directory (no "
+                               f"config.json). Fix: pass --input-format het")
     if model is None:
         if not os.path.exists(config_path):
             raise ConvertError(f"{in_dir}: no config.json. Fix: pass --model M.yaml describing the checkpoint")

@@ -12,6 +12,7 @@ from typing import TypeVar
 
 from megatron_het.checkpoint.convert.errors import ConvertError
 from megatron_het.platform import HOST_BACKEND
+from megatron_het.utils.atomic import default_dir_mode
 from megatron_het.utils.progress import ProgressCallback
 
 T = TypeVar("T")
@@ -45,6 +46,7 @@ def atomic_output_dir(path: str) -> Iterator[str]:
     os.makedirs(parent, exist_ok=True)
     tmp = tempfile.mkdtemp(dir=parent, prefix=f".{os.path.basename(path)}.tmp-")
     try:
+        os.chmod(tmp, default_dir_mode())  # mkdtemp made it 0700; the result is a directory like mkdir's
         yield tmp
         if os.path.isdir(path):
             os.rmdir(path)  # empty (checked above); os.replace cannot replace a directory

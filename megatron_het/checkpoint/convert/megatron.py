@@ -109,6 +109,7 @@ def read_megatron(path: str, *, model: ModelSpec | None = None,
     """Model weights of a Megatron-LM torch_dist checkpoint (TP/PP as saved; any)."""
     from megatron.core.dist_checkpointing import ShardedTensor
 
+    from megatron_het.checkpoint.dist_ckpt import FORMAT as HET_FORMAT
     from megatron_het.checkpoint.safe_read import (
         load_common_state,
         load_sharded,
@@ -120,6 +121,9 @@ def read_megatron(path: str, *, model: ModelSpec | None = None,
     verify_checkpoint(src)  # before the process group: no code from the checkpoint runs, damage is named
     with single_process_group():
         common = load_common_state(src)
+        if common.get("format") == HET_FORMAT:
+            raise ConvertError(f"{src}: a megatron-het checkpoint, not a Megatron-LM one. Fix: pass "
+                               f"--input-format het")
         model = model or model_from_megatron_args(common.get("args"), source=src)
         meta = load_tensor_metadata(src)
         wanted = _wanted_keys(model)

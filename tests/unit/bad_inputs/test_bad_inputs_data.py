@@ -58,7 +58,12 @@ PREPROCESS_ROWS = [
                                         "--tokenizer-type", "SentencePeiceTokenizer"),
         files={"in.jsonl": GOOD}, names=("tokenizer_type", "--tokenizer-type", "SentencePeiceTokenizer")),
     Row(id="missing-required", argv=("--input", "in.jsonl", *PRE), files={"in.jsonl": GOOD},
-        names=("--output-prefix",)),
+        names=("--output-prefix",)),    # a new-user review: the directories on the way to a new --output-prefix were left behind on failure
+    Row(id="new-dirs-input-key-missing", argv=("--input", "in.jsonl", "--output-prefix", "nodir/sub/corpus", *PRE),
+        files={"in.jsonl": GOOD + json.dumps({"body": "no text key"}) + "\n"}, names=("in.jsonl", "text")),
+    Row(id="new-dirs-input-garbage-line", argv=("--input", "in.jsonl", "--output-prefix", "data/nodir/sub/corpus",
+                                                *PRE),
+        dirs=("data",), files={"in.jsonl": GOOD + "{not json\n"}, names=("in.jsonl",)),
 ]
 
 TOKENIZER_ROWS = [
@@ -77,7 +82,8 @@ TOKENIZER_ROWS = [
     Row(id="output-under-file", argv=("--input", CORPUS, "--output-prefix", "f.txt/sp"), files={"f.txt": "x"},
         names=("f.txt",)),
     Row(id="output-onto-directory", argv=("--input", CORPUS, "--output-prefix", "sp"), dirs=("sp.model",),
-        names=("sp.model",)),
+        names=("sp.model",)),    Row(id="new-dirs-input-non-utf8", argv=("--input", "in.jsonl", "--output-prefix", "nodir/sub/sp"),
+        files={"in.jsonl": GOOD.encode() + b'{"text": "\xff\xfe"}\n'}, names=("in.jsonl",)),
 ]
 
 CORPUS_ROWS = [

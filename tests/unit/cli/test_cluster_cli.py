@@ -86,3 +86,26 @@ def test_show_refuses_absurd_counts_and_unsafe_names_in_one_line(tmp_path, islan
     assert result.returncode == 2 and result.stdout == ""
     assert len(result.stderr.strip().splitlines()) == 1 and needle in result.stderr, result.stderr
     assert "Traceback" not in result.stderr and not (tmp_path / "x").exists()
+
+
+# A new-user review: swapped files were reported by their first unknown key ("islands: unknown key ... use
+# one of ffn_hidden_size, ..."), which does not say what went wrong.
+@pytest.mark.parametrize(("tool", "argv", "kind"), [
+    ("plan", ["--cluster", "models/tiny-cpu.yaml", "--model", "clusters/cpu-demo.yaml", "--global-batch-size", "16",
+              "--no-progress"], "cluster"),
+    ("plan", ["--cluster", "models/tiny-cpu.yaml", "--model", "models/tiny-cpu.yaml", "--global-batch-size", "16",
+              "--no-progress"], "model"),
+    ("cluster", ["show", "models/tiny-cpu.yaml"], "model"),
+    ("cluster", ["model", "clusters/cpu-demo.yaml"], "cluster"),
+])
+def test_swapped_cluster_and_model_files_are_named(capsys, monkeypatch, tool, argv, kind):
+    from megatron_het.cli import cluster as cluster_cli
+    from megatron_het.cli import plan as plan_cli
+
+    monkeypatch.chdir(ROOT / "examples")
+    main = plan_cli.main if tool == "plan" else cluster_cli.main
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1
+    assert f"this looks like a {kind} file" in err and "did you swap --cluster and --model?" in err, err
+    assert "unknown key" not in err

@@ -230,3 +230,44 @@ def test_shim_runs_from_any_directory(tmp_path):
                             timeout=60)
     assert result.returncode == 0, result.stderr
     assert result.stdout.count("#SBATCH hetjob") == 1
+
+
+# A new-user review: each of these wrote a script (exit 0) that failed only after the job waited in the queue.
+@pytest.mark.parametrize(("extra", "train", "needle"), [
+    ([], ["--micro-batch-size", "4", "--global-batch-size", "16"],
+     "--micro-batch-size: differs from the plan's micro_batch_size 2"),
+    ([], ["--micro-batch-size=2", "--global-batch-size=32"],
+     "--global-batch-size: differs from the plan's global_batch_size 16"),
+    (["--model", TINY], ["--hetero-model", "other.yaml"], "--hetero-model: differs from --model"),
+])
+def test_passthrough_that_pretrain_gpt_would_refuse_is_refused_now(tmp_path, capsys, monkeypatch, extra, train,
+                                                                     needle):
+    monkeypatch.chdir(tmp_path)
+    Path("other.yaml").write_text(Path(TINY).read_text().replace("num_layers: 4", "num_layers: 4\nffn_hidden_size: 128"))
+    train = train if "--hetero-model" in train else ["--hetero-model", TINY, *train]
+    rc = slurm.main(["--cluster", CPU_DEMO, "--plan", DEMO_PLAN, *extra, "--output", "job.sbatch", "--", *train])
+    assert rc == 2
+    line = _one_error_line(capsys, "--")
+    assert needle in line and "Fix: " in line
+    assert sorted(os.listdir(tmp_path)) == ["other.yaml"]
+
+
+def test_same_model_under_another_path_is_accepted(tmp_path, capsys):
+    copy = tmp_path / "copy.yaml"
+    copy.write_text(Path(TINY).read_text().replace("name: tiny-cpu", "name: my-copy"))
+    assert slurm.main(["--cluster", CPU_DEMO, "--plan", DEMO_PLAN, "--model", TINY, "--", "--hetero-model",
+                       str(copy), "--micro-batch-size", "2", "--global-batch-size", "16"]) == 0
+
+
+def test_plan_that_does_not_fit_device_memory_is_refused(tmp_path, capsys):
+    data = yaml.safe_load(Path(CPU_DEMO).read_text())
+    data["device_types"] = [{"name": "CPU", "memory_gib": 1}]  # the tiny model needs ~1.5 GiB per rank
+    cluster = tmp_path / "small.yaml"
+    cluster.write_text(yaml.safe_dump(data))
+    rc = slurm.main(["--cluster", str(cluster), "--plan", DEMO_PLAN, "--model", TINY,
+                     "--output", str(tmp_path / "job.sbatch")])
+    assert rc == 2
+    line = _one_error_line(capsys, "stages[0]")
+    assert "replicas[0].stages[0]: does not fit device memory (1 GiB per CPU on island fast)" in line
+    assert "Fix: re-plan" in line
+    assert sorted(os.listdir(tmp_path)) == ["small.yaml"]
