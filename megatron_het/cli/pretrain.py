@@ -48,8 +48,9 @@ def resolve_plan(args: PretrainArgs) -> AnyPlan:
         from megatron_het.perf import load_profile
         from megatron_het.planner.modes import plan_best
 
-        # priced at the precision the flags run (no flag = fp32); --use-distributed-optimizer rules
-        # out overlapping the all-reduce (the runtime overlaps it only without that optimizer)
+        # priced at the precision the flags run (no flag = fp32); with --use-distributed-optimizer the
+        # overlapped forms are not priced (one of them drops that optimizer, which the flag asks for):
+        # add --overlap-grad-reduce to overlap its buckets (plan_record.reconcile_plan records it)
         choice = plan_best(args.model, args.cluster, global_batch_size=args.train.global_batch_size,
                            micro_batch_sizes=(args.train.micro_batch_size,),
                            profile=[load_profile(p) for p in args.profile] if args.profile else None,
@@ -193,7 +194,7 @@ def run(args: PretrainArgs, acc, *, plan: AnyPlan | None = None,
     if sharded and args.tensorboard is not None:
         print_rank0("note: --tensorboard-dir is not written for sharded plans yet (log lines only)")
     load_path, padded_vocab = checkpoint_to_load(args)
-    batch_fn, valid_fn = batch_fns(args, resume=resume_position(args.loop.load if load_path else None))
+    batch_fn, valid_fn = batch_fns(args, resume=resume_position(load_path, args.train.global_batch_size))
     tensorboard = resilience = None
     try:
         if sharded:
@@ -284,18 +285,17 @@ def announce_emulation(cluster, *, no_emulation: bool) -> bool:
     return emulate
 
 
-def resume_position(load: str | None) -> tuple[int, int]:
-    """(iteration, consumed samples) of the latest checkpoint under ``load`` (--load); (0, 0) for a
-    fresh run or a checkpoint older than the count (its data position is then iteration x global batch)."""
-    from megatron_het.checkpoint.dist_ckpt import iteration_dir, latest_iteration, read_common
+def resume_position(load_path: str | None, global_batch_size: int) -> tuple[int, int]:
+    """(iteration, consumed samples) of the checkpoint a run resumes from (``checkpoint_to_load``'s
+    directory), read as the trainer reads it (train.data_position.position_from_checkpoint); (0, 0) for
+    a fresh run."""
+    if not load_path:
+        return 0, 0
+    from megatron_het.checkpoint.dist_ckpt import read_common
+    from megatron_het.train.data_position import position_from_checkpoint
 
-    it = latest_iteration(load) if load else None
-    if it is None:
-        return 0, 0
-    consumed = read_common(iteration_dir(load, it)).get("consumed_samples")
-    if not isinstance(consumed, int) or isinstance(consumed, bool) or consumed < 0:
-        return 0, 0
-    return it, consumed
+    position = position_from_checkpoint(read_common(load_path), global_batch_size)
+    return position.iteration, position.consumed_samples
 
 
 def checkpoint_to_load(args: PretrainArgs) -> tuple[str | None, int | None]:

@@ -14,6 +14,7 @@ stderr in one line with exit code 2. Guide: docs/launch.md.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 
@@ -72,6 +73,25 @@ def _memory_check(plan, model, cluster) -> None:
                                         f"on island {s.island})", fix=fix)
 
 
+def _as_the_job_runs(plan, training_args: list[str]):
+    """The plan as pretrain_gpt.py will run it, so the memory check prices what the job holds: the flags
+    after ``--`` that change it applied as the entry applies them (--sequence-parallel; precision,
+    --use-distributed-optimizer and --overlap-grad-reduce through runtime.plan_record.reconcile_plan,
+    whose refusals, e.g. --fp16 on a bf16 plan, then come before the queue too)."""
+    if isinstance(plan, ShardedPlan):
+        return plan
+    from megatron_het.runtime.plan_record import reconcile_plan
+    from megatron_het.train.config import TrainConfig
+
+    flags = set(training_args)
+    if "--sequence-parallel" in flags:
+        plan = dataclasses.replace(plan, sequence_parallel=True)
+    train = TrainConfig(micro_batch_size=plan.micro_batch_size, global_batch_size=plan.global_batch_size,
+                        train_iters=1, bf16="--bf16" in flags, fp16="--fp16" in flags,
+                        overlap_grad_reduce="--overlap-grad-reduce" in flags)
+    return reconcile_plan(plan, train, use_distributed_optimizer="--use-distributed-optimizer" in flags)[0]
+
+
 def _write(path: str, text: str) -> None:
     try:
         write_text_atomic(path, text, mode=0o755)  # executable, as sbatch scripts usually are
@@ -114,7 +134,7 @@ def main(argv: list[str] | None = None) -> int:
             raise LaunchError(field="--model", value=None, problem="the plan must be checked against the model",
                               fix="pass --model MODEL.yaml, or --hetero-model MODEL.yaml after --")
         try:
-            plan.validate(model, cluster, memory_check=_memory_check)
+            _as_the_job_runs(plan, training_args).validate(model, cluster, memory_check=_memory_check)
         except PlanError as e:
             raise e.with_file(args.plan) from None
         check_job_flags(training_args, plan, model_file=args.model)

@@ -290,6 +290,9 @@ class GradientSynchronizer:
         """Give every holder of a parameter its owners' values (the same owners as the gradient
         norm's): one reduction of the owners' values with zeros elsewhere. Stages seeded apart,
         replicas of other layouts and the last stage's copy of a tied embedding then start equal."""
+        if self._grads is not None:  # reduce() would read those, not the values written into .grad here
+            raise RuntimeError("synchronize_values reduces through the parameters' .grad; this synchronizer "
+                               "reduces the separate gradients it was given (grads=)")
         saved = {name: p.grad for name, p in self.params.items()}
         for name, p in self.params.items():
             p.grad = p.detach().clone() if (name, self.rank) in self.owned else torch.zeros_like(p)

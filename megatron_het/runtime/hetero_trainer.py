@@ -333,17 +333,9 @@ class PipelineStrategy:
         # --overlap-grad-reduce (or a plan recording it, which perf.predict prices with the updated
         # weights' gather hidden in the next forward, hence --overlap-param-gather too)
         overlap = train.overlap_grad_reduce or self.plan.overlap_grad_reduce
-        reducer = None
-        if overlap:
-            from megatron_het.perf.predict import bucket_parameters
-            from megatron_het.runtime.overlap_grad import OverlappedGradientSynchronizer
-
-            # registered after MainGrads' hooks: a bucket fires once its fp32 main gradients are complete
-            reducer = OverlappedGradientSynchronizer(
-                self.holdings(), self.params, hook_params=self.params, placement=self.placement,
-                grads=self.main.grads if self.main is not None else None,
-                bucket_numel=train.ddp_bucket_size or bucket_parameters(len(self.plan.replicas)),
-                timeout=train.group_timeout, accelerator=self.accelerator)
+        # registered after MainGrads' hooks: a bucket fires once its fp32 main gradients are complete
+        reducer = (self._overlapped_synchronizer(self.params, grads=self.main.grads if self.main is not None else None)
+                   if overlap else None)
         weights = optimizer_shard_weights(self.model_spec, self.plan, precision=train.precision)
         gather_overlap = train.overlap_param_gather or self.plan.overlap_grad_reduce
         return DistributedOptimizer(
@@ -400,16 +392,21 @@ class PipelineStrategy:
         if not (self.train.overlap_grad_reduce or self.plan.overlap_grad_reduce):  # the plan may record it
             return GradientSynchronizer(self.holdings(), self.opt_params, placement=self.placement,
                                         timeout=self.train.group_timeout, accelerator=self.accelerator)
+        # mixed precision: the fp32 main gradients are reduced, bucket by bucket as the half-precision
+        # parameters' gradients arrive (MainParams' hooks, registered before these, fill them first)
+        return self._overlapped_synchronizer(self.opt_params)
+
+    def _overlapped_synchronizer(self, params, *, grads=None):
+        """Bucketed all-reduce launched from the backward's hooks on this stage's parameters, of
+        ``params``' gradients (or ``grads``), in buckets of ``ddp_bucket_size`` parameters (megatron-core's
+        default size when None)."""
         from megatron_het.perf.predict import bucket_parameters
         from megatron_het.runtime.overlap_grad import OverlappedGradientSynchronizer
 
         size = self.train.ddp_bucket_size or bucket_parameters(len(self.plan.replicas))
-        # mixed precision: the fp32 main gradients are reduced, bucket by bucket as the half-precision
-        # parameters' gradients arrive (MainParams' hooks, registered before these, fill them first)
-        return OverlappedGradientSynchronizer(self.holdings(), self.opt_params, hook_params=self.params,
-                                              placement=self.placement,
-                                              bucket_numel=size, timeout=self.train.group_timeout,
-                                              accelerator=self.accelerator)
+        return OverlappedGradientSynchronizer(self.holdings(), params, hook_params=self.params, grads=grads,
+                                              placement=self.placement, bucket_numel=size,
+                                              timeout=self.train.group_timeout, accelerator=self.accelerator)
 
     def holdings(self) -> list[Holding]:
         """What this rank holds of each full parameter (the gradient synchronizer's input)."""

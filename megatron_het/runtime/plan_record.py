@@ -14,7 +14,9 @@ command line may add to the record but not contradict it (pure function, applied
   plan records it, so the memory prediction the run prints counts sharded state);
 - gradient overlap: a plan recording ``overlap_grad_reduce`` (the planner chose and priced it) runs
   with ``TrainConfig.overlap_grad_reduce`` on without the flag; ``--overlap-grad-reduce`` on a plan
-  without it records it in the run's plan (so the prediction the run prints prices the overlap).
+  without it records it in the run's plan (so the prediction the run prints prices the overlap, and
+  with the distributed optimizer the run gathers the updated weights during the next forward, as
+  priced).
 """
 
 from __future__ import annotations
@@ -46,6 +48,6 @@ def reconcile_plan(plan: Plan, train: TrainConfig, *, use_distributed_optimizer:
         plan = dataclasses.replace(plan, use_distributed_optimizer=True)
     if plan.overlap_grad_reduce and not train.overlap_grad_reduce:
         train = dataclasses.replace(train, overlap_grad_reduce=True)
-    elif train.overlap_grad_reduce and not plan.overlap_grad_reduce and not plan.use_distributed_optimizer:
+    elif train.overlap_grad_reduce and not plan.overlap_grad_reduce:  # with the distributed optimizer too
         plan = dataclasses.replace(plan, overlap_grad_reduce=True)
     return plan, train

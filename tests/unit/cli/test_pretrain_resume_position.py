@@ -6,17 +6,15 @@ from megatron_het.cli.pretrain import resume_position
 from megatron_het.data import GptDataConfig
 
 
-def test_the_checkpoints_count_or_a_fresh_start(monkeypatch, tmp_path):
-    assert resume_position(None) == (0, 0)
-    assert resume_position(str(tmp_path)) == (0, 0)  # no tracker file: nothing to resume
-    monkeypatch.setattr(dist_ckpt, "latest_iteration", lambda load: 20)
+def test_the_checkpoints_count_or_a_fresh_start(monkeypatch):
+    assert resume_position(None, 16) == (0, 0)
     seen = []
-    monkeypatch.setattr(dist_ckpt, "read_common", lambda path: seen.append(path) or {"consumed_samples": 320})
-    assert resume_position(str(tmp_path)) == (20, 320)
-    assert seen == [dist_ckpt.iteration_dir(str(tmp_path), 20)]
-    for old in ({}, {"consumed_samples": None}, {"consumed_samples": True}, {"consumed_samples": -1}):
-        monkeypatch.setattr(dist_ckpt, "read_common", lambda path, old=old: old)
-        assert resume_position(str(tmp_path)) == (0, 0)  # older checkpoints: iteration x global batch, as before
+    monkeypatch.setattr(dist_ckpt, "read_common",
+                        lambda path: seen.append(path) or {"iteration": 20, "consumed_samples": 320})
+    assert resume_position("ckpt/iter_0000020", 4) == (20, 320)  # the count, not 20 x the new batch
+    assert seen == ["ckpt/iter_0000020"]
+    monkeypatch.setattr(dist_ckpt, "read_common", lambda path: {"iteration": 20})
+    assert resume_position("ckpt/iter_0000020", 4) == (20, 80)  # older checkpoints: iteration x batch, as before
 
 
 def test_the_resumed_split_holds_the_samples_a_smaller_batch_reads_after_the_count():

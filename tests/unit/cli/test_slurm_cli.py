@@ -271,3 +271,37 @@ def test_plan_that_does_not_fit_device_memory_is_refused(tmp_path, capsys):
     assert "replicas[0].stages[0]: does not fit device memory (1 GiB per CPU on island fast)" in line
     assert "Fix: re-plan" in line
     assert sorted(os.listdir(tmp_path)) == ["small.yaml"]
+
+
+def test_the_memory_check_prices_the_plan_as_the_jobs_flags_run_it(tmp_path, capsys):
+    """--use-distributed-optimizer shards the Adam state and --overlap-grad-reduce keeps the buckets'
+    gradient copies: with the device's memory between the two predictions, the flags after -- decide."""
+    import dataclasses
+
+    from megatron_het.cluster import load_cluster, load_model
+    from megatron_het.perf.predict import predict
+    from megatron_het.plan import load_any_plan
+
+    plan, model = load_any_plan(str(Path(DEMO_PLAN).parent / "cpu-demo-2replicas.json")), load_model(TINY)
+    plan = dataclasses.replace(plan, use_distributed_optimizer=False, overlap_grad_reduce=False, predicted=None)
+    plain_file = tmp_path / "plain.json"
+    plain_file.write_text(plan.to_json())
+    gib = {name: predict(dataclasses.replace(plan, **kw), model, load_cluster(CPU_DEMO)).memory_gib_per_rank_max
+           for name, kw in (("plain", {}), ("sharded", {"use_distributed_optimizer": True}),
+                            ("overlap", {"overlap_grad_reduce": True}))}
+    assert gib["sharded"] < gib["plain"] < gib["overlap"]
+    data = yaml.safe_load(Path(CPU_DEMO).read_text())
+    for between, fits, refused in ((("sharded", "plain"), ["--use-distributed-optimizer"], []),
+                                   (("plain", "overlap"), [], ["--overlap-grad-reduce"])):
+        data["device_types"] = [{"name": "CPU", "memory_gib": (gib[between[0]] + gib[between[1]]) / 2}]
+        cluster = tmp_path / "edge.yaml"
+        cluster.write_text(yaml.safe_dump(data))
+        common = ["--cluster", str(cluster), "--plan", str(plain_file), "--model", TINY, "--"]
+        assert slurm.main(common + fits) == 0, capsys.readouterr().err
+        capsys.readouterr()
+        if refused:
+            assert slurm.main(common + refused) == 2
+            assert "does not fit device memory" in capsys.readouterr().err
+        else:  # without the flag the unsharded state does not fit
+            assert slurm.main(common) == 2
+            assert "does not fit device memory" in capsys.readouterr().err

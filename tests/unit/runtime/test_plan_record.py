@@ -49,3 +49,14 @@ def test_a_plan_recording_gradient_overlap_runs_it_and_the_flag_records_it():
     assert plan.overlap_grad_reduce and train.overlap_grad_reduce
     plan, _ = reconcile_plan(PLAN, TRAIN)
     assert not plan.overlap_grad_reduce
+
+
+def test_the_overlap_flag_is_recorded_beside_the_distributed_optimizer_too():
+    """The runtime overlaps the distributed optimizer's buckets (and, recorded, its gather): the run's plan
+    must say so, or the prediction it prints and the checkpoint's plan describe a reduce-scatter after the
+    backward while the run all-reduces during it."""
+    flags = dataclasses.replace(TRAIN, overlap_grad_reduce=True)
+    plan, train = reconcile_plan(dataclasses.replace(PLAN, use_distributed_optimizer=True), flags)
+    assert plan.use_distributed_optimizer and plan.overlap_grad_reduce and train.overlap_grad_reduce
+    plan, _ = reconcile_plan(PLAN, flags, use_distributed_optimizer=True)
+    assert plan.use_distributed_optimizer and plan.overlap_grad_reduce
