@@ -193,8 +193,9 @@ def run(args: PretrainArgs, acc, *, plan: AnyPlan | None = None,
     print_rank0(communication_line(plan, cluster))
     if sharded and args.tensorboard is not None:
         print_rank0("note: --tensorboard-dir is not written for sharded plans yet (log lines only)")
-    load_path, padded_vocab = checkpoint_to_load(args)
-    batch_fn, valid_fn = batch_fns(args, resume=resume_position(load_path, args.train.global_batch_size))
+    load_path, common = checkpoint_to_load(args)
+    padded_vocab = common.get("padded_vocab") if common is not None else None
+    batch_fn, valid_fn = batch_fns(args, resume=resume_position(common, args.train.global_batch_size))
     tensorboard = resilience = None
     try:
         if sharded:
@@ -285,21 +286,21 @@ def announce_emulation(cluster, *, no_emulation: bool) -> bool:
     return emulate
 
 
-def resume_position(load_path: str | None, global_batch_size: int) -> tuple[int, int]:
-    """(iteration, consumed samples) of the checkpoint a run resumes from (``checkpoint_to_load``'s
-    directory), read as the trainer reads it (train.data_position.position_from_checkpoint); (0, 0) for
-    a fresh run."""
-    if not load_path:
+def resume_position(common: dict | None, global_batch_size: int) -> tuple[int, int]:
+    """(iteration, consumed samples) recorded in the common state of the checkpoint a run resumes from
+    (``checkpoint_to_load``'s), read as the trainer reads it (train.data_position.position_from_checkpoint);
+    (0, 0) for a fresh run."""
+    if common is None:
         return 0, 0
-    from megatron_het.checkpoint.dist_ckpt import read_common
     from megatron_het.train.data_position import position_from_checkpoint
 
-    position = position_from_checkpoint(read_common(load_path), global_batch_size)
+    position = position_from_checkpoint(common, global_batch_size)
     return position.iteration, position.consumed_samples
 
 
-def checkpoint_to_load(args: PretrainArgs) -> tuple[str | None, int | None]:
-    """(--load's latest iteration directory, its padded vocabulary), or (None, None) to start fresh."""
+def checkpoint_to_load(args: PretrainArgs) -> tuple[str | None, dict | None]:
+    """(--load's latest iteration directory, its verified common state: padded vocabulary, iteration,
+    consumed samples), or (None, None) to start fresh."""
     from megatron_het.checkpoint.dist_ckpt import iteration_dir, latest_iteration, read_common
 
     if not args.loop.load:
@@ -309,4 +310,4 @@ def checkpoint_to_load(args: PretrainArgs) -> tuple[str | None, int | None]:
         print_rank0(f"no checkpoint in {args.loop.load}: starting from scratch")
         return None, None
     load_path = iteration_dir(args.loop.load, it)
-    return load_path, read_common(load_path).get("padded_vocab")
+    return load_path, read_common(load_path)
