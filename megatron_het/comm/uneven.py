@@ -1,7 +1,8 @@
 """All-gather and reduce-scatter of *uneven* contiguous shards over any torch.distributed backend.
 
-NCCL has uneven variants (``all_gather_v``-style via padding or grouped p2p); gloo has neither
-uneven collectives nor a reduce-scatter at all, so two portable constructions are offered:
+NCCL has uneven variants of both (torch runs them as coalesced groups of broadcasts / reduces); gloo
+has the uneven reduce-scatter but no uneven all-gather, so the all-gather is offered in portable
+constructions:
 
 - all-gather ``"padded"`` (default): every rank pads its shard to the largest one and one
   ``all_gather`` moves ``world x max_size`` elements; the padding is cut off afterwards. One
@@ -9,10 +10,14 @@ uneven collectives nor a reduce-scatter at all, so two portable constructions ar
   ``"broadcast"``: each owner broadcasts its exact shard in turn (no padding, ``world`` calls).
   ``"all_reduce"``: every rank writes its shard into a zero buffer and the buffers are summed (exact:
   adding zeros rounds nothing); twice a ring all-gather's traffic, but one all-reduce.
-- reduce-scatter ``"reduce"`` (default): the slice owned by rank ``r`` is summed onto ``r`` with one
-  ``dist.reduce`` per owner, so every rank sends about the full buffer once (the traffic of a ring
-  reduce-scatter) and receives only its own slice. ``"all_reduce"``: all-reduce the full buffer and
-  keep the slice (simplest, twice the traffic).
+- reduce-scatter ``"native"`` (default): one reduce-scatter collective of the backend. Equal slices
+  are one ``reduce_scatter_tensor`` on the buffer itself; uneven ones the list form
+  ``dist.reduce_scatter``, which NCCL and RCCL run as one coalesced group of reduces (one launch,
+  exact bytes, no padding) and gloo runs natively (torch >= 2.6 has gloo's reduce-scatter, uneven
+  included). The traffic of a ring reduce-scatter, as the perf model prices it. ``"reduce"``: the
+  slice owned by rank ``r`` is summed onto ``r`` with one ``dist.reduce`` per owner (the same
+  traffic, but ``world`` separate collectives: hundreds of launches per bucket on a large group).
+  ``"all_reduce"``: all-reduce the full buffer and keep the slice (simplest, twice the traffic).
 
 ``layout`` (``optim.layout.ShardLayout``: ``sizes``, ``world``, ``numel``, ``max_size``, ``range``) is indexed by rank *in the group* (ascending global rank); every rank must call with
 the same layout.
@@ -23,8 +28,7 @@ the bridge (native inside each island, host-staged between them, through one lea
 instead of one torch group; with ``method="all_reduce"`` both run as the bridge's sharded
 all-reduce instead (each island's ranks then share the crossing, see docs/communicator.md).
 
-These are the project's one home for collectives gloo lacks (no reduce-scatter, no uneven
-variants): the sharded strategy (Cephalo mode) and the pipeline runtime's distributed optimizer
+These are the project's one home for uneven collectives: the sharded strategy (Cephalo mode) and the pipeline runtime's distributed optimizer
 (``megatron_het/optim/``) both call them; ``sharding/collectives.py`` re-exports them.
 """
 
@@ -39,7 +43,7 @@ __all__ = ["uneven_all_gather", "uneven_all_gather_start", "uneven_reduce_scatte
            "REDUCE_SCATTER_METHODS", "PendingGather"]
 
 GATHER_METHODS = ("padded", "broadcast", "all_reduce")
-REDUCE_SCATTER_METHODS = ("reduce", "all_reduce")
+REDUCE_SCATTER_METHODS = ("native", "reduce", "all_reduce")
 
 
 def _global(group: dist.ProcessGroup | None, group_rank: int) -> int:
@@ -107,7 +111,7 @@ def uneven_all_gather(shard: torch.Tensor, layout, *, group: dist.ProcessGroup |
 
 
 def uneven_reduce_scatter(full: torch.Tensor, layout, *, group: dist.ProcessGroup | None = None,
-                          method: Literal["reduce", "all_reduce"] = "reduce", bridge=None) -> torch.Tensor:
+                          method: Literal["native", "reduce", "all_reduce"] = "native", bridge=None) -> torch.Tensor:
     """Sum of every rank's 1-D ``full`` over this rank's range (``full`` is left unchanged)."""
     me = _check(layout, group, bridge)
     if full.dim() != 1 or full.numel() != layout.numel:
@@ -126,6 +130,13 @@ def uneven_reduce_scatter(full: torch.Tensor, layout, *, group: dist.ProcessGrou
         out = full.new_empty(layout.max_size)
         bridge.reduce_scatter(out, pieces)
         return out[:stop - start].clone()
+    if method == "native":
+        mine = full.new_empty(stop - start)
+        if len(set(layout.sizes)) == 1:  # equal slices: the buffer itself is the collective's input
+            dist.reduce_scatter_tensor(mine, full, op=dist.ReduceOp.SUM, group=group)
+        else:  # views of ``full``: NCCL's uneven form reduces from them without writing (output is only the root's)
+            dist.reduce_scatter(mine, list(full.split(list(layout.sizes))), op=dist.ReduceOp.SUM, group=group)
+        return mine
     if method == "reduce":
         mine = None
         for r in range(layout.world):

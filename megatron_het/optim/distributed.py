@@ -57,7 +57,7 @@ class DistributedOptimizer:
                  new_group: Callable[[tuple[int, ...]], object | None], owned: Callable[[list], set] | None = None,
                  main_grads: Mapping[str, torch.Tensor] | None = None, weights: Mapping[int, float] | None = None,
                  device: torch.device, overlap_param_gather_in: torch.nn.Module | None = None,
-                 gather_method: str = "padded", reduce_scatter_method: str = "reduce", reducer=None) -> None:
+                 gather_method: str = "padded", reduce_scatter_method: str = "native", reducer=None) -> None:
         """``local``: this rank's holdings (``runtime.grad_sync.Holding``); ``params``: the model's
         parameters by global name; ``new_group(ranks)``: creates a group over ``ranks`` (collective
         over the world, None on non-members; runtime.comm_routing routes it natively or through the
@@ -152,18 +152,24 @@ class DistributedOptimizer:
         return canonical_flat(t, h.partition_dim, h.glu)
 
     def _my_pieces(self, source: Callable[[str], torch.Tensor]) -> torch.Tensor:
-        """This rank's flat shard taken from local full-block tensors ``source(name)`` (fp32)."""
+        """This rank's flat shard taken from local full-block tensors ``source(name)`` (fp32).
+
+        A tensor's canonical fp32 form (a copy for bf16 values, GLU or partition_dim > 0 layouts) is
+        kept only until its last piece is taken: one parameter's copy at a time, not the whole stage's."""
         out = torch.empty(self.shard_numel, dtype=torch.float32, device=self.device)
+        order = [(i, p) for i in self._mine for p in self._pieces[i]]
+        last = {p.name: k for k, (_, p) in enumerate(order)}
         cache: dict[str, torch.Tensor] = {}
-        for i in self._mine:
-            at = self._start[i]
-            for p in self._pieces[i]:
-                if p.name not in cache:
-                    cache[p.name] = self._canonical(p.name, source(p.name)).float()
-                lo = self._block(p.name)[0]
-                n = p.stop - p.start
-                out[at:at + n] = cache[p.name][p.start - lo:p.stop - lo]
-                at += n
+        at = dict(self._start)
+        for k, (i, p) in enumerate(order):
+            if p.name not in cache:
+                cache[p.name] = self._canonical(p.name, source(p.name)).float()
+            lo = self._block(p.name)[0]
+            n = p.stop - p.start
+            out[at[i]:at[i] + n] = cache[p.name][p.start - lo:p.stop - lo]
+            at[i] += n
+            if last[p.name] == k:
+                del cache[p.name]
         return out
 
     def _grad(self, name: str) -> torch.Tensor:

@@ -71,7 +71,7 @@ class ShardedStrategy:
                  init_full_state: Mapping[str, torch.Tensor] | None = None, padded_vocab: int | None = None,
                  memory_budget_bytes: Sequence[int] | None = None,
                  gather_method: Literal["padded", "broadcast"] = "padded",
-                 reduce_scatter_method: Literal["reduce", "all_reduce"] = "reduce",
+                 reduce_scatter_method: Literal["native", "reduce", "all_reduce"] = "native",
                  accelerator: Accelerator | None = None) -> None:
         from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
@@ -266,7 +266,7 @@ def ShardedTrainer(*, model: ModelSpec, plan: ShardedPlan, train: TrainConfig, b
                    padded_vocab: int | None = None, slowdown: float | None = None,
                    clock: Callable[[], float] | None = None, memory_budget_bytes: Sequence[int] | None = None,
                    gather_method: Literal["padded", "broadcast"] = "padded",
-                   reduce_scatter_method: Literal["reduce", "all_reduce"] = "reduce",
+                   reduce_scatter_method: Literal["native", "reduce", "all_reduce"] = "native",
                    accelerator: Accelerator | None = None) -> Trainer:
     """The trainer over this rank's shard of ``plan`` (call on every rank); ``slowdown`` overrides the
     cluster's emulation factor of the rank's island."""

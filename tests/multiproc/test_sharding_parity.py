@@ -118,14 +118,18 @@ def test_uneven_collectives(runs):
     starts = [sum(SIZES[:r]) for r in range(4)]
     gathered = torch.cat([torch.arange(s, s + n, dtype=torch.float32) * (r + 1)
                           for r, (s, n) in enumerate(zip(starts, SIZES))])
-    summed = sum(torch.arange(sum(SIZES), dtype=torch.float32) + 100 * r for r in range(4))
     for rank, out in enumerate(per_rank):
         res = out["collectives"]
         for method in ("padded", "broadcast"):
             assert res[f"gather_{method}"].tolist() == gathered.tolist(), (rank, method)
-        for method in ("reduce", "all_reduce"):
-            assert res[f"rs_{method}"].tolist() == summed[starts[rank]:starts[rank] + SIZES[rank]].tolist()
-            assert res[f"rs_{method}_unchanged"]
+        # reduce-scatter: the given uneven layout, equal shards (the tensor form), an empty shard on rank 0
+        for tag, sizes in (("", SIZES), ("equal_", (2, 2, 2, 2)), ("empty_", (0,) + SIZES[1:])):
+            lo = sum(sizes[:rank])
+            summed = sum(torch.arange(sum(sizes), dtype=torch.float32) + 100 * r for r in range(4))
+            for method in ("native", "reduce", "all_reduce"):
+                got = res[f"{tag}rs_{method}"]
+                assert got.tolist() == summed[lo:lo + sizes[rank]].tolist(), (rank, tag, method)
+                assert res[f"{tag}rs_{method}_unchanged"], (rank, tag, method)
 
 
 @pytest.mark.multiproc

@@ -80,11 +80,14 @@ def _collectives(rank, world_size, sizes):
     for method in ("padded", "broadcast"):
         shard = torch.arange(start, stop, dtype=torch.float32) * (rank + 1)
         res[f"gather_{method}"] = uneven_all_gather(shard, layout, method=method)
-    full = torch.arange(layout.numel, dtype=torch.float32) + 100 * rank  # differs per rank
-    for method in ("reduce", "all_reduce"):
-        before = full.clone()
-        res[f"rs_{method}"] = uneven_reduce_scatter(full, layout, method=method)
-        res[f"rs_{method}_unchanged"] = bool((full == before).all())
+    # the reduce-scatter over the given layout, equal shards (reduce_scatter_tensor) and one empty shard
+    for tag, rs_sizes in (("", tuple(sizes)), ("equal_", (2,) * world_size), ("empty_", (0,) + tuple(sizes[1:]))):
+        rs_layout = ShardLayout(sizes=rs_sizes)
+        full = torch.arange(rs_layout.numel, dtype=torch.float32) + 100 * rank  # differs per rank
+        for method in ("native", "reduce", "all_reduce"):
+            before = full.clone()
+            res[f"{tag}rs_{method}"] = uneven_reduce_scatter(full, rs_layout, method=method)
+            res[f"{tag}rs_{method}_unchanged"] = bool((full == before).all())
     return res
 
 
