@@ -13,8 +13,8 @@ constructions:
 - reduce-scatter ``"native"`` (default): one reduce-scatter collective of the backend. Equal slices
   are one ``reduce_scatter_tensor`` on the buffer itself; uneven ones the list form
   ``dist.reduce_scatter``, which NCCL and RCCL run as one coalesced group of reduces (one launch,
-  exact bytes, no padding) and gloo runs natively (torch >= 2.6 has gloo's reduce-scatter, uneven
-  included). The traffic of a ring reduce-scatter, as the perf model prices it. ``"reduce"``: the
+  exact bytes, no padding) and gloo runs natively (checked on torch 2.13; a gloo without the list
+  form refuses it on every rank before any data moves, and the per-owner ``"reduce"`` runs instead). The traffic of a ring reduce-scatter, as the perf model prices it. ``"reduce"``: the
   slice owned by rank ``r`` is summed onto ``r`` with one ``dist.reduce`` per owner (the same
   traffic, but ``world`` separate collectives: hundreds of launches per bucket on a large group).
   ``"all_reduce"``: all-reduce the full buffer and keep the slice (simplest, twice the traffic).
@@ -134,9 +134,14 @@ def uneven_reduce_scatter(full: torch.Tensor, layout, *, group: dist.ProcessGrou
         mine = full.new_empty(stop - start)
         if len(set(layout.sizes)) == 1:  # equal slices: the buffer itself is the collective's input
             dist.reduce_scatter_tensor(mine, full, op=dist.ReduceOp.SUM, group=group)
-        else:  # views of ``full``: NCCL's uneven form reduces from them without writing (output is only the root's)
+            return mine
+        try:  # views of ``full``: NCCL's uneven form reduces from them without writing (output is only the root's)
             dist.reduce_scatter(mine, list(full.split(list(layout.sizes))), op=dist.ReduceOp.SUM, group=group)
-        return mine
+            return mine
+        except RuntimeError as err:  # an older gloo: refused at the call, identically on every rank
+            if "does not support" not in str(err):
+                raise
+        method = "reduce"
     if method == "reduce":
         mine = None
         for r in range(layout.world):
