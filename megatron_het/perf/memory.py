@@ -290,33 +290,42 @@ def stage_memory(model: ModelSpec, *, num_layers: int, is_first: bool, is_last: 
     )
 
 
-def optimizer_shard_weights(model: ModelSpec, plan, *, precision: str = "fp32") -> dict[int, float]:
+def optimizer_shard_weights(model: ModelSpec, plan, *, precision: str | None = None) -> dict[int, float]:
     """Rank -> memory left for optimizer state (the distributed optimizer's share weights).
 
     Free memory is the rank's device capacity (catalog, by the stage's ``device_type``) minus what
     :func:`stage_memory` predicts for everything but the optimizer state (weights, gradients,
-    activations at the 1F1B peak, overhead), floored at 1% of the capacity so every holder keeps
-    a share. Pure: every rank computes the same weights from the same plan. A plan naming a device
+    activations at the peak of the schedule the runtime executes, with the plan's virtual stages,
+    as :func:`rank_memory` counts them; with ``overlap_grad_reduce`` the buckets' packed gradient
+    copies, as the predictor counts them; overhead), floored at 1% of the capacity so every holder
+    keeps a share (``precision``: the run's, default the plan's). Pure: every rank computes the
+    same weights from the same plan. A plan naming a device
     type the catalog does not have (a cluster file's own ``device_types:``) gets equal weights: the
     runtime does not read the cluster file's definitions here.
     """
     from megatron_het.cluster.catalog import CATALOG
+    from megatron_het.schedule import build_schedule
 
     if any(st.device_type not in CATALOG for r in plan.replicas for st in r.stages):
         return {rank: 1.0 for r in plan.replicas for rank in r.ranks}
+    precision = precision or plan.precision
     out: dict[int, float] = {}
+    v = plan.virtual_pipeline_size
+    peaks: dict[tuple[int, int], tuple[int, ...]] = {}  # (stages, micro-batches) -> per-stage peak in flight
     for replica in plan.replicas:
-        p = len(replica.stages)
+        p, m = len(replica.stages), replica.num_micro_batches
+        if (p, m) not in peaks:
+            peaks[p, m] = tuple(build_schedule(plan.schedule, p, m, v).peak_in_flight())
         for i, st in enumerate(replica.stages):
             capacity = device_capacity_bytes(CATALOG[st.device_type])
-            in_flight = (replica.num_micro_batches if plan.schedule == "gpipe" else microbatches_in_flight(
-                stage=i, pipeline_size=p, num_microbatches=replica.num_micro_batches))
             mem = stage_memory(model, num_layers=st.num_layers, is_first=i == 0, is_last=i == p - 1,
-                               micro_batch_size=plan.micro_batch_size, microbatches_in_flight=in_flight,
+                               micro_batch_size=plan.micro_batch_size, microbatches_in_flight=peaks[p, m][i],
                                tp=st.tp, sequence_parallel=plan.sequence_parallel,
                                recompute="full" if st.recompute else "none", distributed_optimizer=False,
-                               precision=precision, recompute_num_layers=st.recompute_num_layers)
-            free = capacity - (mem.total_bytes - mem.optimizer_bytes)
+                               virtual_stages=v, precision=precision, recompute_num_layers=st.recompute_num_layers,
+                               dropout=False, fused_softmax=not CATALOG[st.device_type].is_host)  # as rank_memory
+            copies = mem.gradients_bytes if plan.overlap_grad_reduce else 0  # runtime/overlap_grad.py's packed buckets
+            free = capacity - (mem.total_bytes - mem.optimizer_bytes) - copies
             for r in st.ranks:
                 out[r] = float(max(free, capacity // 100))
     return out

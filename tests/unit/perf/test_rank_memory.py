@@ -55,3 +55,27 @@ def test_weights_follow_device_memory_and_fall_back_to_equal_for_unknown_types()
     assert uneven.optimizer_bytes > even.optimizer_bytes  # the bigger device takes the larger share
     custom = optimizer_shard_weights(MODEL, dataclasses.replace(_plan(device_b="MY-GPU")))
     assert set(custom.values()) == {1.0}
+
+
+def test_weights_count_the_executed_schedules_activations_and_the_overlap_copies():
+    """The free memory behind the shares is the device's less what the runtime holds at its peak: the
+    activations of the schedule it executes (interleaving keeps more micro-batch chunks on stage 0 than
+    1F1B's count, which the weights used to assume) and, with --overlap-grad-reduce, every bucket's packed
+    gradient copy. Each difference is checked against rank_memory, the runtime's own component model."""
+    model = dataclasses.replace(MODEL, num_layers=8)
+
+    def plan(**kw):
+        def replica(first):
+            return ReplicaPlan(stages=(StagePlan(island="a", device_type="A100-80GB", ranks=(first,), layers=(0, 4)),
+                                       StagePlan(island="a", device_type="A100-80GB", ranks=(first + 1,),
+                                                 layers=(4, 8))), num_micro_batches=4)
+        return Plan(replicas=(replica(0), replica(2)), micro_batch_size=1, global_batch_size=8,
+                    use_distributed_optimizer=True, **kw)
+
+    flat, inter = plan(), plan(schedule="interleaved", virtual_pipeline_size=2)
+    w_flat, w_inter = optimizer_shard_weights(model, flat), optimizer_shard_weights(model, inter)
+    extra = rank_memory(model, inter, 0).activations_bytes - rank_memory(model, flat, 0).activations_bytes
+    assert extra > 0  # stage 0 holds 5 chunk micro-batches of 2 layers (1F1B: 2 of 4 layers)
+    assert w_flat[0] - w_inter[0] == extra
+    overlapped = optimizer_shard_weights(model, plan(overlap_grad_reduce=True))
+    assert w_flat[1] - overlapped[1] == rank_memory(model, flat, 1).gradients_bytes
