@@ -48,14 +48,13 @@ def resolve_plan(args: PretrainArgs) -> AnyPlan:
         from megatron_het.perf import load_profile
         from megatron_het.planner.modes import plan_best
 
-        # priced at the precision the flags run (no flag = fp32); with --use-distributed-optimizer the
-        # overlapped forms are not priced (one of them drops that optimizer, which the flag asks for):
-        # add --overlap-grad-reduce to overlap its buckets (plan_record.reconcile_plan records it)
+        # priced at the precision the flags run (no flag = fp32); with --use-distributed-optimizer only
+        # the overlapped forms that keep that optimizer are priced (the other drops it)
         choice = plan_best(args.model, args.cluster, global_batch_size=args.train.global_batch_size,
                            micro_batch_sizes=(args.train.micro_batch_size,),
                            profile=[load_profile(p) for p in args.profile] if args.profile else None,
                            pipeline_options={"top_k": 3, "precision": args.train.precision,
-                                             "consider_grad_overlap": not args.use_distributed_optimizer})
+                                             "keep_distributed_optimizer": args.use_distributed_optimizer})
         if choice.pipeline_result is not None:
             print_rank0(f"planner: {choice.pipeline_result.explanation}")
         print_rank0(f"planner: {choice.explanation}")

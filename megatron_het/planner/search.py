@@ -181,7 +181,8 @@ def plan_cluster(model: ModelSpec, cluster: ClusterSpec, *, global_batch_size: i
                  islands: Sequence[str] | None = None, overlap_grad_reduce: bool = False,
                  progress: Callable[[int, int], None] | None = None,
                  parallelizer: Parallelizer | None = None, compose_islands: bool = True,
-                 consider_grad_overlap: bool = True, precision: str = "bf16") -> PlannerResult:
+                 consider_grad_overlap: bool = True, keep_distributed_optimizer: bool = False,
+                 precision: str = "bf16") -> PlannerResult:
     """Search plans for ``model`` on ``cluster`` and return the fastest predicted one.
 
     ``islands`` restricts the search to those islands (the others get no ranks).
@@ -194,7 +195,8 @@ def plan_cluster(model: ModelSpec, cluster: ClusterSpec, *, global_batch_size: i
     what-if. ``consider_grad_overlap`` (default on) also prices every predicted layout as megatron-het's
     runtime runs ``overlap_grad_reduce`` (every stage's all-reduce in buckets during its last backward,
     with the distributed optimizer kept and without it: planner/grad_overlap.py) and records the choice
-    in the plan.
+    in the plan. ``keep_distributed_optimizer``: only the overlapped forms that keep the distributed
+    optimizer (a run that asks for it: ``--hetero-plan auto --use-distributed-optimizer``).
     ``precision`` (a Plan precision) is what every point is priced at and what the plans record. Raises
     :class:`InfeasibleError` (a ValueError) naming the failed memory or divisibility constraint.
     ``progress(done, total)`` is called after each candidate structure priced and each plan predicted
@@ -349,6 +351,8 @@ def plan_cluster(model: ModelSpec, cluster: ClusterSpec, *, global_batch_size: i
             ((replace(plan, predicted=pred.to_json_dict()), pred), None)]
         variants = overlap_variants(plan) if consider_grad_overlap else "not asked"
         for variant in ([] if isinstance(variants, str) else variants):
+            if keep_distributed_optimizer and plan.use_distributed_optimizer and not variant.use_distributed_optimizer:
+                continue
             try:
                 validate_plan(variant, model, cluster)
                 vpred = predict_plan(variant)

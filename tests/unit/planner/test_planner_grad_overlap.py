@@ -73,3 +73,18 @@ def test_the_search_chooses_the_overlap_when_it_is_faster_and_says_so():
     off = plan_cluster(GPT_1_3B, cluster, global_batch_size=16, consider_grad_overlap=False)
     assert not off.best.overlap_grad_reduce
     assert off.best.predicted["iteration_time_s"] > best.predicted["iteration_time_s"]
+
+
+def test_a_run_that_asks_for_the_distributed_optimizer_gets_no_form_that_drops_it(monkeypatch):
+    """pretrain's --hetero-plan auto with --use-distributed-optimizer plans with keep_distributed_optimizer:
+    overlapped forms are priced, but only those that keep that optimizer. Here only the dropping form
+    is offered (the kept one removed), and it would win without the flag."""
+    import megatron_het.planner.search as search
+
+    monkeypatch.setattr(search, "overlap_variants", lambda plan: [v for v in overlap_variants(plan)
+                                                                  if not v.use_distributed_optimizer])
+    free = plan_cluster(GPT_1_3B, _h100_h200(), global_batch_size=16)
+    assert free.best.overlap_grad_reduce and not free.best.use_distributed_optimizer
+    kept = plan_cluster(GPT_1_3B, _h100_h200(), global_batch_size=16, keep_distributed_optimizer=True)
+    assert all(p.use_distributed_optimizer or len(p.replicas) == 1 for p, _ in kept.candidates)
+    assert not kept.best.overlap_grad_reduce
