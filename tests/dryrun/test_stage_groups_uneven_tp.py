@@ -84,3 +84,15 @@ def test_sampled_ranks_get_their_stage_and_grid_groups_and_create_the_same_group
     stage_calls = [c[0] for c in calls[:len(calls) - 12 * B_COUNT] if len(c[0]) > 1]  # then 12 per grid
     assert stage_calls == expected_multi_rank_groups(plan)
     assert {c[2] for c in calls} == {TIMEOUT}
+
+
+@pytest.mark.slow
+def test_every_rank_gets_its_groups_and_creates_the_same_groups_in_order(plan, monkeypatch):
+    """All 480 ranks (~0.3 s each), in batches compared with rank 0 (a batch's calls are kept in memory)."""
+    ref = None
+    for first in range(0, plan.world_size, 60):
+        sims = simulate_ranks(plan, range(first, first + 60), stage_and_grid_view, monkeypatch)
+        ref = ref or sims[0]
+        assert [p for sim in sims.values() for p in stage_group_problems(plan, sim)] == []
+        assert {r: s.result["grid"] for r, s in sims.items()} == {r: expected_grid(plan, r) for r in sims}
+        assert creation_order_mismatch({0: ref, **sims}) is None

@@ -48,7 +48,7 @@ def record_new_group(monkeypatch) -> list:
     """Record every ``new_group`` call into the returned list (torch's own subgroup helpers and
     megatron-core's ``HyperCommGrid.create_pg`` call it through ``distributed_c10d``)."""
     log: list = []
-    real = c10d.new_group
+    real = getattr(c10d.new_group, "__wrapped__", c10d.new_group)  # torch's, when already recording
 
     def recording(*args, **kwargs):
         a = _NEW_GROUP.bind(*args, **kwargs).arguments
@@ -56,6 +56,7 @@ def record_new_group(monkeypatch) -> list:
                     a.get("use_local_synchronization", False)))
         return real(*args, **kwargs)
 
+    recording.__wrapped__ = real
     monkeypatch.setattr(c10d, "new_group", recording)
     monkeypatch.setattr(dist, "new_group", recording)
     return log
