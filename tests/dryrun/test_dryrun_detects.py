@@ -9,6 +9,7 @@
 
 from __future__ import annotations
 
+import torch.distributed as dist
 from megatron.core.hyper_comm_grid import HyperCommGrid
 
 import megatron_het.runtime.stage_groups as stage_groups
@@ -18,8 +19,6 @@ from support.fake_world import creation_order_mismatch, simulate_ranks, stage_gr
 
 
 def test_a_rank_that_skips_other_stages_groups_is_caught(monkeypatch):
-    import torch.distributed as dist
-
     plan = homogeneous_plan(tp=2, pp=2, dp=64, num_layers=4, micro_batch_size=1, global_batch_size=64)
     real = HyperCommGrid.create_pg
 
