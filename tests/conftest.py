@@ -1,4 +1,4 @@
-"""Shared set-up for every test tier (tests/unit/<package>/, tests/multiproc/, tests/gpu/).
+"""Shared set-up for every test tier (tests/unit/<package>/, tests/dryrun/, tests/multiproc/, tests/gpu/).
 
 tests/ goes on sys.path so that rank functions (``workers.*``) and helpers (``support.*``) import
 by name in the test process and in processes it spawns.
