@@ -1,8 +1,8 @@
 """All-gather and reduce-scatter of *uneven* contiguous shards over any torch.distributed backend.
 
 NCCL has uneven variants of both (torch runs them as coalesced groups of broadcasts / reduces); gloo
-has the uneven reduce-scatter but no uneven all-gather, so the all-gather is offered in portable
-constructions:
+has no uneven all-gather and its reduce-scatter is an all-reduce underneath, so portable
+constructions are offered:
 
 - all-gather ``"padded"`` (default): every rank pads its shard to the largest one and one
   ``all_gather`` moves ``world x max_size`` elements; the padding is cut off afterwards. One
@@ -13,8 +13,10 @@ constructions:
 - reduce-scatter ``"native"`` (default): one reduce-scatter collective of the backend. Equal slices
   are one ``reduce_scatter_tensor`` on the buffer itself; uneven ones the list form
   ``dist.reduce_scatter``, which NCCL and RCCL run as one coalesced group of reduces (one launch,
-  exact bytes, no padding) and gloo runs natively (checked on torch 2.13; a gloo without the list
-  form refuses it on every rank before any data moves, and the per-owner ``"reduce"`` runs instead). The traffic of a ring reduce-scatter, as the perf model prices it. ``"reduce"``: the
+  exact bytes, no padding). The traffic of a ring reduce-scatter, as the perf model prices it.
+  On a gloo group it runs ``"reduce"``: gloo's reduce-scatter (torch 2.13, both forms) all-reduces
+  underneath, twice those bytes (profiled; perf/axonn.py prices its ``_reduce_scatter_base`` so).
+  ``"reduce"``: the
   slice owned by rank ``r`` is summed onto ``r`` with one ``dist.reduce`` per owner (the same
   traffic, but ``world`` separate collectives: hundreds of launches per bucket on a large group).
   ``"all_reduce"``: all-reduce the full buffer and keep the slice (simplest, twice the traffic).
@@ -130,18 +132,15 @@ def uneven_reduce_scatter(full: torch.Tensor, layout, *, group: dist.ProcessGrou
         out = full.new_empty(layout.max_size)
         bridge.reduce_scatter(out, pieces)
         return out[:stop - start].clone()
+    if method == "native" and dist.get_backend(group) == "gloo":
+        method = "reduce"  # gloo's reduce-scatter all-reduces underneath (twice the bytes): per-owner reduces
     if method == "native":
         mine = full.new_empty(stop - start)
         if len(set(layout.sizes)) == 1:  # equal slices: the buffer itself is the collective's input
             dist.reduce_scatter_tensor(mine, full, op=dist.ReduceOp.SUM, group=group)
-            return mine
-        try:  # views of ``full``: NCCL's uneven form reduces from them without writing (output is only the root's)
+        else:  # views of ``full``: NCCL's uneven form reduces from them without writing (output is only the root's)
             dist.reduce_scatter(mine, list(full.split(list(layout.sizes))), op=dist.ReduceOp.SUM, group=group)
-            return mine
-        except RuntimeError as err:  # an older gloo: refused at the call, identically on every rank
-            if "does not support" not in str(err):
-                raise
-        method = "reduce"
+        return mine
     if method == "reduce":
         mine = None
         for r in range(layout.world):

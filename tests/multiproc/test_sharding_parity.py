@@ -131,7 +131,7 @@ def test_uneven_collectives(runs):
                 assert got.tolist() == summed[lo:lo + sizes[rank]].tolist(), (rank, tag, method)
                 assert res[f"{tag}rs_{method}_unchanged"], (rank, tag, method)
         summed = sum(torch.arange(sum(SIZES), dtype=torch.float32) + 100 * r for r in range(4))
-        assert res["fallback_rs_native"].tolist() == summed[starts[rank]:starts[rank] + SIZES[rank]].tolist()
+        assert res["gloo_rs_native"].tolist() == summed[starts[rank]:starts[rank] + SIZES[rank]].tolist()
 
 
 @pytest.mark.multiproc

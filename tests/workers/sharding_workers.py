@@ -88,16 +88,17 @@ def _collectives(rank, world_size, sizes):
             before = full.clone()
             res[f"{tag}rs_{method}"] = uneven_reduce_scatter(full, rs_layout, method=method)
             res[f"{tag}rs_{method}_unchanged"] = bool((full == before).all())
-    # a gloo without the uneven list form (older torch) refuses it at the call: "native" falls back
+    # on gloo "native" runs the per-owner reduces (gloo's reduce-scatter all-reduces underneath): it must
+    # not call dist.reduce_scatter at all
     import torch.distributed as dist
 
     def refuse(*args, **kwargs):
-        raise RuntimeError("ProcessGroupGloo does not support reduce_scatter")
+        raise AssertionError("gloo's reduce-scatter was called (twice the bytes of the per-owner reduces)")
 
     full = torch.arange(layout.numel, dtype=torch.float32) + 100 * rank
     real, dist.reduce_scatter = dist.reduce_scatter, refuse
     try:
-        res["fallback_rs_native"] = uneven_reduce_scatter(full, layout, method="native")
+        res["gloo_rs_native"] = uneven_reduce_scatter(full, layout, method="native")
     finally:
         dist.reduce_scatter = real
     return res
