@@ -48,7 +48,8 @@ def record_new_group(monkeypatch) -> list:
     """Record every ``new_group`` call into the returned list (torch's own subgroup helpers and
     megatron-core's ``HyperCommGrid.create_pg`` call it through ``distributed_c10d``)."""
     log: list = []
-    real = getattr(c10d.new_group, "__wrapped__", c10d.new_group)  # torch's, when already recording
+    # torch's own function (decorated by torch itself: unwrap only a recorder of ours)
+    real = getattr(c10d.new_group, "_het_recording_of", c10d.new_group)
 
     def recording(*args, **kwargs):
         a = _NEW_GROUP.bind(*args, **kwargs).arguments
@@ -56,7 +57,7 @@ def record_new_group(monkeypatch) -> list:
                     a.get("use_local_synchronization", False)))
         return real(*args, **kwargs)
 
-    recording.__wrapped__ = real
+    recording._het_recording_of = real
     monkeypatch.setattr(c10d, "new_group", recording)
     monkeypatch.setattr(dist, "new_group", recording)
     return log
@@ -114,7 +115,8 @@ SELF_ONLY = ("pp", "dp", "cp", "ep", "dp_cp", "embd", "pos_embd", "expt_dp")  # 
 
 
 def stage_group_view(plan: Plan) -> dict:
-    """``build_stage_groups`` as the trainer calls it, reduced to plain data: this rank's role, the members
+    """``build_stage_groups`` as the trainer calls it (without ``backend_of``: every group on the fake
+    world's backend, so a per-island backend choice is not what this checks), reduced to plain data: this rank's role, the members
     of each group of its collection and its rank within the TP group."""
     from megatron_het.runtime.stage_groups import build_stage_groups
 
