@@ -14,8 +14,9 @@ constructions are offered:
   are one ``reduce_scatter_tensor`` on the buffer itself; uneven ones the list form
   ``dist.reduce_scatter``, which NCCL and RCCL run as one coalesced group of reduces (one launch,
   exact bytes, no padding). The traffic of a ring reduce-scatter, as the perf model prices it.
-  On a gloo group it runs ``"reduce"``: gloo's reduce-scatter (torch 2.13, both forms) all-reduces
-  underneath, twice those bytes (profiled; perf/axonn.py prices its ``_reduce_scatter_base`` so).
+  On host tensors (gloo) it runs ``"reduce"``: gloo's reduce-scatter (torch 2.13, both forms)
+  all-reduces underneath, twice those bytes (profiled; perf/axonn.py prices its
+  ``_reduce_scatter_base`` so).
   ``"reduce"``: the
   slice owned by rank ``r`` is summed onto ``r`` with one ``dist.reduce`` per owner (the same
   traffic, but ``world`` separate collectives: hundreds of launches per bucket on a large group).
@@ -40,6 +41,8 @@ from typing import Literal
 
 import torch
 import torch.distributed as dist
+
+from megatron_het.platform import HOST_DEVICE
 
 __all__ = ["uneven_all_gather", "uneven_all_gather_start", "uneven_reduce_scatter", "GATHER_METHODS",
            "REDUCE_SCATTER_METHODS", "PendingGather"]
@@ -132,8 +135,10 @@ def uneven_reduce_scatter(full: torch.Tensor, layout, *, group: dist.ProcessGrou
         out = full.new_empty(layout.max_size)
         bridge.reduce_scatter(out, pieces)
         return out[:stop - start].clone()
-    if method == "native" and dist.get_backend(group) == "gloo":
-        method = "reduce"  # gloo's reduce-scatter all-reduces underneath (twice the bytes): per-owner reduces
+    if method == "native" and full.device.type == HOST_DEVICE.type:
+        # host tensors go through the host backend (gloo, also in a "cpu:gloo,cuda:nccl" group), whose
+        # reduce-scatter all-reduces underneath (twice the bytes): per-owner reduces instead
+        method = "reduce"
     if method == "native":
         mine = full.new_empty(stop - start)
         if len(set(layout.sizes)) == 1:  # equal slices: the buffer itself is the collective's input
