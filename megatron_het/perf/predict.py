@@ -394,22 +394,25 @@ def overlapped_reduction_tail_s(chunks: Sequence[tuple[float, int]], *, backward
 
 
 def stage_gradient_chunks(model: ModelSpec, cost: StageCost, *, num_layers: int, is_first: bool, is_last: bool,
-                          tp: int) -> list[tuple[float, int]]:
+                          tp: int, tied_elsewhere: bool = False) -> list[tuple[float, int]]:
     """(ready time in the stage's backward, parameters) in backward order: output layer, the
-    layers last to first (each ready when its backward ends), then the embedding."""
+    layers last to first (each ready when its backward ends), then the embedding.
+    ``tied_elsewhere``: the stage's rows of a tied word embedding are reduced in their own group
+    (with the pipeline's other end), so they are left out here."""
     def params(n: int, first: bool, last: bool) -> int:
         return stage_parameters(model, num_layers=n, is_first=first, is_last=last, tp=tp)
 
+    rows = -(-model.vocab_size // tp) * model.hidden_size if tied_elsewhere else 0
     out = []
     t = cost.output_backward_s if is_last else 0.0
     if is_last:  # final norm + output layer (minus the embedding when tied on a one-stage pipeline)
-        out.append((t, params(0, is_first, True) - params(0, is_first, False)))
+        out.append((t, params(0, is_first, True) - params(0, is_first, False) - (rows if not is_first else 0)))
     per_layer = params(1, False, False)
     for _ in range(num_layers):
         t += cost.layer_backward_s
         out.append((t, per_layer))
     if is_first:
-        out.append((t + cost.embedding_backward_s, params(0, True, False)))
+        out.append((t + cost.embedding_backward_s, params(0, True, False) - rows))
     return out
 
 
@@ -474,10 +477,22 @@ def predict(plan: Plan, model: ModelSpec, cluster: ClusterSpec, *, profile: Prof
         keys.append(key)
     # Reduction peers of a stage: in every replica, the stage holding its first layer.
     holders: dict[int, list[tuple[str, float, int]]] = {}
+    # A tied word embedding (GPT recipe) is held by every replica's first stage and, where the pipeline
+    # has more than one stage, by its last stage's copy: one gradient group across both (runtime/grad_sync.py),
+    # whatever their islands, ending after the last of their backwards.
+    tied = not model.untie_embeddings_and_output_weights
+    embedding_holders: list[tuple[str, float, int]] = []
     for r, key in zip(plan.replicas, keys):
-        for st, end in zip(r.stages, sims[key][2].stage_end):
+        ends = sims[key][2].stage_end
+        for st, end in zip(r.stages, ends):
             for layer in range(st.layers[0], st.layers[1]):
                 holders.setdefault(layer, []).append((st.island, end, st.ranks[0]))
+        if tied:
+            embedding_holders.append((r.stages[0].island, ends[0], r.stages[0].ranks[0]))
+            if len(r.stages) > 1:
+                embedding_holders.append((r.stages[-1].island, ends[-1], r.stages[-1].ranks[0]))
+    # one-stage replicas only: the embedding's group is the first stages' own (nothing apart to price)
+    multi_stage = any(len(r.stages) > 1 for r in plan.replicas)
     reductions: dict[tuple[object, ...], tuple[float, float, float]] = {}
 
     def reduce_and_step(stage: StagePlan, is_first: bool, is_last: bool, bwd_s: float) -> tuple[float, float, float]:
@@ -486,15 +501,20 @@ def predict(plan: Plan, model: ModelSpec, cluster: ClusterSpec, *, profile: Prof
         if key not in reductions:
             params = stage_parameters(model, num_layers=stage.num_layers, is_first=is_first, is_last=is_last,
                                       tp=stage.tp)
+            # the tied embedding's rows, reduced with the other stage that holds them (priced below)
+            embedding = (-(-model.vocab_size // stage.tp) * model.hidden_size
+                         if tied and (is_first or is_last) and multi_stage else 0)
+            params -= embedding
             peers = holders[stage.layers[0]]
             names = [name for name, _, _ in peers]
             start = max(end for _, end, _ in peers)  # every peer must be done with its backward
             island_of = cluster.island(stage.island)
             node = stage.ranks[0] // island_of.gpus_per_node
-            same_node = sum(1 for name, _, r0 in peers if name == stage.island and r0 // island_of.gpus_per_node == node)
 
-            def all_reduce_s(nbytes: float) -> float:
-                return dp_gradient_reduction(nbytes, cluster, replica_islands=names,
+            def group_all_reduce_s(nbytes: float, group: list[tuple[str, float, int]]) -> float:
+                same_node = sum(1 for name, _, r0 in group
+                                if name == stage.island and r0 // island_of.gpus_per_node == node)
+                return dp_gradient_reduction(nbytes, cluster, replica_islands=[name for name, _, _ in group],
                                              ranks_per_node=max(1, same_node)).total_s
 
             # distributed optimizer: reduce-scatter the gradients (half a ring all-reduce; across
@@ -502,30 +522,43 @@ def predict(plan: Plan, model: ModelSpec, cluster: ClusterSpec, *, profile: Prof
             # updated weights' all-gather overlaps the next forward with overlap_grad_reduce
             # (--overlap-param-gather), else it follows the optimizer step (added to the tail here).
             # Once per stage: reduce_s runs per gradient bucket.
-            share = distributed_optimizer_share(cluster, replica_islands=names) if dist_opt else 1.0
-            bridged = bucket_all_stages and spans_collective_libraries(cluster, names)
+            def group_reduce_s(n: int, group: list[tuple[str, float, int]]) -> float:
+                group_names = [name for name, _, _ in group]
+                share = distributed_optimizer_share(cluster, replica_islands=group_names) if dist_opt else 1.0
+                bridged = bucket_all_stages and spans_collective_libraries(cluster, group_names)
+                if dist_opt and plan.overlap_grad_reduce:  # the runtime's all-reduce buckets (module docstring)
+                    gather = share * group_all_reduce_s(param_bytes * n, group) if bridged else 0.0
+                    return group_all_reduce_s(grad_bytes * n, group) + gather
+                if dist_opt:
+                    rs = share * group_all_reduce_s(grad_bytes * n, group)
+                    return rs if overlap_grad_reduce else rs + share * group_all_reduce_s(param_bytes * n, group)
+                return group_all_reduce_s(grad_bytes * n, group)
 
             def reduce_s(n: int) -> float:
-                if dist_opt and plan.overlap_grad_reduce:  # the runtime's all-reduce buckets (module docstring)
-                    gather = share * all_reduce_s(param_bytes * n) if bridged else 0.0
-                    return all_reduce_s(grad_bytes * n) + gather
-                if dist_opt:
-                    rs = share * all_reduce_s(grad_bytes * n)
-                    return rs if overlap_grad_reduce else rs + share * all_reduce_s(param_bytes * n)
-                return all_reduce_s(grad_bytes * n)
+                return group_reduce_s(n, peers)
+
+            bridged = bucket_all_stages and spans_collective_libraries(cluster, names)
 
             red = reduce_s(params) if dp > 1 else 0.0
             tail = red
             if dp > 1 and overlap_grad_reduce and (is_first or bucket_all_stages) and v == 1 and not bridged:
                 chunks = stage_gradient_chunks(model, cost(stage), num_layers=stage.num_layers, is_first=is_first,
-                                               is_last=is_last, tp=stage.tp)
+                                               is_last=is_last, tp=stage.tp, tied_elsewhere=embedding > 0)
                 tail = overlapped_reduction_tail_s(chunks, backward_s=bwd_s, bucket_params=bucket_parameters(dp),
                                                    reduce_s=reduce_s)
+            end = start + tail
             island = cluster.island(stage.island)
             shard = len(peers) if dist_opt else 1
-            opt = cluster.slowdown(stage.island) * optimizer_step_s(island.device, params // shard, profile=profile,
+            opt_params = params // shard
+            if embedding:  # its own group, after the last of its holders' backwards (its bucket is the first
+                # stage's last): not hidden
+                e_red = group_reduce_s(embedding, embedding_holders)
+                red += e_red
+                end = max(end, max(t for _, t, _ in embedding_holders) + e_red)
+                opt_params += embedding // (len(embedding_holders) if dist_opt else 1)
+            opt = cluster.slowdown(stage.island) * optimizer_step_s(island.device, opt_params, profile=profile,
                                                                         precision=precision, island=stage.island)
-            reductions[key] = (red, start + tail, opt)
+            reductions[key] = (red, end, opt)
         return reductions[key]
 
     built: dict[tuple[object, ...], ReplicaPrediction] = {}

@@ -457,6 +457,18 @@ class Estimator:
             holders.append((t.count, starts, [isl for isl, _ in stages], [end - lag for lag in lags]))
         reduced = zb_reduced = optimizer = 0.0
         shard = replicas if self.distributed_optimizer else 1
+        # A tied word embedding with a multi-stage template: every replica's first stage and the last
+        # stage's copy reduce it in one group of their own, after the last of their backwards (perf.predict)
+        tied = (not self.model.untie_embeddings_and_output_weights) and any(len(st) > 1 for st in all_stages)
+        if tied:
+            e_where: dict[int, int] = {}
+            e_start, e_holders = 0.0, 0
+            for cnt, _, isls, ends in holders:
+                for k in ({0, len(isls) - 1}):
+                    e_where[isls[k]] = e_where.get(isls[k], 0) + cnt
+                    e_start = max(e_start, ends[k])
+                    e_holders += cnt
+            e_placement = tuple(sorted(e_where.items()))
         for t, stages, counts, (_, rows) in zip(templates, all_stages, all_counts, all_lags):
             first = 0
             # per stage, its replicas sharing a node (one figure per segment)
@@ -464,6 +476,8 @@ class Estimator:
             for j, ((isl, tp), n, rpn) in enumerate(zip(stages, counts, rpns)):
                 is_first, is_last = j == 0, j == len(stages) - 1
                 params = self.params(n, is_first, is_last, tp)
+                embedding = -(-self.model.vocab_size // tp) * self.model.hidden_size if tied and (is_first or is_last) else 0
+                params -= embedding
                 where: dict[int, int] = {}
                 start = 0.0
                 for cnt, starts, isls, ends in holders:
@@ -474,14 +488,21 @@ class Estimator:
                 tail = self.grad_sync(placement, params, replicas=replicas, ranks_per_node=rpn)
                 if self.overlap_grad_reduce and is_first and replicas > 1:
                     c, bwd = rows[j]
-                    chunks = stage_gradient_chunks(self.model, c, num_layers=n, is_first=True, is_last=is_last, tp=tp)
+                    chunks = stage_gradient_chunks(self.model, c, num_layers=n, is_first=True, is_last=is_last, tp=tp,
+                                                   tied_elsewhere=embedding > 0)
                     tail = overlapped_reduction_tail_s(
                         chunks, backward_s=bwd, bucket_params=bucket_parameters(replicas),
                         reduce_s=lambda k, placement=placement, rpn=rpn: self.grad_sync(
                             placement, k, replicas=replicas, ranks_per_node=rpn))
                 reduced = max(reduced, start + tail)
                 zb_reduced = max(zb_reduced, tail)  # ZB-H1: every stage's deferred Ws run to the end
-                optimizer = max(optimizer, self.optimizer_s(isl, params // shard))
+                opt_params = params // shard
+                if embedding:
+                    e_tail = self.grad_sync(e_placement, embedding, replicas=e_holders, ranks_per_node=rpn)
+                    reduced = max(reduced, e_start + e_tail)
+                    zb_reduced = max(zb_reduced, e_tail)
+                    opt_params += embedding // (e_holders if self.distributed_optimizer else 1)
+                optimizer = max(optimizer, self.optimizer_s(isl, opt_params))
                 first += n
         reduction = max(0.0, reduced - pipeline)
         e = Estimate(templates=tuple(templates), layer_counts=tuple(all_counts), micro_batches=tuple(split),

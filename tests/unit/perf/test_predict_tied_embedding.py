@@ -1,0 +1,56 @@
+"""A tied word embedding's gradient group (first stage + the last stage's copy) is priced (perf.predict).
+
+With tied weights (the GPT recipe) and more than one stage, the runtime reduces the word embedding's
+gradient in a group of its own: every replica's first stage and last stage (runtime/grad_sync.py),
+whatever their islands, after the last of their backwards. The predictor priced the first stage's copy
+among the first stages and the last stage's among the last stages, and nothing at all with one replica,
+so a pipeline whose ends sit on islands joined by a slow link was priced without the crossing."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from megatron_het.cluster import CATALOG, ClusterSpec, IslandSpec, LinkSpec, ModelSpec
+from megatron_het.perf.comm import dp_gradient_reduction
+from megatron_het.perf.memory import state_bytes
+from megatron_het.perf.predict import predict
+from megatron_het.plan import Plan, ReplicaPlan, StagePlan
+
+GPT = ModelSpec(num_layers=8, hidden_size=1024, num_attention_heads=16, seq_length=1024, vocab_size=51200)
+CLUSTER = ClusterSpec(islands=(IslandSpec(name="a", device=CATALOG["A100-80GB"], nodes=1, gpus_per_node=2),
+                               IslandSpec(name="b", device=CATALOG["H100-SXM"], nodes=1, gpus_per_node=2)),
+                      links=(LinkSpec(between=("a", "b"), bandwidth_gbps=10),))
+
+
+def _plan(replicas: int, model: ModelSpec = GPT) -> Plan:
+    def replica(k):
+        return ReplicaPlan(stages=(StagePlan(island="a", device_type="A100-80GB", ranks=(k,), layers=(0, 4)),
+                                   StagePlan(island="b", device_type="H100-SXM", ranks=(2 + k,), layers=(4, 8))),
+                           num_micro_batches=4)
+    return Plan(replicas=tuple(replica(k) for k in range(replicas)), micro_batch_size=1,
+                global_batch_size=4 * replicas, precision="bf16")
+
+
+def test_one_replica_pays_the_embeddings_crossing_between_its_ends():
+    pred = predict(_plan(1), GPT, CLUSTER)
+    grad_bytes = state_bytes("bf16")[1]
+    crossing = dp_gradient_reduction(grad_bytes * GPT.vocab_size * GPT.hidden_size, CLUSTER,
+                                     replica_islands=["a", "b"]).total_s
+    assert crossing > 0.1  # 200 MiB of fp32 gradients over 10 Gbit/s
+    assert abs(pred.gradient_reduction_s - crossing) <= 1e-9 * crossing  # before: 0 (one replica: nothing)
+    untied = dataclasses.replace(GPT, untie_embeddings_and_output_weights=True)
+    assert predict(_plan(1, untied), untied, CLUSTER).gradient_reduction_s == 0.0
+
+
+def test_with_two_replicas_the_group_spans_both_ends_of_both():
+    pred = predict(_plan(2), GPT, CLUSTER)
+    grad_bytes = state_bytes("bf16")[1]
+    group = dp_gradient_reduction(grad_bytes * GPT.vocab_size * GPT.hidden_size, CLUSTER,
+                                  replica_islands=["a", "b", "a", "b"], ranks_per_node=2).total_s
+    first, last = pred.replicas[0].stages
+    assert first.gradient_reduction_s >= group and last.gradient_reduction_s >= group
+    # the layers' own reduction stays inside each island (a 2-rank ring on NVLink): far below the crossing
+    assert first.gradient_reduction_s - group < 0.1 * group
+    # it starts after the last backward of its holders (stage 0's, which ends the pipeline): exposed
+    assert abs(pred.gradient_reduction_s - (first.gradient_reduction_end_s - pred.pipeline_time_s)) < 1e-9
+    assert pred.gradient_reduction_s >= group
