@@ -53,13 +53,14 @@ def choose_plan(model, cluster, *, micro: int, global_batch: int) -> str:
     from megatron_het.plan import save_plan
     from megatron_het.planner.modes import plan_best
 
+    # the plan is chosen at and records the precision this demo trains in (extra --bf16/--fp16 pass
+    # through), so both modes are compared, and the prediction below and the run agree, at it
+    # (pretrain_gpt.py runs what the plan records)
+    precision = "bf16" if "--bf16" in sys.argv[1:] else "fp16" if "--fp16" in sys.argv[1:] else "fp32"
     choice = plan_best(model, cluster, global_batch_size=global_batch, micro_batch_sizes=(micro,),
-                       pipeline_options={"top_k": 3})
+                       pipeline_options={"top_k": 3, "precision": precision}, sharded_options={"precision": precision})
     print(f"demo: planner: {choice.explanation}", flush=True)
     path = os.path.join(RUN, "plan.json")
-    # the plan records the precision this demo trains in (extra --bf16/--fp16 pass through), so the
-    # prediction below and the run agree (pretrain_gpt.py runs what the plan records)
-    precision = "bf16" if "--bf16" in sys.argv[1:] else "fp16" if "--fp16" in sys.argv[1:] else "fp32"
     save_plan(dataclasses.replace(choice.plan, precision=precision), path)
     return path
 

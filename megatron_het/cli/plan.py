@@ -64,7 +64,7 @@ def main(argv: list[str] | None = None) -> int:
         warn_unused_profiles(profiles, with_seq_length(model, args.seq_length), cluster, prog="plan.py")
         pipeline_options = {"top_k": args.top, "exhaustive": args.exhaustive, "precision": args.precision}
         # the sharded mode knows two state layouts: fp32 weights, or 16-bit weights with fp32 state
-        sharded_options = {"precision": "fp32" if args.precision in ("fp32", "tf32") else "mixed"}
+        sharded_options = {"precision": args.precision}  # stored and computed as the run's precision
         if args.tp_3d:  # the per-island parallelizer that offers 3D grids (docs/planner.md)
             pipeline_options.update(distributed_optimizer=False, parallelizer=AxonnParallelizer(
                 with_seq_length(model, args.seq_length), cluster, profile=profiles, distributed_optimizer=False))

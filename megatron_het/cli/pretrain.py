@@ -54,7 +54,8 @@ def resolve_plan(args: PretrainArgs) -> AnyPlan:
                            micro_batch_sizes=(args.train.micro_batch_size,),
                            profile=[load_profile(p) for p in args.profile] if args.profile else None,
                            pipeline_options={"top_k": 3, "precision": args.train.precision,
-                                             "keep_distributed_optimizer": args.use_distributed_optimizer})
+                                             "keep_distributed_optimizer": args.use_distributed_optimizer},
+                           sharded_options={"precision": args.train.precision})
         if choice.pipeline_result is not None:
             print_rank0(f"planner: {choice.pipeline_result.explanation}")
         print_rank0(f"planner: {choice.explanation}")

@@ -41,7 +41,21 @@ __all__ = ["Precision", "StateBytes", "state_bytes_for", "sharded_rank_memory", 
            "rank_compute_s", "uneven_ring_s", "ring_channel", "RankPrediction", "ShardedPrediction",
            "predict_sharded_ranks"]
 
-Precision = Literal["mixed", "fp32"]
+# "mixed" (bf16 compute, fp32 gradients and state) and "fp32" as before; or the run's precision as a plan
+# names it: "bf16"/"fp16"/"fp8" store like "mixed", "tf32" like "fp32", and each is its own compute rate
+Precision = Literal["mixed", "fp32", "tf32", "bf16", "fp16", "fp8"]
+_STORAGE = {"mixed": "mixed", "bf16": "mixed", "fp16": "mixed", "fp8": "mixed", "fp32": "fp32", "tf32": "fp32"}
+
+
+def compute_precision(precision: Precision) -> str:
+    """The plan precision whose compute rates price the sharded run (``mixed``: bf16)."""
+    check_precision(precision)
+    return "bf16" if precision == "mixed" else precision
+
+
+def check_precision(precision: str) -> None:
+    if precision not in _STORAGE:
+        raise ValueError(f"precision: must be one of {tuple(_STORAGE)} (got {precision!r}). Fix: pick one of them")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -57,12 +71,11 @@ class StateBytes:
 def state_bytes_for(precision: Precision) -> StateBytes:
     """``mixed``: bf16 weights, fp32 grads and state (GPU). ``fp32``: what the CPU runtime holds. The
     bytes are the pipeline runtime's with the distributed optimizer (one optimizer serves both modes)."""
-    if precision in ("mixed", "fp32"):
-        weights, grads, state = runtime_state_bytes("bf16" if precision == "mixed" else "fp32",
-                                                    distributed_optimizer=True)
-        return StateBytes(working_param_bytes=weights, grad_bytes=grads, state_bytes=state,
-                          activation_scale=1.0 if precision == "mixed" else 2.0)
-    raise ValueError(f"precision: must be 'mixed' or 'fp32' (got {precision!r}). Fix: pick one of the two")
+    check_precision(precision)
+    mixed = _STORAGE[precision] == "mixed"
+    weights, grads, state = runtime_state_bytes("bf16" if mixed else "fp32", distributed_optimizer=True)
+    return StateBytes(working_param_bytes=weights, grad_bytes=grads, state_bytes=state,
+                      activation_scale=1.0 if mixed else 2.0)
 
 
 def sharded_rank_memory(model: ModelSpec, *, shard_fraction: float, micro_batch_size: int, recompute: bool,
@@ -90,12 +103,13 @@ def free_state_bytes(capacity_bytes: int, memory: StageMemory) -> int:
 
 def rank_compute_s(model: ModelSpec, island: IslandSpec, *, micro_batch_size: int, num_micro_batches: int,
                    recompute: bool, slowdown: float = 1.0,
-                   profile: Profile | Sequence[Profile] | None = None) -> float:
-    """Forward + backward seconds of a rank's micro-batches through the whole model."""
+                   profile: Profile | Sequence[Profile] | None = None, precision: Precision = "mixed") -> float:
+    """Forward + backward seconds of a rank's micro-batches through the whole model, at the compute
+    rate of ``precision`` (:func:`compute_precision`)."""
     if num_micro_batches == 0:
         return 0.0
     cost = stage_cost(model, island, tp=1, micro_batch_size=micro_batch_size, slowdown=slowdown,
-                      recompute=recompute, profile=profile)
+                      recompute=recompute, profile=profile, precision=compute_precision(precision))
     L = model.num_layers
     per_micro = cost.forward_s(L, is_first=True, is_last=True) + cost.backward_s(L, is_first=True, is_last=True)
     return num_micro_batches * per_micro
@@ -198,9 +212,11 @@ def predict_sharded_ranks(model: ModelSpec, cluster: ClusterSpec, *, islands: Se
         ckey = (islands[r], micro_batch_sizes[r], num_micro_batches[r], bool(recompute[r]))
         if ckey not in computes:
             computes[ckey] = rank_compute_s(model, island, micro_batch_size=ckey[1], num_micro_batches=ckey[2],
-                                            recompute=ckey[3], slowdown=cluster.slowdown(islands[r]), profile=profile)
+                                            recompute=ckey[3], slowdown=cluster.slowdown(islands[r]), profile=profile,
+                                            precision=precision)
         comp = computes[ckey]
-        opt = optimizer_step_s(island.device, round(p * shard_fractions[r]), profile=profile, island=islands[r])
+        opt = optimizer_step_s(island.device, round(p * shard_fractions[r]), profile=profile, island=islands[r],
+                               precision=compute_precision(precision))
         cap = capacity_bytes[r] if capacity_bytes is not None else int(island.device.memory_gib * 2**30)
         ranks.append(RankPrediction(rank=r, island=islands[r], compute_s=comp, optimizer_s=opt, memory=mem,
                                     capacity_bytes=cap))

@@ -150,7 +150,8 @@ def _try_cap(model: ModelSpec, cluster: ClusterSpec, ranks: list[_Rank], *, cap:
     @functools.cache
     def island_sample_s(island: str, mbs: int, rc: bool) -> float:  # ranks of one island price alike
         return rank_compute_s(model, cluster.island(island), micro_batch_size=mbs, num_micro_batches=1,
-                              recompute=rc, slowdown=cluster.slowdown(island), profile=profile) / mbs
+                              recompute=rc, slowdown=cluster.slowdown(island), profile=profile,
+                              precision=precision) / mbs
 
     def per_sample_s(r: _Rank, mbs: int, rc: bool) -> float:
         return island_sample_s(r.island, mbs, rc)

@@ -148,7 +148,7 @@ class ShardedStrategy:
         self.memory = sharded_rank_memory(model, shard_fraction=plan.shard_fractions[rank],
                                           micro_batch_size=self.share.micro_batch_size,
                                           recompute=self.share.recompute,
-                                          precision="fp32" if train.precision == "fp32" else "mixed", overhead_bytes=0,
+                                          precision=train.precision, overhead_bytes=0,
                                           num_parameters=self.index.numel)
         if memory_budget_bytes is not None:
             check_budget(self.memory, rank=rank, budget_bytes=int(memory_budget_bytes[rank]),

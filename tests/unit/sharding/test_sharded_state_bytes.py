@@ -21,8 +21,10 @@ MODEL = ModelSpec(num_layers=2, hidden_size=32, num_attention_heads=4, seq_lengt
 def test_state_bytes_per_precision():
     assert state_bytes_for("fp32").state_bytes == 8
     assert state_bytes_for("mixed").state_bytes == 12
-    with pytest.raises(ValueError, match=r"precision: must be 'mixed' or 'fp32' \(got 'fp8'\)"):
-        state_bytes_for("fp8")
+    assert state_bytes_for("fp8") == state_bytes_for("bf16") == state_bytes_for("mixed")  # the run's precision
+    assert state_bytes_for("tf32") == state_bytes_for("fp32")
+    with pytest.raises(ValueError, match=r"precision: must be one of .* \(got 'int8'\)"):
+        state_bytes_for("int8")
 
 
 def test_predicted_state_equals_what_the_fp32_runtime_holds():
