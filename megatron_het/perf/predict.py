@@ -482,17 +482,26 @@ def predict(plan: Plan, model: ModelSpec, cluster: ClusterSpec, *, profile: Prof
     # whatever their islands, ending after the last of their backwards.
     tied = not model.untie_embeddings_and_output_weights
     embedding_holders: list[tuple[str, float, int]] = []
+    embedding_tps: list[int] = []
     for r, key in zip(plan.replicas, keys):
         ends = sims[key][2].stage_end
         for st, end in zip(r.stages, ends):
             for layer in range(st.layers[0], st.layers[1]):
                 holders.setdefault(layer, []).append((st.island, end, st.ranks[0]))
         if tied:
-            embedding_holders.append((r.stages[0].island, ends[0], r.stages[0].ranks[0]))
-            if len(r.stages) > 1:
-                embedding_holders.append((r.stages[-1].island, ends[-1], r.stages[-1].ranks[0]))
+            for i in dict.fromkeys((0, len(r.stages) - 1)):
+                embedding_holders.append((r.stages[i].island, ends[i], r.stages[i].ranks[0]))
+                embedding_tps.append(r.stages[i].tp)
     # one-stage replicas only: the embedding's group is the first stages' own (nothing apart to price)
     multi_stage = any(len(r.stages) > 1 for r in plan.replicas)
+    # holders of different TP sizes take grad_sync's reshard path: every TP rank of every holder
+    # all-reduces the full (vocab x hidden) buffer; equal sizes: one group per TP rank over its rows
+    embedding_reshard = len(set(embedding_tps)) > 1
+    if embedding_reshard:
+        embedding_group = [(isl, end, r0 + k) for (isl, end, r0), tp in zip(embedding_holders, embedding_tps)
+                           for k in range(tp)]
+    else:
+        embedding_group = embedding_holders
     reductions: dict[tuple[object, ...], tuple[float, float, float]] = {}
 
     def reduce_and_step(stage: StagePlan, is_first: bool, is_last: bool, bwd_s: float) -> tuple[float, float, float]:
@@ -552,7 +561,8 @@ def predict(plan: Plan, model: ModelSpec, cluster: ClusterSpec, *, profile: Prof
             opt_params = params // shard
             if embedding:  # its own group, after the last of its holders' backwards (its bucket is the first
                 # stage's last): not hidden
-                e_red = group_reduce_s(embedding, embedding_holders)
+                e_numel = model.vocab_size * model.hidden_size if embedding_reshard else embedding
+                e_red = group_reduce_s(e_numel, embedding_group)
                 red += e_red
                 end = max(end, max(t for _, t, _ in embedding_holders) + e_red)
                 opt_params += embedding // (len(embedding_holders) if dist_opt else 1)

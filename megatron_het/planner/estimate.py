@@ -461,13 +461,15 @@ class Estimator:
         # stage's copy reduce it in one group of their own, after the last of their backwards (perf.predict)
         tied = (not self.model.untie_embeddings_and_output_weights) and any(len(st) > 1 for st in all_stages)
         if tied:
+            ends_tps = [(ends[k], stages[k][1], isls[k], cnt)
+                        for (cnt, _, isls, ends), stages in zip(holders, all_stages) for k in {0, len(isls) - 1}]
+            # holders of different TP sizes: grad_sync's reshard path, every TP rank all-reduces the full buffer
+            e_reshard = len({tp for _, tp, _, _ in ends_tps}) > 1
             e_where: dict[int, int] = {}
-            e_start, e_holders = 0.0, 0
-            for cnt, _, isls, ends in holders:
-                for k in ({0, len(isls) - 1}):
-                    e_where[isls[k]] = e_where.get(isls[k], 0) + cnt
-                    e_start = max(e_start, ends[k])
-                    e_holders += cnt
+            for _, tp, isl, cnt in ends_tps:
+                e_where[isl] = e_where.get(isl, 0) + cnt * (tp if e_reshard else 1)
+            e_start = max(end for end, _, _, _ in ends_tps)
+            e_holders = sum(cnt for _, _, _, cnt in ends_tps)
             e_placement = tuple(sorted(e_where.items()))
         for t, stages, counts, (_, rows) in zip(templates, all_stages, all_counts, all_lags):
             first = 0
@@ -498,7 +500,8 @@ class Estimator:
                 zb_reduced = max(zb_reduced, tail)  # ZB-H1: every stage's deferred Ws run to the end
                 opt_params = params // shard
                 if embedding:
-                    e_tail = self.grad_sync(e_placement, embedding, replicas=e_holders, ranks_per_node=rpn)
+                    e_numel = self.model.vocab_size * self.model.hidden_size if e_reshard else embedding
+                    e_tail = self.grad_sync(e_placement, e_numel, replicas=e_holders, ranks_per_node=rpn)
                     reduced = max(reduced, e_start + e_tail)
                     zb_reduced = max(zb_reduced, e_tail)
                     opt_params += embedding // (e_holders if self.distributed_optimizer else 1)

@@ -54,3 +54,19 @@ def test_with_two_replicas_the_group_spans_both_ends_of_both():
     # it starts after the last backward of its holders (stage 0's, which ends the pipeline): exposed
     assert abs(pred.gradient_reduction_s - (first.gradient_reduction_end_s - pred.pipeline_time_s)) < 1e-9
     assert pred.gradient_reduction_s >= group
+
+
+def test_ends_of_different_tp_sizes_reduce_the_whole_embedding_over_every_tp_rank():
+    """First stage TP=2, last TP=1: grad_sync's reshard path, where every TP rank of every holder
+    all-reduces a full vocab x hidden buffer (3 ranks here), not each end its own rows."""
+    plan = Plan(replicas=(ReplicaPlan(stages=(
+        StagePlan(island="a", device_type="A100-80GB", ranks=(0, 1), layers=(0, 4)),
+        StagePlan(island="b", device_type="H100-SXM", ranks=(2,), layers=(4, 8))), num_micro_batches=4),),
+        micro_batch_size=1, global_batch_size=4, precision="bf16")
+    pred = predict(plan, GPT, CLUSTER)
+    full = state_bytes("bf16")[1] * GPT.vocab_size * GPT.hidden_size
+    first, last = pred.replicas[0].stages
+    assert abs(last.gradient_reduction_s - dp_gradient_reduction(full, CLUSTER, replica_islands=["a", "a", "b"]
+                                                                 ).total_s) < 1e-12
+    assert abs(first.gradient_reduction_s - dp_gradient_reduction(full, CLUSTER, replica_islands=["a", "a", "b"],
+                                                                  ranks_per_node=2).total_s) < 1e-12
