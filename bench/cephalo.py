@@ -88,7 +88,7 @@ def choose_cpu_mode():
     """plan_best on the emulated cluster: the sharded mode sees the emulated budgets, the pipeline
     search the catalog's CPU memory (plan_cluster has no byte-budget input)."""
     return plan_best(CPU_MODEL, cpu_cluster(), global_batch_size=CPU_BATCH, micro_batch_sizes=(1,),
-                     recompute_options=(False,),
+                     recompute_options=(False,), pipeline_options={"precision": CPU_SHARDED_OPTIONS["precision"]},
                      sharded_options={"capacity_bytes": cpu_budgets(), "shard_policy": "memory", **CPU_SHARDED_OPTIONS})
 
 
