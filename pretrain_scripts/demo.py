@@ -50,7 +50,7 @@ def prepare_data() -> tuple[str, str]:
 def choose_plan(model, cluster, *, micro: int, global_batch: int) -> str:
     """The planner's best plan (what ``--hetero-plan auto`` picks), written where the run reads it, so
     the prediction below prices exactly the plan that trains."""
-    from megatron_het.plan import Plan, save_plan
+    from megatron_het.plan import save_plan
     from megatron_het.planner.modes import plan_best
 
     # the plan is chosen at and records the precision this demo trains in (extra --bf16/--fp16 pass
@@ -61,9 +61,7 @@ def choose_plan(model, cluster, *, micro: int, global_batch: int) -> str:
                        pipeline_options={"top_k": 3, "precision": precision}, sharded_options={"precision": precision})
     print(f"demo: planner: {choice.explanation}", flush=True)
     path = os.path.join(RUN, "plan.json")
-    # a sharded plan records no precision (the run's flags are its record); a pipeline plan records it
-    save_plan(dataclasses.replace(choice.plan, precision=precision) if isinstance(choice.plan, Plan) else choice.plan,
-              path)
+    save_plan(dataclasses.replace(choice.plan, precision=precision), path)  # either kind records it
     return path
 
 

@@ -160,11 +160,13 @@ def run(args: PretrainArgs, acc, *, plan: AnyPlan | None = None,
                 f"{acc.torch_backend}); {detect_optional_accelerators(acc).describe()}")
     if plan is None:
         plan = resolve_plan(args)
-    if not isinstance(plan, ShardedPlan):  # the plan is the one record of precision and optimizer sharding
-        from megatron_het.runtime.plan_record import reconcile_plan
+    from megatron_het.runtime.plan_record import reconcile_plan, reconcile_precision
 
+    if not isinstance(plan, ShardedPlan):  # the plan is the one record of precision and optimizer sharding
         plan, reconciled = reconcile_plan(plan, args.train, use_distributed_optimizer=args.use_distributed_optimizer)
-        args = dataclasses.replace(args, train=reconciled)
+    else:  # a sharded plan records its precision (unless written before the field) and nothing else
+        reconciled = reconcile_precision(plan.precision, args.train)
+    args = dataclasses.replace(args, train=reconciled)
     train = args.train
     if train.precision != "fp32":
         scaling = ("" if not train.fp16 else f"; loss scale {train.loss_scale}" if train.loss_scale is not None

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 from megatron_het.plan.errors import PlanError
 from megatron_het.plan.fields import as_bool, as_fraction, as_int, as_list, as_str, check_keys, required
 from megatron_het.plan.jsonio import json_text, read_json, write_json
-from megatron_het.plan.types import PLAN_FORMAT
+from megatron_het.plan.types import PLAN_FORMAT, PLAN_PRECISIONS
 
 if TYPE_CHECKING:
     from megatron_het.cluster import ClusterSpec, ModelSpec
@@ -29,7 +29,7 @@ __all__ = ["SHARDED_PLAN_FORMAT", "SHARDED_PLAN_VERSION", "RankShare", "ShardedP
 SHARDED_PLAN_FORMAT = "megatron-het-sharded-plan"  # "format" key of the JSON
 SHARDED_PLAN_VERSION = 1  # "version" key this code reads and writes
 _SUM_TOLERANCE = 1e-6  # shard fractions must sum to 1 within this
-_PLAN_KEYS = ("format", "version", "global_batch_size", "ranks", "predicted")
+_PLAN_KEYS = ("format", "version", "global_batch_size", "precision", "ranks", "predicted")
 _RANK_KEYS = ("rank", "island", "device_type", "micro_batch_size", "num_micro_batches", "shard_fraction",
               "recompute")
 
@@ -94,11 +94,18 @@ class ShardedPlan:
 
     ranks: tuple[RankShare, ...]  # in rank order, ranks[i].rank == i
     global_batch_size: int  # samples per optimizer step; == sum of the ranks' samples
+    # Training precision the plan was priced for, as Plan.precision; pretrain_gpt.py trains in it
+    # (runtime/plan_record.py). None (files and plans from before the field): not recorded, the run's
+    # flags decide as they always did, and it is priced as the sharded mode priced then ("mixed")
+    precision: str | None = None
     predicted: Mapping[str, Any] | None = field(default=None, compare=False)  # perf-model figures, if priced
 
     def __post_init__(self) -> None:
         ranks = tuple(self.ranks)
         object.__setattr__(self, "ranks", ranks)
+        if self.precision is not None and self.precision not in PLAN_PRECISIONS:
+            raise PlanError(field="precision", value=self.precision, problem="unknown precision",
+                            fix=f"use one of {', '.join(PLAN_PRECISIONS)}")
         if not ranks:
             raise PlanError(field="ranks", value=[], problem="a sharded plan needs at least one rank",
                             fix="add a RankShare per GPU")
@@ -170,7 +177,7 @@ class ShardedPlan:
     def describe(self) -> list[str]:
         """A header, one line per rank, the prediction (pretrain_gpt.py and tools/plan.py print these)."""
         lines = [f"plan: uneven sharded data parallelism, {self.world_size} ranks, global batch "
-                 f"{self.global_batch_size}"]
+                 f"{self.global_batch_size}" + (f", precision {self.precision}" if self.precision else "")]
         for r in self.ranks:
             lines.append(f"  rank {r.rank}: {r.island}({r.device_type}) micro-batch {r.micro_batch_size} x "
                          f"{r.num_micro_batches}, state shard {100 * r.shard_fraction:.2f}%"
@@ -184,6 +191,7 @@ class ShardedPlan:
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {"format": SHARDED_PLAN_FORMAT, "version": SHARDED_PLAN_VERSION,
                                "global_batch_size": self.global_batch_size,
+                               **({"precision": self.precision} if self.precision else {}),
                                "ranks": [r.to_dict() for r in self.ranks]}
         if self.predicted is not None:
             out["predicted"] = dict(self.predicted)
@@ -222,6 +230,8 @@ class ShardedPlan:
             return cls(ranks=tuple(RankShare.from_dict(r, f"ranks[{i}]", source) for i, r in enumerate(ranks)),
                        global_batch_size=as_int(required(d, "global_batch_size", "", source), "global_batch_size",
                                                 source),
+                       precision=(as_str(d["precision"], "precision", source) if d.get("precision") is not None
+                                  else None),
                        predicted=predicted)
         except PlanError as e:
             raise e.with_file(source) from None

@@ -37,6 +37,7 @@ from megatron_het.perf.profile import Profile
 from megatron_het.perf.sharded import (
     Precision,
     ShardedPrediction,
+    compute_precision,
     predict_sharded_ranks,
     rank_compute_s,
     sharded_rank_memory,
@@ -123,10 +124,13 @@ def balanced_fractions(caps: Sequence[float]) -> list[float]:
 
 
 def predict_sharded(plan: ShardedPlan, model: ModelSpec, cluster: ClusterSpec, *,
-                    profile: Profile | Sequence[Profile] | None = None, precision: Precision = "mixed",
+                    profile: Profile | Sequence[Profile] | None = None, precision: Precision | None = None,
                     capacity_bytes: Sequence[int] | None = None,
                     overhead_bytes: int = DEFAULT_OVERHEAD_BYTES) -> ShardedPrediction:
-    """Price a ShardedPlan (memory per rank, iteration time) with ``perf.sharded``."""
+    """Price a ShardedPlan (memory per rank, iteration time) with ``perf.sharded``, at ``precision``
+    (default: the plan's own, the precision it was planned at and trains in; "mixed" for a plan
+    that records none)."""
+    precision = (plan.precision or "mixed") if precision is None else precision
     rs = plan.ranks
     return predict_sharded_ranks(model, cluster, islands=[r.island for r in rs],
                                  micro_batch_sizes=[r.micro_batch_size for r in rs],
@@ -272,4 +276,5 @@ def plan_sharded(model: ModelSpec, cluster: ClusterSpec, *, global_batch_size: i
             reasons=tuple(dict.fromkeys(reasons)))
     _, plan, pred = best
     predicted = dict(pred.to_json_dict(), shard_policy=chosen_policy, batch_policy=batch_policy)
-    return ShardedPlan(ranks=plan.ranks, global_batch_size=plan.global_batch_size, predicted=predicted)
+    return ShardedPlan(ranks=plan.ranks, global_batch_size=plan.global_batch_size,
+                       precision=compute_precision(precision), predicted=predicted)  # "mixed" is recorded as bf16
