@@ -3,8 +3,9 @@
 1. Planner, real device types (predicted): ``plan_best`` (pipeline search vs sharded mode) on
    - "fits only with proportional shards": a 1-layer 7.1B GPT (3 heads: no PP, no TP) on 6 L40S +
      2 A100-80GB: the pipeline search and equal shards do not fit, memory-proportional shards do;
-   - "faster": a 1.3B GPT on 3 H100 + 5 H200 at 3600 Gbit/s, global batch 16 (sharded wins narrowly;
-     on 4 + 4 at 2400 a two-stage ZB-H1 pipeline wins since the planner ranks ZB-H1 points, #19);
+   - "faster": a 1.3B GPT on 3 H100 + 5 H200 at 3600 Gbit/s, global batch 16 (the sharded mode won
+     narrowly until the pipeline gained the distributed optimizer with overlapped buckets, 3e8d5e7; now a
+     pipeline wins by 1.12x; on 4 + 4 at 2400 a two-stage ZB-H1 pipeline won since #19);
    - "pipeline wins": 1.3B / 6.7B on 4 L40S + 4 A100-80GB at 100 Gbit/s;
    and a 6.7B GPT on 4 L40S + 4 A100-80GB: equal shards do not fit an L40S, proportional ones do.
 2. CPU-emulated cluster, 4 gloo ranks: island ``fast`` (2 ranks) and ``slow`` (2 ranks, compute
