@@ -299,7 +299,10 @@ def test_predict_models_the_runtime_bucketing_every_stage():
     from megatron_het.perf.predict import predict
     from megatron_het.plan import homogeneous_plan
 
-    model = ModelSpec(num_layers=8, hidden_size=2048, num_attention_heads=16, seq_length=2048, vocab_size=32000)
+    # untied output layer: a tied embedding's own group (first + last stages, after stage 0's last backward)
+    # would end the last stage's reduction in both forms and hide the per-stage bucketing compared here
+    model = ModelSpec(num_layers=8, hidden_size=2048, num_attention_heads=16, seq_length=2048, vocab_size=32000,
+                      untie_embeddings_and_output_weights=True)
     island = IslandSpec(name="a", device=CATALOG["A100-80GB"], nodes=2, gpus_per_node=8,
                         inter_node_bandwidth_gbps=25.0)
     cluster = ClusterSpec(islands=(island,))
