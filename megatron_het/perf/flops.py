@@ -47,6 +47,7 @@ __all__ = [
     "final_norm_parameters",
     "total_parameters",
     "stage_parameters",
+    "word_embedding_parameters_per_rank",
 ]
 
 Recompute = Literal["none", "selective", "full"]
@@ -244,6 +245,12 @@ def total_parameters(model: ModelSpec) -> int:
             + final_norm_parameters(model) + output_parameters(model))
 
 
+def word_embedding_parameters_per_rank(model: ModelSpec, *, tp: int = 1) -> int:
+    """One tensor-parallel rank's rows of the vocab-parallel word embeddings (or of the untied output
+    layer): ``ceil(V / tp) * h``."""
+    return math.ceil(model.vocab_size / tp) * model.hidden_size
+
+
 def stage_parameters(model: ModelSpec, *, num_layers: int, is_first: bool, is_last: bool, tp: int = 1) -> int:
     """Parameters held by one tensor-parallel rank of a pipeline stage.
 
@@ -257,12 +264,12 @@ def stage_parameters(model: ModelSpec, *, num_layers: int, is_first: bool, is_la
                           fix="pass the number of transformer layers in the stage")
     check_tp(model, tp)
     h = model.hidden_size
-    vocab_rows = math.ceil(model.vocab_size / tp)
+    rows = word_embedding_parameters_per_rank(model, tp=tp)
     total = num_layers * layer_parameters_per_rank(model, tp=tp)
     if is_first:
-        total += vocab_rows * h + (embedding_parameters(model) - model.vocab_size * h)
+        total += rows + (embedding_parameters(model) - model.vocab_size * h)
     if is_last:
         total += final_norm_parameters(model)
         if model.untie_embeddings_and_output_weights or not is_first:
-            total += vocab_rows * h
+            total += rows
     return total

@@ -63,7 +63,7 @@ from megatron_het.perf.comm import (
     tp_layer_comm_times,
 )
 from megatron_het.perf.compute import compute_params_for, embedding_times, layer_times, logits_times
-from megatron_het.perf.flops import model_flops_per_iteration, stage_parameters
+from megatron_het.perf.flops import model_flops_per_iteration, stage_parameters, word_embedding_parameters_per_rank
 from megatron_het.perf.memory import (
     StageMemory,
     activation_element_bytes,
@@ -402,7 +402,7 @@ def stage_gradient_chunks(model: ModelSpec, cost: StageCost, *, num_layers: int,
     def params(n: int, first: bool, last: bool) -> int:
         return stage_parameters(model, num_layers=n, is_first=first, is_last=last, tp=tp)
 
-    rows = -(-model.vocab_size // tp) * model.hidden_size if tied_elsewhere else 0
+    rows = word_embedding_parameters_per_rank(model, tp=tp) if tied_elsewhere else 0
     out = []
     t = cost.output_backward_s if is_last else 0.0
     if is_last:  # final norm + output layer (minus the embedding when tied on a one-stage pipeline)
@@ -511,7 +511,7 @@ def predict(plan: Plan, model: ModelSpec, cluster: ClusterSpec, *, profile: Prof
             params = stage_parameters(model, num_layers=stage.num_layers, is_first=is_first, is_last=is_last,
                                       tp=stage.tp)
             # the tied embedding's rows, reduced with the other stage that holds them (priced below)
-            embedding = (-(-model.vocab_size // stage.tp) * model.hidden_size
+            embedding = (word_embedding_parameters_per_rank(model, tp=stage.tp)
                          if tied and (is_first or is_last) and multi_stage else 0)
             params -= embedding
             peers = holders[stage.layers[0]]

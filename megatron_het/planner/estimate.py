@@ -31,7 +31,7 @@ from megatron_het.perf.comm import (
     dp_gradient_reduction,
     p2p_time,
 )
-from megatron_het.perf.flops import stage_parameters
+from megatron_het.perf.flops import stage_parameters, word_embedding_parameters_per_rank
 from megatron_het.perf.memory import device_capacity_bytes, stage_memory, state_bytes
 from megatron_het.perf.predict import (
     StageCost,
@@ -478,7 +478,8 @@ class Estimator:
             for j, ((isl, tp), n, rpn) in enumerate(zip(stages, counts, rpns)):
                 is_first, is_last = j == 0, j == len(stages) - 1
                 params = self.params(n, is_first, is_last, tp)
-                embedding = -(-self.model.vocab_size // tp) * self.model.hidden_size if tied and (is_first or is_last) else 0
+                embedding = (word_embedding_parameters_per_rank(self.model, tp=tp) if tied and (is_first or is_last)
+                             else 0)
                 params -= embedding
                 where: dict[int, int] = {}
                 start = 0.0
