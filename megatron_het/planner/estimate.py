@@ -115,8 +115,11 @@ class Estimator:
     def __init__(self, model: ModelSpec, cluster: ClusterSpec, *, global_batch_size: int,
                  profile: Profile | Sequence[Profile] | None, distributed_optimizer: bool,
                  overlap_grad_reduce: bool = False, parallelizer: Parallelizer | None = None,
-                 max_tp: int = 8, precision: str = "bf16") -> None:
+                 max_tp: int = 8, precision: str = "bf16", fill_free: bool = False) -> None:
         self.model = model
+        # What-if only (bench/zero_bubble_whatif.py): price every replica as m x its steady period, a
+        # schedule with no pipeline fill at all, which no schedule the runtime runs achieves.
+        self.fill_free = fill_free
         check_island_profiles(profile, cluster, (i.name for i in cluster.islands))
         self.cluster = with_measured_links(cluster, profile)  # the same links predict() prices
         self.global_batch_size = global_batch_size
@@ -208,6 +211,8 @@ class Estimator:
             if tau <= 0:
                 return 0.0
             fill += max(0, L - stages) * least  # the other layers at best on the fastest stage
+            if self.fill_free:
+                fill = tau
             num += t.count * (fill / tau - 1.0)
             den += t.count / tau
             fills = max(fills, fill)
@@ -434,11 +439,12 @@ class Estimator:
                     lag += bwd + back[j]
             all_lags.append((lags, chunk_rows))
             fill = sum(taus) + sum(hops)
-            groups.append((t.count, fill, pipeline_period(taus, hops)))
+            period = pipeline_period(taus, hops)
+            groups.append((t.count, period if self.fill_free else fill, period))
             all_counts.append(counts)
             # ZB-H1: the steady state's loops run F and B only (W waits), the cool-down fills with W
             zb_period = max(max(taus), pipeline_period([x - w for x, w in zip(taus, ws)], hops))
-            zb.append((fill - 2.0 * (sum(ws) - max(ws)), zb_period))
+            zb.append((zb_period if self.fill_free else fill - 2.0 * (sum(ws) - max(ws)), zb_period))
         alloc = allocate_micro_batches(total_mb, groups)
         if alloc is None:
             return f"cannot give each of {replicas} replicas a micro-batch"

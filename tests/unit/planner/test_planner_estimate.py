@@ -172,3 +172,45 @@ def test_recompute_allowed_reuses_the_estimate_no_memory_cap_bound():
     assert not isinstance(d, str) and any(d.stage_recompute[0])
     fresh = Estimator(model, cluster, global_batch_size=64, profile=None, distributed_optimizer=True)
     assert fresh.evaluate(tight, 8, True) == d  # what pricing it from scratch gives
+
+
+def test_fill_free_what_if_charges_no_pipeline_fill():
+    """Estimator(fill_free=True) (bench/zero_bubble_whatif.py) prices m micro-batches as m steady
+    periods: the 1F1B key loses exactly the fill beyond one period (sum of the stages' times and
+    transfers), once per iteration whatever m; one stage without transfers has no fill to lose;
+    the pruning bound stays below the fill-free estimates."""
+    from megatron_het.cluster import load_model
+    from megatron_het.planner.estimate import Estimator
+    from megatron_het.planner.space import Segment, Template
+
+    model, cluster = load_model("examples/models/gpt3-1.3b.yaml"), _rtx_mi300x()
+    deep = (Template(segments=(Segment(island=0, tp=1, pp=2), Segment(island=1, tp=1, pp=2)), count=2),)
+    one = (Template(segments=(Segment(island=1, tp=1, pp=1),), count=4),)
+    got = {}
+    for gbs in (32, 64):
+        for ff in (False, True):
+            est = Estimator(model, cluster, global_batch_size=gbs, profile=None, distributed_optimizer=True,
+                            fill_free=ff)
+            got[(gbs, ff)] = (est, est.evaluate(deep, 2, False), est.evaluate(one, 2, False))
+    est, e, e1 = got[(32, False)]
+    _, f, f1 = got[(32, True)]
+    assert f1.iteration_time_s == pytest.approx(e1.iteration_time_s, rel=1e-12)
+    assert f1.zb_iteration_time_s == pytest.approx(e1.zb_iteration_time_s, rel=1e-12)
+    # the fill beyond one period, from the stages' own rows and transfers
+    stages = deep[0].stage_islands()
+    p = len(stages)
+    rows = [est.rows(i, tp, 2, False, j == 0, j == p - 1, min(p - j, e.micro_batches[0][0]), 2)[0]
+            for j, (i, tp) in enumerate(stages)]
+    taus = [r[0] + n * r[1] for r, n in zip(rows, e.layer_counts[0])]
+    hops = [est.hop(a, b, 2) + est.hop(b, a, 2) for a, b in zip(stages, stages[1:])]
+    fill = sum(taus) + sum(hops)
+    lost = fill - pipeline_period(taus, hops)
+    assert lost > 0.05 * e.iteration_time_s  # a real fill to lose
+    assert e.iteration_time_s - f.iteration_time_s == pytest.approx(lost, rel=1e-9)
+    g, h = got[(64, False)][1], got[(64, True)][1]  # twice the micro-batches: the fill is charged once
+    assert g.iteration_time_s - h.iteration_time_s == pytest.approx(lost, rel=1e-9)
+    assert f.zb_iteration_time_s < e.zb_iteration_time_s
+    for gbs in (32, 64):
+        est_ff, f_deep, f_one = got[(gbs, True)]
+        for structure, fe in ((deep, f_deep), (one, f_one)):
+            assert est_ff.lower_bound(structure, 2) <= min(fe.iteration_time_s, fe.zb_iteration_time_s) * (1 + 1e-9)
