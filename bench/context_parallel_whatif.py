@@ -1,0 +1,137 @@
+#!/usr/bin/env python
+"""What context parallelism could give issue #19's llama2-7b cases: an optimistic what-if of the model.
+
+    python bench/context_parallel_whatif.py        # ~5 min: plans the six 7B cases, CP 2 and 4 on all or the slower islands
+
+The 7B cases miss 0.95 of the same-batch bound on whole sequences (2 per GPU on issue #19's cluster)
+and whole layers per stage; even a schedule without any pipeline fill does not reach it there
+(bench/zero_bubble_whatif.py). Context parallelism (CP) splits each sequence over ``c`` GPUs, so
+finer work per GPU. Neither the runtime nor the predictor has it (no issue names it), so this prices
+it the cheapest way it could go: every ``c`` GPUs of an island become one device with ``c`` times the
+compute, memory bandwidth, memory and SMs (a sequence's GEMMs and its load-balanced causal attention
+split evenly, with **no** key/value exchange, no loss of GEMM efficiency on shorter per-GPU sequences,
+and memory as if weights were not replicated), each fused device keeping one GPU's network bandwidth
+inside its island (what each real GPU moves in the data-parallel reduction is unchanged) and ``c``
+GPUs' links across islands (activations split over the group; a gradient reduction across islands
+is then priced too cheaply, which only flatters CP). The planner then searches
+that cluster as it is (real schedules, ``perf.predict``), and its throughput is compared with the
+same-batch bound of bench/results/planner_efficiency.json, raised where an island alone is faster
+with the same CP (the bound must allow CP too). Upper estimates: a miss here is a miss with CP.
+Writes bench/results/context_parallel_whatif.json.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+from bench_record import machine, perf_commit, write_result  # noqa: E402
+
+from megatron_het.cluster import ClusterSpec, load_cluster, load_model  # noqa: E402
+from megatron_het.planner import plan_cluster  # noqa: E402
+from megatron_het.planner.errors import InfeasibleError  # noqa: E402
+
+TARGET = 0.95
+CP_SIZES = (2, 4)
+
+
+def fused(cluster: ClusterSpec, cp: int | dict[str, int]) -> ClusterSpec:
+    """Every ``c`` GPUs of each island as one device ``c`` times as fast and as large (see the docstring);
+    ``cp``: one size for every island, or a size per island name (missing: 1)."""
+    islands = []
+    for isl in cluster.islands:
+        c = cp if isinstance(cp, int) else cp.get(isl.name, 1)
+        if isl.gpus_per_node % c:
+            raise ValueError(f"island {isl.name}: {isl.gpus_per_node} GPUs per node do not split into CP groups "
+                             f"of {c}. Fix: use a CP size dividing {isl.gpus_per_node}")
+        d = isl.device
+        dev = replace(d, peak_tflops=d.peak_tflops * c, memory_gib=d.memory_gib * c,
+                      memory_bandwidth_gbs=d.memory_bandwidth_gbs * c,
+                      tflops=tuple((k, v * c) for k, v in dict(d.tflops).items()),
+                      compute_units=None if d.compute_units is None else d.compute_units * c)
+        islands.append(replace(isl, device=dev, gpus_per_node=isl.gpus_per_node // c,
+                               intra_node_bandwidth_gbps=isl.intra_node_bandwidth_gbps))
+    # Across islands these plans move only activations, which CP splits over the group's GPUs (each
+    # with its own link): the slower end's group size times the per-GPU link.
+    size = {i.name: (cp if isinstance(cp, int) else cp.get(i.name, 1)) for i in cluster.islands}
+    links = tuple(replace(k, bandwidth_gbps=k.bandwidth_gbps * min(size[k.between[0]], size[k.between[1]]))
+                  for k in cluster.links)
+    return replace(cluster, islands=tuple(islands), links=links)
+
+
+def tokens_per_s(model, cluster, gbs: int, islands=None) -> tuple[float, object]:
+    plan = plan_cluster(model, cluster, global_batch_size=gbs, islands=islands).best
+    return gbs * model.seq_length / plan.predicted["iteration_time_s"], plan
+
+
+def variants(cluster: ClusterSpec) -> list[tuple[str, dict[str, int]]]:
+    """CP sizes per island tried: every island at 2 and 4, and only the islands slower than the
+    fastest type (finer work where one sequence takes longest) at 2 and 4."""
+    top = max(i.device.peak_tflops for i in cluster.islands)
+    slow = [i.name for i in cluster.islands if i.device.peak_tflops < top]
+    out = [(f"all CP {c}", {i.name: c for i in cluster.islands}) for c in CP_SIZES]
+    return out + [(f"slower CP {c}", {n: c for n in slow}) for c in CP_SIZES]
+
+
+def main() -> int:
+    efficiency = json.loads((ROOT / "bench/results/planner_efficiency.json").read_text())
+    model = load_model(ROOT / "examples/models/llama2-7b.yaml")
+    rows = []
+    print(f"{'cluster':22s} {'variant':14s} {'ratio':>6s} {'no CP':>6s} {'GPUs used':>10s}  layouts", flush=True)
+    for case in efficiency["multi_type"]:
+        if case["model"] != "llama2-7b":
+            continue
+        base = load_cluster(ROOT / "examples/clusters" / case["cluster"])
+        gbs = case["global_batch_size"]
+        alone = dict(case["alone_same_batch_tokens_per_s"])
+        for label, cp in variants(base):
+            t0 = time.perf_counter()
+            cl = fused(base, cp)
+            bound_parts = {}
+            for isl in cl.islands:
+                with_cp = 0.0
+                if cp.get(isl.name, 1) > 1:  # the bound may use CP too
+                    try:
+                        with_cp, _ = tokens_per_s(model, cl, gbs, islands=[isl.name])
+                    except InfeasibleError:
+                        pass
+                bound_parts[isl.name] = max(alone.get(isl.name, 0.0), with_cp)
+            bound = sum(bound_parts.values())
+            tps, plan = tokens_per_s(model, cl, gbs)
+            used, shapes = {}, {}
+            for r in plan.replicas:
+                for st in r.stages:
+                    used[st.island] = used.get(st.island, 0) + st.tp * cp.get(st.island, 1)
+                key = " | ".join(f"{st.island.removesuffix('-pod')} TP={st.tp}" for st in r.stages)
+                shapes[key] = shapes.get(key, 0) + 1
+            row = {"cluster": case["cluster"], "variant": label, "cp": cp, "tokens_per_s": tps,
+                   "bound_same_batch": bound, "bound_without_cp": case["upper_bound_same_batch"],
+                   "bound_parts": bound_parts, "ratio_same_batch": tps / bound,
+                   "ratio_without_cp": case["ratio_same_batch"], "schedule": plan.schedule, "gpus_used": used,
+                   "gpus": case["gpus"], "layouts": shapes, "wall_s": time.perf_counter() - t0}
+            rows.append(row)
+            print(f"{case['cluster']:22s} {label:14s} {row['ratio_same_batch']:6.3f} {case['ratio_same_batch']:6.3f} "
+                  f"{sum(used.values()):10d}  " + ", ".join(f"{n} x [{k}]" for k, n in shapes.items())[:140],
+                  flush=True)
+    cases = sorted({r["cluster"] for r in rows})
+    best = {c: max(r["ratio_same_batch"] for r in rows if r["cluster"] == c) for c in cases}
+    met = sum(v >= TARGET for v in best.values())
+    lifted = sum(best[c] > next(r["ratio_without_cp"] for r in rows if r["cluster"] == c) for c in cases)
+    print(f"best CP variant at >= {TARGET}: {met}/{len(cases)}; above the plan without CP: {lifted}/{len(cases)}")
+    write_result("context_parallel_whatif.json", {
+        "benchmark": "context_parallel_whatif", "date": datetime.datetime.now(datetime.UTC).isoformat(),
+        "command": "python bench/context_parallel_whatif.py", "machine": machine(), "perf_commit": perf_commit(),
+        "bounds_from": "bench/results/planner_efficiency.json (" + efficiency.get("date", "?") + ")",
+        "targets": {"ratio_same_batch": TARGET},
+        "figures": {"cases": rows, "best_per_case": best, "best_at_target": met, "best_above_no_cp": lifted}})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
