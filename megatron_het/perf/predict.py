@@ -560,11 +560,13 @@ def predict(plan: Plan, model: ModelSpec, cluster: ClusterSpec, *, profile: Prof
             shard = len(peers) if dist_opt else 1
             opt_params = params // shard
             if embedding:  # its own group, after the last of its holders' backwards (its bucket is the first
-                # stage's last): not hidden
+                # stage's last): not hidden, and after this stage's own reductions, which go out through
+                # the same network (one after the other in the plain synchronizer; sharing the link when
+                # overlapped)
                 e_numel = model.vocab_size * model.hidden_size if embedding_reshard else embedding
                 e_red = group_reduce_s(e_numel, embedding_group)
                 red += e_red
-                end = max(end, max(t for _, t, _ in embedding_holders) + e_red)
+                end = max(end, max(t for _, t, _ in embedding_holders)) + e_red
                 opt_params += embedding // (len(embedding_holders) if dist_opt else 1)
             opt = cluster.slowdown(stage.island) * optimizer_step_s(island.device, opt_params, profile=profile,
                                                                         precision=precision, island=stage.island)

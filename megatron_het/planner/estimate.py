@@ -509,8 +509,9 @@ class Estimator:
                 if embedding:
                     e_numel = self.model.vocab_size * self.model.hidden_size if e_reshard else embedding
                     e_tail = self.grad_sync(e_placement, e_numel, replicas=e_holders, ranks_per_node=rpn)
-                    reduced = max(reduced, e_start + e_tail)
-                    zb_reduced = max(zb_reduced, e_tail)
+                    # after the stage's own reductions, on the same network (as perf.predict)
+                    reduced = max(reduced, max(start + tail, e_start) + e_tail)
+                    zb_reduced = max(zb_reduced, tail + e_tail)
                     opt_params += embedding // (e_holders if self.distributed_optimizer else 1)
                 optimizer = max(optimizer, self.optimizer_s(isl, opt_params))
                 first += n
