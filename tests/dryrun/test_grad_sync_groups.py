@@ -7,13 +7,15 @@ constructor with the gather answered from them. Checked: every sampled rank crea
 the same order (one per bucket of ``plan_buckets``, as a real launch needs), each rank keeps exactly the
 groups of the buckets it is in, with those members, and its buckets hold each of its parameters once.
 Also with megatron's default bucket size (the overlapped synchronizer's constructor path:
-``OverlappedGradientSynchronizer`` is this constructor plus gradient hooks).
+``OverlappedGradientSynchronizer`` is this constructor plus gradient hooks), and the distributed
+optimizer's groups (its own shard buckets, ``plan_shard_buckets``) on the tangram plan, on one rank of
+each of its three buckets (~0.5 s a rank).
 
 Not covered: the cross-vendor bridge's own sub-groups. The uneven plan's NVIDIA and AMD islands share
 every bucket, so a real launch routes them through ``new_bridge_group`` (gloo and the accelerators'
 backends, which a fake world cannot create); which buckets are bridged is asserted, and the simulation
-creates them as native groups. The distributed optimizer (optim/distributed.py) plans other buckets
-(``plan_shard_buckets``) from the same gathered holdings; its groups are not simulated here.
+creates them as native groups. The distributed optimizer is simulated on the tangram plan only (TP 1:
+its meta parameters take the holdings' full shapes).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from pathlib import Path
 import pytest
 
 from megatron_het.cluster import ModelSpec, load_cluster, load_model
+from megatron_het.optim.holders import plan_shard_buckets
 from megatron_het.perf.predict import bucket_parameters
 from megatron_het.plan import load_any_plan
 from megatron_het.runtime.comm_routing import rank_placement
@@ -35,6 +38,7 @@ from support.fake_grad_sync import (
     bridged_buckets,
     by_rank,
     catalog_placement,
+    dist_opt_view,
     grad_sync_problems,
     grad_sync_view,
     group_ranks,
@@ -93,6 +97,20 @@ def test_tangram_with_default_bucket_size(tangram, monkeypatch):
     expected = plan_buckets([h for hs in gathered for h in hs], bucket_numel=size)
     assert len(expected) > 3  # buckets split the stages' groups
     _check(_simulate(tangram, monkeypatch, bucket_numel=size), expected)
+
+
+def test_tangram_distributed_optimizer_groups(tangram, monkeypatch):
+    plan, gathered, _ = tangram
+    expected = [b.ranks for b in plan_shard_buckets([h for hs in gathered for h in hs]) if len(b.ranks) > 1]
+    ranks = [0, 511, 767]  # one rank of each bucket (H100 stages 1 and 2, A100 stage 0)
+    assert len(expected) == 3 and all(sum(r in b for r in ranks) == 1 for b in expected)
+    answer_gather_with(monkeypatch, gathered)
+    sims = simulate_ranks(plan, ranks, dist_opt_view(gathered, timeout=TIMEOUT), monkeypatch)
+    assert creation_order_mismatch(sims) is None
+    assert group_ranks(sims[0].creations) == expected
+    for r, sim in sims.items():
+        assert sim.result["buckets"] == expected
+        assert sim.result["groups"] == [(b, b) for b in expected if r in b]
 
 
 def test_uneven_tp_sampled_ranks_create_every_bucket_group_in_one_order(uneven, monkeypatch):

@@ -68,6 +68,38 @@ def grad_sync_view(gathered: Sequence[Sequence[Holding]], *, timeout, bucket_num
     return build
 
 
+def dist_opt_view(gathered: Sequence[Sequence[Holding]], *, timeout):
+    """A ``simulate_ranks`` builder: the distributed optimizer (optim/distributed.py) constructed on the
+    simulated rank as the trainer constructs it (groups through ``new_reduction_group``), over meta
+    parameters; its shard buckets (``plan_shard_buckets``) and the groups it kept. Only for plans of
+    unsharded holdings (TP 1): a parameter's local shape is then its full shape."""
+    import torch
+
+    from megatron_het.optim.distributed import DistributedOptimizer
+    from megatron_het.runtime.comm_routing import new_reduction_group, rank_placement_of
+    from megatron_het.runtime.grad_sync import owned_norm_holdings
+    from megatron_het.train.config import TrainConfig
+
+    def build(plan: Plan) -> dict:
+        local = gathered[dist.get_rank()]
+        sharded = [h for h in local if h.tp_size > 1 or h.grid is not None]
+        if sharded:
+            raise ValueError(f"dist_opt_view: meta parameters of full shape stand only for TP 1 holdings; rank "
+                             f"{dist.get_rank()} holds {sharded[0].name} at TP {sharded[0].tp_size}")
+        params = {h.name: torch.empty(h.full_shape, device="meta") for h in local}
+        train = TrainConfig(micro_batch_size=plan.micro_batch_size, global_batch_size=plan.global_batch_size,
+                            train_iters=1)
+        opt = DistributedOptimizer(local, params, train=train, device=torch.device("meta"), owned=owned_norm_holdings,
+                                   new_group=lambda ranks: new_reduction_group(ranks, rank_placement_of(ranks),
+                                                                               accelerator=FAKE_ACCELERATOR,
+                                                                               timeout=timeout))
+        return {"buckets": [b.ranks for b in opt.buckets],
+                "groups": [(b.ranks, tuple(dist.get_process_group_ranks(g.group)))
+                           for b, g in zip(opt.buckets, opt._groups) if g is not None]}
+
+    return build
+
+
 def grad_sync_problems(rank: int, view: dict, expected: Sequence[Bucket]) -> list[str]:
     """What is wrong with one simulated rank's synchronizer against ``expected`` (``plan_buckets`` of
     every rank's holdings): the buckets planned, the groups it kept, and that its buckets hold each of
