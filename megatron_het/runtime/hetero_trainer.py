@@ -27,10 +27,7 @@ from collections.abc import Callable, Mapping, Sequence
 import torch
 
 from megatron_het.checkpoint.full_state import (
-    TIED_OUTPUT,
-    WORD_EMBEDDING,
     Shard,
-    global_name,
     load_full_state,
     load_grid_full_state,
     local_grid_shards,
@@ -38,9 +35,8 @@ from megatron_het.checkpoint.full_state import (
 )
 from megatron_het.checkpoint.tp_layout import is_glu
 from megatron_het.cluster import ClusterSpec, ConfigError, ModelSpec
-from megatron_het.model.gpt import StageModelSpec, build_gpt_stage, transformer_config
+from megatron_het.model.gpt import build_gpt_stage, transformer_config
 from megatron_het.model.tp3d_stage import build_tp3d_gpt_stage
-from megatron_het.perf.flops import padded_vocab_size
 from megatron_het.plan import Plan, chunk_layers
 from megatron_het.plan.validate import check_runtime_tp_grid, check_schedule, check_tp_comm_overlap
 from megatron_het.platform import Accelerator, detect_accelerator
@@ -55,11 +51,17 @@ from megatron_het.runtime.comm_routing import (
 from megatron_het.runtime.executor import ActionExecutor, globalise
 from megatron_het.runtime.grad_sync import GradientSynchronizer, Holding
 from megatron_het.runtime.group_ledger import GroupLedger
+from megatron_het.runtime.holdings import (
+    chunk_model_specs,
+    global_params,
+    plan_padded_vocab,
+    stage_holdings,
+    stage_model_spec,
+)
 from megatron_het.runtime.megatron_trainer import split_tokens
 from megatron_het.runtime.mixed_precision import LossScaler, MainParams, params_dtype, wrap_float16
 from megatron_het.runtime.split_backward import WeightGradStore, install_split_linears
 from megatron_het.runtime.stage_groups import build_stage_groups
-from megatron_het.runtime.tp3d_groups import tp3d_holdings
 from megatron_het.schedule import Action, build_schedule
 from megatron_het.train.config import TrainConfig
 from megatron_het.train.data_position import DataPosition, position_from_checkpoint, positioned_batches
@@ -83,15 +85,6 @@ def only_layers(decoder, window: tuple[int, int] | None):
         yield
     finally:
         decoder._modules["layers"] = layers
-
-
-def plan_padded_vocab(model: ModelSpec, plan: Plan) -> int:
-    """One padded vocabulary for every stage: a multiple of 128 x every TP size in the plan."""
-    lcm = 1
-    for replica in plan.replicas:
-        for stage in replica.stages:
-            lcm = math.lcm(lcm, stage.tp)
-    return padded_vocab_size(model.vocab_size, tp=lcm)
 
 
 def replica_first_micro_batch(plan: Plan, replica: int) -> int:
@@ -137,16 +130,11 @@ class PipelineStrategy:
         torch.manual_seed(train.seed + role.layers[0])
         model_parallel_cuda_manual_seed(train.seed + role.layers[0], tp_rank=role.tp_rank, ep_rank=0, etp_rank=0,
                                         force_reset_rng=True)
-        self.stage = StageModelSpec(model=model, num_layers=role.layers[1] - role.layers[0],
-                                    layer_offset=role.layers[0], tp=role.tp_size, pre_process=self.is_first,
-                                    post_process=self.is_last, vocab_size=padded_vocab or plan_padded_vocab(model, plan),
-                                    recompute=self.stage_plan.recompute,
-                                    recompute_num_layers=self.stage_plan.recompute_num_layers,
-                                    sequence_parallel=plan.sequence_parallel,
-                                    params_dtype=params_dtype(train.precision), transformer_impl=train.transformer_impl)
-        if self.grid_groups is not None:  # megatron-core runs a 3D stage at TP = gy (model/tp3d_stage.py), no
-            # sequence parallelism (z splits the batch): its boundaries hold the whole sequence (full_sequence)
-            self.stage = dataclasses.replace(self.stage, tp=self.grid_groups.grid.y, sequence_parallel=False)
+        # a 3D stage runs megatron-core at TP = gy without sequence parallelism: its boundaries hold the
+        # whole sequence (full_sequence)
+        self.stage = stage_model_spec(model, plan, self.stage_plan, is_first=self.is_first, is_last=self.is_last,
+                                      vocab_size=padded_vocab or plan_padded_vocab(model, plan),
+                                      params_dtype=params_dtype(train.precision), transformer_impl=train.transformer_impl)
         self.config = transformer_config(self.stage, cpu_initialization=not acc.is_gpu)
         self.tied = not model.untie_embeddings_and_output_weights
         self.overlap_report = None  # comm.overlap_megatron.OverlapReport when the stage overlaps
@@ -294,10 +282,7 @@ class PipelineStrategy:
         """Every model chunk (``self.gpts``, wrapped: ``self.modules``); returns chunk 0 (``self.gpt``)."""
         self.gpts, self.modules = [], []
         v = self.num_chunks
-        for c, (first, stop) in enumerate(self.chunk_ranges):
-            spec = self.stage if v == 1 else dataclasses.replace(
-                self.stage, num_layers=stop - first, layer_offset=first, pre_process=self.is_first and c == 0,
-                post_process=self.is_last and c == v - 1)
+        for spec in chunk_model_specs(self.stage, self.chunk_ranges):
             config = self.config if v == 1 else transformer_config(spec, cpu_initialization=not self.accelerator.is_gpu)
             if self.grid_groups is not None:  # a 3D stage (check_runtime_tp_grid: one chunk only)
                 gpt = build_tp3d_gpt_stage(spec, config, self.pgc, self.grid_groups,
@@ -369,14 +354,7 @@ class PipelineStrategy:
 
     def named_global_params(self) -> dict[str, torch.nn.Parameter]:
         """This stage's parameters by global name (the last stage's tied output is the word embedding)."""
-        out = {}
-        for gpt, (first, _) in zip(self.gpts, self.chunk_ranges):
-            for name, p in gpt.named_parameters():
-                g = global_name(name, first)
-                if self.tied and g == TIED_OUTPUT:
-                    g = WORD_EMBEDDING  # the last stage's copy of the tied word embedding
-                out[g] = p
-        return out
+        return global_params([(gpt, first) for gpt, (first, _) in zip(self.gpts, self.chunk_ranges)], tied=self.tied)
 
     def _gradient_synchronizer(self) -> GradientSynchronizer:
         """The plain synchronizer, or with ``overlap_grad_reduce`` the hook-driven one in buckets of
@@ -409,25 +387,12 @@ class PipelineStrategy:
                                               timeout=self.train.group_timeout, accelerator=self.accelerator)
 
     def holdings(self) -> list[Holding]:
-        """What this rank holds of each full parameter (the gradient synchronizer's input)."""
+        """What this rank holds of each full parameter (the gradient synchronizer's input;
+        ``runtime/holdings.plan_holdings`` gives every rank's without processes)."""
         role = self.role
-        if self.grid_groups is not None:
-            return tp3d_holdings({n: (tuple(p.shape), int(p.partition_dim) if getattr(p, "tensor_model_parallel", False)
-                                      else None) for n, p in self.params.items()}, rank=role.rank,
-                                 grid_rank=role.tp_rank, stage_key=(role.replica, role.stage),
-                                 grid=self.stage_plan.tp_grid)
-        hs = []
-        for name, p in self.params.items():
-            dim = int(p.partition_dim) if getattr(p, "tensor_model_parallel", False) else None
-            full = list(p.shape)
-            if dim is not None:
-                full[dim] *= role.tp_size
-            hs.append(Holding(name=name, rank=role.rank, stage_key=(role.replica, role.stage), tp_rank=role.tp_rank,
-                              tp_size=role.tp_size, partition_dim=dim, full_shape=tuple(full),
-                              glu=is_glu(name, self.model_spec.swiglu),
-                              sequence_parallel=bool(self.config.sequence_parallel
-                                                     and getattr(p, "sequence_parallel", False))))
-        return hs
+        return stage_holdings(self.params, rank=role.rank, stage_key=(role.replica, role.stage), tp_rank=role.tp_rank,
+                              tp_size=role.tp_size, gated=self.model_spec.swiglu,
+                              sequence_parallel=self.config.sequence_parallel, grid=self.stage_plan.tp_grid)
 
     # ---- one iteration ----------------------------------------------------------------------
     def step(self, iteration: int, *, lr: float, timer: EmulationTimer, on_action: ActionHook | None) -> StepResult:

@@ -9,6 +9,7 @@ Pure tests check ``rank_roles``; only a simulated rank shows what ``build_stage_
 rank, and that all ranks create the world's 6,912 groups in one order (a real launch deadlocks
 otherwise). Creating them costs ~1 s per rank here, so the default suite simulates a sample of ranks
 (``sample_ranks``: first/last of every island and stage shape, 0 and 767); re-planning is slow-marked.
+The gradient synchronizer's groups of this plan: test_grad_sync_groups.py.
 """
 
 from __future__ import annotations

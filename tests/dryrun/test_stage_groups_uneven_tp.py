@@ -5,8 +5,7 @@ different sizes side by side, each island's ranks handed out in replica order, s
 far apart. Each simulated rank runs what ``PipelineStrategy.__init__`` runs before it needs data from
 other ranks: ``build_stage_groups`` then ``create_plan_grid_groups`` (3D stages' axis groups). Checked:
 its stage groups and role, its grid's x/y/z groups against the grid layout (x fastest), and one world-wide
-order of creation. The gradient groups cannot be checked here: ``GradientSynchronizer`` derives them from
-holdings gathered with ``all_gather_object``, which a fake backend cannot answer.
+order of creation. The gradient synchronizer's groups of this plan: test_grad_sync_groups.py.
 """
 
 from __future__ import annotations
@@ -14,9 +13,10 @@ from __future__ import annotations
 import pytest
 import torch.distributed as dist
 
-from megatron_het.plan import Plan, ReplicaPlan, StagePlan, rank_roles
+from megatron_het.plan import Plan, rank_roles
 from megatron_het.runtime.tp3d_groups import create_plan_grid_groups
 
+from support.dryrun_plans import B_COUNT, uneven_plan
 from support.fake_world import (
     TIMEOUT,
     creation_order_mismatch,
@@ -26,24 +26,6 @@ from support.fake_world import (
     stage_group_problems,
     stage_group_view,
 )
-
-A_COUNT, B_COUNT = 48, 32  # replicas of each layout
-NV_RANKS = 2 * (A_COUNT + B_COUNT)  # nv ranks first, then amd
-
-
-def uneven_plan() -> Plan:
-    nv, amd = iter(range(NV_RANKS)), iter(range(NV_RANKS, NV_RANKS + 4 * (A_COUNT + B_COUNT)))
-
-    def stage(island, tp, layers, grid=None):
-        ranks = tuple(next(nv if island == "nv" else amd) for _ in range(tp))
-        return StagePlan(island=island, device_type="A100-80GB" if island == "nv" else "MI250X", ranks=ranks,
-                         layers=layers, tp_grid=grid)
-
-    reps = [ReplicaPlan(stages=(stage("nv", 2, (0, 10)), stage("amd", 4, (10, 32))), num_micro_batches=4)
-            for _ in range(A_COUNT)]
-    reps += [ReplicaPlan(stages=(stage("amd", 4, (0, 16), (2, 2, 1)), stage("nv", 2, (16, 32))),
-                         num_micro_batches=4) for _ in range(B_COUNT)]
-    return Plan(replicas=tuple(reps), micro_batch_size=1, global_batch_size=4 * (A_COUNT + B_COUNT))
 
 
 def expected_grid(plan: Plan, rank: int) -> dict | None:

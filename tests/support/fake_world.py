@@ -5,7 +5,9 @@ are created as on a real launch (``get_process_group_ranks`` answers), but no da
 that builds groups from the plan can run (``all_gather_object`` and every collective return nothing
 useful). ``simulate_ranks`` runs a group builder as each chosen rank in turn and records every
 ``new_group`` call it makes, in order: torch requires every rank of the world to make the same calls in
-the same order, and a rank-dependent order deadlocks a real launch.
+the same order, and a rank-dependent order deadlocks a real launch. The gradient synchronizer's groups
+need every rank's holdings, which ``all_gather_object`` cannot give here: tests/support/fake_grad_sync.py
+answers it from ``runtime/holdings.plan_holdings``.
 """
 
 from __future__ import annotations
