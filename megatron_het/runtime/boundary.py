@@ -21,7 +21,8 @@ each row once, and receiver j of the other side is sent its rows by copy ``j % r
 megatron-core's ``BridgeCommunicator`` does leader-to-leader then a broadcast inside the TP group
 and creates its groups with ``backend='nccl'`` (bridge_communicator.py ~199/209); it also needs
 ``variable_seq_lengths`` (only valid with the alltoall MoE dispatcher). Our schedule executor sends
-point-to-point with tags per micro-batch instead, which needs no extra groups and no broadcast.
+point-to-point with tags per micro-batch instead (no broadcast), on one group per direction of each
+boundary (``boundary_groups.py``: NCCL and RCCL deadlock with both directions on one).
 """
 
 from __future__ import annotations
@@ -103,6 +104,10 @@ class Neighbour:
     bridge: object | None = field(default=None, compare=False)
     # every rank of that stage holds the whole sequence under the plan's sequence parallelism (a 3D stage)
     full_sequence: bool = False
+    # this rank's group for sends to / receives from that stage: one per direction of the boundary
+    # (runtime/boundary_groups.py: NCCL would deadlock with both directions on one); None: the default group
+    send_group: object | None = field(default=None, compare=False)
+    recv_group: object | None = field(default=None, compare=False)
 
     def describe(self, rank: int) -> str:
         """``rank N (island X, stage S)`` for error messages (what is known of the peer)."""
@@ -162,13 +167,13 @@ class BoundaryLink:
     def _isend(tensor: torch.Tensor, peer: Neighbour, dst: int, t: int):
         if peer.bridge is not None:  # across collective libraries: the bridge stages through the host
             return peer.bridge.isend(tensor, dst, tag=t)
-        return dist.isend(tensor, dst, tag=t)
+        return dist.isend(tensor, dst, tag=t, group=peer.send_group)
 
     @staticmethod
     def _irecv(buf: torch.Tensor, peer: Neighbour, src: int, t: int):
         if peer.bridge is not None:
             return peer.bridge.irecv(buf, src, tag=t)
-        return dist.irecv(buf, src, tag=t)
+        return dist.irecv(buf, src, tag=t, group=peer.recv_group)
 
     def _send(self, tensor: torch.Tensor, peer: Neighbour, t: int) -> None:
         if not self.sequence_parallel:
@@ -195,7 +200,7 @@ class BoundaryLink:
                 if peer.bridge is not None:  # across collective libraries: through the bridge
                     peer.bridge.recv(buf, src, tag=t)
                 else:
-                    dist.recv(buf, src, tag=t)
+                    dist.recv(buf, src, tag=t, group=peer.recv_group)
             except RuntimeError as err:  # gloo names no peer: say which rank, island and stage
                 raise _failed("receive", peer, src, t // 2, err) from err
             return buf

@@ -41,6 +41,7 @@ from megatron_het.plan import Plan, chunk_layers
 from megatron_het.plan.validate import check_runtime_tp_grid, check_schedule, check_tp_comm_overlap
 from megatron_het.platform import Accelerator, detect_accelerator
 from megatron_het.runtime.boundary import BoundaryLink, Neighbour, order_mismatches
+from megatron_het.runtime.boundary_groups import create_direction_groups, groups_with, plan_directions
 from megatron_het.runtime.comm_routing import (
     RankPlacement,
     all_reduce_world,
@@ -178,6 +179,9 @@ class PipelineStrategy:
 
         stages = self.replica.stages
         bridges = self._boundary_bridges()
+        directions = create_direction_groups(plan_directions(plan), spans_libraries=self.plan_placement.spans_libraries,
+                                             backend=acc.torch_backend, timeout=self.train.group_timeout)
+        mine = tuple(self.stage_plan.ranks)
         self.paths = self._communication_paths()
         if role.rank == 0:
             logger.info("communication paths: %s", "; ".join(
@@ -189,7 +193,8 @@ class PipelineStrategy:
                 return None
             return Neighbour(ranks=tuple(stages[s].ranks), island=stages[s].island, stage=s,
                              bridge=bridges.get((role.replica, min(s, role.stage))),
-                             full_sequence=stages[s].tp_grid is not None)
+                             full_sequence=stages[s].tp_grid is not None,
+                             **groups_with(stages[s].ranks, mine, directions))
 
         p, v = len(stages), self.num_chunks
 
@@ -204,7 +209,7 @@ class PipelineStrategy:
 
         def wrap(s: int) -> Neighbour:  # the last stage <-> stage 0 boundary of interleaving
             return Neighbour(ranks=tuple(stages[s].ranks), island=stages[s].island, stage=s,
-                             bridge=bridges.get((role.replica, p - 1)))
+                             bridge=bridges.get((role.replica, p - 1)), **groups_with(stages[s].ranks, mine, directions))
 
         link = chunk_link(0)
         schedule = build_schedule(plan.schedule, len(stages), self.replica.num_micro_batches,

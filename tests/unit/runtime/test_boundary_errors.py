@@ -23,7 +23,7 @@ def _link(**next_stage) -> BoundaryLink:
 
 
 def test_receive_failure_names_rank_island_and_stage(monkeypatch):
-    def recv(buf, src, tag):
+    def recv(buf, src, tag, group=None):
         raise RuntimeError(GLOO)
 
     monkeypatch.setattr(dist, "recv", recv)
@@ -35,7 +35,7 @@ def test_receive_failure_names_rank_island_and_stage(monkeypatch):
 
 
 def test_send_failure_names_the_receiver_at_drain(monkeypatch):
-    monkeypatch.setattr(dist, "isend", lambda tensor, dst, tag: _BrokenWork())
+    monkeypatch.setattr(dist, "isend", lambda tensor, dst, tag, group=None: _BrokenWork())
     link = _link(island="fast", stage=3)
     link.send_forward(torch.zeros(4, 1, 8), micro_batch=2)
     with pytest.raises(BoundaryError, match=r"pipeline send of micro-batch 2 with rank 6 \(island fast, stage 3\)"):
@@ -43,7 +43,7 @@ def test_send_failure_names_the_receiver_at_drain(monkeypatch):
 
 
 def test_neighbour_without_island_still_names_the_rank(monkeypatch):
-    monkeypatch.setattr(dist, "isend", lambda tensor, dst, tag: _BrokenWork())
+    monkeypatch.setattr(dist, "isend", lambda tensor, dst, tag, group=None: _BrokenWork())
     link = _link()  # constructed as before this change: no island or stage known
     link.send_backward(torch.zeros(4, 1, 8), micro_batch=0)
     link.prev = Neighbour(ranks=(2, 3))
