@@ -56,7 +56,7 @@ def write_cluster(path: Path, islands: list[tuple[str, str, int]]) -> Path:
 
 def pretrain(nproc: int, cluster: Path, plan_path: Path, *extra: str, iters: int = 5, micro: int = 2,
              global_batch: int = 8, nnodes: int = 1, node_rank: int = 0, rdzv: str | None = None,
-             load: Path | None = None) -> Run:
+             load: Path | None = None, model: Path = MODEL_FILE) -> Run:
     """torchrun pretrain_gpt.py on ``nproc`` local GPUs (per node); fails with the run's output tail.
 
     With ``load`` (a checkpoint of iteration 1), the run resumes from it and trains ``iters`` more.
@@ -70,7 +70,7 @@ def pretrain(nproc: int, cluster: Path, plan_path: Path, *extra: str, iters: int
     else:
         launcher += [f"--nnodes={nnodes}", f"--node-rank={node_rank}", f"--master-addr={rdzv.split(':')[0]}",
                      f"--master-port={rdzv.split(':')[1]}"]
-    argv = ["--hetero-cluster", str(cluster), "--hetero-model", str(MODEL_FILE), "--hetero-plan", str(plan_path),
+    argv = ["--hetero-cluster", str(cluster), "--hetero-model", str(model), "--hetero-plan", str(plan_path),
             "--micro-batch-size", str(micro), "--global-batch-size", str(global_batch), "--train-iters", str(total),
             "--log-interval", "1", "--lr", "1e-3", "--mock-data", "--no-emulation", *extra]
     proc = subprocess.run([*launcher, str(PRETRAIN), *argv], cwd=REPO, capture_output=True, text=True,
