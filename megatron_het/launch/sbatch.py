@@ -229,10 +229,12 @@ def _render_resilient(header: list[str], components: Sequence[HetComponent], por
     body += [
         "",
         "# Runs once per node: one torchrun agent per rank (--max-restarts=0: a dead rank is not restarted, the",
-        "# others keep training in-process); the node's exit status is its worst rank's.",
+        "# others keep training in-process); the node's exit status is its worst rank's. Each agent's LOCAL_RANK",
+        "# is 0 (one process per agent), so MEGATRON_HET_LOCAL_RANK tells each rank its GPU on the node.",
         "NODE_CMD='first=$((MEGATRON_HET_FIRST_RANK + SLURM_NODEID * MEGATRON_HET_NPROC)); agents=(); "
         "for ((i = 0; i < MEGATRON_HET_NPROC; i++)); do "
-        "$TORCHRUN --nnodes=\"$NNODES\" --nproc-per-node=1 --max-restarts=0 --node-rank=$((first + i)) "
+        "MEGATRON_HET_LOCAL_RANK=$i $TORCHRUN --nnodes=\"$NNODES\" --nproc-per-node=1 --max-restarts=0 "
+        "--node-rank=$((first + i)) "
         "--rdzv-backend=static --rdzv-endpoint=\"$MASTER_ADDR:$MASTER_PORT\" --rdzv-id=\"$SLURM_JOB_ID\" \"$@\" & "
         "agents+=($!); done; rc=0; for a in \"${agents[@]}\"; do wait \"$a\" || rc=$?; done; exit $rc'",
         "",

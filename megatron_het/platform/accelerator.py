@@ -11,6 +11,7 @@ and memory statistics. Code outside ``platform/`` asks it instead of writing dev
 from __future__ import annotations
 
 import importlib.util
+import logging
 import os
 import resource
 import sys
@@ -19,6 +20,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
+
+logger = logging.getLogger(__name__)
 
 HOST_DEVICE = torch.device("cpu")  # where host-staged copies (the bridge, checkpoints) live
 HOST_BACKEND = "gloo"  # torch backend of host tensors: the bridge between vendors, CPU islands
@@ -149,9 +152,14 @@ def backend_devices() -> list[str]:
     return [HOST_DEVICE.type] + (["cuda"] if torch.cuda.is_available() else [])
 
 
+LOCAL_RANK_OVERRIDE = "MEGATRON_HET_LOCAL_RANK"  # set by the resilient sbatch: one torchrun agent per rank
+
+
 def local_rank() -> int:
-    """This process's index on its node (torchrun's LOCAL_RANK; 0 without torchrun)."""
-    return int(os.environ.get("LOCAL_RANK", "0"))
+    """This process's index on its node: ``MEGATRON_HET_LOCAL_RANK`` where the launcher starts one
+    torchrun agent per rank (the resilient sbatch: each agent's LOCAL_RANK is 0), else torchrun's
+    LOCAL_RANK; 0 without either."""
+    return int(os.environ.get(LOCAL_RANK_OVERRIDE) or os.environ.get("LOCAL_RANK", "0"))
 
 
 def detect_accelerator(rank_on_node: int | None = None) -> Accelerator:
@@ -160,7 +168,11 @@ def detect_accelerator(rank_on_node: int | None = None) -> Accelerator:
     if torch.cuda.is_available() and torch.cuda.device_count() > 0:
         kind = "rocm" if getattr(torch.version, "hip", None) else "cuda"
         count = torch.cuda.device_count()
-        index = (local_rank() if rank_on_node is None else rank_on_node) % count
+        mine = local_rank() if rank_on_node is None else rank_on_node
+        if mine >= count:  # more ranks than visible GPUs on this node: they share (oversubscribed)
+            logger.warning("local rank %d >= %d visible GPUs: sharing cuda:%d (check --nproc-per-node and "
+                           "CUDA_VISIBLE_DEVICES / HIP_VISIBLE_DEVICES)", mine, count, mine % count)
+        index = mine % count
         return Accelerator(kind=kind, device_count=count, torch_backend=GPU_BACKEND,
                            device_name=torch.cuda.get_device_name(index),
                            device=torch.device("cuda", index))

@@ -42,7 +42,7 @@ def test_every_rank_gets_its_own_agent_with_its_global_rank(tmp_path):
     text = _script("--hetero-resilience")
     node_cmd = re.search(r"^NODE_CMD=('.*')$", text, re.M).group(1)
     fake = tmp_path / "torchrun"
-    fake.write_text('#!/bin/bash\necho "agent $*"\n')
+    fake.write_text('#!/bin/bash\necho "agent local=$MEGATRON_HET_LOCAL_RANK $*"\n')
     fake.chmod(0o755)
     script = f"NODE_CMD={node_cmd}\nbash -c \"$NODE_CMD\" torchrun script.py --flag\n"
     env = {"TORCHRUN": str(fake), "NNODES": "4", "MASTER_ADDR": "h", "MASTER_PORT": "1", "SLURM_JOB_ID": "7",
@@ -50,5 +50,17 @@ def test_every_rank_gets_its_own_agent_with_its_global_rank(tmp_path):
     out = subprocess.run(["bash", "-c", script], env=env, text=True, capture_output=True, check=True).stdout
     ranks = sorted(int(m) for m in re.findall(r"--node-rank=(\d+)", out))
     assert ranks == [2, 3], out
+    # each agent's LOCAL_RANK is 0 (one process each): the index on the node picks the GPU (not all cuda:0)
+    assert sorted(re.findall(r"agent local=(\d+) ", out)) == ["0", "1"], out
     assert out.count("--nnodes=4 --nproc-per-node=1 --max-restarts=0") == 2 and "script.py --flag" in out
     assert "MEGATRON_HET_FIRST_RANK=2" in text
+
+
+def test_the_launchers_local_rank_wins_over_torchruns(monkeypatch):
+    from megatron_het.platform.accelerator import LOCAL_RANK_OVERRIDE, local_rank
+
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    monkeypatch.delenv(LOCAL_RANK_OVERRIDE, raising=False)
+    assert local_rank() == 0
+    monkeypatch.setenv(LOCAL_RANK_OVERRIDE, "3")
+    assert local_rank() == 3
