@@ -130,10 +130,12 @@ def _any_world() -> Iterator[None]:
     this process for the duration."""
     import torch.distributed as dist
 
+    from megatron_het.platform import HOST_BACKEND
+
     if dist.is_initialized():
         yield
         return
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    dist.init_process_group(HOST_BACKEND, store=dist.HashStore(), rank=0, world_size=1)
     try:
         yield
     finally:
