@@ -152,6 +152,9 @@ def save_checkpoint(save: str, iteration: int, *, params: Mapping[str, TensorSlo
     state.update(_sharded(mains, "model."))
     for key in ("exp_avg", "exp_avg_sq"):
         state.update(_sharded(mains, f"optimizer.{key}.", lambda name, _s, k=key: optimizer_state[name][k]))
+    from megatron_het.platform import keep_checkpoint_flags_on_host
+
+    keep_checkpoint_flags_on_host()  # its world-wide flags through gloo, not a world-wide NCCL communicator
     dist_checkpointing.save(state, tmp)
     dist.barrier()
     if rank == 0:

@@ -71,10 +71,16 @@ class XSplitLayerNorm(torch.nn.Module):
         self.bias = torch.nn.Parameter(torch.zeros(hidden_size // gx, dtype=dtype))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        stats = torch.stack([x.sum(-1), (x * x).sum(-1)])
+        # statistics in fp32, as megatron-core's norms: in bf16 E[x^2] - mean^2 cancels to 0 or below
+        # as soon as |mean| is several standard deviations (NaN from rsqrt); one x all-reduce of both sums
+        wide = torch.promote_types(x.dtype, torch.float32)  # fp32, or the run's own when wider (fp64 tests)
+        xf = x.to(wide)
+        stats = torch.stack([xf.sum(-1), (xf * xf).sum(-1)])
         stats = _AllReduceSum.apply(stats, self.groups.x) / self.hidden_size
         mean, sq = stats[0].unsqueeze(-1), stats[1].unsqueeze(-1)
-        return (x - mean) * torch.rsqrt(sq - mean * mean + self.eps) * self.weight + self.bias
+        var = (sq - mean * mean).clamp(min=0.0)
+        y = (xf - mean) * torch.rsqrt(var + self.eps) * self.weight.to(wide) + self.bias.to(wide)
+        return y.to(x.dtype)
 
 
 class GridLinear(torch.nn.Module):

@@ -18,7 +18,7 @@ from megatron_het.platform.accelerator import (
     detect_optional_accelerators,
     island_group_backend,
 )
-from megatron_het.platform.cpu_backend import CpuBackendReport, enable_cpu_backend
+from megatron_het.platform.cpu_backend import CpuBackendReport, enable_cpu_backend, keep_checkpoint_flags_on_host
 from megatron_het.platform.import_guard import install_triton_guard
 
 install_triton_guard()
@@ -37,5 +37,6 @@ __all__ = [
     "island_group_backend",
     "detect_optional_accelerators",
     "enable_cpu_backend",
+    "keep_checkpoint_flags_on_host",
     "install_triton_guard",
 ]

@@ -288,6 +288,23 @@ class CpuBackendReport:
                 f"triton guard {'on' if self.triton_guard else 'off'})")
 
 
+# On GPUs too: dist_checkpointing's saver creates the flags it agrees on over the world group (the
+# verify-reuse all-reduce, state_dict_saver.py:204, and the failure broadcast, :252) on the current CUDA
+# device, so the world group's device backend carries them: a world-wide NCCL communicator, which ranks
+# of two vendors (NCCL beside RCCL) cannot share. On the host they go through the world's gloo.
+HOST_FLAG_MODULES = ("megatron.core.dist_checkpointing.strategies.state_dict_saver",)
+
+
+def keep_checkpoint_flags_on_host() -> None:
+    """Redirect ``HOST_FLAG_MODULES``' device requests to the host (whatever the accelerator). Idempotent."""
+    proxy = None
+    for name in HOST_FLAG_MODULES:
+        mod = importlib.import_module(name)
+        if not isinstance(getattr(mod, "torch", None), _CpuTorchProxy):
+            proxy = proxy or _CpuTorchProxy()
+            mod.torch = proxy
+
+
 def enable_cpu_backend(*, force: bool = False) -> CpuBackendReport:
     """Make megatron-core's training path run on CPU tensors. Idempotent.
 
