@@ -23,13 +23,16 @@ def _het_extension() -> dict:
         return {}
     try:
         import torch
-        from torch.utils.cpp_extension import BuildExtension, CppExtension, CUDAExtension
+        from torch.utils.cpp_extension import CUDA_HOME, BuildExtension, CppExtension, CUDAExtension
     except ImportError:
         return {}
+
+    def _cuda_toolkit() -> bool:
+        return CUDA_HOME is not None
     macros = []
     if getattr(torch.version, "hip", None):
         macros.append(("USE_ROCM", None))
-    elif torch.cuda.is_available() and torch.version.cuda:
+    elif torch.version.cuda and _cuda_toolkit():  # a CUDA torch and a toolkit: no GPU needed to compile
         macros.append(("USE_CUDA", None))
     # CUDAExtension adds the CUDA (or, on ROCm builds, HIP) include and library paths the GPU branches need
     extension = CUDAExtension if macros else CppExtension

@@ -37,8 +37,11 @@ def gpu_macros() -> list[str]:
     """`-D` flags that switch on the device paths of csrc/ for the torch build at hand."""
     if getattr(torch.version, "hip", None):
         return ["-DUSE_ROCM"]
-    if torch.cuda.is_available() and torch.version.cuda:
-        return ["-DUSE_CUDA"]
+    if torch.version.cuda:  # a CUDA build of torch: compile the device paths whether or not a GPU is seen
+        from torch.utils.cpp_extension import CUDA_HOME  # (e.g. a docker build); they need the toolkit
+
+        if CUDA_HOME is not None:
+            return ["-DUSE_CUDA"]
     return []
 
 
