@@ -37,6 +37,7 @@ from megatron_het.comm.uneven import uneven_all_gather, uneven_all_gather_start,
 from megatron_het.optim.adamw import ShardedAdamW, decays
 from megatron_het.optim.holders import ShardBucket, block, canonical_flat, plan_shard_buckets, write_canonical
 from megatron_het.optim.layout import ShardLayout
+from megatron_het.optim.norms import sum_of_squares_f64
 
 __all__ = ["DistributedOptimizer"]
 
@@ -292,7 +293,7 @@ class DistributedOptimizer:
 
     def grad_norm_sq_local(self) -> torch.Tensor:
         """This rank's share of the squared global norm (each element is owned exactly once)."""
-        return self.shard_grad.double().pow(2).sum()
+        return sum_of_squares_f64(self.shard_grad)
 
     def scale_grads(self, coeff: float | torch.Tensor) -> None:
         """Clipping: scale the reduced gradient pieces."""

@@ -36,6 +36,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_het.checkpoint.tp_layout import grid_contributes, grid_index, grid_kind, slice_full, write_local
+from megatron_het.optim.norms import sum_of_squares_f64
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -310,7 +311,7 @@ class GradientSynchronizer:
         """This rank's share of the squared global gradient norm (sum it over the world)."""
         total = torch.zeros((), dtype=torch.float64, device=self.device)
         for name in self.norm_names:
-            total += self._grad(name).double().pow(2).sum()
+            total += sum_of_squares_f64(self._grad(name))
         return total
 
     def _grad(self, name: str) -> torch.Tensor:
