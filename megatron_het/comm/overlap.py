@@ -102,7 +102,7 @@ class _AllGatherLinear(torch.autograd.Function):
         dy = dy.contiguous().view(tp, k, cs, *rest, weight.shape[0])
         need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         dx = dy.new_empty((k, cs, *rest, h)) if need_dx else None
-        dw = torch.zeros_like(weight) if need_dw else None
+        dw = _wgrad_accumulator(weight) if need_dw else None
         works = []
         for c in range(k):
             if need_dx:  # dX piece c of every rank, then reduce-scatter it to its owner (async)
@@ -112,7 +112,13 @@ class _AllGatherLinear(torch.autograd.Function):
         for w in works:
             _wait(w)
         dx = dx.view(k * cs, *rest, h) if need_dx else None
-        return dx, dw, None, None, None
+        return dx, None if dw is None else dw.to(weight.dtype), None, None, None
+
+
+def _wgrad_accumulator(weight: torch.Tensor) -> torch.Tensor:
+    """Zeros to sum the chunks' weight gradients in: at least fp32 (bf16/fp16 sums of k partial
+    products lose bits at every add; megatron-core accumulates weight gradients in fp32 too)."""
+    return torch.zeros_like(weight, dtype=torch.promote_types(weight.dtype, torch.float32))
 
 
 class _LinearReduceScatter(torch.autograd.Function):
@@ -151,7 +157,7 @@ class _LinearReduceScatter(torch.autograd.Function):
         need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         gathered = dy.new_empty((k, tp, cs, *rest, n))
         dx = x.new_empty((tp, k, cs, *rest, x.shape[-1])) if need_dx else None
-        dw = torch.zeros_like(weight) if need_dw else None
+        dw = _wgrad_accumulator(weight) if need_dw else None
         works = [None] * k
         works[0] = _all_gather(gathered[0], dy[0], ctx.group, ctx.overlap)
         for c in range(k):
@@ -163,7 +169,7 @@ class _LinearReduceScatter(torch.autograd.Function):
             if need_dw:
                 dw += _wgrad(gathered[c], xv[:, c])
         dx = dx.view(tp * rows, *rest, x.shape[-1]) if need_dx else None
-        return dx, dw, None, None, None
+        return dx, None if dw is None else dw.to(weight.dtype), None, None, None
 
 
 def all_gather_linear(x: torch.Tensor, weight: torch.Tensor, *, group: Any = None, chunks: int = 4,
