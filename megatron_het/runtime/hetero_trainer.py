@@ -61,7 +61,7 @@ from megatron_het.runtime.holdings import (
 )
 from megatron_het.runtime.megatron_trainer import split_tokens
 from megatron_het.runtime.mixed_precision import LossScaler, MainParams, params_dtype, wrap_float16
-from megatron_het.runtime.split_backward import WeightGradStore, install_split_linears
+from megatron_het.runtime.split_backward import WeightGradStore, install_split_linears, unsplit_linears
 from megatron_het.runtime.stage_groups import build_stage_groups
 from megatron_het.schedule import Action, build_schedule
 from megatron_het.train.config import TrainConfig
@@ -221,6 +221,11 @@ class PipelineStrategy:
             raise ConfigError(f"{mismatches[0]}; {acc.torch_backend} matches pipeline messages by order, not tags",
                               field="schedule", value=plan.schedule, fix="use a schedule whose neighbour stages "
                               "post transfers in the same micro-batch order (1f1b, gpipe, zb-h1)")
+        if schedule.split_backward and self.unsplit_linears:
+            logger.warning("rank %d: %s defers the weight gradients of megatron-core's local linears only; %d "
+                           "linears of this stage (e.g. %s: transformer-engine's) keep theirs in B, so W is "
+                           "smaller than the plan was priced with. Fix: --transformer-impl local, or schedule 1f1b",
+                           role.rank, plan.schedule, len(self.unsplit_linears), self.unsplit_linears[0])
         first = replica_first_micro_batch(plan, role.replica)
         self.executor = self._executor(globalise(schedule.actions[role.stage], first),
                                        dict.fromkeys(range(first, first + self.replica.num_micro_batches), link),
@@ -286,6 +291,7 @@ class PipelineStrategy:
     def _build_model(self):
         """Every model chunk (``self.gpts``, wrapped: ``self.modules``); returns chunk 0 (``self.gpt``)."""
         self.gpts, self.modules = [], []
+        self.unsplit_linears: list[str] = []  # linears whose W a split-backward schedule cannot defer
         v = self.num_chunks
         for spec in chunk_model_specs(self.stage, self.chunk_ranges):
             config = self.config if v == 1 else transformer_config(spec, cpu_initialization=not self.accelerator.is_gpu)
@@ -300,7 +306,8 @@ class PipelineStrategy:
                 from megatron_het.comm.overlap_megatron import apply_tp_comm_overlap
 
                 self.overlap_report = apply_tp_comm_overlap(gpt, chunks=self.train.tp_comm_overlap_chunks)
-            install_split_linears(gpt, self.wgrad_store)  # used only while the schedule splits B and W
+            routed = install_split_linears(gpt, self.wgrad_store)  # used only while the schedule splits B and W
+            self.unsplit_linears += unsplit_linears(gpt, routed)
             self.gpts.append(gpt)
             self.modules.append(module)
         self.module = self.modules[0]

@@ -26,7 +26,7 @@ import torch.distributed as dist
 
 import megatron_het.platform  # noqa: F401  (triton import guard before the lazy megatron.core import)
 
-__all__ = ["WeightGradStore", "deferred_linear", "install_split_linears"]
+__all__ = ["WeightGradStore", "deferred_linear", "install_split_linears", "unsplit_linears"]
 
 
 class WeightGradStore:
@@ -149,3 +149,18 @@ def install_split_linears(model: torch.nn.Module, store: WeightGradStore) -> lis
         module._forward_impl = functools.partial(_split_forward_impl, module._forward_impl, store)
         done.append(name)
     return done
+
+
+def unsplit_linears(model: torch.nn.Module, routed: list[str]) -> list[str]:
+    """Linears of ``model`` (a module whose class name ends in ``Linear`` with a 2-D weight) that
+    ``install_split_linears`` did not route: transformer-engine's (``TE*Linear``; its own deferral,
+    ``delay_wgrad_compute``, is not wired here) and TP-overlap ones. Their weight gradients stay in B,
+    so a split-backward schedule defers less W than the plan was priced with."""
+    done = set(routed)
+    out = []
+    for name, module in model.named_modules():
+        weight = getattr(module, "weight", None)
+        if (type(module).__name__.endswith("Linear") and isinstance(weight, torch.Tensor) and weight.dim() == 2
+                and name not in done):
+            out.append(name)
+    return out
