@@ -5,7 +5,7 @@ ZB-H1 both sides of a boundary reach a send at once. With both directions on one
 soon as a message outgrows the library's buffer (a few MiB), which the tiny parity models never reach:
 here each activation is 2,048 tokens x 2 sequences x hidden 2,048 in fp32, 32 MiB. The runtime gives
 each direction its own group; these runs must finish (a hang ends at --distributed-timeout-minutes)
-with finite losses. tests/unit/runtime/test_boundary_groups.py models the deadlock on the CPU.
+with finite losses. tests/unit/runtime/test_boundary_streams.py models the deadlock on the CPU.
 """
 
 from __future__ import annotations

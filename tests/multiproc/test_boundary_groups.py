@@ -2,7 +2,7 @@
 5-rank gloo launch of a TP 2 -> 1 -> 2 pipeline: the group a stage sends forward on is the one its
 successor receives on, the backward direction is another group over the same ranks, and a step runs
 on them. (NCCL/RCCL deadlock in 1F1B when both directions share one group; gloo, which matches by
-tag, does not, so what this checks is the wiring; tests/unit/runtime/test_boundary_groups.py shows
+tag, does not, so what this checks is the wiring; tests/unit/runtime/test_boundary_streams.py shows
 the deadlock on a model of NCCL's per-group stream.) ~20 s."""
 
 from __future__ import annotations
