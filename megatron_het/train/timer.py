@@ -64,6 +64,10 @@ class EmulationTimer:
 
     def _run(self, fn: Callable[[], T]) -> tuple[T, float]:
         """Run ``fn``, wait what the emulated device would need on top; (result, wall time incl. wait)."""
+        device = self.events is not None and self.slowdown > 1.0  # a GPU: fn only launches its kernels
+        if device:  # time them on the device: the stream's earlier waits (a pipeline receive) come before start
+            start = self.events()
+            start.record()
         w0 = time.perf_counter()
         if self.host_lock is None:
             c0 = self.clock() if self.clock is not None else 0.0
@@ -72,11 +76,13 @@ class EmulationTimer:
             with self.host_lock():
                 c0 = self.clock() if self.clock is not None else 0.0
                 out = fn()
-        if self.events is not None and self.slowdown > 1.0:  # a GPU: fn only launched its kernels; time them
-            done = self.events()
-            done.record()
-            done.synchronize()
-        wall = time.perf_counter() - w0
+        if device:
+            end = self.events()
+            end.record()
+            end.synchronize()
+            wall = start.elapsed_time(end) / 1000.0  # the compute alone, stretched below
+        else:
+            wall = time.perf_counter() - w0
         if self.slowdown > 1.0:
             spent = wall if self.clock is None else self.clock() - c0
             extra = spent * self.slowdown - wall
