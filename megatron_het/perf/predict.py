@@ -550,7 +550,8 @@ def predict(plan: Plan, model: ModelSpec, cluster: ClusterSpec, *, profile: Prof
 
             red = reduce_s(params) if dp > 1 else 0.0
             tail = red
-            if dp > 1 and overlap_grad_reduce and (is_first or bucket_all_stages) and v == 1 and not bridged:
+            overlapped = dp > 1 and overlap_grad_reduce and (is_first or bucket_all_stages) and v == 1 and not bridged
+            if overlapped:
                 chunks = stage_gradient_chunks(model, cost(stage), num_layers=stage.num_layers, is_first=is_first,
                                                is_last=is_last, tp=stage.tp, tied_elsewhere=embedding > 0)
                 tail = overlapped_reduction_tail_s(chunks, backward_s=bwd_s, bucket_params=bucket_parameters(dp),
@@ -559,14 +560,16 @@ def predict(plan: Plan, model: ModelSpec, cluster: ClusterSpec, *, profile: Prof
             island = cluster.island(stage.island)
             shard = len(peers) if dist_opt else 1
             opt_params = params // shard
-            if embedding:  # its own group, after the last of its holders' backwards (its bucket is the first
-                # stage's last): not hidden, and after this stage's own reductions, which go out through
-                # the same network (one after the other in the plain synchronizer; sharing the link when
-                # overlapped)
+            if embedding:  # its own group, after the last of its holders' backwards: not hidden, and on the
+                # same network as this stage's own reductions. Overlapped, those run during the backward
+                # and the embedding's follows what is left of them; in the plain synchronizer every bucket
+                # waits for the backward and they run one after the other (grad_sync orders the buckets by
+                # their ranks: the embedding's, holding the first stages' ranks, usually comes first)
                 e_numel = model.vocab_size * model.hidden_size if embedding_reshard else embedding
                 e_red = group_reduce_s(e_numel, embedding_group)
                 red += e_red
-                end = max(end, max(t for _, t, _ in embedding_holders)) + e_red
+                e_start = max(t for _, t, _ in embedding_holders)
+                end = (max(end, e_start) if overlapped else max(start, e_start) + tail) + e_red
                 opt_params += embedding // (len(embedding_holders) if dist_opt else 1)
             opt = cluster.slowdown(stage.island) * optimizer_step_s(island.device, opt_params, profile=profile,
                                                                         precision=precision, island=stage.island)

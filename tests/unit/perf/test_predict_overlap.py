@@ -37,8 +37,11 @@ def _cluster() -> ClusterSpec:
 def test_reduction_starts_when_each_stage_ends_and_overlap_only_shortens_it():
     plan = homogeneous_plan(tp=1, pp=4, dp=4, num_layers=8, micro_batch_size=1, global_batch_size=32,
                             island="a", device_type="A100-80GB")
-    plain = predict(plan, MODEL, _cluster())
-    overlapped = predict(plan, MODEL, _cluster(), overlap_grad_reduce=True)
+    # untied: a tied embedding's group holds the first stages, so the last stage's reduction (its
+    # bucket first, test_predict_tied_embedding.py) waits for stage 0's backward like stage 0's own
+    untied = dataclasses.replace(MODEL, untie_embeddings_and_output_weights=True)
+    plain = predict(plan, untied, _cluster())
+    overlapped = predict(plan, untied, _cluster(), overlap_grad_reduce=True)
     stages = plain.replicas[0].stages
     # A later stage ends its backward before stage 0, so its reduction ends earlier than
     # pipeline end + its duration.

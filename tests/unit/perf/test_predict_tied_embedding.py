@@ -90,6 +90,10 @@ def test_the_embeddings_reduction_follows_the_stages_own_on_its_network():
     assert layers > 0.2 * group  # both are large here
     # the first stage ends the pipeline last: everything after it is exposed, the two in sequence
     assert abs(pred.gradient_reduction_s - (layers + group)) <= 1e-6 * group  # before: max(layers, group)
+    # the last stage too: its own group and the embedding's, both after the last holder's backward
+    last = pred.replicas[0].stages[1]
+    own_last = last.gradient_reduction_s - group
+    assert abs(last.gradient_reduction_end_s - (pred.pipeline_time_s + group + own_last)) <= 1e-6 * group
     # the planner's closed form prices the same sequence (checked on the layout it chooses for itself)
     estimate, planned = _estimate(2, slow)
     assert abs(estimate - planned) <= 0.03 * planned, (estimate, planned)
