@@ -7,6 +7,7 @@ its cross-island traffic. Nothing is cached here: a loaded extension lives in ``
 from __future__ import annotations
 
 import importlib
+import logging
 import os
 import shutil
 import sys
@@ -15,6 +16,8 @@ from pathlib import Path
 from types import ModuleType
 
 import torch
+
+logger = logging.getLogger(__name__)
 
 EXTENSION_NAME = "megatron_het_het_C"  # module name of both the setup.py and the JIT build
 PREBUILT_MODULE = "megatron_het._het_C"  # where setup.py puts the compiled extension
@@ -57,11 +60,21 @@ def _compile(verbose: bool) -> ModuleType:
     build_dir = jit_build_dir()
     build_dir.mkdir(parents=True, exist_ok=True)
     macros = gpu_macros()
-    # with_cuda: CUDA (or, on ROCm builds, HIP) include and library paths for the GPU branches; torch
-    # infers it from .cu sources only, and csrc/ is all .cpp
-    return cpp_extension.load(name=EXTENSION_NAME, sources=[str(s) for s in SOURCES],
-                              extra_cflags=["-O2", *macros], build_directory=str(build_dir),
-                              with_cuda=bool(macros), verbose=verbose)
+
+    def load(macros: list[str]) -> ModuleType:
+        # with_cuda: CUDA (or, on ROCm builds, HIP) include and library paths for the GPU branches; torch
+        # infers it from .cu sources only, and csrc/ is all .cpp
+        return cpp_extension.load(name=EXTENSION_NAME, sources=[str(s) for s in SOURCES],
+                                  extra_cflags=["-O2", *macros], build_directory=str(build_dir),
+                                  with_cuda=bool(macros), verbose=verbose)
+
+    if not macros:
+        return load([])
+    try:
+        return load(macros)
+    except Exception as exc:  # e.g. a CUDA toolkit this torch cannot build with: the host-only build serves
+        logger.warning("GPU build of the C++ het backend failed (%s); building it host-only", exc)
+        return load([])
 
 
 def load_extension(*, allow_jit: bool = True, verbose: bool = False) -> tuple[ModuleType | None, str]:

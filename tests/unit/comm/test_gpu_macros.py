@@ -25,3 +25,22 @@ def test_a_cuda_torch_with_a_toolkit_compiles_the_cuda_paths_without_a_gpu(monke
     assert gpu_macros() == []
     monkeypatch.setattr(torch.version, "hip", "6.2")
     assert gpu_macros() == ["-DUSE_ROCM"]
+
+
+def test_a_failed_gpu_jit_build_falls_back_to_host_only(monkeypatch, tmp_path):
+    """A CUDA toolkit the torch cannot build with: the JIT build retries without the device paths."""
+    from megatron_het.comm import extension
+
+    calls = []
+
+    def load(**kwargs):
+        calls.append(kwargs["extra_cflags"])
+        if "-DUSE_CUDA" in kwargs["extra_cflags"]:
+            raise RuntimeError("nvcc: unsupported toolkit")
+        return "module"
+
+    monkeypatch.setattr(extension, "gpu_macros", lambda: ["-DUSE_CUDA"])
+    monkeypatch.setattr(cpp_extension, "load", load)
+    monkeypatch.setenv(extension.BUILD_DIR_ENV, str(tmp_path))
+    assert extension._compile(False) == "module"
+    assert calls == [["-O2", "-DUSE_CUDA"], ["-O2"]]
