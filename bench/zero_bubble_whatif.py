@@ -82,13 +82,17 @@ def best_fill_free(model, cluster, gbs: int) -> dict:
         plan_cluster(model, cluster, global_batch_size=gbs)
     ranked = sorted(seen, key=lambda e: min(e.iteration_time_s, e.zb_iteration_time_s))
     best = None
-    for e in ranked[:20]:  # the estimate's first few, re-priced in full (memory checked by predict)
+    for e in ranked[:20]:  # the estimate's best 20 (a heuristic, not exhaustive), re-priced in full, memory checked
         plan = build_plan(cluster, e.templates, e.layer_counts, e.micro_batches, micro_batch_size=e.micro_batch_size,
                           global_batch_size=gbs, recompute=e.recompute, distributed_optimizer=True,
                           stage_recompute=e.stage_recompute)
         t, pred, busiest = bubble_free_s(plan, model, cluster)
         if pred.fits and (best is None or t < best[0]):
             best = (t, plan, e, busiest)
+    if best is None:  # the estimate's best layouts all exceed memory in full: say so, no figure
+        return {"bubble_free_s": float("inf"), "busiest_stage_compute_s": None, "past_pipeline_s": None,
+                "estimate_s": None, "gpus_used": {}, "layouts": {}, "micro_batch_size": None,
+                "search_wall_s": time.perf_counter() - t0, "note": "none of the 20 best estimates fits memory"}
     t, plan, e, busiest = best
     used = {}
     for r in plan.replicas:

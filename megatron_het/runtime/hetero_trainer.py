@@ -223,8 +223,9 @@ class PipelineStrategy:
                               "post transfers in the same micro-batch order (1f1b, gpipe, zb-h1)")
         if schedule.split_backward and self.unsplit_linears:
             logger.warning("rank %d: %s defers the weight gradients of megatron-core's local linears only; %d "
-                           "linears of this stage (e.g. %s: transformer-engine's) keep theirs in B, so W is "
-                           "smaller than the plan was priced with. Fix: --transformer-impl local, or schedule 1f1b",
+                           "linears of this stage (e.g. %s: transformer-engine's, or TP-overlap ones) keep theirs "
+                           "in B, so W is smaller than the plan was priced with. Fix: --transformer-impl local for "
+                           "transformer-engine's (TP-overlap linears always keep theirs), or schedule 1f1b",
                            role.rank, plan.schedule, len(self.unsplit_linears), self.unsplit_linears[0])
         first = replica_first_micro_batch(plan, role.replica)
         self.executor = self._executor(globalise(schedule.actions[role.stage], first),
