@@ -495,8 +495,7 @@ class Estimator:
                     start = max(start, ends[k])
                 placement = tuple(sorted(where.items()))
                 tail = self.grad_sync(placement, params, replicas=replicas, ranks_per_node=rpn)
-                overlapped = self.overlap_grad_reduce and is_first and replicas > 1
-                if overlapped:
+                if self.overlap_grad_reduce and is_first and replicas > 1:
                     c, bwd = rows[j]
                     chunks = stage_gradient_chunks(self.model, c, num_layers=n, is_first=True, is_last=is_last, tp=tp,
                                                    tied_elsewhere=embedding > 0)
@@ -510,10 +509,10 @@ class Estimator:
                 if embedding:
                     e_numel = self.model.vocab_size * self.model.hidden_size if e_reshard else embedding
                     e_tail = self.grad_sync(e_placement, e_numel, replicas=e_holders, ranks_per_node=rpn)
-                    # on the same network as the stage's own reductions (as perf.predict): after what is left
-                    # of them when overlapped, else both after the backwards, one after the other
-                    reduced = max(reduced, (max(start + tail, e_start) if overlapped else max(start, e_start) + tail)
-                                  + e_tail)
+                    # on the same network as the stage's own reductions, after what is left of them: as
+                    # perf.predict prices the overlapped forms the search also predicts for every layout
+                    # (the plain form, which runs the two one after the other, is predicted in full too)
+                    reduced = max(reduced, max(start + tail, e_start) + e_tail)
                     zb_reduced = max(zb_reduced, tail + e_tail)
                     opt_params += embedding // (e_holders if self.distributed_optimizer else 1)
                 optimizer = max(optimizer, self.optimizer_s(isl, opt_params))
