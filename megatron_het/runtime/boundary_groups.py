@@ -25,35 +25,37 @@ import torch.distributed as dist
 from megatron_het.model.groups import group_options
 from megatron_het.plan import Plan
 
-__all__ = ["Direction", "create_direction_groups", "groups_with", "pair_directions", "plan_directions"]
+__all__ = ["Direction", "create_direction_groups", "groups_with", "pair_directions", "plan_boundaries",
+           "plan_directions"]
 
 # (sender stage's ranks, receiver stage's ranks), each in TP order
 Direction = tuple[tuple[int, ...], tuple[int, ...]]
 
 
-def _both_ways(pairs: Iterable[tuple[Sequence[int], Sequence[int]]]) -> list[Direction]:
-    out: list[Direction] = []
-    for a, b in pairs:
-        for d in ((tuple(a), tuple(b)), (tuple(b), tuple(a))):
-            if d not in out:
-                out.append(d)
-    return out
-
-
-def plan_directions(plan: Plan) -> list[Direction]:
-    """Every direction of every boundary of ``plan``, in plan order (interleaving adds the last stage
-    -> stage 0 boundary of each replica). Pure: every rank gets the same list."""
-    pairs = []
-    for replica in plan.replicas:
+def plan_boundaries(plan: Plan) -> list[tuple[int, int, tuple[int, ...], tuple[int, ...]]]:
+    """(replica, upstream stage, its ranks, the downstream stage's ranks) of every boundary of ``plan``,
+    in plan order; interleaving adds each replica's last stage -> stage 0 boundary (upstream p - 1).
+    Pure: every rank gets the same list."""
+    out = []
+    for r, replica in enumerate(plan.replicas):
         p = len(replica.stages)
         for s in range(p if plan.virtual_pipeline_size > 1 and p > 1 else p - 1):
-            pairs.append((replica.stages[s].ranks, replica.stages[(s + 1) % p].ranks))
-    return _both_ways(pairs)
+            out.append((r, s, tuple(replica.stages[s].ranks), tuple(replica.stages[(s + 1) % p].ranks)))
+    return out
 
 
 def pair_directions(pairs: Iterable[tuple[Sequence[int], Sequence[int]]]) -> list[Direction]:
     """Both directions of each (upstream ranks, downstream ranks) boundary, first seen first (pure)."""
-    return _both_ways(pairs)
+    out: dict[Direction, None] = {}  # ordered and de-duplicated in one pass (thousands at scale)
+    for a, b in pairs:
+        out.setdefault((tuple(a), tuple(b)))
+        out.setdefault((tuple(b), tuple(a)))
+    return list(out)
+
+
+def plan_directions(plan: Plan) -> list[Direction]:
+    """Every direction of every boundary of ``plan`` (``plan_boundaries``), in plan order."""
+    return pair_directions((up, down) for _, _, up, down in plan_boundaries(plan))
 
 
 def create_direction_groups(directions: Sequence[Direction], *, spans_libraries, backend: str | None,

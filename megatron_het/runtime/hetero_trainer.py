@@ -41,7 +41,12 @@ from megatron_het.plan import Plan, chunk_layers
 from megatron_het.plan.validate import check_runtime_tp_grid, check_schedule, check_tp_comm_overlap
 from megatron_het.platform import Accelerator, detect_accelerator
 from megatron_het.runtime.boundary import BoundaryLink, Neighbour, order_mismatches
-from megatron_het.runtime.boundary_groups import create_direction_groups, groups_with, plan_directions
+from megatron_het.runtime.boundary_groups import (
+    create_direction_groups,
+    groups_with,
+    plan_boundaries,
+    plan_directions,
+)
 from megatron_het.runtime.comm_routing import (
     RankPlacement,
     all_reduce_world,
@@ -258,17 +263,14 @@ class PipelineStrategy:
         stages use different collective libraries and that this rank is part of. Collective: every
         rank creates every bridged boundary's group, in plan order."""
         out = {}
-        for r, replica in enumerate(self.plan.replicas):
-            p = len(replica.stages)
-            # interleaving adds the last stage -> stage 0 boundary, keyed (replica, p - 1)
-            for s in range(p if self.plan.virtual_pipeline_size > 1 and p > 1 else p - 1):
-                ranks = sorted({*replica.stages[s].ranks, *replica.stages[(s + 1) % p].ranks})
-                if not self.plan_placement.spans_libraries(ranks):
-                    continue
-                group = new_bridge_group(ranks, self.plan_placement, accelerator=self.accelerator,
-                                         timeout=self.train.group_timeout)
-                if group is not None:
-                    out[(r, s)] = group
+        for r, s, up, down in plan_boundaries(self.plan):  # interleaving's wrap boundary keyed (replica, p - 1)
+            ranks = sorted({*up, *down})
+            if not self.plan_placement.spans_libraries(ranks):
+                continue
+            group = new_bridge_group(ranks, self.plan_placement, accelerator=self.accelerator,
+                                     timeout=self.train.group_timeout)
+            if group is not None:
+                out[(r, s)] = group
         self.boundary_bridges = out
         return out
 
