@@ -27,6 +27,7 @@ from megatron_het.model.gpt import StageModelSpec
 from megatron_het.perf.flops import padded_vocab_size
 from megatron_het.plan import Plan, StagePlan, chunk_layers, rank_roles
 from megatron_het.runtime.grad_sync import Holding
+from megatron_het.runtime.stage_groups import SELF_GROUPS, STAGE_WIDE_GROUPS
 from megatron_het.runtime.tp3d_groups import tp3d_holdings
 
 __all__ = ["chunk_model_specs", "global_params", "plan_holdings", "plan_padded_vocab", "stage_holdings",
@@ -119,10 +120,6 @@ class _Placeholder:
         return self.me
 
 
-_TP_FIELDS = ("tp", "mp", "tp_cp", "tp_dp_cp", "expt_tp", "tp_ep_pp")  # the stage's TP group (stage_groups)
-_SELF_FIELDS = ("pp", "dp", "cp", "ep", "dp_cp", "embd", "pos_embd", "expt_dp")  # this rank alone
-
-
 @contextlib.contextmanager
 def _any_world() -> Iterator[None]:
     """megatron-core answers every group's size with 1 while no default group exists
@@ -163,7 +160,7 @@ def _build_meta(specs: Sequence[StageModelSpec], *, tp_rank: int, grid: tuple[in
     else:
         tp = _Placeholder(specs[0].tp, tp_rank)
     one = _Placeholder(1, 0)
-    pgc = ProcessGroupCollection(**dict.fromkeys(_TP_FIELDS, tp), **dict.fromkeys(_SELF_FIELDS, one))
+    pgc = ProcessGroupCollection(**dict.fromkeys(STAGE_WIDE_GROUPS, tp), **dict.fromkeys(SELF_GROUPS, one))
     out, config = [], None
     with _any_world(), torch.device("meta"):
         for spec in specs:

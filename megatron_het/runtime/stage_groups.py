@@ -17,6 +17,11 @@ import torch.distributed as dist
 from megatron_het.model.groups import GRID_DIMS, ensure_global_memory_buffer, group_options
 from megatron_het.plan import Plan, rank_roles
 
+# What each group of a stage's ProcessGroupCollection spans (build_stage_groups below): the stage's
+# TP ranks, or this rank alone.
+STAGE_WIDE_GROUPS = ("tp", "mp", "tp_cp", "tp_dp_cp", "expt_tp", "tp_ep_pp")
+SELF_GROUPS = ("pp", "dp", "cp", "ep", "dp_cp", "embd", "pos_embd", "expt_dp")
+
 
 def check_contiguous_stages(plan: Plan) -> None:
     """A stage's ranks must be consecutive and ascending (one HyperCommGrid block)."""
