@@ -26,13 +26,10 @@ def _het_extension() -> dict:
         from torch.utils.cpp_extension import CUDA_HOME, BuildExtension, CppExtension, CUDAExtension
     except ImportError:
         return {}
-
-    def _cuda_toolkit() -> bool:
-        return CUDA_HOME is not None
     macros = []
     if getattr(torch.version, "hip", None):
         macros.append(("USE_ROCM", None))
-    elif torch.version.cuda and _cuda_toolkit():  # a CUDA torch and a toolkit: no GPU needed to compile
+    elif torch.version.cuda and CUDA_HOME is not None:  # a CUDA torch and a toolkit: no GPU needed to compile
         macros.append(("USE_CUDA", None))
     # CUDAExtension adds the CUDA (or, on ROCm builds, HIP) include and library paths the GPU branches need
     extension = CUDAExtension if macros else CppExtension

@@ -68,13 +68,12 @@ def _compile(verbose: bool) -> ModuleType:
                                   extra_cflags=["-O2", *macros], build_directory=str(build_dir),
                                   with_cuda=bool(macros), verbose=verbose)
 
-    if not macros:
-        return load([])
-    try:
-        return load(macros)
-    except Exception as exc:  # e.g. a CUDA toolkit this torch cannot build with: the host-only build serves
-        logger.warning("GPU build of the C++ het backend failed (%s); building it host-only", exc)
-        return load([])
+    if macros:
+        try:
+            return load(macros)
+        except Exception as exc:  # e.g. a CUDA toolkit this torch cannot build with: the host-only build serves
+            logger.warning("GPU build of the C++ het backend failed (%s); building it host-only", exc)
+    return load([])
 
 
 def load_extension(*, allow_jit: bool = True, verbose: bool = False) -> tuple[ModuleType | None, str]:
