@@ -33,6 +33,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 
 from bench_record import machine, perf_commit, write_result  # noqa: E402
+from zero_bubble_whatif import best_fill_free, plan_layouts  # noqa: E402
 
 from megatron_het.cluster import ClusterSpec, load_cluster, load_model  # noqa: E402
 from megatron_het.planner import plan_cluster  # noqa: E402
@@ -109,12 +110,7 @@ def main() -> int:
                 bound_parts[isl.name] = max(alone.get(isl.name, 0.0), with_cp)
             bound = sum(bound_parts.values())
             tps, plan = tokens_per_s(model, cl, gbs)
-            used, shapes = {}, {}
-            for r in plan.replicas:
-                for st in r.stages:
-                    used[st.island] = used.get(st.island, 0) + st.tp * cp.get(st.island, 1)
-                key = " | ".join(f"{st.island.removesuffix('-pod')} TP={st.tp}" for st in r.stages)
-                shapes[key] = shapes.get(key, 0) + 1
+            used, shapes = plan_layouts(plan, cp)  # a fused device stands for c GPUs
             row = {"cluster": case["cluster"], "variant": label, "cp": cp, "tokens_per_s": tps,
                    "bound_same_batch": bound, "bound_without_cp": case["upper_bound_same_batch"],
                    "bound_parts": bound_parts, "ratio_same_batch": tps / case["upper_bound_same_batch"],
@@ -128,8 +124,6 @@ def main() -> int:
                   flush=True)
     # Issue #19's own case with both what-ifs at once: CP (as above) and a schedule without fill
     # (bench/zero_bubble_whatif.py's search), against the bound without CP.
-    from zero_bubble_whatif import best_fill_free
-
     tangram = next(c for c in efficiency["multi_type"] if c["model"] == "llama2-7b"
                    and c["cluster"] == "tangram-1024.yaml")
     both = []

@@ -94,18 +94,24 @@ def best_fill_free(model, cluster, gbs: int) -> dict:
                 "estimate_s": None, "gpus_used": {}, "layouts": {}, "micro_batch_size": None,
                 "search_wall_s": time.perf_counter() - t0, "note": "none of the 20 best estimates fits memory"}
     t, plan, e, busiest = best
-    used = {}
-    for r in plan.replicas:
-        for st in r.stages:
-            used[st.island] = used.get(st.island, 0) + st.tp
-    shapes = {}
-    for r in plan.replicas:
-        key = " | ".join(f"{st.island.removesuffix('-pod')} TP={st.tp}" for st in r.stages)
-        shapes[key] = shapes.get(key, 0) + 1
+    used, shapes = plan_layouts(plan)
     return {"bubble_free_s": t, "busiest_stage_compute_s": busiest, "past_pipeline_s": t - busiest,
             "estimate_s": min(e.iteration_time_s, e.zb_iteration_time_s),
             "gpus_used": used, "layouts": shapes, "micro_batch_size": plan.micro_batch_size,
             "search_wall_s": time.perf_counter() - t0}
+
+
+def plan_layouts(plan, gpus_per_rank=None) -> tuple[dict[str, int], dict[str, int]]:
+    """(GPUs used per island, replica layout -> how many replicas have it) of ``plan``;
+    ``gpus_per_rank``: island -> GPUs each of its ranks stands for (None: 1)."""
+    used: dict[str, int] = {}
+    shapes: dict[str, int] = {}
+    for r in plan.replicas:
+        for st in r.stages:
+            used[st.island] = used.get(st.island, 0) + st.tp * (gpus_per_rank or {}).get(st.island, 1)
+        key = " | ".join(f"{st.island.removesuffix('-pod')} TP={st.tp}" for st in r.stages)
+        shapes[key] = shapes.get(key, 0) + 1
+    return used, shapes
 
 
 def main() -> int:
