@@ -44,12 +44,16 @@ class StageModelSpec:
 
 
 def transformer_config(spec: StageModelSpec, *, pp: int = 1, deterministic: bool = True,
-                       cpu_initialization: bool = True):
+                       cpu_initialization: bool = True, initialize: bool = True):
     """megatron-core TransformerConfig for a stage (dropout off when deterministic: parity tests).
 
     ``cpu_initialization``: the full weight initialised on the host then split (same values for any
-    TP; the CPU path); False on GPUs, where megatron-core initialises each shard on the current device."""
+    TP; the CPU path); False on GPUs, where megatron-core initialises each shard on the current device.
+    ``initialize`` False: megatron-core allocates the parameters without drawing values (the trainers
+    load every value afterwards: runtime/initial_values.py or a checkpoint's). The output projections'
+    scaled init uses the whole model's layer count (Megatron-LM's), not the stage's."""
     from megatron.core.transformer.transformer_config import TransformerConfig
+    from megatron.core.utils import scaled_init_method_normal
 
     m = spec.model
     kwargs = dict(
@@ -68,6 +72,7 @@ def transformer_config(spec: StageModelSpec, *, pp: int = 1, deterministic: bool
         attention_dropout=0.0 if deterministic else 0.1,
         bf16=spec.params_dtype == torch.bfloat16,
         fp16=spec.params_dtype == torch.float16,
+        perform_initialization=initialize,
     )
     if m.swiglu:
         kwargs.update(gated_linear_unit=True, activation_func=F.silu, add_bias_linear=False,
@@ -77,7 +82,10 @@ def transformer_config(spec: StageModelSpec, *, pp: int = 1, deterministic: bool
                       recompute_num_layers=min(spec.recompute_num_layers, spec.num_layers))
     elif spec.recompute:
         kwargs.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
-    return TransformerConfig(**kwargs)
+    config = TransformerConfig(**kwargs)
+    # megatron-core scales by config.num_layers, the stage's here: the whole model's, as Megatron-LM
+    config.output_layer_init_method = scaled_init_method_normal(config.init_method_std, m.num_layers)
+    return config
 
 
 TRANSFORMER_IMPLS = ("local", "transformer_engine")

@@ -22,7 +22,7 @@ Per iteration, for every bucket (one group of holders):
    writes its block into its model parameter (cast to bf16/fp16 in mixed precision).
 
 The object plays the parts of both the runtime's gradient synchronizer and its torch optimizer
-(``reduce``, ``grad_norm_sq_local``, ``scale_grads``, ``synchronize_values``, ``owned``, ``local``;
+(``reduce``, ``grad_norm_sq_local``, ``scale_grads``, ``owned``, ``local``;
 ``param_groups``, ``zero_grad``, ``step``), so the strategy's iteration is unchanged.
 """
 
@@ -298,14 +298,6 @@ class DistributedOptimizer:
     def scale_grads(self, coeff: float | torch.Tensor) -> None:
         """Clipping: scale the reduced gradient pieces."""
         self.shard_grad.mul_(coeff)
-
-    @torch.no_grad()
-    def synchronize_values(self) -> None:
-        """Every holder takes the owners' values (the norm's owners), and the fp32 pieces start from them."""
-        self.adam.master = self._reduce_scatter(
-            lambda n: self.params[n].detach() if (n, self.rank) in self.owned else None)
-        self._all_gather_into(self.adam.master, self._write_params)
-        self._release_master()
 
     # ---- optimizer interface ------------------------------------------------------------------
     def zero_grad(self, set_to_none: bool = False) -> None:

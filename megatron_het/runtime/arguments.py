@@ -68,6 +68,9 @@ FLAGS = (
     Flag("--save", "loop.save"),
     Flag("--load", "loop.load"),
     *(Flag(f"--{f.replace('_', '-')}", f"loop.{f}", int) for f in ("save_interval", "eval_interval", "eval_iters")),
+    Flag("--check-weight-hash-across-dp-replicas-interval", "loop.check_weight_hash_interval", int,
+         "iterations between checks that every holder of each parameter (replicas of any layout, TP peers, tied "
+         "copies) holds the same value; also before the first step (default: never)"),
     Flag("--tensorboard-dir", "tensorboard.log_dir", help="write TensorBoard event files here (rank 0 writes)"),
     Flag("--tensorboard-log-interval", "tensorboard.log_interval", int, "iterations between TensorBoard points"),
     Flag("--tensorboard-queue-size", "tensorboard.queue_size", int, "events buffered before a write to disk"),

@@ -286,22 +286,6 @@ class GradientSynchronizer:
                 g.copy_(_slice(flat[offset:offset + n].view(h.full_shape), h))
             offset += n
 
-    @torch.no_grad()
-    def synchronize_values(self) -> None:
-        """Give every holder of a parameter its owners' values (the same owners as the gradient
-        norm's): one reduction of the owners' values with zeros elsewhere. Stages seeded apart,
-        replicas of other layouts and the last stage's copy of a tied embedding then start equal."""
-        if self._grads is not None:  # reduce() would read those, not the values written into .grad here
-            raise RuntimeError("synchronize_values reduces through the parameters' .grad; this synchronizer "
-                               "reduces the separate gradients it was given (grads=)")
-        saved = {name: p.grad for name, p in self.params.items()}
-        for name, p in self.params.items():
-            p.grad = p.detach().clone() if (name, self.rank) in self.owned else torch.zeros_like(p)
-        self.reduce()
-        for name, p in self.params.items():
-            p.copy_(p.grad)
-            p.grad = saved[name]
-
     def scale_grads(self, coeff: float | torch.Tensor) -> None:
         """Clipping: scale every gradient the optimizer will read."""
         for name in self.local:

@@ -64,6 +64,7 @@ from megatron_het.runtime.holdings import (
     stage_holdings,
     stage_model_spec,
 )
+from megatron_het.runtime.initial_values import SeededFullState
 from megatron_het.runtime.megatron_trainer import split_tokens
 from megatron_het.runtime.mixed_precision import LossScaler, MainParams, params_dtype, wrap_float16
 from megatron_het.runtime.split_backward import WeightGradStore, install_split_linears, unsplit_linears
@@ -141,7 +142,8 @@ class PipelineStrategy:
         self.stage = stage_model_spec(model, plan, self.stage_plan, is_first=self.is_first, is_last=self.is_last,
                                       vocab_size=padded_vocab or plan_padded_vocab(model, plan),
                                       params_dtype=params_dtype(train.precision), transformer_impl=train.transformer_impl)
-        self.config = transformer_config(self.stage, cpu_initialization=not acc.is_gpu)
+        # no values drawn at construction: every one comes from init_values below (or a checkpoint's)
+        self.config = transformer_config(self.stage, cpu_initialization=not acc.is_gpu, initialize=False)
         self.tied = not model.untie_embeddings_and_output_weights
         self.overlap_report = None  # comm.overlap_megatron.OverlapReport when the stage overlaps
         # model chunks (virtual pipeline size V): chunk c holds layers chunk_ranges[c] (the plan's, uneven
@@ -153,12 +155,16 @@ class PipelineStrategy:
         self.layer_window: tuple[int, int] | None = None  # local decoder layers the next forward runs (None: all)
         self.staggered_step = False  # step right after this stage's own gradient reduction (needs clip_grad 0)
         self.gpt = self._build_model()
-        if init_full_state is not None and self.grid_groups is not None:  # 3D stages have one chunk
-            load_grid_full_state(self.gpt, init_full_state, layer_offset=role.layers[0], grid=self.stage_plan.tp_grid,
+        # a fresh run's values are slices of one seeded full model, the same under every plan
+        # (runtime/initial_values.py): every holder of a parameter starts with the same value
+        init_values = init_full_state if init_full_state is not None else SeededFullState(
+            model, seed=train.seed, padded_vocab=self.stage.vocab_size)
+        if self.grid_groups is not None:  # 3D stages have one chunk
+            load_grid_full_state(self.gpt, init_values, layer_offset=role.layers[0], grid=self.stage_plan.tp_grid,
                                  grid_rank=role.tp_rank, tied=self.tied)
-        elif init_full_state is not None:
+        else:
             for gpt, (first, _) in zip(self.gpts, self.chunk_ranges):
-                load_full_state(gpt, init_full_state, layer_offset=first, tp_rank=role.tp_rank,
+                load_full_state(gpt, init_values, layer_offset=first, tp_rank=role.tp_rank,
                                 tp_size=role.tp_size, tied=self.tied, gated=model.swiglu)
         if self.overlap_report is not None and role.tp_rank == 0:
             logger.info("rank %d (replica %d stage %d): %s", role.rank, role.replica, role.stage,
@@ -172,10 +178,6 @@ class PipelineStrategy:
         self.plan_rank = role.rank  # this rank in ``plan`` (role.rank changes when the world is rebuilt)
         self.plan_placement = self.placement = placement
         self.sync = self._gradient_synchronizer()
-        if init_full_state is None:  # stages are seeded apart: every copy of a parameter starts from one value
-            self.sync.synchronize_values()
-            if self.main is not None:
-                self.main.copy_to_model()
         for ranks, kind in self.sync.routes:
             if kind != "native":
                 logger.info("rank %d: gradient group %s spans collective libraries %s -> %s", role.rank,
@@ -297,7 +299,8 @@ class PipelineStrategy:
         self.unsplit_linears: list[str] = []  # linears whose W a split-backward schedule cannot defer
         v = self.num_chunks
         for spec in chunk_model_specs(self.stage, self.chunk_ranges):
-            config = self.config if v == 1 else transformer_config(spec, cpu_initialization=not self.accelerator.is_gpu)
+            config = self.config if v == 1 else transformer_config(spec, cpu_initialization=not self.accelerator.is_gpu,
+                                                                   initialize=False)
             if self.grid_groups is not None:  # a 3D stage (check_runtime_tp_grid: one chunk only)
                 gpt = build_tp3d_gpt_stage(spec, config, self.pgc, self.grid_groups,
                                            micro_batch_size=self.train.micro_batch_size, device=self.device)
@@ -408,6 +411,9 @@ class PipelineStrategy:
         return stage_holdings(self.params, rank=role.rank, stage_key=(role.replica, role.stage), tp_rank=role.tp_rank,
                               tp_size=role.tp_size, gated=self.model_spec.swiglu,
                               sequence_parallel=self.config.sequence_parallel, grid=self.stage_plan.tp_grid)
+
+    def weight_holdings(self) -> tuple[list[Holding], dict[str, torch.nn.Parameter]]:
+        return self.holdings(), self.params
 
     # ---- one iteration ----------------------------------------------------------------------
     def step(self, iteration: int, *, lr: float, timer: EmulationTimer, on_action: ActionHook | None) -> StepResult:

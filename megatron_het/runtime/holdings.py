@@ -165,7 +165,7 @@ def _build_meta(specs: Sequence[StageModelSpec], *, tp_rank: int, grid: tuple[in
     with _any_world(), torch.device("meta"):
         for spec in specs:
             # no initial values (shapes only): host path, no device RNG, no init kernels on meta
-            config = dataclasses.replace(transformer_config(spec), perform_initialization=False)
+            config = transformer_config(spec, initialize=False)
             if grid_groups is not None:
                 out.append(build_tp3d_gpt_stage(spec, config, pgc, grid_groups, micro_batch_size=micro_batch_size))
             else:

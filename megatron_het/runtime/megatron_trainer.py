@@ -18,6 +18,7 @@ from megatron_het.cluster import ModelSpec
 from megatron_het.model.gpt import StageModelSpec, build_gpt_stage, transformer_config
 from megatron_het.model.groups import BlockShape, block_process_groups
 from megatron_het.perf.flops import padded_vocab_size
+from megatron_het.runtime.initial_values import SeededFullState
 from megatron_het.runtime.mixed_precision import params_dtype, wrap_float16
 from megatron_het.train.config import TrainConfig
 from megatron_het.train.strategy import ActionHook, BatchFn, IterationLog, RunResult, StepResult
@@ -80,13 +81,15 @@ class MegatronStrategy:
                                     pre_process=pp_rank == 0, post_process=pp_rank == shape.pp - 1,
                                     vocab_size=padded_vocab or padded_vocab_size(model.vocab_size, tp=shape.tp),
                                     params_dtype=params_dtype(train.precision))
-        config = transformer_config(self.stage, pp=shape.pp)
+        config = transformer_config(self.stage, pp=shape.pp, initialize=False)
         self.gpt = build_gpt_stage(self.stage, config, pgc)
         self.layer_offset = self.gpt.decoder.layers[0].layer_number - 1 if len(self.gpt.decoder.layers) else 0
         self.tied = not model.untie_embeddings_and_output_weights
-        if init_full_state is not None:
-            load_full_state(self.gpt, init_full_state, layer_offset=self.layer_offset, tp_rank=self.tp_rank,
-                            tp_size=shape.tp, tied=self.tied, gated=model.swiglu)
+        # a fresh run: slices of the seeded full model, as under every other strategy (initial_values.py)
+        init_values = init_full_state if init_full_state is not None else SeededFullState(
+            model, seed=train.seed, padded_vocab=self.stage.vocab_size)
+        load_full_state(self.gpt, init_values, layer_offset=self.layer_offset, tp_rank=self.tp_rank,
+                        tp_size=shape.tp, tied=self.tied, gated=model.swiglu)
         # Megatron-LM's --bf16/--fp16: Float16Module, fp32 gradient buffers, Float16OptimizerWithFloat16Params
         module = wrap_float16(config, self.gpt) if train.precision != "fp32" else self.gpt
         self.ddp = DistributedDataParallel(config, DistributedDataParallelConfig(grad_reduce_in_fp32=True),

@@ -48,6 +48,7 @@ from megatron_het.plan import ShardedPlan
 from megatron_het.platform import Accelerator, detect_accelerator
 from megatron_het.runtime.comm_routing import all_reduce_world
 from megatron_het.runtime.group_ledger import GroupLedger
+from megatron_het.runtime.initial_values import SeededFullState
 from megatron_het.runtime.megatron_trainer import split_tokens
 from megatron_het.runtime.mixed_precision import LossScaler, MainGrads, params_dtype, wrap_float16
 from megatron_het.sharding.budget import check_budget
@@ -122,13 +123,15 @@ class ShardedStrategy:
                                     vocab_size=padded_vocab or padded_vocab_size(model.vocab_size, tp=1),
                                     recompute=self.share.recompute, transformer_impl=train.transformer_impl,
                                     params_dtype=params_dtype(train.precision))
-        self.config = transformer_config(self.stage, cpu_initialization=not acc.is_gpu)
+        self.config = transformer_config(self.stage, cpu_initialization=not acc.is_gpu, initialize=False)
         self.gpt = build_gpt_stage(self.stage, self.config, self.pgc, device=self.device)
         # bf16: Megatron's Float16Module (bf16 weights and activations, fp32 per-token losses)
         self.module = wrap_float16(self.config, self.gpt) if train.precision != "fp32" else self.gpt
         self.tied = not model.untie_embeddings_and_output_weights
-        if init_full_state is not None:
-            load_full_state(self.gpt, init_full_state, layer_offset=0, tp_rank=0, tp_size=1, tied=self.tied)
+        # a fresh run: the seeded full model, the same as under pipeline plans (runtime/initial_values.py)
+        init_values = init_full_state if init_full_state is not None else SeededFullState(
+            model, seed=train.seed, padded_vocab=self.stage.vocab_size)
+        load_full_state(self.gpt, init_values, layer_offset=0, tp_rank=0, tp_size=1, tied=self.tied)
 
         named = [(global_name(n, 0), p) for n, p in self.gpt.named_parameters()]
         self.params = dict(named)
@@ -243,6 +246,13 @@ class ShardedStrategy:
         """Current weights as full global-named tensors (every rank holds them whole)."""
         return {n: Shard(tensor=p.detach().clone(), partition_dim=None, tp_rank=0, tp_size=1)
                 for n, p in self.params.items()}
+
+    def weight_holdings(self):
+        """Every rank holds every parameter whole (TP = 1): one holding per parameter, its own stage."""
+        from megatron_het.runtime.holdings import stage_holdings
+
+        return stage_holdings(self.params, rank=self.rank, stage_key=(self.rank, 0), tp_rank=0, tp_size=1,
+                              gated=False, sequence_parallel=False), self.params
 
     def summary_lines(self, logs: Sequence[IterationLog]) -> list[str]:
         """Every rank's time split, gathered; one line per rank (ms per iteration) on rank 0."""

@@ -131,9 +131,13 @@ class LoopConfig:
     save: str | None = None  # checkpoint directory written at the end (and every save_interval)
     save_interval: int = 0  # iterations between intermediate saves; 0: only at the end
     load: str | None = None  # checkpoint directory to resume from (its latest iteration)
+    # iterations between checks that every holder of a parameter holds the same value (Megatron-LM's
+    # --check-weight-hash-across-dp-replicas-interval, here over every holder: replicas of any layout,
+    # TP peers of replicated parameters, tied copies); also checked before the first step; 0: never
+    check_weight_hash_interval: int = 0
 
     def __post_init__(self) -> None:
-        for name in ("eval_interval", "eval_iters", "save_interval"):
+        for name in ("eval_interval", "eval_iters", "save_interval", "check_weight_hash_interval"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
 

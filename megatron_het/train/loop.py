@@ -61,6 +61,15 @@ class PretrainResult:
     validation: tuple[tuple[int, float], ...]  # (iteration, validation loss) at each eval_interval
 
 
+def check_weights(trainer: Trainer, when: str) -> None:
+    """Every holder of each parameter holds the same value (collective; raises on every rank if not)."""
+    from megatron_het.runtime.consistency import check_holders_agree
+
+    local, params = trainer.strategy.weight_holdings()
+    cells = check_holders_agree(local, params, context=f"weight check {when}: ")
+    print_rank0(f"weight check {when}: every holder agrees ({cells} parameter cells compared)")
+
+
 def train_loop(trainer: Trainer, *, loop: LoopConfig, seq_length: int, valid_fn: BatchFn | None,
                on_validation: Callable[[int, float], None] | None = None,
                tokenizer_model: str | None = None) -> PretrainResult:
@@ -102,9 +111,13 @@ def train_loop(trainer: Trainer, *, loop: LoopConfig, seq_length: int, valid_fn:
                 on_validation(it, loss)
             print_rank0(f" validation loss at iteration {it} | lm loss value: {loss:.6E} | "
                         f"lm loss PPL: {math.exp(min(loss, 700.0)):.3f}")
+        if loop.check_weight_hash_interval and it % loop.check_weight_hash_interval == 0:
+            check_weights(trainer, f"after iteration {it}")
         if loop.save and loop.save_interval and it % loop.save_interval == 0 and it < train.train_iters:
             print_rank0(f"saved checkpoint {trainer.save_checkpoint(loop.save, tokenizer_model=tokenizer_model)}")
 
+    if loop.check_weight_hash_interval:
+        check_weights(trainer, "at start" if trainer.iteration == 0 else f"after loading iteration {trainer.iteration}")
     if trainer.iteration > 0:  # resumed: the data continues where the checkpoint's run stopped
         print_rank0(f"resuming data at consumed samples {trainer.consumed_samples} (iteration {trainer.iteration}, "
                     f"global batch size {train.global_batch_size})")

@@ -116,5 +116,9 @@ class Strategy(Protocol):
     # Current parameters as global-named shards.
     def shards(self) -> Shards: ...
 
+    # What this rank holds of each full parameter (runtime/grad_sync.Holding) and the tensors the
+    # forward reads, by global name: the input of the holders' consistency check (runtime/consistency.py).
+    def weight_holdings(self) -> tuple[Sequence, Mapping[str, torch.Tensor]]: ...
+
     # Where the time went over ``logs``: the lines on global rank 0, [] elsewhere.
     def summary_lines(self, logs: Sequence[IterationLog]) -> list[str]: ...
