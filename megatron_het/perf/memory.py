@@ -219,13 +219,28 @@ def microbatches_in_flight(*, stage: int, pipeline_size: int, num_microbatches: 
     return min(warmup + 1, num_microbatches * virtual_stages)
 
 
+def plan_chunk_sizes(plan, replica, stage: int) -> tuple[int, ...] | None:
+    """Layers of each model chunk of ``replica``'s stage ``stage`` under an interleaved ``plan`` (the
+    plan's uneven chunk_layers, else an even split); None without virtual stages."""
+    if plan.virtual_pipeline_size == 1:
+        return None
+    from megatron_het.plan import chunk_layers
+
+    return tuple(b - a for a, b in chunk_layers(replica, plan.virtual_pipeline_size)[stage])
+
+
 def stage_memory(model: ModelSpec, *, num_layers: int, is_first: bool, is_last: bool, micro_batch_size: int,
                  microbatches_in_flight: int, tp: int = 1, dp: int = 1, seq_length: int | None = None,
                  sequence_parallel: bool = False, recompute: Recompute = "none",
                  distributed_optimizer: bool = True, virtual_stages: int = 1, flash_attention: bool = False,
                  overhead_bytes: int = DEFAULT_OVERHEAD_BYTES, precision: str = "bf16",
-                 dropout: bool = True, fused_softmax: bool = True, recompute_num_layers: int = 0) -> StageMemory:
+                 dropout: bool = True, fused_softmax: bool = True, recompute_num_layers: int = 0,
+                 chunk_sizes: tuple[int, ...] | None = None) -> StageMemory:
     """Peak bytes on one rank of a stage of ``num_layers`` layers.
+
+    ``chunk_sizes``: the layers of each of the stage's ``virtual_stages`` chunks when a plan splits
+    them unevenly (StagePlan.chunk_layers); each in-flight chunk micro-batch is then charged the
+    largest chunk's layers (an upper bound: which chunk a micro-batch in flight belongs to is left out).
 
     ``microbatches_in_flight`` comes from :func:`microbatches_in_flight` (chunk micro-batches when
     ``virtual_stages > 1``; each then holds ``num_layers / virtual_stages`` layers). The first and
@@ -238,7 +253,11 @@ def stage_memory(model: ModelSpec, *, num_layers: int, is_first: bool, is_last: 
     weight_b, grad_b, opt_b = state_bytes(precision)
     if isinstance(dp, bool) or not isinstance(dp, int) or dp < 1:
         raise ConfigError("must be an integer >= 1", field="dp", value=dp, fix="pass the number of replicas (>= 1)")
-    if virtual_stages < 1 or num_layers % virtual_stages:
+    if chunk_sizes is not None and (len(chunk_sizes) != virtual_stages or sum(chunk_sizes) != num_layers):
+        raise ConfigError(f"{len(chunk_sizes)} chunks of {sum(chunk_sizes)} layers for virtual_stages={virtual_stages} "
+                          f"and num_layers={num_layers}", field="chunk_sizes", value=list(chunk_sizes),
+                          fix="give one layer count per virtual stage, adding up to the stage's layers")
+    if virtual_stages < 1 or (chunk_sizes is None and num_layers % virtual_stages):
         raise ConfigError(f"num_layers={num_layers} does not split into virtual_stages={virtual_stages} chunks",
                           field="virtual_stages", value=virtual_stages,
                           fix="use a number of virtual stages that divides the stage's layer count")
@@ -255,7 +274,7 @@ def stage_memory(model: ModelSpec, *, num_layers: int, is_first: bool, is_last: 
                                            flash_attention=flash_attention, precision=precision, dropout=dropout,
                                            fused_softmax=fused_softmax)
     # Layer-micro-batches alive at the peak: chunk micro-batches x layers per chunk.
-    chunk = num_layers // virtual_stages
+    chunk = max(chunk_sizes) if chunk_sizes is not None else num_layers // virtual_stages
     recomputed = min(recompute_num_layers, chunk) if recompute != "none" and recompute_num_layers > 0 else chunk
     activations = microbatches_in_flight * recomputed * per_layer
     if recomputed < chunk:  # block method: the chunk's later layers store everything
@@ -323,7 +342,8 @@ def optimizer_shard_weights(model: ModelSpec, plan, *, precision: str | None = N
                                tp=st.tp, sequence_parallel=plan.sequence_parallel,
                                recompute="full" if st.recompute else "none", distributed_optimizer=False,
                                virtual_stages=v, precision=precision, recompute_num_layers=st.recompute_num_layers,
-                               dropout=False, fused_softmax=not CATALOG[st.device_type].is_host)  # as rank_memory
+                               dropout=False, fused_softmax=not CATALOG[st.device_type].is_host,  # as rank_memory
+                               chunk_sizes=plan_chunk_sizes(plan, replica, i))
             copies = mem.gradients_bytes if plan.overlap_grad_reduce else 0  # runtime/overlap_grad.py's packed buckets
             free = capacity - (mem.total_bytes - mem.optimizer_bytes) - copies
             for r in st.ranks:
@@ -446,6 +466,7 @@ def rank_memory(model: ModelSpec, plan, rank: int, *, precision: str | None = No
                        sequence_parallel=plan.sequence_parallel, recompute="full" if st.recompute else "none",
                        virtual_stages=plan.virtual_pipeline_size, precision=precision, overhead_bytes=0,
                        dropout=dropout, fused_softmax=not (st.device_type in CATALOG and CATALOG[st.device_type].is_host),
-                       recompute_num_layers=st.recompute_num_layers).activations_bytes
+                       recompute_num_layers=st.recompute_num_layers,
+                       chunk_sizes=plan_chunk_sizes(plan, replica, i)).activations_bytes
     return StageMemory(parameters_bytes=weight_b * params, gradients_bytes=grad_b * params,
                        optimizer_bytes=int(round(optimizer)), activations_bytes=act, overhead_bytes=0)

@@ -69,6 +69,7 @@ from megatron_het.perf.memory import (
     activation_element_bytes,
     device_capacity_bytes,
     microbatches_in_flight,
+    plan_chunk_sizes,
     stage_memory,
     state_bytes,
 )
@@ -733,7 +734,8 @@ def plan_stage_memory(plan: Plan, r: ReplicaPlan, i: int, model: ModelSpec, clus
                        flash_attention=(not cluster.island(st.island).device.is_host
                                         if flash_attention is None else flash_attention),
                        virtual_stages=v, recompute_num_layers=(st.recompute_num_layers if recompute_num_layers is None
-                                                               else recompute_num_layers))
+                                                               else recompute_num_layers),
+                       chunk_sizes=plan_chunk_sizes(plan, r, i))
     if plan.overlap_grad_reduce and dp > 1:
         # the runtime's overlapped buckets (runtime/overlap_grad.py) pack each bucket's gradients into a
         # flat buffer at launch and keep it until reduce() unpacks it after the backward: at the peak every
