@@ -20,24 +20,11 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from megatron_het.runtime.grad_sync import Holding, _slice
+from megatron_het.runtime.grad_sync import Holding, held_indices
 
-__all__ = ["HolderMismatch", "WeightMismatchError", "cell_grid", "check_holders_agree", "held_indices"]
+__all__ = ["HolderMismatch", "WeightMismatchError", "cell_grid", "check_holders_agree"]
 
 Cell = tuple[tuple[int, int], ...]  # [start, stop) per dim of the full tensor
-
-
-def held_indices(h: Holding) -> list[torch.Tensor]:
-    """Per dim of the full tensor, the full indices ``h`` holds, in its local order (its piece is
-    the product of these sets: a slice, a gated pair of slices, a 3D block). Pure: the holder's
-    view (``grad_sync._slice``, the one definition of where a piece sits) of an index tensor."""
-    out = []
-    for d, n in enumerate(h.full_shape):
-        shape = [1] * len(h.full_shape)
-        shape[d] = n
-        view = _slice(torch.arange(n).view(shape).expand(h.full_shape), h)
-        out.append(view[tuple(slice(None) if i == d else 0 for i in range(view.dim()))].reshape(-1))
-    return out
 
 
 def _cuts(indices: torch.Tensor, n: int) -> set[int]:

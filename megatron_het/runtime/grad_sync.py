@@ -198,6 +198,19 @@ def _grid_slice(full: torch.Tensor, h: Holding) -> torch.Tensor:
     return slice_full(full, h.partition_dim, y, gy, h.glu)
 
 
+def held_indices(h: Holding) -> list[torch.Tensor]:
+    """Per dim of the full tensor, the full indices ``h`` holds, in its local order (its piece is
+    the product of these sets: a slice, a gated pair of slices, a 3D block). Pure: the holder's
+    view (``grad_sync._slice``, the one definition of where a piece sits) of an index tensor."""
+    out = []
+    for d, n in enumerate(h.full_shape):
+        shape = [1] * len(h.full_shape)
+        shape[d] = n
+        view = _slice(torch.arange(n).view(shape).expand(h.full_shape), h)
+        out.append(view[tuple(slice(None) if i == d else 0 for i in range(view.dim()))].reshape(-1))
+    return out
+
+
 def _write(full: torch.Tensor, local: torch.Tensor, h: Holding) -> None:
     if h.grid is not None:
         if grid_index(h.name, tuple(full.shape), h.grid, h.tp_rank, h.glu) is None and h.partition_dim is not None:

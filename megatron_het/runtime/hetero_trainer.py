@@ -64,7 +64,7 @@ from megatron_het.runtime.holdings import (
     stage_holdings,
     stage_model_spec,
 )
-from megatron_het.runtime.initial_values import SeededFullState
+from megatron_het.runtime.initial_values import SeededFullState, load_seeded
 from megatron_het.runtime.megatron_trainer import split_tokens
 from megatron_het.runtime.mixed_precision import LossScaler, MainParams, params_dtype, wrap_float16
 from megatron_het.runtime.split_backward import WeightGradStore, install_split_linears, unsplit_linears
@@ -155,23 +155,24 @@ class PipelineStrategy:
         self.layer_window: tuple[int, int] | None = None  # local decoder layers the next forward runs (None: all)
         self.staggered_step = False  # step right after this stage's own gradient reduction (needs clip_grad 0)
         self.gpt = self._build_model()
-        # a fresh run's values are slices of one seeded full model, the same under every plan
-        # (runtime/initial_values.py): every holder of a parameter starts with the same value
-        init_values = init_full_state if init_full_state is not None else SeededFullState(
-            model, seed=train.seed, padded_vocab=self.stage.vocab_size)
-        if self.grid_groups is not None:  # 3D stages have one chunk
-            load_grid_full_state(self.gpt, init_values, layer_offset=role.layers[0], grid=self.stage_plan.tp_grid,
-                                 grid_rank=role.tp_rank, tied=self.tied)
+        self.params = self.named_global_params()
+        if init_full_state is None:
+            # a fresh run: this rank's pieces of one seeded full model, the same under every plan
+            # (runtime/initial_values.py), so every holder of a parameter starts with the same value
+            load_seeded(self.params, self.holdings(), SeededFullState(model, seed=train.seed,
+                                                                       padded_vocab=self.stage.vocab_size))
+        elif self.grid_groups is not None:  # 3D stages have one chunk
+            load_grid_full_state(self.gpt, init_full_state, layer_offset=role.layers[0],
+                                 grid=self.stage_plan.tp_grid, grid_rank=role.tp_rank, tied=self.tied)
         else:
             for gpt, (first, _) in zip(self.gpts, self.chunk_ranges):
-                load_full_state(gpt, init_values, layer_offset=first, tp_rank=role.tp_rank,
+                load_full_state(gpt, init_full_state, layer_offset=first, tp_rank=role.tp_rank,
                                 tp_size=role.tp_size, tied=self.tied, gated=model.swiglu)
         if self.overlap_report is not None and role.tp_rank == 0:
             logger.info("rank %d (replica %d stage %d): %s", role.rank, role.replica, role.stage,
                         self.overlap_report.describe())
         self.total_micro_batches = sum(r.num_micro_batches for r in plan.replicas)
 
-        self.params = self.named_global_params()
         # mixed precision: fp32 main parameters/gradients the synchronizer, norm and optimizer use
         self.main = MainParams(self.params) if train.precision != "fp32" else None
         self.scaler = LossScaler(train, self.device) if train.fp16 else None

@@ -1,35 +1,40 @@
 """Plan-independent initial values: one seed gives one full model, whatever the plan.
 
-Every parameter of the full model (global names, ``checkpoint/full_state.py``) is drawn whole on
-the host from a generator seeded by the run's seed and the parameter's name, with the
-initialisation megatron-core's TransformerConfig of the *whole* model prescribes (``init_method``,
-``output_layer_init_method`` scaled by the model's total layer count, ``embedding_init_method``;
-norms at one, biases at zero). Each rank then takes its slice through the same loader that places a
-checkpoint's full tensors (``load_full_state``), so shards of any plan (TP/PP/DP, uneven layers,
-mixed TP, sharded plans, 3D TP, interleaved chunks) are slices of one model and every holder of a
-parameter starts with the same value: no start-up synchronisation is needed, and none can miss a
-holder. The rows of a padded vocabulary beyond the tokenizer's come from a seed of their own, so
-the real rows do not depend on the padding a plan's TP sizes ask for.
+Every parameter of the full model (global names, ``checkpoint/full_state.py``) is defined tile by
+tile: a tile of a fixed shape is drawn on the host from a generator seeded by the run's seed, the
+parameter's name and the tile's index, with the initialisation megatron-core's TransformerConfig of
+the *whole* model prescribes (``init_method``, ``output_layer_init_method`` scaled by the model's
+total layer count, ``embedding_init_method``; norms at one, biases at zero). A rank draws only the
+tiles its piece overlaps (``SeededFullState.local``: a TP shard, a gated pair of halves, a 3D
+block), so shards of any plan (TP/PP/DP, uneven layers, mixed TP, sharded plans, 3D TP,
+interleaved chunks) are slices of one model and every holder of a parameter starts with the same
+value: no start-up synchronisation is needed, and none can miss a holder.
 
-Drawing on the host (not the device) keeps the values identical on NVIDIA and AMD islands (their
-device generators are not promised to agree) and is what Megatron-LM's ``--use-cpu-initialization``
-does; each rank draws only the full tensors it holds a piece of, one at a time.
+Why tiles of a fixed shape: a value then depends on its position only, never on the tensor's extent,
+so the rows of a padded vocabulary that the tokenizer uses are the same whatever padding a plan's TP
+sizes ask for; and a rank of a large model draws its shard, not every full tensor it holds a piece of
+(tiles run on a thread pool). Why on the host: NVIDIA and AMD islands get identical values (their
+device generators are not promised to agree), as with Megatron-LM's ``--use-cpu-initialization``.
 """
 
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Iterator, Mapping
+import itertools
+from collections.abc import Iterator, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
 from megatron_het.checkpoint.full_state import TIED_OUTPUT, WORD_EMBEDDING
 from megatron_het.cluster import ModelSpec
+from megatron_het.runtime.grad_sync import Holding, held_indices
 
-__all__ = ["SeededFullState", "init_kind", "param_seed"]
+__all__ = ["SeededFullState", "init_kind", "load_seeded", "param_seed", "tile_shape"]
 
-# Parameters with the vocabulary along dim 0 (padded for TP): their padding rows are drawn apart.
-VOCAB_ROWS = (WORD_EMBEDDING, TIED_OUTPUT)
+TILE = 1024  # a tile's extent along a dim (the dim's own size where shorter)
+VOCAB_TILE_ROWS = 128  # along the (padded) vocabulary: fixed, so padding never changes a tile
+VOCAB_ROWS = (WORD_EMBEDDING, TIED_OUTPUT)  # parameters with the vocabulary along dim 0
 
 
 def init_kind(name: str) -> str:
@@ -53,18 +58,24 @@ def init_kind(name: str) -> str:
                      "megatron-core init method to runtime/initial_values.init_kind")
 
 
-def param_seed(seed: int, name: str) -> int:
-    """The generator seed of one full parameter: a hash of the run's seed and the global name (the
-    same in every process; Python's ``hash`` is salted per process)."""
-    digest = hashlib.sha256(f"{seed}/{name}".encode()).digest()
+def param_seed(seed: int, key: str) -> int:
+    """The generator seed of one tile (``key``: global name and tile index): a hash of the run's seed
+    and the key, the same in every process (Python's ``hash`` is salted per process)."""
+    digest = hashlib.sha256(f"{seed}/{key}".encode()).digest()
     return int.from_bytes(digest[:8], "little") & (2**63 - 1)
 
 
-class SeededFullState(Mapping[str, torch.Tensor]):
-    """The full model's initial tensors by global name, drawn when asked for (fp32, host).
+def tile_shape(name: str, full_shape: Sequence[int]) -> tuple[int, ...]:
+    """The tile of parameter ``name``: ``TILE`` (or the dim's size, where shorter) along each dim,
+    ``VOCAB_TILE_ROWS`` along a vocabulary dim. A tile is always drawn whole, then cropped."""
+    return tuple(VOCAB_TILE_ROWS if d == 0 and name in VOCAB_ROWS else min(n, TILE) for d, n in enumerate(full_shape))
 
-    ``padded_vocab``: the vocabulary the stages are built with; ``model.vocab_size`` rows of the
-    embedding (and untied output layer) are the model's, the rest padding."""
+
+class SeededFullState(Mapping[str, torch.Tensor]):
+    """The whole model's initial values of one seed: ``local(holding)`` draws a rank's piece;
+    as a Mapping, the full tensors by global name (fp32, host; drawn when asked for).
+
+    ``padded_vocab``: the vocabulary the stages are built with (only the full shapes depend on it)."""
 
     def __init__(self, model: ModelSpec, *, seed: int, padded_vocab: int) -> None:
         from megatron_het.model.gpt import StageModelSpec, transformer_config
@@ -92,25 +103,56 @@ class SeededFullState(Mapping[str, torch.Tensor]):
     def __getitem__(self, name: str) -> torch.Tensor:
         if name not in self.shapes:
             raise KeyError(name)
-        shape, kind = self.shapes[name], init_kind(name)
+        return self.local(Holding(name=name, rank=0, stage_key=(0, 0), tp_rank=0, tp_size=1, partition_dim=None,
+                                  full_shape=self.shapes[name]))
+
+    def local(self, h: Holding) -> torch.Tensor:
+        """The piece of parameter ``h.name`` that holding ``h`` describes (fp32, host), drawing only
+        the tiles it overlaps."""
+        if tuple(h.full_shape) != self.shapes.get(h.name):
+            raise ValueError(f"{h.name}: the stage holds a piece of a {list(h.full_shape)} tensor, the model's is "
+                             f"{list(self.shapes[h.name]) if h.name in self.shapes else 'absent'}. Fix: build the "
+                             "stage and the initial values from the same model and padded vocabulary")
+        indices = held_indices(h)
+        out = torch.empty([len(i) for i in indices])
+        kind = init_kind(h.name)
         if kind == "zeros" or (kind == "ones" and self.config.layernorm_zero_centered_gamma):
-            return torch.zeros(shape)
+            return out.zero_()
         if kind == "ones":
-            return torch.ones(shape)
+            return out.fill_(1.0)
         method = {"embedding": self.config.embedding_init_method, "output": self.config.output_layer_init_method,
                   "weight": self.config.init_method}[kind]
-        rows = self.model.vocab_size if name in VOCAB_ROWS else shape[0]
-        out = torch.empty(shape)
-        self._draw(method, out[:rows], name)
-        if rows < shape[0]:
-            self._draw(method, out[rows:], f"{name}#padding")
+        tile = tile_shape(h.name, h.full_shape)
+        # per dim: (tile index, local positions [a, b), offsets inside the tile) of every tile it overlaps
+        per_dim = []
+        for idx, t in zip(indices, tile):
+            spans = []
+            for k in range(int(idx[0]) // t, int(idx[-1]) // t + 1):
+                inside = torch.nonzero((idx >= k * t) & (idx < (k + 1) * t)).reshape(-1)
+                if inside.numel():  # idx is increasing: the positions inside one tile are consecutive
+                    spans.append((k, int(inside[0]), int(inside[-1]) + 1, idx[inside] - k * t))
+            per_dim.append(spans)
+
+        def draw(job) -> None:
+            values = torch.empty(tile)
+            g = torch.Generator().manual_seed(param_seed(self.seed, f"{h.name}#{','.join(str(s[0]) for s in job)}"))
+            method(values, generator=g)
+            for d, span in enumerate(job):
+                values = values.index_select(d, span[3])
+            out[tuple(slice(a, b) for _, a, b, _ in job)] = values
+
+        jobs = list(itertools.product(*per_dim))
+        if len(jobs) == 1:
+            draw(jobs[0])
+        else:
+            with ThreadPoolExecutor(max_workers=max(1, torch.get_num_threads())) as pool:
+                list(pool.map(draw, jobs))
         return out
 
-    def _draw(self, method, out: torch.Tensor, key: str) -> None:
-        """megatron-core's init ``method`` (it draws from the global host generator) under this
-        parameter's own seed, leaving the caller's generator state as it was."""
-        part = torch.empty(out.shape)
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(param_seed(self.seed, key))
-            method(part)
-        out.copy_(part)
+
+@torch.no_grad()
+def load_seeded(params: Mapping[str, torch.Tensor], holdings: Sequence[Holding], init: SeededFullState) -> None:
+    """Every parameter (by global name) takes its piece of the seeded model; ``holdings`` describe the
+    pieces (``runtime/holdings.stage_holdings``: TP shards, gated halves, 3D blocks)."""
+    for h in holdings:
+        params[h.name].copy_(init.local(h).to(params[h.name].dtype))

@@ -18,7 +18,8 @@ from megatron_het.cluster import ModelSpec
 from megatron_het.model.gpt import StageModelSpec, build_gpt_stage, transformer_config
 from megatron_het.model.groups import BlockShape, block_process_groups
 from megatron_het.perf.flops import padded_vocab_size
-from megatron_het.runtime.initial_values import SeededFullState
+from megatron_het.runtime.holdings import global_params, stage_holdings
+from megatron_het.runtime.initial_values import SeededFullState, load_seeded
 from megatron_het.runtime.mixed_precision import params_dtype, wrap_float16
 from megatron_het.train.config import TrainConfig
 from megatron_het.train.strategy import ActionHook, BatchFn, IterationLog, RunResult, StepResult
@@ -85,11 +86,15 @@ class MegatronStrategy:
         self.gpt = build_gpt_stage(self.stage, config, pgc)
         self.layer_offset = self.gpt.decoder.layers[0].layer_number - 1 if len(self.gpt.decoder.layers) else 0
         self.tied = not model.untie_embeddings_and_output_weights
-        # a fresh run: slices of the seeded full model, as under every other strategy (initial_values.py)
-        init_values = init_full_state if init_full_state is not None else SeededFullState(
-            model, seed=train.seed, padded_vocab=self.stage.vocab_size)
-        load_full_state(self.gpt, init_values, layer_offset=self.layer_offset, tp_rank=self.tp_rank,
-                        tp_size=shape.tp, tied=self.tied, gated=model.swiglu)
+        if init_full_state is None:  # a fresh run: the seeded full model, as every strategy (initial_values.py)
+            params = global_params([(self.gpt, self.layer_offset)], tied=self.tied)
+            load_seeded(params, stage_holdings(params, rank=self.rank, stage_key=(self.dp_rank, pp_rank),
+                                               tp_rank=self.tp_rank, tp_size=shape.tp, gated=model.swiglu,
+                                               sequence_parallel=False),
+                        SeededFullState(model, seed=train.seed, padded_vocab=self.stage.vocab_size))
+        else:
+            load_full_state(self.gpt, init_full_state, layer_offset=self.layer_offset, tp_rank=self.tp_rank,
+                            tp_size=shape.tp, tied=self.tied, gated=model.swiglu)
         # Megatron-LM's --bf16/--fp16: Float16Module, fp32 gradient buffers, Float16OptimizerWithFloat16Params
         module = wrap_float16(config, self.gpt) if train.precision != "fp32" else self.gpt
         self.ddp = DistributedDataParallel(config, DistributedDataParallelConfig(grad_reduce_in_fp32=True),

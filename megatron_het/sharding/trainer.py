@@ -48,7 +48,7 @@ from megatron_het.plan import ShardedPlan
 from megatron_het.platform import Accelerator, detect_accelerator
 from megatron_het.runtime.comm_routing import all_reduce_world
 from megatron_het.runtime.group_ledger import GroupLedger
-from megatron_het.runtime.initial_values import SeededFullState
+from megatron_het.runtime.initial_values import SeededFullState, load_seeded
 from megatron_het.runtime.megatron_trainer import split_tokens
 from megatron_het.runtime.mixed_precision import LossScaler, MainGrads, params_dtype, wrap_float16
 from megatron_het.sharding.budget import check_budget
@@ -128,13 +128,13 @@ class ShardedStrategy:
         # bf16: Megatron's Float16Module (bf16 weights and activations, fp32 per-token losses)
         self.module = wrap_float16(self.config, self.gpt) if train.precision != "fp32" else self.gpt
         self.tied = not model.untie_embeddings_and_output_weights
-        # a fresh run: the seeded full model, the same as under pipeline plans (runtime/initial_values.py)
-        init_values = init_full_state if init_full_state is not None else SeededFullState(
-            model, seed=train.seed, padded_vocab=self.stage.vocab_size)
-        load_full_state(self.gpt, init_values, layer_offset=0, tp_rank=0, tp_size=1, tied=self.tied)
-
         named = [(global_name(n, 0), p) for n, p in self.gpt.named_parameters()]
         self.params = dict(named)
+        if init_full_state is None:  # a fresh run: the seeded full model, as under pipeline plans
+            load_seeded(self.params, self.weight_holdings()[0],
+                        SeededFullState(model, seed=train.seed, padded_vocab=self.stage.vocab_size))
+        else:
+            load_full_state(self.gpt, init_full_state, layer_offset=0, tp_rank=0, tp_size=1, tied=self.tied)
         self.shapes = {n: tuple(p.shape) for n, p in named}
         self.index = FlatIndex(names=tuple(n for n, _ in named), numels=tuple(p.numel() for _, p in named))
         # bf16: fp32 main gradients, accumulated from autograd's hooks; the optimizer keeps the fp32

@@ -16,6 +16,7 @@ from megatron_het.plan import Plan, ReplicaPlan, StagePlan
 from megatron_het.platform.local_launch import run_local
 from megatron_het.train.config import TrainConfig
 
+from support.param_diff import assert_seeded_start
 from workers.megatron_workers import hetero_cases_worker, megatron_block_worker
 
 LLAMA = ModelSpec(num_layers=4, hidden_size=64, num_attention_heads=4, num_query_groups=2, ffn_hidden_size=96,
@@ -35,7 +36,8 @@ PLAN = Plan(replicas=(ReplicaPlan(stages=(_s([0], (0, 1)), _s([1, 2], (1, 4))), 
 @pytest.mark.multiproc
 def test_llama_style_mixed_tp_matches_single_process():
     ref = run_local(1, megatron_block_worker, (LLAMA, TRAIN, BlockShape(tp=1, pp=1, dp=1), None, 256))[0]
-    init = assemble_full_state([ref.initial_shards])
+    assert_seeded_start(ref.initial_shards, model=LLAMA, seed=TRAIN.seed, padded_vocab=256)
+    init = None  # the plan starts from the seed alone, as a user's fresh run (#34)
     out = run_local(4, hetero_cases_worker, (LLAMA, [("llama", PLAN)], TRAIN, init, 256))
     losses = [log.lm_loss for log in out[0]["llama"][0].iterations]
     expected = [log.lm_loss for log in ref.iterations]

@@ -39,7 +39,7 @@ from megatron_het.runtime.hetero_trainer import replica_first_micro_batch
 from megatron_het.schedule import build_schedule
 from megatron_het.train.config import TrainConfig
 
-from support.param_diff import assert_final_parameters
+from support.param_diff import assert_final_parameters, assert_seeded_start
 from support.parity_plans import MICRO_BATCH_SIZE
 from support.schedule_plans import GLOBAL_BATCH_SIZE6, MODEL6, PADDED_VOCAB6, SCHEDULE_CASES
 from workers.f64_workers import reference_and_truth_worker
@@ -51,7 +51,8 @@ TRAIN = TrainConfig(micro_batch_size=MICRO_BATCH_SIZE, global_batch_size=GLOBAL_
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     ref, truths = run_local(1, reference_and_truth_worker, (MODEL6, TRAIN, PADDED_VOCAB6))[0]
-    init = assemble_full_state([ref.initial_shards])
+    assert_seeded_start(ref.initial_shards, model=MODEL6, seed=TRAIN.seed, padded_vocab=PADDED_VOCAB6)
+    init = None  # every plan starts from the seed alone, as a user's fresh run (#34)
     save = str(tmp_path_factory.mktemp("ckpt"))
     per_rank = run_local(6, schedule_cases_worker, (MODEL6, list(SCHEDULE_CASES.items()), TRAIN, init, PADDED_VOCAB6,
                                                    save, 3))

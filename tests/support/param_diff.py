@@ -107,3 +107,17 @@ def assert_final_parameters(name: str, final: dict[str, torch.Tensor], ref: dict
     vs_truth = compare_to_truth(final, ref, truth)
     print(vs_truth.summary(name))
     assert vs_truth.violations() == [], f"{name}: {vs_truth.violations()}"
+
+
+def assert_seeded_start(initial_shards, *, model, seed: int, padded_vocab: int) -> None:
+    """The single-process reference's initial parameters are the seeded full model of ``seed``
+    (runtime/initial_values.py) bit for bit, so a parity run given no state starts where it did:
+    the parity suites then test the fresh start a user's run takes (issue #34)."""
+    from megatron_het.checkpoint.full_state import assemble_full_state
+    from megatron_het.runtime.initial_values import SeededFullState
+
+    initial = assemble_full_state([initial_shards])
+    seeded = SeededFullState(model, seed=seed, padded_vocab=padded_vocab)
+    assert set(initial) == set(seeded)
+    for name, value in initial.items():
+        assert torch.equal(value.float(), seeded[name].to(value.dtype).float()), f"reference's initial {name}"

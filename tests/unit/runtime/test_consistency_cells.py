@@ -4,8 +4,8 @@ holder's piece is a union of whole cells, and each cell sits where the holder's 
 import torch
 
 from megatron_het.checkpoint.tp_layout import slice_full
-from megatron_het.runtime.consistency import _local_cells, cell_grid, held_indices
-from megatron_het.runtime.grad_sync import Holding
+from megatron_het.runtime.consistency import _local_cells, cell_grid
+from megatron_het.runtime.grad_sync import Holding, held_indices
 
 
 def _h(rank, tp_rank, tp_size, dim, shape, *, stage=(0, 0), glu=False):

@@ -102,3 +102,35 @@ def test_a_stage_scales_its_output_projections_by_the_models_layers():
     stage = StageModelSpec(model=GPT, num_layers=1, layer_offset=2, tp=1, pre_process=False, post_process=False,
                            vocab_size=256)
     assert transformer_config(stage).output_layer_init_method.keywords["std"] == pytest.approx(0.02 / math.sqrt(8))
+
+
+@pytest.mark.parametrize("tile", [1024, 24], ids=["one-tile", "many-tiles"])
+def test_every_piece_is_the_slice_of_the_full_tensor(monkeypatch, tile):
+    """A rank's piece (TP shards, gated halves, a vocabulary shard) drawn from its tiles alone equals
+    the same slice of the full tensor: with tiles of 24 (odd splits: 64 = 24 + 24 + 16) as well."""
+    from megatron_het.checkpoint.tp_layout import slice_full
+    from megatron_het.runtime import initial_values
+    from megatron_het.runtime.grad_sync import Holding
+
+    monkeypatch.setattr(initial_values, "TILE", tile)
+    init = SeededFullState(LLAMA, seed=5, padded_vocab=256)
+    for name, dim in (("decoder.layers.1.mlp.linear_fc1.weight", 0), ("decoder.layers.1.mlp.linear_fc2.weight", 1),
+                      ("embedding.word_embeddings.weight", 0), ("output_layer.weight", 0)):
+        full = init[name]
+        glu = ".linear_fc1." in name
+        for tp in (2, 4):
+            for r in range(tp):
+                h = Holding(name=name, rank=r, stage_key=(0, 0), tp_rank=r, tp_size=tp, partition_dim=dim,
+                            full_shape=tuple(full.shape), glu=glu)
+                assert torch.equal(init.local(h), slice_full(full, dim, r, tp, glu)), (name, tp, r)
+
+
+def test_a_value_depends_on_its_position_only(monkeypatch):
+    from megatron_het.runtime import initial_values
+
+    monkeypatch.setattr(initial_values, "TILE", 24)
+    name = "decoder.layers.0.self_attention.linear_qkv.weight"
+    small = SeededFullState(GPT, seed=5, padded_vocab=256)
+    assert not torch.equal(small[name][:24, :24], small[name][24:48, :24])  # tiles are drawn apart
+    emb = "embedding.word_embeddings.weight"
+    assert torch.equal(small[emb], SeededFullState(GPT, seed=5, padded_vocab=384)[emb][:256])
