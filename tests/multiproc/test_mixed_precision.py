@@ -27,12 +27,12 @@ import math
 
 import pytest
 
+from megatron_het.checkpoint.full_state import assemble_full_state
 from megatron_het.model.groups import BlockShape
 from megatron_het.platform.local_launch import run_local
 from megatron_het.sharding import RankShare, ShardedPlan
 from megatron_het.train.config import TrainConfig
 
-from support.param_diff import assert_seeded_start
 from support.parity_plans import BRIDGED, BRIDGED_CLUSTER, CASES, CROSS_VENDOR_BOUNDARIES, MODEL, PADDED_VOCAB
 from workers.megatron_workers import megatron_block_worker
 from workers.precision_workers import precision_cases_worker
@@ -80,8 +80,7 @@ FP16_MORE = {"fp16_distopt_pp2tp2x3_pp1tp4x1": dataclasses.replace(CASES["pp2tp2
 @pytest.fixture(scope="module")
 def runs():
     ref = run_local(1, megatron_block_worker, (MODEL, BF16, BlockShape(tp=1, pp=1, dp=1), None, PADDED_VOCAB))[0]
-    assert_seeded_start(ref.initial_shards, model=MODEL, seed=BF16.seed, padded_vocab=PADDED_VOCAB)
-    init = None  # every plan starts from the seed alone, as a user's fresh run (#34)
+    init = assemble_full_state([ref.initial_shards])
     cases = [(name, p, BF16, None) for name, p in CASES.items()]
     cases += [("bridged_nv_amd", BRIDGED, BF16, BRIDGED_CLUSTER),
               ("cross_vendor_boundaries", CROSS_VENDOR_BOUNDARIES, BF16, BRIDGED_CLUSTER),
