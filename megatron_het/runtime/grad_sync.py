@@ -37,6 +37,7 @@ import torch.distributed as dist
 
 from megatron_het.checkpoint.tp_layout import grid_contributes, grid_index, grid_kind, slice_full, write_local
 from megatron_het.optim.norms import sum_of_squares_f64
+from megatron_het.platform import HOST_DEVICE
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -206,7 +207,7 @@ def held_indices(h: Holding) -> list[torch.Tensor]:
     for d, n in enumerate(h.full_shape):
         shape = [1] * len(h.full_shape)
         shape[d] = n
-        view = _slice(torch.arange(n).view(shape).expand(h.full_shape), h)
+        view = _slice(torch.arange(n, device=HOST_DEVICE).view(shape).expand(h.full_shape), h)
         out.append(view[tuple(slice(None) if i == d else 0 for i in range(view.dim()))].reshape(-1))
     return out
 

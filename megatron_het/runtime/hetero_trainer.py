@@ -413,8 +413,10 @@ class PipelineStrategy:
                               tp_size=role.tp_size, gated=self.model_spec.swiglu,
                               sequence_parallel=self.config.sequence_parallel, grid=self.stage_plan.tp_grid)
 
-    def weight_holdings(self) -> tuple[list[Holding], dict[str, torch.nn.Parameter]]:
-        return self.holdings(), self.params
+    def check_weights(self, context: str) -> int:
+        from megatron_het.runtime.consistency import check_holders_agree
+
+        return check_holders_agree(self.holdings(), self.params, context=context)
 
     # ---- one iteration ----------------------------------------------------------------------
     def step(self, iteration: int, *, lr: float, timer: EmulationTimer, on_action: ActionHook | None) -> StepResult:

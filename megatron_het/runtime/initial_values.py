@@ -28,6 +28,7 @@ import torch
 
 from megatron_het.checkpoint.full_state import TIED_OUTPUT, WORD_EMBEDDING
 from megatron_het.cluster import ModelSpec
+from megatron_het.platform import HOST_DEVICE
 from megatron_het.runtime.grad_sync import Holding, held_indices
 
 __all__ = ["SeededFullState", "init_kind", "load_seeded", "param_seed", "tile_shape"]
@@ -114,7 +115,7 @@ class SeededFullState(Mapping[str, torch.Tensor]):
                              f"{list(self.shapes[h.name]) if h.name in self.shapes else 'absent'}. Fix: build the "
                              "stage and the initial values from the same model and padded vocabulary")
         indices = held_indices(h)
-        out = torch.empty([len(i) for i in indices])
+        out = torch.empty([len(i) for i in indices], device=HOST_DEVICE)
         kind = init_kind(h.name)
         if kind == "zeros" or (kind == "ones" and self.config.layernorm_zero_centered_gamma):
             return out.zero_()
@@ -134,7 +135,7 @@ class SeededFullState(Mapping[str, torch.Tensor]):
             per_dim.append(spans)
 
         def draw(job) -> None:
-            values = torch.empty(tile)
+            values = torch.empty(tile, device=HOST_DEVICE)
             g = torch.Generator().manual_seed(param_seed(self.seed, f"{h.name}#{','.join(str(s[0]) for s in job)}"))
             method(values, generator=g)
             for d, span in enumerate(job):

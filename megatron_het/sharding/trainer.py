@@ -254,6 +254,11 @@ class ShardedStrategy:
         return stage_holdings(self.params, rank=self.rank, stage_key=(self.rank, 0), tp_rank=0, tp_size=1,
                               gated=False, sequence_parallel=False), self.params
 
+    def check_weights(self, context: str) -> int:
+        from megatron_het.runtime.consistency import check_holders_agree
+
+        return check_holders_agree(self.weight_holdings()[0], self.params, context=context)
+
     def summary_lines(self, logs: Sequence[IterationLog]) -> list[str]:
         """Every rank's time split, gathered; one line per rank (ms per iteration) on rank 0."""
         n = len(logs)

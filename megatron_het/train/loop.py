@@ -63,10 +63,7 @@ class PretrainResult:
 
 def check_weights(trainer: Trainer, when: str) -> None:
     """Every holder of each parameter holds the same value (collective; raises on every rank if not)."""
-    from megatron_het.runtime.consistency import check_holders_agree
-
-    local, params = trainer.strategy.weight_holdings()
-    cells = check_holders_agree(local, params, context=f"weight check {when}: ")
+    cells = trainer.strategy.check_weights(f"weight check {when}: ")
     print_rank0(f"weight check {when}: every holder agrees ({cells} parameter cells compared)")
 
 

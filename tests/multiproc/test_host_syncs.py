@@ -50,5 +50,13 @@ def test_losses_and_norms_are_read_once_per_log_interval(runs, case):
         assert sum(reads.values()) <= ITERS // LOG_INTERVAL, reads
         assert world_reduces == ITERS
         assert len(losses) == ITERS and all(math.isfinite(x) for x in losses)
-        assert losses[-1] < losses[0]
     assert runs[0][case][2] == runs[1][case][2]  # every rank reports the same global losses
+
+
+def test_both_plans_train_the_same_model(runs):
+    """Reading once per interval loses no value: from the same seed and data, the pipeline plan and
+    the sharded plan report the same six losses (random tokens, so the losses need not fall in six
+    iterations; that they agree across two plans is the check that every step was taken)."""
+    pipeline, sharded = runs[0]["pipeline"][2], runs[0]["sharded"][2]
+    print(f"pipeline {pipeline}\nsharded  {sharded}")
+    assert pipeline == pytest.approx(sharded, rel=1e-5, abs=1e-5)

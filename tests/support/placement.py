@@ -25,17 +25,21 @@ from torch.overrides import TorchFunctionMode
 PACKAGE = Path(__file__).resolve().parents[2] / "megatron_het"
 SCOPED = ("runtime", "sharding", "resilience", "comm", "profiling", "train", "model")
 HOST_STAGING = ("comm",)  # may stage through the host (the bridge)
+# Functions that work on the host by design, by (file under the package, function name): the seeded
+# initial values are drawn by CPU generators so every vendor draws the same bits, then copied once.
+HOST_FUNCTIONS = {("runtime/initial_values.py", "local"), ("runtime/initial_values.py", "draw"),
+                  ("runtime/grad_sync.py", "held_indices")}
 FACTORIES = {torch.empty, torch.zeros, torch.ones, torch.full, torch.tensor, torch.arange, torch.rand,
              torch.randn, torch.randint, torch.empty_strided, torch.linspace, torch.eye, torch.as_tensor}
 
 
-def _caller() -> tuple[str, int]:
+def _caller() -> tuple[str, int, str]:
     """The frame that called the factory (torch's own calls, e.g. inside ``all_gather_object``, are
     torch's placement, not the runtime's: they are attributed to torch and not judged)."""
     f = sys._getframe(2)
     while f is not None and f.f_code.co_filename == __file__:
         f = f.f_back
-    return (f.f_code.co_filename, f.f_lineno) if f is not None else ("?", 0)
+    return (f.f_code.co_filename, f.f_lineno, f.f_code.co_name) if f is not None else ("?", 0, "?")
 
 
 def _package_of(filename: str) -> str | None:
@@ -44,6 +48,10 @@ def _package_of(filename: str) -> str | None:
     except ValueError:
         return None
     return rel.parts[0] if len(rel.parts) > 1 else None
+
+
+def _relative(filename: str) -> str:
+    return Path(filename).resolve().relative_to(PACKAGE).as_posix()
 
 
 class PlacementTrap(TorchFunctionMode):
@@ -60,13 +68,13 @@ class PlacementTrap(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func in FACTORIES:
-            filename, line = _caller()
+            filename, line, function = _caller()
             package = _package_of(filename)
             if package in SCOPED:
                 self.factory_calls += 1
                 device = kwargs.get("device")
                 allowed = {self.accelerator.device}
-                if package in HOST_STAGING:
+                if package in HOST_STAGING or (_relative(filename), function) in HOST_FUNCTIONS:
                     from megatron_het.platform import HOST_DEVICE
 
                     allowed.add(HOST_DEVICE)
@@ -83,7 +91,7 @@ class PlacementTrap(TorchFunctionMode):
             allowed = {trap.accelerator.torch_backend, trap.accelerator.host_backend, "het"}
             trap.groups.append(backend)
             if backend not in allowed:
-                filename, line = _caller()
+                filename, line, function = _caller()
                 trap.violations.append(f"{filename}:{line}: new_group(ranks={ranks}, backend={backend!r}), "
                                        f"the accelerator chose {sorted(allowed)}")
             return original(ranks, timeout, backend, *args, **kwargs)

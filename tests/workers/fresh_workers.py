@@ -60,7 +60,7 @@ def corrupted_holder_worker(rank, world_size, plan, common_argv, cluster_file):
     args = parse_args([*common_argv, "--hetero-cluster", cluster_file, "--hetero-plan", "unused"])
     trainer = HeteroTrainer(model=args.model, plan=plan, train=args.train, batch_fn=lambda *_: None, slowdown=1.0)
     check_weights(trainer, "as built")  # a fresh build agrees
-    local, params = trainer.strategy.weight_holdings()
+    local, params = trainer.strategy.holdings(), trainer.strategy.params
     with torch.no_grad():
         for h in local:
             if h.partition_dim is None and h.tp_rank == 1:
