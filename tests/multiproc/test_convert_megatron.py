@@ -82,7 +82,7 @@ def _convert_model(model: ModelSpec, out: str, tokenizer: str) -> dict:
         text_positions = torch.arange(text_ids.shape[1]).unsqueeze(0)
         text_logits = gpt(text_ids, text_positions, None)[..., :model.vocab_size].clone()
     tied = not model.untie_embeddings_and_output_weights
-    shards = local_shards(gpt, layer_offset=0, tp_rank=0, tp_size=1, tied=tied)
+    shards = local_shards(gpt, layer_offset=0, tp_rank=0, tp_size=1, tied=tied, gated=model.swiglu)
     full = {n: unpad_vocab(t, model.vocab_size, name=n) if n in VOCAB_ROWS else t
             for n, t in assemble_full_state([shards]).items()}
 
@@ -94,10 +94,10 @@ def _convert_model(model: ModelSpec, out: str, tokenizer: str) -> dict:
                              "checkpoint_version": 3.0, "iteration": 7}, os.path.join(meg, "iter_0000007"))
     with open(os.path.join(meg, "latest_checkpointed_iteration.txt"), "w") as f:
         f.write("7")
-    # A megatron-het checkpoint as the trainer writes it.
+    # A megatron-het checkpoint as the trainer writes it (a gated fc1 as its gate and up halves).
     het = os.path.join(out, "het")
-    slots = {n: TensorSlot(tensor=s.tensor, partition_dim=s.partition_dim, tp_rank=0, tp_size=1, main=True)
-             for n, s in shards.items()}
+    slots = {n: TensorSlot(tensor=s.tensor, partition_dim=s.partition_dim, tp_rank=0, tp_size=1, main=True,
+                           glu=s.glu) for n, s in shards.items()}
     moments = {n: {"exp_avg": torch.zeros_like(s.tensor), "exp_avg_sq": torch.zeros_like(s.tensor)}
                for n, s in shards.items()}
     save_checkpoint(het, 5, params=slots, optimizer_state=moments,
@@ -220,6 +220,23 @@ def test_megatron_checkpoint_keys_are_megatron_cores(converted):
     assert tuple(meta["embedding.word_embeddings.weight"].global_shape) == (512, model.hidden_size)
     common = dist_checkpointing.load_common_state_dict(str(out / "megatron-from-het" / "iter_0000005"))
     assert common["args"].tensor_model_parallel_size == 2 and common["args"].pipeline_model_parallel_size == 2
+
+
+def test_het_checkpoints_store_a_gated_fc1_as_the_trainer_does(converted):
+    """The trainer stores a gated fc1 as its .gate and .up halves (a TP shard holds [gate_r; up_r]); so does
+    every het output of the converter, which pretrain_gpt.py --load reads."""
+    from megatron.core import dist_checkpointing
+
+    model, out, _ = converted
+    fc1 = "model.decoder.layers.1.mlp.linear_fc1.weight"
+    for name in ("het/iter_0000005", "het-from-hf/iter_0000000", "het-from-megatron/iter_0000005"):
+        meta = dist_checkpointing.load_tensors_metadata(str(out / name))
+        if model.swiglu:
+            assert fc1 not in meta, name
+            assert tuple(meta[fc1 + ".gate"].global_shape) == (model.ffn_hidden_size, model.hidden_size), name
+            assert tuple(meta[fc1 + ".up"].global_shape) == (model.ffn_hidden_size, model.hidden_size), name
+        else:
+            assert fc1 in meta and fc1 + ".gate" not in meta, name
 
 
 @pytest.mark.slow  # a fresh interpreter importing megatron-core: ~25 s for a thin CLI

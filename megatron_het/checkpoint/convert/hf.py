@@ -30,6 +30,11 @@ CONFIG = "config.json"
 INDEX = "model.safetensors.index.json"
 LAYERNORM_EPS = 1e-5  # megatron-core TransformerConfig.layernorm_epsilon default
 ROPE_THETA = 10000.0  # megatron-core GPTModel rotary_base default
+# Rotary settings of a Llama config.json, in every spelling: transformers < 5 writes top-level
+# rope_theta and rope_scaling ({"rope_type" or "type": ..., "factor": ...}); transformers 5 writes
+# rope_parameters ({"rope_type", "rope_theta", "partial_rotary_factor", scaling fields}).
+ROPE_GROUPS = ("rope_scaling", "rope_parameters")
+UNSCALED_ROPE = ("default",)  # rope_type values meaning no scaling
 MAX_SHARD_BYTES = 5 * 1024**3  # HF's customary shard size
 # Buffers some GPT-2 checkpoints carry (causal masks); not weights.
 _GPT2_BUFFERS = (".attn.bias", ".attn.masked_bias")
@@ -73,6 +78,7 @@ def model_from_hf_config(config: Mapping, *, seq_length: int | None = None, sour
         if act == "gelu_new":
             print(f"warning: {source}: activation_function 'gelu_new' (tanh GeLU); megatron uses exact GeLU, "
                   "outputs will differ slightly", file=sys.stderr)
+        _check_norm_eps(config, "layer_norm_epsilon", source)
         positions = int(config.get("n_positions", 1024))
         return ModelSpec(num_layers=int(config["n_layer"]), hidden_size=int(config["n_embd"]),
                          num_attention_heads=int(config["n_head"]), ffn_hidden_size=config.get("n_inner"),
@@ -80,15 +86,12 @@ def model_from_hf_config(config: Mapping, *, seq_length: int | None = None, sour
                          vocab_size=int(config["vocab_size"]), swiglu=False,
                          untie_embeddings_and_output_weights=not config.get("tie_word_embeddings", True))
     if kind == "llama":
-        for key, want in (("hidden_act", "silu"), ("attention_bias", False), ("mlp_bias", False),
-                          ("rope_scaling", None)):
+        for key, want in (("hidden_act", "silu"), ("attention_bias", False), ("mlp_bias", False)):
             if config.get(key, want) != want:
                 raise ConvertError(f"{source}: {key} is {config[key]!r}; megatron-het's Llama recipe has {want!r}. "
                                    f"Fix: convert a model with {key}={want!r}")
-        theta = float(config.get("rope_theta", ROPE_THETA))
-        if theta != ROPE_THETA:
-            raise ConvertError(f"{source}: rope_theta is {theta}; the runtime uses megatron's {ROPE_THETA}. "
-                               f"Fix: convert a model with rope_theta {ROPE_THETA}")
+        _check_rope(config, source)
+        _check_norm_eps(config, "rms_norm_eps", source)
         heads, hidden = int(config["num_attention_heads"]), int(config["hidden_size"])
         if int(config.get("head_dim") or hidden // heads) != hidden // heads:
             raise ConvertError(f"{source}: head_dim {config['head_dim']} differs from hidden_size/num_attention_heads "
@@ -100,6 +103,64 @@ def model_from_hf_config(config: Mapping, *, seq_length: int | None = None, sour
                          max_position_embeddings=positions, vocab_size=int(config["vocab_size"]), swiglu=True,
                          untie_embeddings_and_output_weights=not config.get("tie_word_embeddings", False))
     raise ConvertError(f"{source}: model_type {kind!r} is not supported. Fix: convert a 'gpt2' or 'llama' model")
+
+
+def _check_rope(config: Mapping, source: str) -> None:
+    """Refuse rotary settings megatron-het does not build, whichever transformers version wrote them.
+
+    ModelSpec has no rotary base, scaling or partial-rotary field: every megatron-het model runs
+    megatron-core's default rotary embedding (base 10000, unscaled, all channels of a head), so a
+    model trained with another one would convert to different outputs. Refused by name: field, value, fix.
+    """
+    found: list[tuple[str, object]] = [(k, config[k]) for k in ("rope_theta", "partial_rotary_factor") if k in config]
+    for group in ROPE_GROUPS:
+        params = config.get(group)
+        if params is None:
+            continue
+        if not isinstance(params, Mapping):
+            raise ConvertError("expected an object of rotary settings", field=group, value=params, file=source,
+                               fix=f"write {group} as a JSON object, or drop it for megatron-core's default rotary")
+        nested = [k for k, v in params.items() if isinstance(v, Mapping)]
+        if nested:  # transformers 5's per-attention-type parameters (e.g. full vs sliding attention)
+            raise ConvertError("rotary settings per attention type are not implemented: megatron-het runs one "
+                               "rotary embedding for every layer", field=f"{group}.{nested[0]}",
+                               value=params[nested[0]], file=source,
+                               fix="convert a model with one set of rotary settings (a Llama config)")
+        kind = "rope_type" if "rope_type" in params or "type" not in params else "type"  # "type": before 4.45
+        found += [(f"{group}.{k}", params[k]) for k in (kind, "rope_theta", "partial_rotary_factor") if k in params]
+    for field, value in found:
+        name = field.rsplit(".", 1)[-1]
+        if name in ("rope_type", "type"):
+            if value not in UNSCALED_ROPE:
+                raise ConvertError("rotary scaling is not implemented: megatron-het runs megatron-core's unscaled "
+                                   "rotary embedding (ModelSpec has no scaling field)", field=field, value=value,
+                                   file=source, fix="convert a model without rotary scaling (rope_type 'default'); "
+                                                    "Llama-3.1-style scaling ('llama3'), 'linear', 'dynamic' or "
+                                                    "'yarn' cannot be run here")
+        elif _as_float(value) != (ROPE_THETA if name == "rope_theta" else 1.0):
+            what = (f"megatron-het's models have no configurable rotary base (ModelSpec has no such field): they "
+                    f"run megatron-core's {ROPE_THETA:g}" if name == "rope_theta" else
+                    "megatron-het rotates every channel of a head (megatron-core's rotary_percent 1.0)")
+            fix = (f"convert a model trained with rope_theta {ROPE_THETA:g} (Llama-2 style); a Llama-3 model "
+                   f"(500000) cannot be run here" if name == "rope_theta" else
+                   "convert a model with partial_rotary_factor 1.0")
+            raise ConvertError(what, field=field, value=value, file=source, fix=fix)
+
+
+def _check_norm_eps(config: Mapping, key: str, source: str) -> None:
+    """The layer-norm epsilon must be megatron-core's: ModelSpec has no epsilon field. A config without
+    ``key`` passes (transformers writes it into every config it saves; hand-written ones keep working)."""
+    if key in config and _as_float(config[key]) != LAYERNORM_EPS:
+        raise ConvertError(f"megatron-het's models normalise with megatron-core's epsilon {LAYERNORM_EPS:g} "
+                           f"(ModelSpec has no epsilon field)", field=key, value=config[key], file=source,
+                           fix=f"convert a model trained with {key} {LAYERNORM_EPS:g}")
+
+
+def _as_float(value: object) -> float | None:
+    """A config number as float; None for anything else (which then matches no accepted value)."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return None
+    return float(value)
 
 
 def _gpt2_layer(i: int) -> dict[str, str]:

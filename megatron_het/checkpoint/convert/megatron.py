@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import os
 from collections.abc import Mapping
+from dataclasses import dataclass
 
 import torch
 
@@ -44,6 +45,55 @@ _TE_NAMES = {
 }
 
 
+NORM_EPSILON = 1e-5  # megatron-core TransformerConfig.layernorm_epsilon default, which the runtime builds
+ROTARY_BASE = 10000  # megatron-core GPTModel rotary_base default, which the runtime builds
+
+
+@dataclass(frozen=True)
+class FixedArg:
+    """A Megatron-LM argument that changes what a checkpoint's weights compute, at the value
+    megatron-het's runtime builds (model/gpt.py: megatron-core's defaults but for the recipe's).
+    ModelSpec has no field for it, so a checkpoint with another value is refused by name."""
+
+    name: str  # Megatron-LM's args attribute
+    value: object  # what megatron-het builds (and what megatron_args records)
+    what: str  # what another value would mean, for the message
+    trained: str  # how a checkpoint megatron-het can take was trained, for the fix
+    rope: bool = False  # only matters for rotary position embeddings (the Llama recipe)
+
+
+FIXED_ARGS = (
+    FixedArg("rotary_base", ROTARY_BASE, "another rotary base", f"with --rotary-base {ROTARY_BASE} (a Llama-3 recipe's "
+             "500000 cannot be run here)", rope=True),
+    FixedArg("rotary_percent", 1.0, "rotating part of each head's channels", "with --rotary-percent 1.0",
+             rope=True),
+    FixedArg("rotary_interleaved", False, "interleaved rotary pairs", "without --rotary-interleaved", rope=True),
+    FixedArg("rotary_seq_len_interpolation_factor", None, "rotary position interpolation",
+             "without --rotary-seq-len-interpolation-factor", rope=True),
+    FixedArg("use_rope_scaling", False, "Llama-3.1-style rotary scaling", "without --use-rope-scaling", rope=True),
+    FixedArg("no_rope_freq", None, "layers without the rotary embedding", "without --no-rope-freq", rope=True),
+    FixedArg("apply_layernorm_1p", False, "zero-centred norm weights (stored as gamma - 1)",
+             "without --apply-layernorm-1p"),
+    FixedArg("norm_epsilon", NORM_EPSILON, "another norm epsilon", f"with --norm-epsilon {NORM_EPSILON:g}"),
+    FixedArg("apply_residual_connection_post_layernorm", False, "the residual taken after the norm",
+             "without --apply-residual-connection-post-layernorm"),
+    FixedArg("openai_gelu", False, "the tanh GeLU", "without --openai-gelu"),
+    FixedArg("squared_relu", False, "the squared-ReLU activation", "without --squared-relu"),
+    FixedArg("quick_geglu", False, "the quick-GeGLU activation", "without --quick-geglu"),
+    FixedArg("glu_linear_offset", 0.0, "an offset in the gated MLP", "without --glu-linear-offset"),
+    FixedArg("activation_func_clamp_value", None, "a clamped activation", "without --activation-func-clamp-value"),
+    FixedArg("qk_layernorm", False, "query/key layer norms", "without --qk-layernorm"),
+    FixedArg("qk_l2_norm", False, "query/key L2 norms", "without --qk-l2-norm"),
+    FixedArg("multi_latent_attention", False, "multi-latent attention", "without --multi-latent-attention"),
+    FixedArg("attention_output_gate", False, "a gated attention output", "without --attention-output-gate"),
+    FixedArg("experimental_attention_variant", None, "another attention variant",
+             "without --experimental-attention-variant"),
+    FixedArg("softmax_type", "vanilla", "another attention softmax", "with --softmax-type vanilla"),
+    FixedArg("window_size", None, "sliding-window attention", "without --window-size"),
+    FixedArg("num_experts", None, "mixture-of-experts MLPs", "without --num-experts (a dense model)"),
+)
+
+
 def megatron_key(layer_suffix: str) -> str:
     """Stacked megatron-core key of a per-layer tensor suffix, e.g. ``input_layernorm.weight``."""
     return "decoder.layers." + _TE_NAMES.get(layer_suffix, layer_suffix)
@@ -61,9 +111,10 @@ def megatron_args(model: ModelSpec, *, tp: int, pp: int, padded_vocab: int, iter
         swiglu=model.swiglu, untie_embeddings_and_output_weights=model.untie_embeddings_and_output_weights,
         normalization="RMSNorm" if model.swiglu else "LayerNorm",
         position_embedding_type="rope" if model.swiglu else "learned_absolute",
-        add_position_embedding=not model.swiglu, add_bias_linear=not model.swiglu, rotary_base=10000,
+        add_position_embedding=not model.swiglu, add_bias_linear=not model.swiglu, add_qkv_bias=False,
         tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, ckpt_format="torch_dist",
         iteration=iteration, consumed_train_samples=0,
+        **{arg.name: arg.value for arg in FIXED_ARGS},  # what the runtime builds, for --use-checkpoint-args
     )
 
 
@@ -80,10 +131,26 @@ def model_from_megatron_args(args: object, *, source: str) -> ModelSpec:
     recipe = {"normalization": "RMSNorm" if swiglu else "LayerNorm",
               "position_embedding_type": "rope" if swiglu else "learned_absolute",
               "add_bias_linear": not swiglu}
+    recipe.update({"add_qkv_bias": False} if swiglu else {"add_position_embedding": True})
     for key, want in recipe.items():
         if get(key, want) != want:
             raise ConvertError(f"{source}: args.{key} is {get(key)!r}, megatron-het's {'Llama' if swiglu else 'GPT'} "
                                f"recipe has {want!r}. Fix: convert a checkpoint of that recipe")
+    for arg in FIXED_ARGS:
+        if arg.rope and not swiglu:
+            continue  # learned positions: rotary settings are recorded but unused
+        value = get(arg.name, arg.value)
+        if value != arg.value:
+            raise ConvertError(f"not implemented: {arg.what}; megatron-het's runtime builds {arg.name}="
+                               f"{arg.value!r} only (ModelSpec has no such setting)",
+                               field=f"args.{arg.name}", value=value, file=source,
+                               fix=f"convert a checkpoint trained {arg.trained}")
+    heads, hidden = int(get("num_attention_heads")), int(get("hidden_size"))
+    if get("kv_channels") not in (None, hidden // heads):
+        raise ConvertError(f"megatron-het's heads are hidden_size / num_attention_heads = {hidden // heads} wide "
+                           f"(ModelSpec has no kv_channels)", field="args.kv_channels", value=get("kv_channels"),
+                           file=source, fix=f"convert a checkpoint trained without --kv-channels (or with "
+                                            f"--kv-channels {hidden // heads})")
     return ModelSpec(num_layers=int(get("num_layers")), hidden_size=int(get("hidden_size")),
                      num_attention_heads=int(get("num_attention_heads")),
                      num_query_groups=int(get("num_query_groups")) if get("group_query_attention") else None,

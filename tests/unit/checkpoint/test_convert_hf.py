@@ -119,9 +119,6 @@ def test_config_round_trip(model):
 
 
 def test_config_refuses_what_the_runtime_cannot_build():
-    cfg = hf_config(LLAMA) | {"rope_theta": 500000.0}
-    with pytest.raises(ConvertError, match=r"rope_theta is 500000.0; the runtime uses megatron's 10000.0"):
-        model_from_hf_config(cfg)
     with pytest.raises(ConvertError, match=r"model_type 'mistral'"):
         model_from_hf_config({"model_type": "mistral"})
     gqa_gpt = ModelSpec(num_layers=1, hidden_size=16, num_attention_heads=4, num_query_groups=2, seq_length=8,
@@ -189,3 +186,63 @@ def test_convert_reports_each_phase_to_its_total(tmp_path, capsys):
         assert dones == sorted(dones) and all(d <= t for d, t in seen), label
         assert seen[-1] == (n_hf, n_hf), label  # each phase reaches its own total
     assert capsys.readouterr().err == ""  # the library does not print
+
+
+# Rotary settings in every spelling config.json has: transformers < 5 (top-level rope_theta, rope_scaling
+# with "rope_type" or the older "type") and transformers 5 (rope_parameters). ModelSpec has no rotary base
+# or scaling field, so anything but megatron-core's default rotary is refused naming the field.
+@pytest.mark.parametrize(("extra", "field", "value"), [
+    ({"rope_theta": 500000.0}, "rope_theta", "500000.0"),
+    ({"rope_parameters": {"rope_type": "default", "rope_theta": 500000.0}}, "rope_parameters.rope_theta", "500000.0"),
+    ({"rope_parameters": {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
+                          "high_freq_factor": 4.0, "original_max_position_embeddings": 8}},
+     "rope_parameters.rope_type", "'llama3'"),
+    ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, "rope_scaling.rope_type", "'llama3'"),
+    ({"rope_scaling": {"type": "linear", "factor": 2.0}}, "rope_scaling.type", "'linear'"),
+    ({"rope_scaling": {"rope_type": "default", "rope_theta": 1e6}}, "rope_scaling.rope_theta", "1000000.0"),
+    ({"partial_rotary_factor": 0.5}, "partial_rotary_factor", "0.5"),
+    ({"rope_parameters": {"rope_type": "default", "partial_rotary_factor": 0.25}},
+     "rope_parameters.partial_rotary_factor", "0.25"),
+    ({"rope_parameters": {"full_attention": {"rope_type": "default", "rope_theta": 10000.0}}},
+     "rope_parameters.full_attention", "{"),
+    ({"rope_parameters": "default"}, "rope_parameters", "'default'"),
+])
+def test_rotary_settings_the_runtime_does_not_build_are_refused_by_name(extra, field, value):
+    with pytest.raises(ConvertError) as e:
+        model_from_hf_config(hf_config(LLAMA) | extra, source="m/config.json")
+    assert str(e.value).startswith(f"m/config.json: {field}: "), str(e.value)
+    assert f"(got {value}" in str(e.value) and "Fix: " in str(e.value), str(e.value)
+
+
+@pytest.mark.parametrize("extra", [
+    {"rope_theta": 10000},
+    {"rope_scaling": None},
+    {"rope_scaling": {"rope_type": "default"}},
+    {"rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}},
+    {"rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 1.0}},
+])
+def test_default_rotary_is_accepted_in_every_spelling(extra):
+    assert model_from_hf_config(hf_config(LLAMA) | extra, seq_length=8) == LLAMA
+
+
+def test_rotary_as_transformers_writes_it():
+    """config.json as transformers itself writes it (5.x: rope_parameters) from our export's config, and
+    from a Llama-3-style config (rope_theta 500000) and a Llama-3.1-style one (llama3 scaling)."""
+    from transformers import LlamaConfig
+
+    ours = LlamaConfig.from_dict(hf_config(LLAMA)).to_dict()
+    assert model_from_hf_config(ours, seq_length=8) == LLAMA
+    with pytest.raises(ConvertError, match=r"rope_theta: .* \(got 500000.0\)"):
+        model_from_hf_config(LlamaConfig.from_dict(hf_config(LLAMA) | {"rope_theta": 500000.0}).to_dict())
+    scaled = hf_config(LLAMA) | {"max_position_embeddings": 64, "rope_scaling": {
+        "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8}}
+    with pytest.raises(ConvertError, match=r"rope_type: rotary scaling is not implemented.* \(got 'llama3'\)"):
+        model_from_hf_config(LlamaConfig.from_dict(scaled).to_dict())
+
+
+@pytest.mark.parametrize(("model", "key"), [(LLAMA, "rms_norm_eps"), (GPT, "layer_norm_epsilon")])
+def test_norm_epsilon_other_than_megatrons_is_refused_by_name(model, key):
+    with pytest.raises(ConvertError, match=rf"^cfg: {key}: .*epsilon 1e-05.* \(got 1e-06\)\. Fix: convert a model "
+                                           rf"trained with {key} 1e-05"):
+        model_from_hf_config(hf_config(model) | {key: 1e-6}, source="cfg")

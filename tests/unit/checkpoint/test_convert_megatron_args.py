@@ -1,0 +1,97 @@
+"""Megatron-LM adapter: a checkpoint's ``args`` that megatron-het's runtime does not build are refused by
+name (field, value, fix), not converted into a model with other outputs; the args it writes say what
+it builds."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from megatron_het.checkpoint.convert import ConvertError, megatron_args, model_from_megatron_args
+from megatron_het.checkpoint.convert.megatron import FIXED_ARGS
+from megatron_het.cluster import ModelSpec
+
+GPT = ModelSpec(num_layers=2, hidden_size=16, num_attention_heads=4, seq_length=8, vocab_size=50)
+LLAMA = ModelSpec(num_layers=2, hidden_size=16, num_attention_heads=4, num_query_groups=2, ffn_hidden_size=24,
+                  seq_length=8, vocab_size=50, swiglu=True, untie_embeddings_and_output_weights=True)
+
+
+def _args(model: ModelSpec, **changes) -> argparse.Namespace:
+    args = megatron_args(model, tp=1, pp=1, padded_vocab=128, iteration=1)
+    for key, value in changes.items():
+        setattr(args, key, value)
+    return args
+
+
+@pytest.mark.parametrize("model", [GPT, LLAMA], ids=["gpt", "llama"])
+def test_written_args_read_back_as_the_model(model):
+    assert model_from_megatron_args(_args(model), source="ckpt") == model
+
+
+def test_args_of_an_older_megatron_without_the_fields_are_read():
+    """Megatron-LM versions before a flag existed record no attribute for it: its default is meant."""
+    args = _args(LLAMA)
+    for arg in FIXED_ARGS:
+        delattr(args, arg.name)
+    assert model_from_megatron_args(args, source="ckpt") == LLAMA
+
+
+# The Llama-3 arguments of the issue (rotary base 500000 / 1e6, zero-centred LayerNorm) and the other
+# model settings Megatron-LM records that the runtime does not build.
+@pytest.mark.parametrize(("field", "value", "fix"), [
+    ("rotary_base", 500000, "with --rotary-base 10000"),
+    ("rotary_base", 1000000, "with --rotary-base 10000"),
+    ("apply_layernorm_1p", True, "without --apply-layernorm-1p"),
+    ("rotary_percent", 0.5, "with --rotary-percent 1.0"),
+    ("rotary_interleaved", True, "without --rotary-interleaved"),
+    ("rotary_seq_len_interpolation_factor", 4, "without --rotary-seq-len-interpolation-factor"),
+    ("use_rope_scaling", True, "without --use-rope-scaling"),
+    ("norm_epsilon", 1e-6, "with --norm-epsilon 1e-05"),
+    ("qk_layernorm", True, "without --qk-layernorm"),
+    ("squared_relu", True, "without --squared-relu"),
+    ("num_experts", 8, "without --num-experts"),
+    ("multi_latent_attention", True, "without --multi-latent-attention"),
+    ("window_size", (128, 0), "without --window-size"),
+    ("softmax_type", "learnable", "with --softmax-type vanilla"),
+    ("apply_residual_connection_post_layernorm", True, "without --apply-residual-connection-post-layernorm"),
+])
+def test_llama_args_the_runtime_does_not_build_are_refused_by_name(field, value, fix):
+    with pytest.raises(ConvertError) as e:
+        model_from_megatron_args(_args(LLAMA, **{field: value}), source="ckpt/iter_0000001")
+    message = str(e.value)
+    assert message.startswith(f"ckpt/iter_0000001: args.{field}: not implemented: "), message
+    assert f"megatron-het's runtime builds {field}=" in message, message
+    assert f"(got {value!r}). Fix: convert a checkpoint trained {fix}" in message, message
+
+
+@pytest.mark.parametrize(("field", "value", "want"), [
+    ("normalization", "LayerNorm", "'RMSNorm'"),
+    ("position_embedding_type", "learned_absolute", "'rope'"),
+    ("add_qkv_bias", True, "False"),  # a bias only the Llama recipe lacks: it would be dropped
+])
+def test_llama_recipe_settings_are_refused_by_name(field, value, want):
+    with pytest.raises(ConvertError, match=rf"args.{field} is {value!r}, megatron-het's Llama recipe has {want}"):
+        model_from_megatron_args(_args(LLAMA, **{field: value}), source="ckpt")
+
+
+def test_rotary_settings_of_a_learned_position_model_do_not_matter():
+    """Megatron-LM records --rotary-base & co. for every model; a GPT with learned positions ignores them."""
+    assert model_from_megatron_args(_args(GPT, rotary_base=500000, rotary_percent=0.5), source="ckpt") == GPT
+    with pytest.raises(ConvertError, match=r"args.apply_layernorm_1p: .*\(got True\)"):
+        model_from_megatron_args(_args(GPT, apply_layernorm_1p=True), source="ckpt")
+    with pytest.raises(ConvertError, match=r"args.add_position_embedding is False, megatron-het's GPT recipe"):
+        model_from_megatron_args(_args(GPT, add_position_embedding=False), source="ckpt")
+
+
+def test_kv_channels_other_than_hidden_over_heads_are_refused_by_name():
+    with pytest.raises(ConvertError, match=r"args.kv_channels: .* = 4 wide .*\(got 8\)\. Fix: convert a checkpoint "
+                                           r"trained without --kv-channels \(or with --kv-channels 4\)"):
+        model_from_megatron_args(_args(LLAMA, kv_channels=8), source="ckpt")
+    assert model_from_megatron_args(_args(LLAMA, kv_channels=None), source="ckpt") == LLAMA
+
+
+def test_written_args_record_what_the_runtime_builds():
+    args = _args(LLAMA)
+    assert (args.rotary_base, args.apply_layernorm_1p, args.norm_epsilon, args.rotary_percent) == (10000, False, 1e-5,
+                                                                                                    1.0)
