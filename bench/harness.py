@@ -159,10 +159,10 @@ def per_iteration(calls: list[tuple[float, int]], logs, first: int = 1) -> list[
              logs[i].elapsed_s) for i in range(first, len(logs))]
 
 
-def on_actions(executor, hook, on_run=None) -> None:
+def on_actions(executor, hook) -> list[int]:
     """Have ``executor`` call ``hook(i, action)`` as it reaches each action (before the on_action its caller
-    passes), and ``on_run()`` as each of its runs (one per iteration) starts."""
-    run = executor.run
+    passes); returns ``[n]``: how many of its runs (one per iteration) have started."""
+    run, runs = executor.run, [0]
 
     def hooked(**kw):
         user = kw.get("on_action")
@@ -173,11 +173,11 @@ def on_actions(executor, hook, on_run=None) -> None:
                 user(i, action)
 
         kw["on_action"] = both
-        if on_run is not None:
-            on_run()
+        runs[0] += 1
         return run(**kw)
 
     executor.run = hooked
+    return runs
 
 
 # -- the schedule benches' cluster (bench/schedules*.py) ---------------------------------------------

@@ -48,7 +48,7 @@ from harness import (
     MICRO_BATCH,
     MICRO_BATCHES,
     MODEL,
-    PROFILE,
+    RESULTS,
     ROOT,
     SCHEDULES,
     SWEEP_MIB,
@@ -263,8 +263,7 @@ def main() -> int:
     load_before = os.getloadavg()
     # kept beside the results (the predictions can be recomputed from it): schedules_profile.json, or
     # NAME_profile.json beside an --output NAME.json
-    profile_path = str(PROFILE) if args.output == "schedules.json" else os.path.join(
-        ROOT, "bench", "results", os.path.splitext(args.output)[0] + "_profile.json")
+    profile_path = str(RESULTS / (os.path.splitext(args.output)[0] + "_profile.json"))
     if args.profile == "host":
         measure_profile(profile_path)
     table = plans()

@@ -45,7 +45,7 @@ def _rank(rank, world_size, order, iters, reps):
     out = {}
     for name, trainer in schedule_trainers(order, iters):
         st, timer = trainer.strategy, trainer.timer
-        cur, calls, it, timeline = [None], [], [0], []
+        cur, calls, timeline = [None], [], []
         orig_compute, orig_stretch = timer.compute, timer.stretch
 
         def reached(i, a):
@@ -53,10 +53,7 @@ def _rank(rank, world_size, order, iters, reps):
             if it[0] == iters:  # the last iteration's timeline: when each action was reached
                 timeline.append([f"{a.kind}{a.micro_batch}.{a.chunk}", time.perf_counter(), None, None])
 
-        def next_iteration():
-            it[0] += 1
-
-        on_actions(st.executor, reached, on_run=next_iteration)
+        it = on_actions(st.executor, reached)  # it[0]: the iteration running
 
         def compute(fn):
             c0 = time.thread_time()
