@@ -23,25 +23,21 @@
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
-import os
-import platform
 import statistics
+import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from harness import cpu_rank, slowest, stamp, synthetic_batches, write_result
 
-from megatron_het.cluster import CATALOG, ClusterSpec, IslandEmulation, IslandSpec, LinkSpec, ModelSpec  # noqa: E402
-from megatron_het.perf.flops import total_parameters  # noqa: E402
-from megatron_het.perf.sharded import sharded_rank_memory, state_bytes_for  # noqa: E402
-from megatron_het.planner.errors import InfeasibleError  # noqa: E402
-from megatron_het.planner.modes import plan_best  # noqa: E402
-from megatron_het.planner.sharded import plan_sharded  # noqa: E402
-from megatron_het.platform.local_launch import run_local  # noqa: E402
-from megatron_het.sharding import ShardedPlan  # noqa: E402
-from megatron_het.train.config import TrainConfig  # noqa: E402
+from megatron_het.cluster import CATALOG, ClusterSpec, IslandEmulation, IslandSpec, LinkSpec, ModelSpec
+from megatron_het.perf.flops import total_parameters
+from megatron_het.perf.sharded import sharded_rank_memory, state_bytes_for
+from megatron_het.planner.errors import InfeasibleError
+from megatron_het.planner.modes import plan_best
+from megatron_het.planner.sharded import plan_sharded
+from megatron_het.platform.local_launch import run_local
+from megatron_het.sharding import ShardedPlan
+from megatron_het.train.config import TrainConfig
 
-OUT = os.path.join(ROOT, "bench", "results", "cephalo.json")
 GPT_6_7B = ModelSpec(num_layers=32, hidden_size=4096, num_attention_heads=32, seq_length=2048, vocab_size=50257,
                      name="gpt-6.7b")
 GPT_1_3B = ModelSpec(num_layers=24, hidden_size=2048, num_attention_heads=32, seq_length=2048, vocab_size=50257,
@@ -94,19 +90,16 @@ def choose_cpu_mode():
 
 
 def _rank(rank, world_size, cases, train, iters, rounds):
-    from functools import partial
-
     import torch
     import torch.distributed as dist
 
     from megatron_het.plan import Plan
-    from megatron_het.platform import enable_cpu_backend
     from megatron_het.runtime.hetero_trainer import HeteroTrainer
     from megatron_het.sharding.budget import MemoryBudgetError
     from megatron_het.sharding.trainer import ShardedTrainer
 
-    enable_cpu_backend()
-    batch = partial(_batch, train.seed)
+    cpu_rank(threads=None)
+    batch = synthetic_batches(CPU_MODEL, train.seed)
     out = {name: {"elapsed": [], "loss": None, "error": None, "compute": [], "fixed": []} for name, _ in cases}
     for _ in range(rounds):
         for name, plan_dict in cases:  # alternate cases so machine noise hits all of them
@@ -131,13 +124,6 @@ def _rank(rank, world_size, cases, train, iters, rounds):
                 out[name]["fixed"] += [log.comm_s + log.optimizer_s for log in logs[WARMUP:]]
             out[name]["loss"] = logs[-1].lm_loss
     return out
-
-
-def _batch(seed, iteration, indices):
-    from megatron_het.data.synthetic import synthetic_batch
-
-    return synthetic_batch(seed=seed, iteration=iteration, indices=indices, seq_length=CPU_MODEL.seq_length,
-                           vocab_size=CPU_MODEL.vocab_size)
 
 
 def planner_figures() -> dict:
@@ -184,7 +170,7 @@ def main() -> None:
     ap.add_argument("--iters", type=int, default=6, help="timed iterations per case per round")
     ap.add_argument("--rounds", type=int, default=2, help="A B A B rounds")
     args = ap.parse_args()
-    started = datetime.datetime.now(datetime.UTC)
+    started = time.perf_counter()
 
     planner = planner_figures()
     choice = choose_cpu_mode()
@@ -205,8 +191,7 @@ def main() -> None:
     per_rank = run_local(4, _rank, (cases, train, args.iters, args.rounds), timeout_s=3600)
 
     def median_iter(name):  # iteration time = slowest rank's, then the median over iterations
-        per_iter = zip(*(out[name]["elapsed"] for out in per_rank))
-        return statistics.median(max(times) for times in per_iter)
+        return statistics.median(slowest(out[name]["elapsed"] for out in per_rank))
 
     t_speed, t_equal = median_iter("speed_batches"), median_iter("equal_batches")
     p_speed, p_equal = speed.predicted["iteration_time_s"], equal_batch.predicted["iteration_time_s"]
@@ -259,7 +244,7 @@ def main() -> None:
         "mode_choice": mode_choice,
     }
     figures = {"planner": planner, "emulated": emulated,
-               "wall_s": round((datetime.datetime.now(datetime.UTC) - started).total_seconds(), 1)}
+               "wall_s": round(time.perf_counter() - started, 1)}
     targets = {"memory": "equal shards infeasible where memory-proportional ones fit (planner and runtime); "
                          "plan_best picks the sharded mode where the pipeline search cannot fit",
                "mode": "plan_best picks the sharded mode when it is predicted faster; measured gain vs the "
@@ -283,16 +268,7 @@ def main() -> None:
           f"{planner['balanced_shards']['iteration_time_s']:.2f} s")
     for label, c in planner["mode_choice"].items():
         print(f"plan_best, {label}: {c['mode']} -- {c['explanation'][:150]}")
-    import torch
-
-    os.makedirs(os.path.dirname(OUT), exist_ok=True)
-    with open(OUT, "w") as f:
-        json.dump({"figures": figures, "targets": targets, "command": "python bench/cephalo.py",
-                   "machine": {"cpu_count": os.cpu_count(), "python": platform.python_version(),
-                               "torch": torch.__version__, "platform": platform.platform()},
-                   "date": started.isoformat(timespec="seconds")}, f, indent=2)
-        f.write("\n")
-    print(f"wrote {OUT}")
+    write_result("cephalo.json", {"figures": figures, "targets": targets, **stamp()})
 
 
 if __name__ == "__main__":

@@ -3,44 +3,19 @@
     python bench/communicator.py                  # 2x2, 2x4 and 4x2 (~8 min on 2 cores)
     python bench/communicator.py --islands 2x4    # one configuration (islands x ranks per island)
 
-Emulation (CPU only; no tc/netem, every rank shares one loopback). Islands are rank blocks of
-gloo processes. The intra-island link rate is measured first, per configuration, with every island
-all-reducing at once (so the CPU contention of that configuration is in it): a ring all-reduce of
-S bytes over m ranks sends 2(m-1)/m*S on each edge, so rate = 2(m-1)/m*S / time. The inter-island
-link is set SLOWDOWN (10x) slower. Each island has one egress pipe to the other islands (with two
-islands: one shared pipe per direction); a rank that sends over it sleeps B / rate, where B is
-everything its island sends over the pipe in that collective.
-
-What is compared (S = tensor bytes, n = k islands x m ranks):
-- hierarchical: the `het` group, sharded (m shards: inside each island shard j is reduced to member
-  j, member j of every island all-reduces it, each shard is broadcast from its holder; 4 MiB chunks).
-  Each member crosses with 2(k-1)/k*S/m, 2(k-1)/k*S per island pipe. The het throttles each holder
-  on its own (one link per rank); here the m holders share their island's pipe, so each sleeps
-  inside the bridge before each chunk's exchange at 1/m of the pipe's rate (link_bytes_per_s), and
-  the link time is never hidden.
-- flat in order: one gloo ring over all ranks, islands in rank order (what a topology-aware
-  single-ring NCCL all-reduce does): k ring edges cross, 2(n-1)/n*S each.
-- flat interleaved: the same ring with rank r on island r % k (a topology-oblivious placement):
-  every edge crosses.
-For the flat runs the gloo all-reduce runs while each rank whose ring edge crosses sleeps its
-pipe's time concurrently (elapsed = max of the two: the kindest model for flat). NCCL's
-multi-ring flat all-reduce (one ring per NIC, each ring carrying S/rings) sends the same total
-bytes across as one ring; with one shared pipe it costs the same, so it is not measured apart.
-
-Expected bytes ratio (flat / hierarchical, = expected speedup when the link is the bottleneck):
-crossing_edges * (n-1) / (n * (k-1)): in order k(n-1)/(n(k-1)) (< 2 for any m), interleaved
-(n-1)/(k-1). "Measured" bytes are the emulation's counters (het bridge_bytes; the ring model
-for flat) and, independently, TCP bytes that really went between ranks of different islands
-(`ss -ti` bytes_sent per socket; includes a few KiB of barrier/store traffic).
+Islands are rank blocks of gloo processes; the intra-island link rate is measured per configuration
+(every island all-reducing at once) and the inter-island link set SLOWDOWN (10x) slower, one egress pipe
+per island, a rank sending over it sleeping its island's bytes / rate. Compared: the `het` group's
+sharded hierarchical all-reduce, a flat gloo ring with islands in rank order, and the same ring
+interleaved (rank r on island r % k); bytes over the slow link counted by the emulation and, apart, as
+TCP bytes between ranks of different islands (`ss -ti`). Method, byte model and figures:
+docs/communicator.md#benchmark.
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import os
-import platform
 import re
 import shutil
 import subprocess
@@ -50,16 +25,17 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from harness import RESULTS, max_over_ranks, stamp, write_result
 
-from megatron_het.comm import IslandMembership, new_hierarchical_group  # noqa: E402
-from megatron_het.platform.local_launch import run_local  # noqa: E402
+from megatron_het.comm import IslandMembership, new_hierarchical_group
+from megatron_het.platform.local_launch import run_local
 
 CONFIGS = {"2x2": (2, 2), "2x4": (2, 4), "4x2": (4, 2)}  # name -> (islands k, ranks per island m)
 SIZES_MIB = (1, 16, 64, 256)
 SLOWDOWN = 10.0  # inter-island link is this many times slower than the intra-island one
 CHUNK_BYTES = 4 << 20  # het all-reduce pipeline chunk
 RATE_PROBE_MIB = 16  # tensor size of the intra-island rate measurement
-OUT = Path(__file__).resolve().parent / "results" / "communicator.json"
+OUT = RESULTS / "communicator.json"
 METHODS = ("hierarchical", "flat_in_order", "flat_interleaved")
 
 
@@ -144,12 +120,6 @@ def cross_island_bytes(delta: list[list[int]], island_of: Callable[[int], int]) 
 
 
 # -- the ranks ---------------------------------------------------------------------------------
-def _max(value: float) -> float:
-    t = torch.tensor([value], dtype=torch.float64)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return float(t)
-
-
 def _intra_link_rate(rank: int, k: int, m: int) -> float:
     """Bytes/s on one intra-island ring edge, every island all-reducing at once; same on all ranks."""
     groups = [dist.new_group([i * m + j for j in range(m)]) for i in range(k)]
@@ -159,7 +129,7 @@ def _intra_link_rate(rank: int, k: int, m: int) -> float:
     start = time.perf_counter()
     for _ in range(3):
         dist.all_reduce(x, group=mine)
-    elapsed = _max((time.perf_counter() - start) / 3)
+    elapsed = max_over_ranks((time.perf_counter() - start) / 3)
     return 2 * (m - 1) / m * x.numel() * 4 / elapsed
 
 
@@ -205,7 +175,7 @@ def bench_rank(rank: int, world: int, k: int, m: int, sizes_mib: tuple[int, ...]
             start = time.perf_counter()
             for _ in range(reps):
                 run(method, x)
-            row[f"{method}_s"] = _max((time.perf_counter() - start) / reps)
+            row[f"{method}_s"] = max_over_ranks((time.perf_counter() - start) / reps)
             wire1 = _wire_snapshot(rank, pids)
             if method == "hierarchical":
                 sent = torch.tensor([(het.bridge_bytes() - before) // reps], dtype=torch.int64)
@@ -280,20 +250,10 @@ def main(argv: list[str] | None = None) -> None:
         print_config(name, configs[name])
     targets = {"inter_island_bytes_reduction": "about the island size (m)",
                "speedup_vs_flat_at_10x_slower_link": ">= 1.5"}
-    command = "python bench/communicator.py" + ("" if args.islands == list(CONFIGS) else
-                                                 " --islands " + " ".join(args.islands))
-    if tuple(args.sizes_mib) != SIZES_MIB:
-        command += " --sizes-mib " + " ".join(map(str, args.sizes_mib))
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({
+    write_result(args.out, {
         "figures": {"configs": configs, "slowdown": SLOWDOWN, "chunk_bytes": CHUNK_BYTES,
                     "wall_s": round(time.time() - started, 1)},
-        "targets": targets, "command": command,
-        "machine": {"cpu_count": os.cpu_count(), "python": platform.python_version(),
-                    "torch": torch.__version__, "platform": platform.platform()},
-        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-    }, indent=2) + "\n")
-    print(f"\nwrote {args.out} ({time.time() - started:.0f} s)")
+        "targets": targets, **stamp(perf=False)})
 
 
 if __name__ == "__main__":

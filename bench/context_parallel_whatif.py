@@ -1,4 +1,3 @@
-#!/usr/bin/env python
 """What context parallelism could give issue #19's llama2-7b cases: an optimistic what-if of the model.
 
     python bench/context_parallel_whatif.py        # ~6 min: plans the six 7B cases, CP 2 and 4 on all or the slower islands
@@ -23,21 +22,17 @@ Writes bench/results/context_parallel_whatif.json.
 
 from __future__ import annotations
 
-import datetime
 import json
 import sys
 import time
 from dataclasses import replace
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+from harness import ROOT, stamp, write_result
+from zero_bubble_whatif import best_fill_free, plan_layouts
 
-from bench_record import machine, perf_commit, write_result  # noqa: E402
-from zero_bubble_whatif import best_fill_free, plan_layouts  # noqa: E402
-
-from megatron_het.cluster import ClusterSpec, load_cluster, load_model  # noqa: E402
-from megatron_het.planner import plan_cluster  # noqa: E402
-from megatron_het.planner.errors import InfeasibleError  # noqa: E402
+from megatron_het.cluster import ClusterSpec, load_cluster, load_model
+from megatron_het.planner import plan_cluster
+from megatron_het.planner.errors import InfeasibleError
 
 TARGET = 0.95
 CP_SIZES = (2, 4)
@@ -140,8 +135,7 @@ def main() -> int:
     lifted = sum(best[c] > next(r["ratio_without_cp"] for r in rows if r["cluster"] == c) for c in cases)
     print(f"best CP variant at >= {TARGET}: {met}/{len(cases)}; above the plan without CP: {lifted}/{len(cases)}")
     write_result("context_parallel_whatif.json", {
-        "benchmark": "context_parallel_whatif", "date": datetime.datetime.now(datetime.UTC).isoformat(),
-        "command": "python bench/context_parallel_whatif.py", "machine": machine(), "perf_commit": perf_commit(),
+        "benchmark": "context_parallel_whatif", **stamp(),
         "bounds_from": "bench/results/planner_efficiency.json (" + efficiency.get("date", "?") + ")",
         "targets": {"ratio_same_batch": TARGET},
         "figures": {"cases": rows, "best_per_case": best, "best_at_target": met, "best_above_no_cp": lifted,

@@ -28,29 +28,25 @@ Target: median absolute error <= 10%; the worst is reported.
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
 import tempfile
 from dataclasses import replace
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from harness import ROOT, alternating, slowest, stamp, write_result
 
-from megatron_het.cluster import ModelSpec, load_cluster  # noqa: E402
-from megatron_het.perf.profile import MeasuredLink, Profile, load_profile, save_profile  # noqa: E402
-from megatron_het.plan import Plan, ReplicaPlan, StagePlan  # noqa: E402
-from megatron_het.plan.serialize import save_plan  # noqa: E402
-from megatron_het.platform.local_launch import run_local  # noqa: E402
-from megatron_het.profiling.links import fit_link, measure_link  # noqa: E402
+from megatron_het.cluster import ModelSpec, load_cluster
+from megatron_het.perf.profile import MeasuredLink, Profile, load_profile, save_profile
+from megatron_het.plan import Plan, ReplicaPlan, StagePlan
+from megatron_het.plan.serialize import save_plan
+from megatron_het.platform.local_launch import run_local
+from megatron_het.profiling.links import fit_link, measure_link
 
 MODEL = ModelSpec(num_layers=8, hidden_size=256, num_attention_heads=8, seq_length=128, vocab_size=1000)
 CLUSTERS = {"pair": "examples/clusters/cpu-pair.yaml", "cpu2": "examples/clusters/cpu-2.yaml"}
 PROFILE = os.path.join(ROOT, "bench/results/fidelity_cpu_profile.json")
-OUT = os.path.join(ROOT, "bench/results/fidelity.json")
 MICRO_BATCH, GLOBAL_BATCH, WARMUP = 2, 16, 2
 
 
@@ -159,7 +155,7 @@ def main() -> int:
         # trainer after trainer); rounds alternate the order of the plans.
         times: dict[str, list[list[float]]] = {n: [[], []] for n in table}
         for r in range(args.rounds):
-            for name in (list(table) if r % 2 == 0 else list(reversed(table))):
+            for name in alternating(table, r):
                 for rank, got in enumerate(run_local(2, _rank, (runs[name],), timeout_s=1800)):
                     times[name][rank].extend(got)
     load_during = os.getloadavg()[1]  # 5-minute mean: the two ranks alone make about 2
@@ -175,9 +171,9 @@ def main() -> int:
 
     clusters = {k: load_cluster(os.path.join(ROOT, p)) for k, p in CLUSTERS.items()}
     predicted = {n: predict(p, MODEL, clusters[k], profile=profile).iteration_time_s for n, (k, p) in table.items()}
-    slowest = {n: [max(v) for v in zip(*times[n])] for n in table}
-    measured = {n: statistics.median(v) for n, v in slowest.items()}
-    fastest = {n: min(v) for n, v in slowest.items()}
+    per_iteration = {n: slowest(times[n]) for n in table}
+    measured = {n: statistics.median(v) for n, v in per_iteration.items()}
+    fastest = {n: min(v) for n, v in per_iteration.items()}
     errors = {n: (predicted[n] - measured[n]) / measured[n] for n in table}
     abs_err = sorted(abs(e) for e in errors.values())
     median_err, worst = statistics.median(abs_err), max(abs_err)
@@ -192,24 +188,19 @@ def main() -> int:
     if load_during > 2.5:
         print(f"WARNING: 5-minute load average {load_during:.1f} while measuring (the two ranks make ~2): other "
               f"jobs shared the cores, measured times are inflated; rerun on a quiet machine")
-    result = {
+    write_result("fidelity.json", {
         "figures": {"predicted_s": predicted, "measured_s": measured, "relative_error": errors,
                     "median_abs_error": median_err, "worst_abs_error": worst, "fastest_iteration_s": fastest,
                     "load_average_5min_after_runs": load_during,
                     "profile_layer_ms_before_after": layer_ms,
                     "link": {"latency_us": link.latency_us, "bandwidth_gbps": link.bandwidth_gbps}},
         "targets": {"median_abs_error": "<= 0.10", "plans": ">= 5"},
-        "command": "python bench/fidelity.py " + " ".join(sys.argv[1:]),
         "setup": {"model": {k: v for k, v in MODEL.__dict__.items() if v is not None}, "clusters": CLUSTERS,
                   "profile": os.path.relpath(PROFILE, ROOT), "micro_batch_size": MICRO_BATCH,
                   "global_batch_size": GLOBAL_BATCH, "iters": args.iters, "warmup": WARMUP, "rounds": args.rounds,
                   "ranks": 2, "threads_per_rank": 1},
-        "machine": {"cpus": os.cpu_count(), "python": platform.python_version(), "platform": platform.platform(),
-                    "load_average": os.getloadavg()},
-        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-    }
-    with open(OUT, "w") as f:
-        json.dump(result, f, indent=2)
+        **stamp(),
+    })
     return 0
 
 

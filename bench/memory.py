@@ -15,16 +15,15 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import datetime
 import sys
 import time
 
-from bench_record import machine, perf_commit, write_result  # noqa: E402
+from harness import cpu_rank, stamp, synthetic_batches, write_result
 
-from megatron_het.cluster import ModelSpec  # noqa: E402
-from megatron_het.plan import Plan, ReplicaPlan, StagePlan  # noqa: E402
-from megatron_het.platform.local_launch import run_local  # noqa: E402
-from megatron_het.train.config import TrainConfig  # noqa: E402
+from megatron_het.cluster import ModelSpec
+from megatron_het.plan import Plan, ReplicaPlan, StagePlan
+from megatron_het.platform.local_launch import run_local
+from megatron_het.train.config import TrainConfig
 
 MODEL = ModelSpec(num_layers=4, hidden_size=128, num_attention_heads=4, seq_length=128, vocab_size=512,
                   max_position_embeddings=128)
@@ -67,17 +66,11 @@ def cases() -> list[tuple[str, Plan]]:
 def _rank(rank, world_size, plans, iters):
     import torch.distributed as dist
 
-    from megatron_het.data.synthetic import synthetic_batch
-    from megatron_het.platform import enable_cpu_backend
     from megatron_het.runtime.hetero_trainer import HeteroTrainer
     from megatron_het.runtime.memory_report import MemoryProbe
 
-    enable_cpu_backend()
-
-    def batch(iteration, indices):
-        return synthetic_batch(seed=1, iteration=iteration, indices=indices, seq_length=MODEL.seq_length,
-                               vocab_size=MODEL.vocab_size)
-
+    cpu_rank(threads=None)
+    batch = synthetic_batches(MODEL)
     out = {}
     for name, plan in plans:
         dist.barrier()
@@ -148,9 +141,7 @@ def main(argv=None) -> int:
           f"{'met' if met_c else 'NOT met'}), worst peak error {100 * worst_peak:.2f}% (target 10%: "
           f"{'met' if met_p else 'NOT met'}); {time.time() - start:.0f} s")
     write_result("memory.json", {
-        "benchmark": "memory", "command": "python bench/memory.py" + (f" --iters {args.iters}" if args.iters != 2 else ""),
-        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-        "machine": machine(), "perf_commit": perf_commit(), "model": dataclasses.asdict(MODEL),
+        "benchmark": "memory", **stamp(), "model": dataclasses.asdict(MODEL),
         "micro_batch_size": MICRO, "targets": {"component": TARGET_COMPONENT, "peak": TARGET_PEAK},
         "worst_component_error": worst_comp, "worst_peak_error": worst_peak, "component_target_met": met_c,
         "peak_target_met": met_p, "rows": rows})

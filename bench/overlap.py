@@ -2,38 +2,16 @@
 
     python bench/overlap.py            # ~2-4 min on 2 cores; writes bench/results/overlap.json
 
-Two gloo ranks (TP=2, sequence parallelism), float32, one thread of compute per rank. Sizes are
-calibrated at start so that the layer's collective and its GEMM take about the same time (the
-case overlap helps most). Per repeat, interleaved so drift hits every variant alike:
-
-* plain: ``chunks=1`` — Megatron's non-overlapped path (one collective, then one GEMM);
-* overlap: ``chunks=4``, async collectives (megatron_het/comm/overlap.py);
-* chunked-blocking: ``chunks=4``, blocking collectives (the cost of chunking alone).
-
-Also measured alone: the collectives (comm_s) and the GEMMs (compute_s) of one forward+backward.
-The model's prediction for the overlapped time is ``chunked_overlap_time(comm, compute, 4)``
-(perf/axonn.py) per phase; exposed communication = time - compute_s. Medians over repeats; the
-slowest rank counts in every sample.
-
-**3D stage** (AxoNN's ``Linear3D``, four gloo ranks, ``OVERLAP_BENCH_3D=0`` skips it):
-
-* overlap alone: an MLP (fc1, then the transposed fc2: no redistribution) on the grid
-  ``GRID_3D`` = [2, 1, 2] (weight all-gather and weight-gradient reduce-scatter over z, forward and
-  input-gradient all-reduces over x), plain (one blocking collective each) vs chunked blocking vs
-  chunked overlapped, interleaved; the gain from overlap alone is chunked-blocking / overlapped;
-* 4D model vs measurement (``OVERLAP_BENCH_ONLY=ranking`` runs only this, ~1 min, and updates
-  that part of the json, appending to ``ranking_history``): first a host profile, every collective
-  kind the layer runs (all-gather, all-reduce, reduce-scatter) at 64 KiB-16 MiB over 2- and 4-rank
-  groups, to which the model's links are fitted per collective kind and group size
-  (``perf/link_fit.fit_collective_links``; the layer measurements never enter the fit); then for
-  each of the six 4-rank grids x ``SHAPES_3D`` (18 points), the collectives one transformer layer's
-  four distributed GEMMs run (``perf/axonn.AXONN_GEMMS``: weight all-gather, forward all-reduce,
-  input-gradient all-reduce, weight-gradient reduce-scatter), each blocking, medians of
-  ``RANKING_REPEATS`` rounds that run every point (rotated start), against
-  ``grid_cost(..., links=...).comm_s`` summed (fp32). The figure: Spearman rank correlation per
-  shape over its 6 grids (target: every shape >= 0.8); beside it the same over all 18 points
-  (weak: the shapes differ ~4x in volume, any link ranks them), and the previous models (links per
-  kind pooled over group sizes; one link fitted to the 4-rank all-reduce) and the nominal CPU link.
+1D: two gloo ranks (TP=2, sequence parallelism, fp32, one compute thread each), sizes calibrated so the
+layer's collectives take about as long as its GEMMs; plain (``chunks=1``), overlapped (``chunks=4``, async
+collectives) and chunked-blocking variants interleaved, with the collectives and the GEMMs alone beside
+them and the model's ``chunked_overlap_time`` prediction. 3D (four ranks, ``OVERLAP_BENCH_3D=0`` skips it):
+a ``Linear3D`` MLP on grid ``GRID_3D`` plain vs chunked-blocking vs overlapped; and the 4D model's ranking
+(``OVERLAP_BENCH_ONLY=ranking`` runs only this and updates that part of the json): links fitted per
+collective kind and group size to a host profile of the collectives, then the collectives of one layer on
+the six 4-rank grids x ``SHAPES_3D`` measured against ``grid_cost``; the figure is the Spearman rank
+correlation per shape over its 6 grids. Medians over repeats; the slowest rank counts in every sample.
+Method and figures: docs/overlap.md#5-measurements-python-benchoverlappy.
 """
 
 from __future__ import annotations
@@ -41,17 +19,16 @@ from __future__ import annotations
 import datetime
 import json
 import os
-import platform
 import statistics
 import time
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from harness import RESULTS, max_over_ranks, stamp, write_result
 
-from megatron_het.comm.overlap import all_gather_linear, linear_reduce_scatter  # noqa: E402
-from megatron_het.perf.axonn import AXONN_GEMMS, chunked_overlap_time, grid_cost  # noqa: E402
-from megatron_het.platform.local_launch import run_local  # noqa: E402
+from megatron_het.comm.overlap import all_gather_linear, linear_reduce_scatter
+from megatron_het.perf.axonn import AXONN_GEMMS, chunked_overlap_time, grid_cost
+from megatron_het.platform.local_launch import run_local
 
 WORLD = 2
 CHUNKS = 4
@@ -68,20 +45,14 @@ PROFILE_BYTES = tuple(2 ** e for e in (16, 18, 20, 22, 24))  # host profile: 64 
 TARGET_SPEARMAN = 0.8
 SPEARMAN_OF = "each layer shape over its 6 grids (the worst of the 3 shapes)"
 RANKING_REPEATS = int(os.environ.get("OVERLAP_BENCH_RANKING_REPEATS", "21"))  # samples per point
-OUT = Path(__file__).resolve().parent / "results" / "overlap.json"
-
-
-def _max(value: float) -> float:
-    t = torch.tensor([value], dtype=torch.float64)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return float(t)
+OUT = RESULTS / "overlap.json"
 
 
 def _timed(fn) -> float:
     dist.barrier()
     start = time.perf_counter()
     fn()
-    return _max(time.perf_counter() - start)
+    return max_over_ranks(time.perf_counter() - start)
 
 
 def _median(fn, n: int = 3) -> float:
@@ -157,17 +128,20 @@ def bench_rank(rank: int, world: int) -> dict:
         variants = {"plain": (1, True), "overlap": (CHUNKS, True), "chunked_blocking": (CHUNKS, False)}
         steps = {name: _layer_step(kind, x, w, dy, c, o) for name, (c, o) in variants.items()}
         comm, compute = _parts(kind, x, w, dy)
-        samples: dict[str, list[float]] = {name: [] for name in (*steps, "comm", "compute")}
-        for fn in steps.values():  # warm-up
-            _timed(fn)
-        for _ in range(REPEATS):
-            for name, fn in steps.items():
-                samples[name].append(_timed(fn))
-            samples["comm"].append(_timed(comm))
-            samples["compute"].append(_timed(compute))
-        cases[kind] = {name: statistics.median(v) for name, v in samples.items()}
-        cases[kind].update(samples=samples, width=width)
+        cases[kind] = dict(_interleaved(steps, comm, compute), width=width)
     return {"cases": cases}
+
+
+def _interleaved(steps: dict, comm, compute) -> dict:
+    """Medians (and ``samples``) of ``REPEATS`` rounds, each timing every step, then comm and compute alone
+    (after one warm-up of each step): drift hits every variant alike."""
+    samples: dict[str, list[float]] = {name: [] for name in (*steps, "comm", "compute")}
+    for fn in steps.values():
+        _timed(fn)
+    for _ in range(REPEATS):
+        for name, fn in {**steps, "comm": comm, "compute": compute}.items():
+            samples[name].append(_timed(fn))
+    return {**{name: statistics.median(v) for name, v in samples.items()}, "samples": samples}
 
 
 def _figures(res: dict) -> dict:
@@ -343,18 +317,7 @@ def bench3d_rank(rank: int, world: int) -> dict:
     x, dy, w1, w2 = _mlp3d_tensors(groups, tokens, HIDDEN_3D, FFN_3D)
     variants = {"plain": (1, False), "overlap": (CHUNKS, True), "chunked_blocking": (CHUNKS, False)}
     steps = {name: _mlp3d_step(groups, x, dy, w1, w2, c, o) for name, (c, o) in variants.items()}
-    comm, compute = _mlp3d_parts(groups, x, dy, w1, w2)
-    samples: dict[str, list[float]] = {name: [] for name in (*steps, "comm", "compute")}
-    for fn in steps.values():
-        _timed(fn)
-    for _ in range(REPEATS):
-        for name, fn in steps.items():
-            samples[name].append(_timed(fn))
-        samples["comm"].append(_timed(comm))
-        samples["compute"].append(_timed(compute))
-    mlp = {name: statistics.median(v) for name, v in samples.items()}
-    mlp.update(samples=samples, tokens=tokens)
-    return {"mlp": mlp}
+    return {"mlp": dict(_interleaved(steps, *_mlp3d_parts(groups, x, dy, w1, w2)), tokens=tokens)}
 
 
 def _ranks(values: list[float]) -> list[float]:
@@ -503,19 +466,6 @@ def _print_ranking(r: dict) -> None:
           f"{rho['host_profile_pooled']:.3f} / {rho['host_allreduce_link']:.3f} / {rho['catalog_nominal']:.3f}")
 
 
-def _write(doc: dict) -> None:
-    OUT.parent.mkdir(parents=True, exist_ok=True)
-    tmp = OUT.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(doc, indent=2) + "\n")
-    os.replace(tmp, OUT)  # atomic
-    print(f"wrote {OUT}")
-
-
-def _machine() -> dict:
-    return {"platform": platform.platform(), "processor": platform.processor(), "cpus": os.cpu_count(),
-            "torch": torch.__version__, "load_average_at_end": os.getloadavg()}
-
-
 def _ranking(start: float) -> tuple[dict, bool]:
     load0 = os.getloadavg()
     res = run_local(WORLD_3D, ranking_rank, timeout_s=1800)[0]
@@ -528,22 +478,15 @@ def _ranking(start: float) -> tuple[dict, bool]:
     return ranking, met
 
 
-def _history_entry(ranking: dict) -> dict:
-    return {key: ranking[key] for key in ("date", "spearman_per_shape_min", "spearman_by_shape", "spearman_pooled",
-                                          "spearman_by_model", "load_average_at_start", "load_average_at_end")}
-
-
 def main() -> None:
     start = time.time()
     if os.environ.get("OVERLAP_BENCH_ONLY") == "ranking":  # refresh the ranking part of the json only
         ranking, met = _ranking(start)
         doc = json.loads(OUT.read_text())
-        tp3d = doc["figures"].setdefault("tp3d", {})
-        tp3d["ranking_history"] = [*tp3d.get("ranking_history", []), _history_entry(ranking)]
-        tp3d["ranking"] = ranking
+        doc["figures"].setdefault("tp3d", {})["ranking"] = ranking
         doc["targets"].update(spearman_min=TARGET_SPEARMAN, spearman_met=met, spearman_of=SPEARMAN_OF)
         doc["ranking_command"] = "OVERLAP_BENCH_ONLY=ranking python bench/overlap.py"
-        _write(doc)
+        write_result(OUT, doc)
         return
     res = run_local(WORLD, bench_rank, timeout_s=1800)[0]
     figures = _figures(res)
@@ -564,12 +507,9 @@ def main() -> None:
         mlp = _figures_mlp(run_local(WORLD_3D, bench3d_rank, timeout_s=1800)[0]["mlp"])
         _print_mlp(mlp)
         ranking, rho_met = _ranking(start)
-        previous = json.loads(OUT.read_text())["figures"].get("tp3d", {}) if OUT.exists() else {}
-        figures["tp3d"] = {"mlp": mlp, "ranking": ranking,
-                           "ranking_history": [*previous.get("ranking_history", []), _history_entry(ranking)]}
+        figures["tp3d"] = {"mlp": mlp, "ranking": ranking}
         targets.update(spearman_min=TARGET_SPEARMAN, spearman_met=rho_met, spearman_of=SPEARMAN_OF)
-    _write({"figures": figures, "targets": targets, "command": "python bench/overlap.py", "machine": _machine(),
-            "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")})
+    write_result(OUT, {"figures": figures, "targets": targets, **stamp()})
 
 
 if __name__ == "__main__":

@@ -1,4 +1,3 @@
-#!/usr/bin/env python
 """Heterogeneous plan throughput vs upper bounds and baselines: six device pairs and six clusters of
 three or more device types (NVIDIA and AMD, old and new, cross-type links 4-8x slower than the
 islands' own networks), each with llama2-7b and llama2-70b.
@@ -7,12 +6,10 @@ islands' own networks), each with llama2-7b and llama2-70b.
     python bench/planner_efficiency.py --quick    # the 1,024-GPU case of issue #19 only
 
 Two upper bounds, both sums over the device types of the best plan the same planner finds on that
-type's island alone:
-- peak share (the bench's bound since #8): each island runs its share of the global batch in
-  proportion to its peak TFLOP/s, so per-replica micro-batch counts are comparable with the joint run;
-- same batch (issue #19's wording): each island runs the whole global batch alone. Every island then
-  has several times the micro-batches per replica it gets in the joint run (smaller pipeline bubbles),
-  so this bound is looser, the more so the more islands share the batch.
+type's island alone: peak share (each island runs its share of the global batch in proportion to its
+peak TFLOP/s, so per-replica micro-batch counts are comparable with the joint run) and same batch
+(issue #19's wording: each island runs the whole global batch alone, with several times the
+micro-batches per replica it gets in the joint run: a looser bound, the more so the more islands).
 Baselines for the pairs: Megatron's uniform plan on the whole cluster (same TP/PP everywhere, equal
 layers, equal micro-batches per replica; the best such plan that fits) and the fastest device type
 alone. For every case: GPUs used, and whether every island with idle GPUs has an explanation
@@ -30,28 +27,24 @@ perf.comm.sharded_gradient_reduction).
 from __future__ import annotations
 
 import argparse
-import datetime
 import os
 import sys
 import time
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+from harness import ROOT, stamp, write_result
 
-from bench_record import machine, perf_commit, write_result  # noqa: E402
-
-from megatron_het.cluster import CATALOG, ClusterSpec, IslandSpec, LinkSpec, ModelSpec, load_cluster, load_model  # noqa: E402
-from megatron_het.perf import predict  # noqa: E402
-from megatron_het.perf.comm import (  # noqa: E402
+from megatron_het.cluster import CATALOG, ClusterSpec, IslandSpec, LinkSpec, ModelSpec, load_cluster, load_model
+from megatron_het.perf import predict
+from megatron_het.perf.comm import (
     distributed_optimizer_share,
     dp_gradient_reduction,
     sharded_gradient_reduction,
 )
-from megatron_het.perf.memory import state_bytes  # noqa: E402
-from megatron_het.plan import PlanError, validate_plan  # noqa: E402
-from megatron_het.planner import InfeasibleError, Segment, Template, build_plan, plan_cluster, tp_options  # noqa: E402
-from megatron_het.planner.estimate import Estimator  # noqa: E402
-from megatron_het.planner.gap import fluid_tokens_per_s, island_capacity, one_island_time  # noqa: E402
+from megatron_het.perf.memory import state_bytes
+from megatron_het.plan import PlanError, validate_plan
+from megatron_het.planner import InfeasibleError, Segment, Template, build_plan, plan_cluster, tp_options
+from megatron_het.planner.estimate import Estimator
+from megatron_het.planner.gap import fluid_tokens_per_s, island_capacity, one_island_time
 
 PAIRS = (("A100-80GB", "H100-SXM"), ("A100-80GB", "MI250X"), ("H100-SXM", "MI300X"), ("V100-32GB", "A100-80GB"),
          ("A100-80GB", "L40S"), ("H100-SXM", "H200"))
@@ -61,8 +54,6 @@ GLOBAL_BATCH = 1024
 MULTI = (("tangram-1024.yaml", 2048), ("mixed3-256.yaml", 1024), ("v100-a100-mi300x.yaml", 1024),
          ("h200-h100-mi300x.yaml", 1024), ("a100-l40s-mi250x.yaml", 1024), ("four-types.yaml", 1024))
 TARGET = 0.95
-
-
 
 
 def cluster_of(a: str, b: str) -> ClusterSpec:
@@ -285,8 +276,6 @@ def pair_cases(models: list[ModelSpec]) -> list[dict]:
     return figures
 
 
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="only the 1,024-GPU case of issue #19 (llama2-7b)")
@@ -315,10 +304,7 @@ def main(argv: list[str] | None = None) -> int:
                        "multi_type_cases": len(multi),
                        "idle_explained": all(r["idle_explained"] for r in multi),
                        "pairs_min_ratio": pair_min, "pairs_met": pair_min is not None and pair_min >= TARGET},
-           "command": "python bench/planner_efficiency.py" + (" --quick" if args.quick else ""),
-           "perf_commit": perf_commit(), "machine": machine(), "load_after": load(),
-           "bench_wall_s": round(time.perf_counter() - start, 1),
-           "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")}
+           "load_after": load(), "bench_wall_s": round(time.perf_counter() - start, 1), **stamp()}
     name = "planner_efficiency_quick.json" if args.quick else "planner_efficiency.json"
     write_result(name, out)
     return 0

@@ -1,4 +1,3 @@
-#!/usr/bin/env python
 """Fast planner vs exhaustive search on generated small clusters (<= 32 GPUs, 2-3 device types).
 
     python bench/planner_optimality.py
@@ -12,26 +11,18 @@ with every shape. Target: within 1%. Writes bench/results/planner_optimality.jso
 
 from __future__ import annotations
 
-import datetime
 import random
 import statistics
 import sys
 import time
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+from harness import ROOT, stamp, write_result
 
-from bench_record import machine, perf_commit, write_result  # noqa: E402
-
-from megatron_het.cluster import CATALOG, ClusterSpec, IslandSpec, LinkSpec, ModelSpec, load_model  # noqa: E402
-from megatron_het.planner import InfeasibleError, plan_cluster  # noqa: E402
+from megatron_het.cluster import CATALOG, ClusterSpec, IslandSpec, LinkSpec, ModelSpec, load_model
+from megatron_het.planner import InfeasibleError, plan_cluster
 
 TYPES = ("V100-32GB", "A100-40GB", "A100-80GB", "H100-SXM", "L40S", "MI250X", "MI300X", "RTX-4090")
 CASES = 24
-
-
-
-
 
 
 def models() -> list[ModelSpec]:
@@ -93,9 +84,7 @@ def main() -> int:
     print(f"worst gap {summary['worst_gap_percent']:.3f}%, median {summary['median_gap_percent']:.3f}%, "
           f"{summary['within_1_percent']}/{len(gaps)} within 1%")
     out = {"figures": {"cases": figures, "summary": summary},
-           "targets": {"gap_percent_max": 1.0, "met": summary["worst_gap_percent"] <= 1.0},
-           "command": "python bench/planner_optimality.py", "machine": machine(), "perf_commit": perf_commit(),
-           "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")}
+           "targets": {"gap_percent_max": 1.0, "met": summary["worst_gap_percent"] <= 1.0}, **stamp()}
     write_result("planner_optimality.json", out)
     return 0
 

@@ -1,4 +1,3 @@
-#!/usr/bin/env python
 """Planning time vs cluster size: 64, 1,024, 4,096 and 16,384 GPUs of three device types
 (llama2-70b), and issue #19's 1,024-GPU case (llama2-7b on examples/clusters/tangram-1024.yaml),
 with composition over islands on (the default).
@@ -12,25 +11,17 @@ average before each case. Writes bench/results/planner_scale.json.
 
 from __future__ import annotations
 
-import datetime
 import os
 import sys
 import time
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+from harness import ROOT, stamp, write_result
 
-from bench_record import machine, perf_commit, write_result  # noqa: E402
-
-from megatron_het.cluster import CATALOG, ClusterSpec, IslandSpec, LinkSpec, load_cluster, load_model  # noqa: E402
-from megatron_het.planner import describe_plan, plan_cluster  # noqa: E402
+from megatron_het.cluster import CATALOG, ClusterSpec, IslandSpec, LinkSpec, load_cluster, load_model
+from megatron_het.planner import describe_plan, plan_cluster
 
 TYPES = ("A100-80GB", "H100-SXM", "MI250X")
 SIZES = (64, 1024, 4096, 16384)
-
-
-
-
 
 
 def cluster_of(gpus: int) -> ClusterSpec:
@@ -70,10 +61,7 @@ def main() -> int:
            "targets": {"planning_time_s_at_1024": 10.0, "planning_time_s_at_16384": 60.0,
                        "met": {"1024": at[1024]["planning_time_s"] <= 10.0,
                                "issue19_1024": issue["planning_time_s"] <= 10.0,
-                               "16384": at[16384]["planning_time_s"] <= 60.0}},
-           "command": "python bench/planner_scale.py",
-           "machine": machine(), "perf_commit": perf_commit(),
-           "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")}
+                               "16384": at[16384]["planning_time_s"] <= 60.0}}, **stamp()}
     write_result("planner_scale.json", out)
     return 0
 

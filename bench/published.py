@@ -18,21 +18,16 @@ shown beside it, and the shipped defaults are checked to be that fit.
 from __future__ import annotations
 
 import argparse
-import datetime
 import itertools
-import os
 import statistics
 import sys
 
-from bench_record import machine, perf_commit, write_result
+from harness import stamp, write_result
 
 from megatron_het.perf import calibrated
 from megatron_het.perf import fit as fitting
 from megatron_het.perf.published import load_published
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-OUT = os.path.join(ROOT, "bench", "results", "published.json")
 TIE = 0.05
 
 
@@ -130,13 +125,11 @@ def main() -> int:
     print(f"in-sample (shipped defaults): median |error| {100 * statistics.median(ins):.1f}%, worst {100 * max(ins):.1f}%")
     for k, ok in checks.items():
         print(f"  {k}: {'met' if ok else 'NOT met'}")
-    write_result(os.path.basename(OUT), {
-        "benchmark": "published", "command": "python bench/published.py", "date": datetime.date.today().isoformat(),
-        "machine": machine(), "perf_commit": perf_commit(),
+    write_result("published.json", {
+        "benchmark": "published", **stamp(),
         "targets": {"median_abs_error": 0.10, "worst_abs_error": 0.25}, "checks": checks,
         "summary": {"rows": len(rows), "sources": len(signs), "median_abs_error": median, "worst_abs_error": worst},
         "fit_all_sources": full.theta, "per_source": signs, "orderings": orderings, "rows": table})
-    print(f"wrote {os.path.relpath(OUT, ROOT)}")
     return 0
 
 

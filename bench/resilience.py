@@ -1,49 +1,19 @@
 """Throughput after rank failures without spare GPUs: (a) restart, (b) drop replica, (c)/(d) re-route.
 
 The same failure trace (1 failure: rank 3 in iteration 1; 2 failures: then rank 0 in iteration 2)
-under four policies, measured on the emulated cluster and predicted by the simulator, then the same
-policies simulated at cluster scale (1,024 GPUs, a failure every 4 hours):
+under four policies, measured side by side on the emulated cluster and predicted by the simulator, then
+simulated at cluster scale (1,024 GPUs, a failure every 4 hours): (a) restart from the last checkpoint on
+the survivors with a re-plan (a real restart measured: spawn, import, build, load; amortised over
+``--horizon`` s, lost iterations not counted); (b) drop the replica(s) that lost a rank; (c) re-route
+in-process with a fused backward and a synchronous step; (d) re-route with split backward (W deferred into
+bubbles) and the staggered step. Every run uses --clip-grad 0, so all rows train the same model alike.
 
-* (a) restart from the last checkpoint on the survivors with a re-plan (Bamboo/Oobleck-style
-  reconfigure and restart; restart cost measured);
-* (b) drop the replica(s) that lost a rank;
-* (c) re-route in-process without the optimisations: fused backward, synchronous optimizer step;
-* (d) re-route with split backward (W deferred into bubbles) and the staggered optimizer step.
-
-Every run uses --clip-grad 0 (the staggered step cannot wait for a global norm), so all rows train
-the same model the same way.
-
-CPU-emulated cluster ``examples/clusters/cpu-resilience.yaml``: 6 ranks, every island emulated 8x
-slower than the CPU. Most of each action is sleep, so 6 ranks keep well under the machine's 2
-cores busy and the step time follows the schedule; micro-batches are long (4 x 128 tokens) so that
-forward/backward dominate the per-step work the schedule does not model (gradient reduction,
-Python). The slowdown is applied to each forward/backward's *thread CPU time* (the trainer's
-EmulationTimer with ``clock=time.thread_time``: sleep until slowdown x CPU time has passed), not to
-its wall time as the default timer does: with the
-wall clock, load from other jobs on this shared machine is multiplied by the slowdown (three runs
-measured the same failure-free step at 1.75, 1.84 and 3.39 s); with the CPU clock it is absorbed
-by the sleep as long as it stays below 8x. Plan: 3 replicas x 2 stages (TP=1), 4
-micro-batches each. Measured side by side in one run (median step time, max over ranks, of the
-iterations after the last failure):
-
-* failure-free (plain HeteroTrainer, the plan's 1F1B), 1 failure (rank 3 = replica 1 stage 1,
-  SIGKILL) and 2 failures (then rank 0 = replica 0 stage 0): the survivors re-route in-process
-  (megatron_het.resilience, split backward); the 2 failures once more with a fused backward
-  (``split_backward=False``), which isolates what the split B/W costs on CPU autograd;
-* (b) drop the replica(s) that lost a rank: the intact replicas run the whole global batch;
-* (a) restart from the last checkpoint on the survivors: a REAL restart is measured (spawn 4 new
-  processes, import, build the re-planned 2x2 trainer, load the checkpoint written by the
-  drop-replica run); steady throughput is the re-planned plan's; the restart time is amortised
-  over ``--horizon`` seconds (iterations lost since the last checkpoint are NOT counted: a lower
-  bound of the restart cost).
-
-Predicted figures come from the routed-schedule simulator (the schedule data the runtime executes)
-with unit durations (F=1, fused B=2, split B=W=1) and no communication: fused for the runs that
-use the plan's own schedule, split for the re-routed ones. Two columns: ``schedule`` (simulated
-time only) and ``calibrated``: one unit = the failure-free run's measured forward+backward time per
-stage / 12 units, plus a per-step constant = failure-free step time - 15 units (work outside the
-schedule: gradient reduction, loss report, emulated optimizer step), both measured on the
-failure-free run only and then used to predict every other configuration.
+Cluster ``examples/clusters/cpu-resilience.yaml``: 6 ranks, every island emulated 8x slower than the CPU
+on the thread CPU clock (other jobs' load is absorbed by the sleep); 3 replicas x 2 stages, 4
+micro-batches of 4 x 128 tokens each. Figure: median step time (max over ranks) of the iterations after
+the last failure, as a fraction of the failure-free run's. Predicted: the routed-schedule simulator with
+unit durations (F=1, fused B=2, split B=W=1), one unit and the per-step work outside the schedule
+calibrated on the failure-free run only. Method and figures: docs/resilience.md#benchmark.
 
     python bench/resilience.py [--iters 6] [--horizon 600]   (about 12 minutes)
 """
@@ -52,29 +22,26 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import datetime
 import json
 import os
-import platform
 import statistics
-import sys
 import tempfile
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from harness import ROOT, cpu_rank, stamp, synthetic_batches, thread_clock_trainer, write_result
 
-from megatron_het.cluster import ModelSpec, load_cluster  # noqa: E402
-from megatron_het.plan import Plan, ReplicaPlan, StagePlan  # noqa: E402
-from megatron_het.platform.local_launch import run_local  # noqa: E402
-from megatron_het.resilience.launch import run_resilient_local  # noqa: E402
-from megatron_het.resilience.recovery import FaultSpec  # noqa: E402
-from megatron_het.resilience.routed_schedule import routed_schedule  # noqa: E402
-from megatron_het.resilience.routing import reroute  # noqa: E402
-from megatron_het.resilience.staggered import steady_period  # noqa: E402
-from megatron_het.resilience.worker import homogeneous_replan, resilient_worker  # noqa: E402
-from megatron_het.train.config import TrainConfig  # noqa: E402
+from megatron_het.cluster import ModelSpec, load_cluster
+from megatron_het.plan import Plan, ReplicaPlan, StagePlan
+from megatron_het.platform.local_launch import run_local
+from megatron_het.resilience.launch import run_resilient_local
+from megatron_het.resilience.recovery import FaultSpec
+from megatron_het.resilience.routed_schedule import routed_schedule
+from megatron_het.resilience.routing import reroute
+from megatron_het.resilience.staggered import steady_period
+from megatron_het.resilience.worker import homogeneous_replan, resilient_worker
+from megatron_het.train.config import TrainConfig
 
-CLUSTER = os.path.join(ROOT, "examples", "clusters", "cpu-resilience.yaml")
+CLUSTER = ROOT / "examples" / "clusters" / "cpu-resilience.yaml"
 MODEL = ModelSpec(num_layers=4, hidden_size=64, num_attention_heads=4, seq_length=128, vocab_size=200)
 MBS = 4  # sequences per micro-batch
 MICRO = 4  # micro-batches per replica in the failure-free plan
@@ -108,18 +75,9 @@ def plain_worker(rank, world_size, plan, train, iterations, slowdown, save_dir, 
     """Failure-free run of ``plan`` (drop-replica baseline), or the restart measurement when load_dir."""
     t_start = time.time()
     from megatron_het.checkpoint.dist_ckpt import iteration_dir, latest_iteration
-    from megatron_het.data.synthetic import synthetic_batch
-    from megatron_het.platform import enable_cpu_backend
-    from megatron_het.runtime.hetero_trainer import HeteroTrainer
 
-    enable_cpu_backend()
-
-    def batch_fn(iteration, indices):
-        return synthetic_batch(seed=train.seed, iteration=iteration, indices=indices,
-                               seq_length=MODEL.seq_length, vocab_size=MODEL.vocab_size)
-
-    trainer = HeteroTrainer(model=MODEL, plan=plan, train=train, batch_fn=batch_fn, slowdown=slowdown,
-                            clock=time.thread_time)
+    cpu_rank(threads=None)
+    trainer = thread_clock_trainer(MODEL, plan, train, synthetic_batches(MODEL, train.seed), slowdown=slowdown)
     loaded_at = None
     if load_dir:
         trainer.load_checkpoint(iteration_dir(load_dir, latest_iteration(load_dir)))
@@ -204,7 +162,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--iters", type=int, default=6, help="measured iterations per phase")
     ap.add_argument("--horizon", type=float, default=600.0, help="seconds over which a restart is amortised")
-    ap.add_argument("--out", default=os.path.join(ROOT, "bench", "results", "resilience.json"))
+    ap.add_argument("--out", default="resilience.json", help="results file under bench/results/")
     args = ap.parse_args()
     n = args.iters
     slowdown = load_cluster(CLUSTER).slowdown("cpu")
@@ -260,29 +218,23 @@ def main() -> None:
     unit_s = busy / (MICRO * 3)  # a stage's busy units per failure-free iteration: 4 x (F=1 + B=2)
     step_units = max(0.0, (t_free - p_free * unit_s) / unit_s)
     keep = max(0.0, 1.0 - restart_s / args.horizon)
+    def units(plan, failed=(), split=False, staggered=False, barrier=True):
+        return simulated(plan, failed, split=split, staggered=staggered, step_units=step_units, barrier=barrier)
+
     sim = {  # name: (measured step s, kept share, simulated units with the runtime's barrier, ReCycle without)
-        "a_restart_replan_1_failure": (t_replan, keep, simulated(replan, split=False, staggered=False,
-                                                                 step_units=step_units), None),
-        "a_restart_replan_2_failures": (t_replan, keep, simulated(replan, split=False, staggered=False,
-                                                                  step_units=step_units), None),
-        "b_drop_replica_1_failure": (t_drop1, 1.0, simulated(plan_of([0, 2], total), split=False, staggered=False,
-                                                             step_units=step_units), None),
-        "b_drop_replica_2_failures": (t_drop2, 1.0, simulated(plan_of([2], total), split=False, staggered=False,
-                                                              step_units=step_units), None),
-        "c_reroute_fused_sync_1_failure": (steps["c_1"], 1.0, simulated(full, (3,), split=False, staggered=False,
-                                                                        step_units=step_units), None),
-        "c_reroute_fused_sync_2_failures": (steps["c_2"], 1.0, simulated(full, (3, 0), split=False, staggered=False,
-                                                                         step_units=step_units), None),
-        "reroute_split_sync_1_failure": (steps["split_1"], 1.0, simulated(full, (3,), split=True, staggered=False,
-                                                                          step_units=step_units), None),
-        "d_reroute_split_staggered_1_failure": (
-            steps["d_1"], 1.0, simulated(full, (3,), split=True, staggered=True, step_units=step_units),
-            simulated(full, (3,), split=True, staggered=True, step_units=step_units, barrier=False)),
-        "d_reroute_split_staggered_2_failures": (
-            steps["d_2"], 1.0, simulated(full, (3, 0), split=True, staggered=True, step_units=step_units),
-            simulated(full, (3, 0), split=True, staggered=True, step_units=step_units, barrier=False)),
+        "a_restart_replan_1_failure": (t_replan, keep, units(replan), None),
+        "a_restart_replan_2_failures": (t_replan, keep, units(replan), None),
+        "b_drop_replica_1_failure": (t_drop1, 1.0, units(plan_of([0, 2], total)), None),
+        "b_drop_replica_2_failures": (t_drop2, 1.0, units(plan_of([2], total)), None),
+        "c_reroute_fused_sync_1_failure": (steps["c_1"], 1.0, units(full, (3,)), None),
+        "c_reroute_fused_sync_2_failures": (steps["c_2"], 1.0, units(full, (3, 0)), None),
+        "reroute_split_sync_1_failure": (steps["split_1"], 1.0, units(full, (3,), split=True), None),
+        "d_reroute_split_staggered_1_failure": (steps["d_1"], 1.0, units(full, (3,), True, True),
+                                                units(full, (3,), True, True, barrier=False)),
+        "d_reroute_split_staggered_2_failures": (steps["d_2"], 1.0, units(full, (3, 0), True, True),
+                                                 units(full, (3, 0), True, True, barrier=False)),
     }
-    free_units = simulated(full, split=False, staggered=False, step_units=step_units)  # = t_free / unit_s
+    free_units = units(full)  # = t_free / unit_s
     rows = {k: {"measured": t_free / t * kept, "predicted": free_units / u * kept,
                 "predicted_recycle_no_barrier": (free_units / r * kept) if r else None,
                 "measured_over_predicted": (t_free / t) / (free_units / u)}
@@ -309,20 +261,13 @@ def main() -> None:
                                "sleeping (EmulationTimer(clock=time.thread_time))"},
         "bench_wall_s": time.time() - t0,
     }
-    result = {
+    write_result(args.out, {
         "figures": figures,
         "targets": {"d_1_failure": "(d) beats (a) and (b) after one failure on the emulated cluster, else explained",
                     "losses": "every re-routed run's losses equal the failure-free run (relative 1e-5)",
                     "measured_vs_predicted": "side by side; differences explained in docs/resilience.md"},
-        "command": "python bench/resilience.py " + " ".join(sys.argv[1:]),
-        "machine": {"cpu_count": os.cpu_count(), "python": platform.python_version(), "platform": platform.platform(),
-                    "load_average_before": list(load_before), "load_average_after": list(os.getloadavg())},
-        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-    }
-    os.makedirs(os.path.dirname(args.out), exist_ok=True)
-    from megatron_het.utils.atomic import write_text_atomic
-
-    write_text_atomic(args.out, json.dumps(result, indent=2, default=str) + "\n")
+        **stamp(perf=False, load_before=load_before),
+    })
     print(f"failure-free iteration {t_free:.2f} s; restart {restart_s:.1f} s; slowdown {slowdown:g}x; "
           f"load {load_before[0]:.1f} -> {os.getloadavg()[0]:.1f}")
     print(f"{'throughput / failure-free':<42}{'measured':>10}{'predicted':>11}{'ReCycle':>9}{'meas/pred':>11}")

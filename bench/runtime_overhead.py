@@ -15,20 +15,16 @@ per case is the median iteration time after warm-up (max over ranks of each iter
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
-import os
-import platform
 import statistics
 import sys
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from harness import ROOT, cpu_rank, slowest, stamp, synthetic_batches, write_result
 
-from megatron_het.cluster import ModelSpec, load_cluster  # noqa: E402
-from megatron_het.model.groups import BlockShape  # noqa: E402
-from megatron_het.plan import Plan, ReplicaPlan, StagePlan  # noqa: E402
-from megatron_het.platform.local_launch import run_local  # noqa: E402
-from megatron_het.train.config import TrainConfig  # noqa: E402
+from megatron_het.cluster import ModelSpec, load_cluster
+from megatron_het.model.groups import BlockShape
+from megatron_het.plan import Plan, ReplicaPlan, StagePlan
+from megatron_het.platform.local_launch import run_local
+from megatron_het.train.config import TrainConfig
 
 MODEL = ModelSpec(num_layers=8, hidden_size=256, num_attention_heads=8, seq_length=128, vocab_size=1000)
 WARMUP = 2
@@ -63,17 +59,14 @@ def cases(train: TrainConfig):
 
 
 def _rank(rank, world_size, train, order, rounds, cluster_path):
-    from functools import partial
-
     import torch.distributed as dist
 
-    from megatron_het.platform import enable_cpu_backend
     from megatron_het.runtime.hetero_trainer import HeteroTrainer, plan_padded_vocab
     from megatron_het.runtime.megatron_trainer import train_megatron_block
 
-    enable_cpu_backend()
+    cpu_rank(threads=None)
     cluster = load_cluster(cluster_path)
-    batch = partial(_batch, train.seed)
+    batch = synthetic_batches(MODEL, train.seed)
     table = cases(train)
     vocab = plan_padded_vocab(MODEL, table["runtime_tp2pp2"][1])
     times: dict[str, list[float]] = {name: [] for name in order}
@@ -92,13 +85,6 @@ def _rank(rank, world_size, train, order, rounds, cluster_path):
     return times
 
 
-def _batch(seed, iteration, indices):
-    from megatron_het.data.synthetic import synthetic_batch
-
-    return synthetic_batch(seed=seed, iteration=iteration, indices=indices, seq_length=MODEL.seq_length,
-                           vocab_size=MODEL.vocab_size)
-
-
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--iters", type=int, default=8, help="iterations per case per round (first 2 are warm-up)")
@@ -106,10 +92,10 @@ def main() -> int:
     args = ap.parse_args()
     train = TrainConfig(micro_batch_size=2, global_batch_size=16, train_iters=args.iters, lr=1e-4)
     order = list(cases(train))
-    cluster_path = os.path.join(ROOT, "examples/clusters/cpu-demo.yaml")
+    cluster_path = ROOT / "examples/clusters/cpu-demo.yaml"
     per_rank = run_local(4, _rank, (train, order, args.rounds, cluster_path), timeout_s=3600)
     # Per iteration, the slowest rank's time (ranks finish an iteration together at its all-reduce).
-    median = {name: statistics.median(max(vals) for vals in zip(*(r[name] for r in per_rank))) for name in order}
+    median = {name: statistics.median(slowest(r[name] for r in per_rank)) for name in order}
     tps = {name: train.global_batch_size * MODEL.seq_length / t for name, t in median.items()}
     ratios = {
         "runtime_vs_megatron_homogeneous": tps["runtime_tp2pp2"] / tps["megatron_tp2pp2"],
@@ -125,20 +111,14 @@ def main() -> int:
     print()
     for k, v in ratios.items():
         print(f"{k:36s} {v:6.3f}   target {targets[k]}")
-    result = {
+    write_result("runtime_overhead.json", {
         "figures": {"median_iteration_s": median, "tokens_per_s": tps, "ratios": ratios},
         "targets": targets,
-        "command": "python bench/runtime_overhead.py " + " ".join(sys.argv[1:]),
         "setup": {"model": MODEL.__dict__, "micro_batch_size": train.micro_batch_size,
                   "global_batch_size": train.global_batch_size, "iters_per_round": args.iters,
                   "warmup": WARMUP, "rounds": args.rounds, "ranks": 4},
-        "machine": {"cpus": os.cpu_count(), "python": platform.python_version(), "platform": platform.platform(),
-                    "torch": __import__("torch").__version__},
-        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-    }
-    os.makedirs(os.path.join(ROOT, "bench", "results"), exist_ok=True)
-    with open(os.path.join(ROOT, "bench", "results", "runtime_overhead.json"), "w") as f:
-        json.dump(result, f, indent=2)
+        **stamp(perf=False),
+    })
     return 0
 
 

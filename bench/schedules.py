@@ -1,64 +1,40 @@
 """Pipeline schedules side by side: 1F1B, interleaved (v=2) and ZB-H1, measured against the model's prediction (#16).
 
-A CPU-emulated cluster of 4 pipeline stages (one rank each): three on island ``fast`` and the last on
-island ``slow``, emulated 2x slower than ``fast``. Four ranks share this 2-core machine, so both
-islands are emulated *slower than the host* (fast 4x, slow 8x) and the emulation clock is each
-rank's thread CPU time (EmulationTimer ``clock=time.thread_time``): a rank's compute lasts its own
-CPU time x its island's factor whatever the other processes do, and the waiting uses no core. When the
-host takes longer than that (the rank preempted mid-action: bench/schedules_waits.py measured up to
-0.6 s per rank and iteration at load 7-13, 11% of interleaved's iteration, whose 32 short actions per
-rank are caught more often than 1F1B's 16), the rank repays the lag from its next sleeps
-(EmulationTimer.catch_up) instead of the emulated device running slower.
-Layers follow the speeds (4/4/4/2 of 14; interleaved: chunks of 2/2/2/1 layers, the plan's uneven
-chunk_layers); m = 8 micro-batches of 2.
+On the schedule benches' cluster (bench/harness.py: 4 stages, three on island ``fast`` and the last on
+``slow``, emulated 2x slower, on the thread CPU clock with ``EmulationTimer.catch_up``); m = 8 micro-batches of 2.
 
-Predicted: the planner's performance model (megatron_het.perf.predict) with a profile of the emulated devices
-as the run sees them, and the cluster's factors; the same schedule action lists the runtime executes. The
-profile (``--profile run``, default; megatron_het.profiling.in_run) is measured by the run's own ranks: in every
-spawn, just before its trainers are built, all 4 ranks measure at once, each on its own emulated device (after
-every timed section it waits (slowdown - 1)x that section, as its device does in the run, so the ranks share
-the host's cores and caches as when they train; no cache sweep: the other ranks are really there): layers,
-parts, AdamW step, the B/W split's shares of the fused backward for ZB-H1, a chunk call's fixed cost charged
-once per action, all in thread CPU time (the emulation clock). The median over all ranks of all spawns is one
-profile (results/schedules_profile.json) that prices all three schedules; nothing in it comes from the timed
-iterations. ``--profile host``: tools/profile_host.py in one process minutes before the runs (this bench until
-2026-11-27; caches swept before each repetition; it priced an action at 1/1.10..1/1.50 of its CPU time in the
-4-rank run: 1F1B / interleaved / ZB-H1 1.187 / 1.155 / 1.038, 1.420 / 1.509 / 1.446, 1.155 / 1.221 / 1.040;
-2026-11-27 on another host: 1.015 / 1.057 / 1.035 and 1.196 / 1.207 / 1.156, the in-run profile 0.988-1.078 in four runs).
-Measured: per round one 4-process spawn builds the three plans' trainers side by side
-and runs them in turn, one iteration each (the order rotating every iteration, rounds alternating it), so
-every schedule meets the same moments of this shared host, whose CPU time per action drifts between spawns
-and minutes (2026-11-25: interleaved's rank 0 423 vs 581 ms per iteration in the two spawns of one run in the
-old order, 1F1B 434 vs 483 ms); then the trainers are closed (process groups destroyed). ``--sequential``:
-the old order, each plan all its iterations in turn, its trainer closed before the next plan's
-(``--keep-groups``: not closed, as this bench did before). Median over
-the iterations after warm-up of the slowest rank's iteration time (robust to the shared machine's
-spikes; the mean is reported beside it). Bubble: mean over ranks of the
-share of the iteration not spent in forward/backward (predicted the same way from the simulation).
-Per rank, the thread CPU time inside the timed compute calls is recorded too (x the island's slowdown
-against the stage's priced compute: what the emulation stretches), beside the timer's compute (the same
-plus host lag not yet repaid) and the threads and process groups alive when each trainer started.
-B/W split overhead: one process, one 4-layer stage of the same model, the executor's F + fused B
-against F + B + W (thread CPU time, alternated pairs, median ratio); ZB-H1's against 1F1B's per-rank
-compute in the pipeline runs is reported beside it (noisier: other processes share the cores).
+Predicted: the performance model (megatron_het.perf.predict) with a profile of the emulated devices as the run
+sees them, over the same schedule action lists the runtime executes. ``--profile run`` (default;
+megatron_het.profiling.in_run): in every spawn, just before its trainers are built, all 4 ranks profile at once,
+each on its own emulated device (waiting (slowdown - 1)x after every timed section, as in the run): layers,
+parts, AdamW step, the B/W split's shares of the fused backward for ZB-H1, a chunk call's fixed cost, all in
+thread CPU time. The median over all ranks of all spawns is one profile (results/schedules_profile.json) that
+prices all three schedules; nothing in it comes from the timed iterations. ``--profile host``:
+tools/profile_host.py in one process before the runs, the caches swept before each repetition.
 
-``--serialize``: one rank computes at a time (EmulationTimer.host_lock, repaid through catch_up), so the
-emulated devices cannot inflate each other's CPU time through the shared caches. Measured 2026-11-25 in the
-old sequential order (load 1.1-2.1, results/schedules_serialized.json): interleaved 1.256, per-rank compute 1.12-1.15x its price against
-1F1B's 1.07-1.09x: contention is not what makes interleaved's actions dearer in the run.
-With ``--profile run`` the profile's ranks still measure at once (not serialized).
+Measured: per round one 4-process spawn builds the three plans' trainers side by side and runs them in turn,
+one iteration each (the order rotating every iteration, rounds alternating it), so every schedule meets the
+same moments of this shared host; then the trainers are closed. ``--sequential``: each plan runs all its
+iterations in turn, its trainer closed before the next plan's (``--keep-groups``: not closed). The figure is
+the median over the iterations after warm-up of the slowest rank's iteration time (the mean beside it).
+Bubble: mean over ranks of the share of the iteration not spent in forward/backward (predicted the same way).
+Per rank: the thread CPU time inside the compute calls (x the island's slowdown, against the stage's priced
+compute), the timer's compute, and the threads and process groups alive when each trainer started. B/W split
+overhead: one process, one 4-layer stage, F + fused B against F + B + W through the same executor (thread CPU
+time, alternated pairs, median ratio). ``--serialize``: one rank computes at a time
+(EmulationTimer.host_lock), so the emulated devices cannot inflate each other's CPU time through the caches.
 
 Targets: |measured/predicted - 1| <= 15% per schedule; measured bubble ranking == predicted;
 split overhead <= 5%.
 
-    python bench/schedules.py [--iters 6] [--rounds 2] [--profile run|host] [--sequential [--keep-groups]] [--output NAME.json]  # ~7 min here (2026-11-27)
+    python bench/schedules.py [--iters 6] [--rounds 2] [--profile run|host] [--sequential [--keep-groups]]
+                              [--serialize] [--output NAME.json]    # ~7 min here
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
-import datetime
 import fcntl
 import os
 import statistics
@@ -67,44 +43,32 @@ import sys
 import tempfile
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from harness import (
+    CLUSTER,
+    MICRO_BATCH,
+    MICRO_BATCHES,
+    MODEL,
+    RESULTS,
+    ROOT,
+    SCHEDULES,
+    SWEEP_MIB,
+    WARMUP,
+    alternating,
+    count_compute,
+    cpu_rank,
+    plans,
+    rank_setup,
+    slowest,
+    stamp,
+    synthetic_batches,
+    thread_clock_trainer,
+    write_result,
+)
 
-from bench_record import machine, perf_commit, write_result  # noqa: E402
-
-from megatron_het.cluster import ModelSpec, cluster_from_dict  # noqa: E402
-from megatron_het.perf.profile import load_profile  # noqa: E402
-from megatron_het.plan import Plan, ReplicaPlan, StagePlan, uneven_chunk_layers  # noqa: E402
-from megatron_het.platform.local_launch import run_local  # noqa: E402
-
-MODEL = ModelSpec(num_layers=14, hidden_size=256, num_attention_heads=8, seq_length=64, vocab_size=1000)
-MICRO_BATCH, MICRO_BATCHES, WARMUP = 2, 8, 2
-FAST, SLOW = 4.0, 8.0  # emulated slowdown of the islands relative to this host's core (slow = 2x fast)
-CLUSTER = {
-    "islands": [{"name": "fast", "device": "CPU", "nodes": 1, "gpus_per_node": 3},
-                {"name": "slow", "device": "CPU", "nodes": 1, "gpus_per_node": 1}],
-    "links": [{"between": ["fast", "slow"], "bandwidth_gbps": 10, "latency_us": 50}],
-    "emulation": {"fast": {"slowdown": FAST}, "slow": {"slowdown": SLOW}},
-}
-SCHEDULES = ("1f1b", "interleaved", "zb-h1")
-PROFILE = os.path.join(ROOT, "bench", "results", "schedules_profile.json")
-SWEEP_MIB = 64  # swept through the caches before each profiled repetition: 2x this host's 32 MiB L3
-
-
-def plans() -> dict[str, Plan]:
-    """The same 4-stage layout under each schedule (interleaved: 2 chunks per stage, uneven like the stages)."""
-    islands = ("fast", "fast", "fast", "slow")
-    layers = ((0, 4), (4, 8), (8, 12), (12, 14))
-    chunks = uneven_chunk_layers([[2, 2], [2, 2], [2, 2], [1, 1]])
-
-    def plan(schedule: str) -> Plan:
-        v = 2 if schedule == "interleaved" else 1
-        stages = tuple(StagePlan(island=islands[s], device_type="CPU", ranks=(s,), layers=layers[s],
-                                 chunk_layers=chunks[s] if v > 1 else ()) for s in range(4))
-        return Plan(replicas=(ReplicaPlan(stages=stages, num_micro_batches=MICRO_BATCHES),),
-                    micro_batch_size=MICRO_BATCH, global_batch_size=MICRO_BATCH * MICRO_BATCHES,
-                    schedule=schedule, virtual_pipeline_size=v, precision="fp32")
-
-    return {s: plan(s) for s in SCHEDULES}
+from megatron_het.cluster import cluster_from_dict
+from megatron_het.perf.profile import load_profile
+from megatron_het.plan import Plan, ReplicaPlan, StagePlan
+from megatron_het.platform.local_launch import run_local
 
 
 @contextlib.contextmanager
@@ -116,28 +80,6 @@ def host_lock(path: str):
             yield
         finally:
             fcntl.flock(f, fcntl.LOCK_UN)
-
-
-def rank_setup(iters: int, *, model=MODEL, cluster: dict = CLUSTER):
-    """The preamble every schedules bench's rank shares: one torch thread, the CPU backend for megatron-core;
-    returns (the ClusterSpec of ``cluster``, this bench's TrainConfig of ``iters`` iterations, the synthetic
-    ``batch_fn`` for ``model``'s shape)."""
-    import torch
-
-    from megatron_het.data.synthetic import synthetic_batch
-    from megatron_het.platform import enable_cpu_backend
-    from megatron_het.train.config import TrainConfig
-
-    torch.set_num_threads(1)
-    enable_cpu_backend()
-    train = TrainConfig(micro_batch_size=MICRO_BATCH, global_batch_size=MICRO_BATCH * MICRO_BATCHES,
-                        train_iters=iters, lr=1e-4, log_interval=iters)
-
-    def batch_fn(iteration, indices):
-        return synthetic_batch(seed=1, iteration=iteration, indices=indices, seq_length=model.seq_length,
-                               vocab_size=model.vocab_size)
-
-    return cluster_from_dict(cluster), train, batch_fn
 
 
 def profile_options() -> dict:
@@ -162,16 +104,13 @@ def _rank(rank, world_size, order, iters, lock_path=None, keep_groups=False, seq
     compute: the timer's (CPU x slowdown, host lag included until repaid); compute CPU: the thread CPU time
     inside the timed calls alone (what the emulation multiplies); lag: the timer's unpaid lag at the end.
     Default (paired in time): the plans' trainers are built side by side and take turns iteration by
-    iteration (the order rotating each iteration), so every schedule sees the same moments of this shared
-    host, whose CPU time per action drifts by up to 37% between spawns a minute apart (2026-11-25).
-    ``sequential``: each plan runs all its iterations in turn (this bench until 2026-11-25); its trainer is
-    closed (process groups destroyed) before the next plan's, unless ``keep_groups``."""
+    iteration (the order rotating each iteration). ``sequential``: each plan runs all its iterations in turn;
+    its trainer is closed (process groups destroyed) before the next plan's, unless ``keep_groups``."""
     import gc
 
     from megatron_het.perf.profile import profile_to_dict
     from megatron_het.profiling.in_run import profile_in_rank
     from megatron_het.runtime.group_ledger import live_groups
-    from megatron_het.runtime.hetero_trainer import HeteroTrainer
 
     cluster, train, batch_fn = rank_setup(iters)
     table = plans()
@@ -189,25 +128,16 @@ def _rank(rank, world_size, order, iters, lock_path=None, keep_groups=False, seq
 
     def build(name):
         """The plan's trainer, its compute CPU counter and its rows (filled by its on_iteration)."""
-        trainer = HeteroTrainer(model=MODEL, plan=table[name], train=train, batch_fn=batch_fn, cluster=cluster,
-                                clock=time.thread_time)
-        trainer.timer.catch_up = True  # host preemption mid-action is paid back from the rank's next sleeps
+        trainer = thread_clock_trainer(MODEL, table[name], train, batch_fn, cluster, catch_up=True)
         if lock_path:
             trainer.timer.host_lock = lambda: host_lock(lock_path)
-        timed, cpu, rows = trainer.timer.compute, [0.0], []
-
-        def compute(fn):
-            c0 = time.thread_time()
-            try:
-                return timed(fn)
-            finally:
-                cpu[0] += time.thread_time() - c0
+        calls, rows = [], []
+        count_compute(trainer.timer, lambda cpu, switches: calls.append(cpu))
 
         def on_iteration(log):
-            rows.append((log.elapsed_s, log.compute_s, cpu[0], trainer.timer.lag_s))
-            cpu[0] = 0.0
+            rows.append((log.elapsed_s, log.compute_s, sum(calls), trainer.timer.lag_s))
+            calls.clear()
 
-        trainer.timer.compute = compute
         return trainer, on_iteration, rows
 
     out = {}
@@ -244,8 +174,6 @@ def _split_overhead(rank, world_size, reps):
 
     import torch
 
-    from megatron_het.data.synthetic import synthetic_batch
-    from megatron_het.platform import enable_cpu_backend
     from megatron_het.runtime.executor import ActionExecutor
     from megatron_het.runtime.hetero_trainer import PipelineStrategy
     from megatron_het.runtime.megatron_trainer import split_tokens
@@ -253,19 +181,14 @@ def _split_overhead(rank, world_size, reps):
     from megatron_het.train.config import TrainConfig
     from megatron_het.train.timer import EmulationTimer
 
-    torch.set_num_threads(1)
-    enable_cpu_backend()
+    cpu_rank()
     model = replace(MODEL, num_layers=4)
     m = 4
     stage = StagePlan(island="fast", device_type="CPU", ranks=(0,), layers=(0, 4))
     plan = Plan(replicas=(ReplicaPlan(stages=(stage,), num_micro_batches=m),), micro_batch_size=MICRO_BATCH,
                 global_batch_size=MICRO_BATCH * m, precision="fp32")
     train = TrainConfig(micro_batch_size=MICRO_BATCH, global_batch_size=MICRO_BATCH * m, train_iters=1)
-
-    def batch_fn(iteration, indices):
-        return synthetic_batch(seed=1, iteration=iteration, indices=indices, seq_length=model.seq_length,
-                               vocab_size=model.vocab_size)
-
+    batch_fn = synthetic_batches(model)
     st = PipelineStrategy(model=model, plan=plan, train=train, batch_fn=batch_fn)
     gpt = st.gpts[0]
 
@@ -297,8 +220,7 @@ def _split_overhead(rank, world_size, reps):
 def measure_profile(path: str) -> None:
     """tools/profile_host.py: layers, embedding, output + loss and the AdamW step, one thread, timed like the
     run: thread CPU time (the emulation's clock) with the caches swept before each repetition (between two of
-    a rank's actions the other ranks run on its core). bench/schedules_gap.py measured the pipeline's F+B CPU
-    time at 1.14-1.17x a warm thread-time profile's price and 0.97-1.02x this one's (1F1B)."""
+    a rank's actions the other ranks run on its core)."""
     opts = profile_options()  # the in-run path's settings, so the two ways measure the same things
     cmd = [sys.executable, os.path.join(ROOT, "tools/profile_host.py"), "--clock", opts["clock"], "--sweep-mib",
            str(SWEEP_MIB), "--num-layers", str(opts["num_layers"]), "--hidden-size",
@@ -323,16 +245,15 @@ def main() -> int:
                          "the emulated devices, which the model does not price")
     ap.add_argument("--split-reps", type=int, default=20, help="fused/split iteration pairs of the overhead measurement")
     ap.add_argument("--keep-groups", action="store_true",
-                    help="with --sequential: do not close a plan's trainer before the next one's (the bench's behaviour until 2026-11-25: "
-                         "earlier trainers' gloo groups and their threads stay alive in the rank's process)")
+                    help="with --sequential: do not close a plan's trainer before the next one's (earlier trainers' "
+                         "gloo groups and their threads stay alive in the rank's process)")
     ap.add_argument("--sequential", action="store_true",
-                    help="each plan runs all its iterations in turn (this bench until 2026-11-25) instead of the plans "
-                         "taking turns iteration by iteration")
+                    help="each plan runs all its iterations in turn instead of the plans taking turns iteration by "
+                         "iteration")
     ap.add_argument("--profile", choices=("run", "host"), default="run",
                     help="run: every rank of each spawn profiles the layers at once on its emulated device just before "
                          "its timed iterations (profiling.in_run), the median over all ranks and spawns prices every "
-                         "schedule; host: tools/profile_host.py in one process before the runs (this bench until "
-                         "2026-11-27)")
+                         "schedule; host: tools/profile_host.py in one process before the runs")
     ap.add_argument("--output", default="schedules.json", help="results file under bench/results/")
     args = ap.parse_args()
     from megatron_het.perf import predict
@@ -342,8 +263,7 @@ def main() -> int:
     load_before = os.getloadavg()
     # kept beside the results (the predictions can be recomputed from it): schedules_profile.json, or
     # NAME_profile.json beside an --output NAME.json
-    profile_path = PROFILE if args.output == "schedules.json" else os.path.join(
-        ROOT, "bench", "results", os.path.splitext(args.output)[0] + "_profile.json")
+    profile_path = str(RESULTS / (os.path.splitext(args.output)[0] + "_profile.json"))
     if args.profile == "host":
         measure_profile(profile_path)
     table = plans()
@@ -358,8 +278,7 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         lock = os.path.join(tmp, "compute.lock") if args.serialize else None
         for r in range(args.rounds):
-            order = list(SCHEDULES) if r % 2 == 0 else list(reversed(SCHEDULES))
-            for rank, got in enumerate(run_local(4, _rank, (order, args.iters, lock, args.keep_groups, args.sequential,
+            for rank, got in enumerate(run_local(4, _rank, (alternating(SCHEDULES, r), args.iters, lock, args.keep_groups, args.sequential,
                                                             args.profile == "run"), timeout_s=3600)):
                 for name, res in got["plans"].items():
                     per_rank[name][rank].extend(res["iterations"])
@@ -387,9 +306,9 @@ def main() -> int:
     compute_cpu, cpu_over_price = {}, {}
     for name in table:
         rows = list(zip(*per_rank[name]))  # per iteration: one (elapsed, compute, compute CPU, lag) per rank
-        measured[name] = statistics.median(max(r[0] for r in it) for it in rows)
-        measured_mean[name] = statistics.mean(max(r[0] for r in it) for it in rows)
-        bubble[name] = statistics.median(statistics.mean(1 - r[1] / max(q[0] for q in it) for r in it) for it in rows)
+        elapsed = slowest([r[0] for r in per_rank[name][k]] for k in range(4))
+        measured[name], measured_mean[name] = statistics.median(elapsed), statistics.mean(elapsed)
+        bubble[name] = statistics.median(statistics.mean(1 - r[1] / t for r in it) for it, t in zip(rows, elapsed))
         compute[name] = [statistics.median(r[1] for r in per_rank[name][k]) for k in range(4)]
         compute_cpu[name] = [statistics.median(r[2] for r in per_rank[name][k]) for k in range(4)]
         pred = predictions[name]
@@ -451,7 +370,6 @@ def main() -> int:
                     "bubble_ranking": "measured == predicted", "split_overhead": "<= 0.05"},
         "met": {"measured_over_predicted": ok_ratio, "bubble_ranking": ok_rank,
                 "split_overhead": split_overhead <= 0.05},
-        "command": "python bench/schedules.py " + " ".join(sys.argv[1:]),
         "setup": {"model": {k: v for k, v in MODEL.__dict__.items() if v is not None}, "cluster": CLUSTER,
                   "micro_batch_size": MICRO_BATCH, "micro_batches": MICRO_BATCHES, "iters": args.iters,
                   "warmup": WARMUP, "rounds": args.rounds, "serialized_compute": args.serialize,
@@ -460,9 +378,7 @@ def main() -> int:
                   "emulation_clock": "time.thread_time", "threads_per_rank": 1, "profile_clock": "thread",
                   "profile_measured": args.profile, "profile_sweep_mib": SWEEP_MIB if args.profile == "host" else 0,
                   "profile": os.path.relpath(profile_path, ROOT)},
-        "perf_commit": perf_commit(),
-        "machine": machine(), "load_average_before": load_before, "load_average_after": load_after,
-        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        **stamp(load_before=load_before, load_after=load_after),
     })
     return 0
 

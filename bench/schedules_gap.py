@@ -4,57 +4,56 @@ Runs bench/schedules.py's plans on the same 4 processes and records, per rank an
 (F, B, W per chunk), the thread CPU time of every timed call (what the emulation stretches), then
 the same stage's forward + backward back-to-back in isolation (one rank at a time, the others wait
 in a barrier: warm caches, no concurrency). Printed against the profile's per-action prediction
-(divided by the island's slowdown: host seconds).
+(divided by the island's slowdown: host seconds). Written to results/schedules_gap.json (``--output``).
 
-    python bench/schedules_gap.py [--iters 4] [--isolated-reps 8]
+    python bench/schedules_gap.py [--iters 4] [--isolated-reps 8] [--schedules 1f1b,...] [--output NAME.json]
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
 import time
 
-# `python bench/schedules_gap.py` runs with bench/ as the script directory: schedules.py imports like bench_record
-from schedules import CLUSTER, MICRO_BATCH, MODEL, PROFILE, SCHEDULES, WARMUP, plans, rank_setup  # noqa: E402
+from harness import (
+    CLUSTER,
+    MICRO_BATCH,
+    MODEL,
+    PROFILE,
+    SCHEDULES,
+    WARMUP,
+    on_actions,
+    plans,
+    schedule_trainers,
+    stamp,
+    synthetic_batches,
+    write_result,
+)
 
-from megatron_het.cluster import cluster_from_dict  # noqa: E402
-from megatron_het.perf.profile import load_profile  # noqa: E402
-from megatron_het.platform.local_launch import run_local  # noqa: E402
+from megatron_het.cluster import cluster_from_dict
+from megatron_het.perf.profile import load_profile
+from megatron_het.platform.local_launch import run_local
 
 
 def _rank(rank, world_size, order, iters, reps):
     import torch
     import torch.distributed as dist
 
-    from megatron_het.runtime.hetero_trainer import HeteroTrainer
-
-    cluster, train, batch_fn = rank_setup(iters)
-
+    batch_fn = synthetic_batches(MODEL)  # the trainers' own batches
     out = {}
-    for name in order:
-        trainer = HeteroTrainer(model=MODEL, plan=plans()[name], train=train, batch_fn=batch_fn, cluster=cluster,
-                                clock=time.thread_time)
+    for name, trainer in schedule_trainers(order, iters):
         st, timer = trainer.strategy, trainer.timer
-        ex = st.executor
-        cur, calls, it, timeline = [None], [], [0], []
-        orig_run, orig_compute, orig_stretch = ex.run, timer.compute, timer.stretch
+        cur, calls, timeline = [None], [], []
+        orig_compute, orig_stretch = timer.compute, timer.stretch
 
-        def run(**kw):
-            user = kw.get("on_action")
+        def reached(i, a):
+            cur[0] = a
+            if it[0] == iters:  # the last iteration's timeline: when each action was reached
+                timeline.append([f"{a.kind}{a.micro_batch}.{a.chunk}", time.perf_counter(), None, None])
 
-            def hook(i, a):
-                cur[0] = a
-                if it[0] == iters:  # the last iteration's timeline: when each action was reached
-                    timeline.append([f"{a.kind}{a.micro_batch}.{a.chunk}", time.perf_counter(), None, None])
-                if user is not None:
-                    user(i, a)
-            kw["on_action"] = hook
-            it[0] += 1
-            return orig_run(**kw)
+        it = on_actions(st.executor, reached)  # it[0]: the iteration running
 
         def compute(fn):
             c0 = time.thread_time()
@@ -74,7 +73,7 @@ def _rank(rank, world_size, order, iters, reps):
                 calls.append(("opt", time.thread_time() - c0))
             return r
 
-        ex.run, timer.compute, timer.stretch = run, compute, stretch
+        timer.compute, timer.stretch = compute, stretch
         res = trainer.run(iters)
         per_kind: dict[str, list[float]] = {}
         for k, v in calls:
@@ -120,15 +119,23 @@ def main() -> int:
     ap.add_argument("--iters", type=int, default=4)
     ap.add_argument("--isolated-reps", type=int, default=8)
     ap.add_argument("--schedules", default=",".join(SCHEDULES))
-    ap.add_argument("--output", default=None)
+    ap.add_argument("--output", default="schedules_gap.json", help="results file under bench/results/")
     ap.add_argument("--profile", action="append", default=None,
                     help="profile(s) to price the actions from (default bench/schedules.py's); the first is printed")
     args = ap.parse_args()
     from megatron_het.perf.predict import action_duration, predict
+    from megatron_het.schedule import Action
 
-    paths = args.profile or [PROFILE]
-    profile = load_profile(paths[0])
+    paths = args.profile or [str(PROFILE)]
     cluster = cluster_from_dict(CLUSTER)
+
+    def priced(plan, path):
+        """The plan's stage predictions under the profile at ``path`` and its price of one action (rank, action)."""
+        stages = predict(plan, MODEL, cluster, profile=load_profile(path)).replicas[0].stages
+        return stages, action_duration(plan, plan.replicas[0], [s.forward_s for s in stages],
+                                       [s.backward_s for s in stages], ends=[s.ends_s for s in stages],
+                                       split=[s.backward_split for s in stages])
+
     table = plans()
     order = args.schedules.split(",")
     load = os.getloadavg()
@@ -137,11 +144,7 @@ def main() -> int:
               "run_over_predicted": {}}
     for name in order:
         plan = table[name]
-        pred = predict(plan, MODEL, cluster, profile=profile)
-        stages = pred.replicas[0].stages
-        dur = action_duration(plan, plan.replicas[0], [s.forward_s for s in stages], [s.backward_s for s in stages],
-                              ends=[s.ends_s for s in stages], split=[s.backward_split for s in stages])
-        from megatron_het.schedule import Action
+        stages, dur = priced(plan, paths[0])
         print(f"== {name}: host seconds per action (run = thread CPU in the pipeline; iso = alone, warm)")
         for rank in range(4):
             k = cluster.slowdown(plan.replicas[0].stages[rank].island)
@@ -160,10 +163,7 @@ def main() -> int:
             result["ranks"].setdefault(name, []).append({**row, "slowdown": k})
         # every profile: the ratio of the pipeline's summed F/B/W CPU time to the profile's price of the same actions
         for path in paths:
-            pr = predict(plan, MODEL, cluster, profile=load_profile(path))
-            sts = pr.replicas[0].stages
-            d = action_duration(plan, plan.replicas[0], [s.forward_s for s in sts], [s.backward_s for s in sts],
-                                ends=[s.ends_s for s in sts], split=[s.backward_split for s in sts])
+            d = priced(plan, path)[1]
             ratios = []
             for rank in range(4):
                 k = cluster.slowdown(plan.replicas[0].stages[rank].island)
@@ -173,10 +173,8 @@ def main() -> int:
                     d(rank, Action(kind=kd[0], micro_batch=0, chunk=int(kd[1]))) / k for kd in kinds))
             result["run_over_predicted"].setdefault(path, {})[name] = ratios
             print(f"  {os.path.basename(path)}: run/predicted F+B(+W) per rank " + ", ".join(f"{r:.3f}" for r in ratios))
-    if args.output:
-        with open(args.output, "w") as f:
-            json.dump(result, f, indent=1)
     print(f"load average before {load[0]:.1f} after {os.getloadavg()[0]:.1f}")
+    write_result(args.output, {**result, **stamp()})
     return 0
 
 

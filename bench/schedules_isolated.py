@@ -1,28 +1,21 @@
 """Is there a per-action cost of interleaved's chunks outside the pipeline run? (#16, bench/schedules.py's gap)
 
-bench/schedules_gap.py fitted the pipeline run's action CPU time as 0.93 x price + 1.2 ms (F), + 2.1 ms (B/W):
-a per-action intercept that interleaved (32 actions per rank) pays twice as often as 1F1B (16). This bench
-looks for it by measurement, outside the bench run, with the runtime's own pieces (one thread, thread CPU
-time, the clock the emulation stretches):
+A per-action intercept in the pipeline run's action CPU time (bench/schedules_gap.py) would cost interleaved
+(32 actions per rank) twice what it costs 1F1B (16). This bench looks for it outside the run, with the
+runtime's own pieces, one thread, in thread CPU time (the clock the emulation stretches):
 
-1. chunk call: a megatron-core GPTModel chunk (no embedding, no output layer, split linears installed)
-   called as the runtime calls it (``set_input_tensor``, ``gpt(None, position_ids, None)``,
-   ``torch.autograd.backward(out, grad)``) at 1, 2 and 4 layers, beside the profile's way (its
-   TransformerLayers stacked, ``profiling.layers.measure``), caches swept before each phase: the
-   intercept of time vs layers is a per-call cost.
-2. executor: ``runtime.executor.ActionExecutor`` running one rank's action list (stage 1 of 4: 4 layers
-   as [4] under 1F1B, [2, 2] interleaved; stage 3: [2] vs [1, 1]), m = 8, links replaced by a fake link
-   (recv returns a fresh tensor), each compute call timed like EmulationTimer: total per iteration.
-   Between actions (at each recv): nothing; a 64 MiB cache sweep; a 20 ms sleep (the emulation's wait);
-   both; or (``pair``) a hand-off to a second process pinned to the same core that runs its own
-   executor meanwhile (another rank's action between two of this rank's).
-3. trainer: the real HeteroTrainer (megatron-core chunks, gloo boundary links, the executor, the
-   EmulationTimer) on stages of 4 layers ([4] per stage, interleaved [2, 2]), m = 8: two stages on two
-   cores without emulation; on two cores emulated 4x slower (the bench's sleeps); on one core emulated 4x
-   (two ranks sharing a core); four stages on two cores emulated 4x (bench/schedules.py's sharing, its
-   islands all alike). Per rank: thread
-   CPU time of the compute calls per iteration and the involuntary context switches inside them
-   (preemptions mid-action).
+1. chunk call: a megatron-core GPTModel chunk (no embedding or output layer, split linears installed) called
+   as the runtime calls it at 1, 2 and 4 layers, beside the profile's way (its TransformerLayers stacked),
+   caches swept before each phase: the intercept of time vs layers is a per-call cost.
+2. executor: ``ActionExecutor`` running one rank's action list (stage 1 of 4: 4 layers as [4] under 1F1B,
+   [2, 2] interleaved; stage 3: [2] vs [1, 1]), m = 8, links faked (recv returns a fresh tensor), each
+   compute call timed: total per iteration. Between actions: nothing; a 64 MiB cache sweep; a 20 ms sleep
+   (the emulation's wait); both; or (``pair``) a hand-off to a second process on the same core running its
+   own executor meanwhile.
+3. trainer: the real HeteroTrainer on stages of 4 layers ([4], interleaved [2, 2]), m = 8: two stages on two
+   cores, not emulated and emulated 4x; on one core emulated 4x; four stages on two cores emulated 4x
+   (bench/schedules.py's sharing). Per rank: compute CPU time per iteration and the involuntary context
+   switches inside it.
 
     python bench/schedules_isolated.py [--reps 15] [--iters 4]
 """
@@ -30,14 +23,24 @@ time, the clock the emulation stretches):
 from __future__ import annotations
 
 import argparse
-import datetime
 import os
 import statistics
 import sys
 import time
 
-from bench_record import machine, perf_commit, write_result
-from schedules import MICRO_BATCH, MICRO_BATCHES, MODEL, SWEEP_MIB, rank_setup
+from harness import (
+    MICRO_BATCH,
+    MICRO_BATCHES,
+    MODEL,
+    SWEEP_MIB,
+    count_compute,
+    cpu_rank,
+    per_iteration,
+    rank_setup,
+    stamp,
+    thread_clock_trainer,
+    write_result,
+)
 
 from megatron_het.platform.local_launch import run_local
 
@@ -50,16 +53,13 @@ TRAINER_MODES = (("2 ranks, 2 cores, not emulated", 2, 1.0, None), ("2 ranks, 2 
 
 def _world_of_one():
     """A gloo world of one, megatron-core's model-parallel RNG, this process's ProcessGroupCollection."""
-    import torch
     import torch.distributed as dist
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
     from megatron_het.model.groups import BlockShape, block_process_groups
-    from megatron_het.platform import enable_cpu_backend
     from megatron_het.platform.local_launch import free_port
 
-    torch.set_num_threads(1)
-    enable_cpu_backend()
+    cpu_rank()
     if not dist.is_initialized():
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
     pgc = block_process_groups(BlockShape(tp=1, pp=1, dp=1))[1]
@@ -222,10 +222,7 @@ def _trainer_plan(schedule, stages):
 
 def _trainer_rank(rank, world_size, slowdown, cores, iters):
     """Per schedule: (compute CPU s per iteration, compute calls, involuntary switches in them, elapsed s)."""
-    import resource
     from dataclasses import replace
-
-    from megatron_het.runtime.hetero_trainer import HeteroTrainer
 
     if cores is not None:
         os.sched_setaffinity(0, cores)
@@ -237,24 +234,10 @@ def _trainer_rank(rank, world_size, slowdown, cores, iters):
 
     out = {}
     for name in ("1f1b", "interleaved", "interleaved", "1f1b"):  # ABBA: drift cancels in the medians
-        trainer = HeteroTrainer(model=model, plan=_trainer_plan(name, world_size), train=train, batch_fn=batch_fn,
-                                cluster=cluster, clock=time.thread_time)
-        timed, calls = trainer.timer.compute, []
-
-        def compute(fn, timed=timed, calls=calls):
-            u0 = resource.getrusage(resource.RUSAGE_THREAD).ru_nivcsw
-            c0 = time.thread_time()
-            result = timed(fn)
-            calls.append((time.thread_time() - c0, resource.getrusage(resource.RUSAGE_THREAD).ru_nivcsw - u0))
-            return result
-
-        trainer.timer.compute = compute
-        res = trainer.run(iters + 1)
-        n = len(calls) // (iters + 1)
-        for i in range(1, iters + 1):  # after one warm-up iteration
-            rows = calls[i * n:(i + 1) * n]
-            out.setdefault(name, []).append((sum(c for c, _ in rows), n, sum(s for _, s in rows),
-                                             res.iterations[i].elapsed_s))
+        trainer = thread_clock_trainer(model, _trainer_plan(name, world_size), train, batch_fn, cluster)
+        calls = []
+        count_compute(trainer.timer, lambda cpu, switches, calls=calls: calls.append((cpu, switches)))
+        out.setdefault(name, []).extend(per_iteration(calls, trainer.run(iters + 1).iterations))  # after 1 warm-up
     return {k: [statistics.median(col) for col in zip(*v)] for k, v in out.items()}
 
 
@@ -297,12 +280,9 @@ def main() -> int:
               f"{r['profile_forward_ms']:.2f} / {r['profile_backward_ms']:.2f}")
     # least-squares intercept/slope of runtime time vs layers
     fit = {}
-    xs = list(chunk)
     for phase in ("forward", "backward"):
-        ys = [chunk[n][f"runtime_{phase}_ms"] for n in xs]
-        mx, my = statistics.mean(xs), statistics.mean(ys)
-        slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
-        fit[phase] = {"intercept_ms": my - slope * mx, "slope_ms_per_layer": slope}
+        slope, intercept = statistics.linear_regression(list(chunk), [r[f"runtime_{phase}_ms"] for r in chunk.values()])
+        fit[phase] = {"intercept_ms": intercept, "slope_ms_per_layer": slope}
         print(f"  {phase}: {fit[phase]['intercept_ms']:+.2f} ms per call + {slope:.2f} ms per layer")
     executor = {**single, **{k + " (process A)": v for k, v in pair[0].items()},
                 **{k + " (process B)": v for k, v in pair[1].items()}}
@@ -333,13 +313,10 @@ def main() -> int:
                                 for mode, ranks in trainer.items()},
                     "trainer_interleaved_over_1f1b_compute": trainer_ratio},
         "targets": {"purpose": "find a per-action cost outside the pipeline run (no pass/fail target)"},
-        "command": "python bench/schedules_isolated.py " + " ".join(sys.argv[1:]),
         "setup": {"model": {k: v for k, v in MODEL.__dict__.items() if v is not None}, "micro_batch_size": MICRO_BATCH,
                   "micro_batches": MICRO_BATCHES, "sweep_mib": SWEEP_MIB, "sleep_s": SLEEP_S, "reps": args.reps,
                   "iters": args.iters, "clock": "time.thread_time", "threads": 1},
-        "perf_commit": perf_commit(), "machine": machine(),
-        "load_average_before": load_before, "load_average_after": load_after,
-        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        **stamp(load_before=load_before, load_after=load_after),
     })
     return 0
 

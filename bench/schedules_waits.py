@@ -22,35 +22,25 @@ overshoot it reports is what catch_up repays in bench/schedules.py.
 from __future__ import annotations
 
 import argparse
-import datetime
 import os
 import statistics
 import sys
 import time
 
-# `python bench/schedules_waits.py` runs with bench/ as the script directory: schedules.py imports like bench_record
-from bench_record import machine, write_result  # noqa: E402
-from schedules import CLUSTER, MICRO_BATCHES, MODEL, SCHEDULES, WARMUP, plans, rank_setup  # noqa: E402
+from harness import CLUSTER, MICRO_BATCHES, SCHEDULES, WARMUP, on_actions, plans, schedule_trainers, stamp, write_result
 
-from megatron_het.cluster import cluster_from_dict  # noqa: E402
-from megatron_het.platform.local_launch import run_local  # noqa: E402
+from megatron_het.cluster import cluster_from_dict
+from megatron_het.platform.local_launch import run_local
 
 
 def _rank(rank, world_size, order, iters):
     """Per plan: per iteration, [(action, reached, start, cpu, wall before sleep, end)] and (iteration start, end)."""
-    from megatron_het.runtime.hetero_trainer import HeteroTrainer
-
-    cluster, train, batch_fn = rank_setup(iters)
-
     out = {}
-    for name in order:
-        trainer = HeteroTrainer(model=MODEL, plan=plans()[name], train=train, batch_fn=batch_fn, cluster=cluster,
-                                clock=time.thread_time)
-        ex, timer = trainer.strategy.executor, trainer.timer
+    for name, trainer in schedule_trainers(order, iters):
+        timer = trainer.timer
         iters_rec: list[dict] = []
         cur: list = [None, None]  # action, reached
-        orig_run, orig_step = ex.run, trainer.strategy.step
-        slowdown = timer.slowdown
+        orig_step = trainer.strategy.step
 
         def step(*a, **kw):
             iters_rec.append({"start": time.perf_counter(), "actions": [], "end": None})
@@ -58,21 +48,14 @@ def _rank(rank, world_size, order, iters):
             iters_rec[-1]["end"] = time.perf_counter()
             return r
 
-        def run(**kw):
-            user = kw.get("on_action")
-
-            def hook(i, a):
-                cur[0], cur[1] = f"{a.kind}{a.micro_batch}.{a.chunk}", time.perf_counter()
-                if user is not None:
-                    user(i, a)
-            kw["on_action"] = hook
-            return orig_run(**kw)
+        def reached(i, a):
+            cur[0], cur[1] = f"{a.kind}{a.micro_batch}.{a.chunk}", time.perf_counter()
 
         def compute(fn):
             start, c0 = time.perf_counter(), time.thread_time()
             res = fn()
             cpu, wall = time.thread_time() - c0, time.perf_counter() - start
-            extra = cpu * slowdown - wall
+            extra = cpu * timer.slowdown - wall
             if extra > 0:
                 time.sleep(extra)
                 timer.emulated_s += extra
@@ -81,7 +64,8 @@ def _rank(rank, world_size, order, iters):
             iters_rec[-1]["actions"].append((cur[0], cur[1], start, cpu, start + wall, end))
             return res
 
-        ex.run, timer.compute, trainer.strategy.step = run, compute, step
+        on_actions(trainer.strategy.executor, reached)
+        timer.compute, trainer.strategy.step = compute, step
         trainer.run(iters)
         out[name] = iters_rec[WARMUP:]
     return out
@@ -189,12 +173,8 @@ def main() -> int:
               + f"; mean overlapped share {res['overlapped_share_mean']:.2f}")
         print("  overshoot sum per rank per iteration (s): " + "; ".join(
             ", ".join(f"{x:.3f}" for x in r["overshoot_sum_per_rank_s"]) for r in res["iterations"]))
-    after = os.getloadavg()
-    print(f"load average before {load[0]:.1f} after {after[0]:.1f}")
-    write_result("schedules_waits.json", {
-        "figures": result, "command": "python bench/schedules_waits.py " + " ".join(sys.argv[1:]),
-        "machine": machine(), "load_average_before": load, "load_average_after": after,
-        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")})
+    print(f"load average before {load[0]:.1f} after {os.getloadavg()[0]:.1f}")
+    write_result("schedules_waits.json", {"figures": result, **stamp(perf=False, load_before=load)})
     return 0
 
 

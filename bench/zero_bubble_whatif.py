@@ -1,4 +1,3 @@
-#!/usr/bin/env python
 """What a schedule without any bubble would give the planner's llama2-7b plans of
 bench/planner_efficiency.py (issue #19's six multi-type clusters, its same-batch upper bounds).
 
@@ -23,22 +22,18 @@ optimistic what-if of the model, not a measurement. Writes bench/results/zero_bu
 from __future__ import annotations
 
 import contextlib
-import datetime
 import json
 import sys
 import time
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+from harness import ROOT, stamp, write_result
 
-from bench_record import machine, perf_commit, write_result  # noqa: E402
-
-from megatron_het.cluster import load_cluster, load_model  # noqa: E402
-from megatron_het.perf.predict import predict  # noqa: E402
-from megatron_het.planner import plan_cluster  # noqa: E402
-from megatron_het.planner import search as planner_search  # noqa: E402
-from megatron_het.planner.estimate import Estimate, Estimator  # noqa: E402
-from megatron_het.planner.space import build_plan  # noqa: E402
+from megatron_het.cluster import load_cluster, load_model
+from megatron_het.perf.predict import predict
+from megatron_het.planner import plan_cluster
+from megatron_het.planner import search as planner_search
+from megatron_het.planner.estimate import Estimate, Estimator
+from megatron_het.planner.space import build_plan
 
 TARGET = 0.95
 
@@ -148,8 +143,7 @@ def main() -> int:
     met_search = sum(r["ratio_fill_free_search"] >= TARGET for r in rows)
     print(f"bubble-free plans at >= {TARGET}: {met}/{len(rows)}; fill-free search: {met_search}/{len(rows)}")
     write_result("zero_bubble_whatif.json", {
-        "benchmark": "zero_bubble_whatif", "date": datetime.datetime.now(datetime.UTC).isoformat(),
-        "command": "python bench/zero_bubble_whatif.py", "machine": machine(), "perf_commit": perf_commit(),
+        "benchmark": "zero_bubble_whatif", **stamp(),
         "bounds_from": "bench/results/planner_efficiency.json (" + efficiency.get("date", "?") + ")",
         "targets": {"ratio_same_batch": TARGET}, "figures": {"cases": rows, "bubble_free_at_target": met,
                                                     "fill_free_search_at_target": met_search}})

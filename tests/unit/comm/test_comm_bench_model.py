@@ -13,7 +13,11 @@ _PATH = REPO / "bench" / "communicator.py"
 _SPEC = importlib.util.spec_from_file_location("bench_communicator", _PATH)
 bench = importlib.util.module_from_spec(_SPEC)
 sys.modules[_SPEC.name] = bench
-_SPEC.loader.exec_module(bench)
+sys.path.insert(0, str(_PATH.parent))  # the script imports its sibling bench/harness.py, as `python bench/...` does
+try:
+    _SPEC.loader.exec_module(bench)
+finally:
+    sys.path.remove(str(_PATH.parent))
 
 MIB = 1 << 20
 
