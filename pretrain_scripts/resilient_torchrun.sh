@@ -35,7 +35,8 @@ if [ "$NODE_RANK" -eq 0 ]; then
 fi
 pids=()
 for ((i = 0; i < GPUS_PER_NODE; i++)); do
-  $TORCHRUN --nnodes="$WORLD" --nproc-per-node=1 --max-restarts=0 --node-rank=$((NODE_RANK * GPUS_PER_NODE + i)) \
+  # each agent's LOCAL_RANK is 0 (one process per agent): the index on the node picks the device
+  MEGATRON_HET_LOCAL_RANK=$i $TORCHRUN --nnodes="$WORLD" --nproc-per-node=1 --max-restarts=0 --node-rank=$((NODE_RANK * GPUS_PER_NODE + i)) \
     --rdzv-backend=static --rdzv-endpoint="$MASTER_ADDR:$MASTER_PORT" "${ARGS[@]}" &
   pids+=($!)
 done

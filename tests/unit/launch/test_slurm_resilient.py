@@ -64,3 +64,20 @@ def test_the_launchers_local_rank_wins_over_torchruns(monkeypatch):
     assert local_rank() == 0
     monkeypatch.setenv(LOCAL_RANK_OVERRIDE, "3")
     assert local_rank() == 3
+
+
+def test_the_node_launcher_gives_each_agent_its_device(tmp_path):
+    """pretrain_scripts/resilient_torchrun.sh (the launchers' --hetero-resilience path): run with a
+    torchrun stand-in, each of a node's agents gets its own MEGATRON_HET_LOCAL_RANK (without it,
+    every rank of the node took cuda:0) and its global rank as the rendezvous node rank."""
+    fake = tmp_path / "torchrun"
+    fake.write_text('#!/bin/bash\necho "agent local=$MEGATRON_HET_LOCAL_RANK $*"\n')
+    fake.chmod(0o755)
+    env = {"TORCHRUN": str(fake), "NNODES": "2", "NODE_RANK": "1", "GPUS_PER_NODE": "3", "MASTER_ADDR": "h",
+           "MASTER_PORT": "1", "PATH": "/usr/bin:/bin"}
+    out = subprocess.run(["bash", str(REPO / "pretrain_scripts/resilient_torchrun.sh"), "script.py", "--flag"],
+                         env=env, text=True, capture_output=True, check=True).stdout
+    agents = sorted((int(m.group(2)), int(m.group(1))) for m in
+                    re.finditer(r"agent local=(\d+) .*--node-rank=(\d+)", out))
+    assert agents == [(3, 0), (4, 1), (5, 2)], out
+    assert out.count("--hetero-resilience-store h:2") == 3 and out.count("--nnodes=6 ") == 3, out
