@@ -23,7 +23,10 @@ from megatron_het.cluster import ConfigError
 from megatron_het.errors import UserError
 from megatron_het.plan import AnyPlan, Plan, ShardedPlan, load_any_plan
 from megatron_het.platform import detect_accelerator, detect_optional_accelerators, enable_cpu_backend
+from megatron_het.platform.matmul_precision import apply_fp32_matmul
 from megatron_het.runtime.arguments import PretrainArgs, parse_args
+from megatron_het.runtime.communicators import gathered_communicators_line
+from megatron_het.runtime.device_check import check_rank_devices
 from megatron_het.train.loop import PretrainResult, print_rank0, train_loop
 
 log = logging.getLogger("megatron_het")
@@ -128,7 +131,8 @@ def main(argv: list[str] | None = None) -> int:
         acc.set_device()  # before any group: NCCL binds its communicators to the current device
         minutes = (args.resilience.failure_timeout_s / 60 if args.resilience is not None
                    else args.train.distributed_timeout_minutes)  # resilience: a dead peer fails calls that soon
-        dist.init_process_group(acc.world_backend, timeout=datetime.timedelta(minutes=minutes))
+        dist.init_process_group(acc.world_backend, timeout=datetime.timedelta(minutes=minutes),
+                                **acc.init_process_group_options())
     try:
         run(args, acc, plan=plan)
         return 0
@@ -167,6 +171,8 @@ def run(args: PretrainArgs, acc, *, plan: AnyPlan | None = None,
     else:  # a sharded plan records its precision (unless written before the field) and nothing else
         reconciled = reconcile_precision(plan.precision, args.train)
     args = dataclasses.replace(args, train=reconciled)
+    check_rank_devices(args.cluster, plan, acc, stand_in=args.cluster.emulated or args.device_stand_in)
+    print_rank0(apply_fp32_matmul(plan.precision, is_gpu=acc.is_gpu))
     train = args.train
     if train.precision != "fp32":
         scaling = ("" if not train.fp16 else f"; loss scale {train.loss_scale}" if train.loss_scale is not None
@@ -235,6 +241,7 @@ def run(args: PretrainArgs, acc, *, plan: AnyPlan | None = None,
             if args.staggered_step:
                 trainer.strategy.staggered_step = True
                 print_rank0("optimizer: staggered step (each stage steps right after its own gradient reduction)")
+        print_rank0(gathered_communicators_line())
         if load_path:
             start = trainer.load_checkpoint(load_path)
             print_rank0(f"loaded checkpoint {load_path} (iteration {start}, written under another plan is fine)")

@@ -111,6 +111,12 @@ class Accelerator:
         """island -> torch backend, from island -> collective library."""
         return {island: self.backend_for(lib) for island, lib in libraries.items()}
 
+    def init_process_group_options(self) -> dict:
+        """``init_process_group``'s device binding: on a GPU the rank's device (NCCL then creates the
+        world communicator at once and every ``new_group`` is split from it, one world-wide order,
+        no lazy creation inside hooks); nothing on the host."""
+        return {"device_id": self.device} if self.is_gpu else {}
+
     def set_device(self) -> None:
         """Bind this process to its device (before any process group is created)."""
         if self.is_gpu:

@@ -94,6 +94,9 @@ FLAGS = (
     Flag("--hetero-profile", "run.profile", tuple,
          "measured profiles (PROFILE.json ...) for --hetero-plan auto: one per device type, or one per island"),
     Flag("--no-emulation", "run.no_emulation", bool, "ignore the cluster file's emulation block"),
+    Flag("--hetero-device-stand-in", "run.device_stand_in", bool, "let a process run an island of another vendor "
+         "than its device's: CPUs for NVIDIA/AMD islands (tests, demos), one vendor's GPUs for the other's (bridge "
+         "tests); without it (or an emulation: block) that is an error naming the rank and island"),
     Flag("--hetero-resilience", "run.resilience", bool, "survive rank failures in-process: re-route a failed "
          "rank's work to its data-parallel peers or re-plan over the survivors (off by default)"),
     Flag("--hetero-resilience-store", "run.resilience_store", help="HOST:PORT of the resilience store, a process "
@@ -148,6 +151,7 @@ class PretrainArgs:
     tensorboard: TensorBoardConfig | None  # None: no --tensorboard-dir
     use_distributed_optimizer: bool = False  # turn on the plan's distributed optimizer (runtime/plan_record.py)
     resilience: ResilienceOptions | None = None  # None: no --hetero-resilience
+    device_stand_in: bool = False  # ranks may run islands of another vendor (runtime/device_check.py)
     staggered_step: bool = False  # --hetero-staggered-step
 
 
@@ -224,7 +228,8 @@ def parse_args(argv: list[str] | None = None) -> PretrainArgs:
                         plan_source=run["plan_source"], profile=tuple(run["profile"]) if run["profile"] else None, no_emulation=bool(run["no_emulation"]),
                         sequence_parallel=bool(run["sequence_parallel"]), tp_comm_overlap=bool(run["tp_comm_overlap"]),
                         tensorboard=tensorboard, use_distributed_optimizer=bool(run["use_distributed_optimizer"]),
-                        resilience=resilience, staggered_step=bool(run["staggered_step"]))
+                        resilience=resilience, staggered_step=bool(run["staggered_step"]),
+                        device_stand_in=bool(run["device_stand_in"]))
 
 
 def check_load_path(loop: LoopConfig) -> None:

@@ -86,6 +86,37 @@ def new_reduction_group(ranks: Sequence[int], placement: RankPlacement, *, accel
     return NativeGroup(group) if dist.get_rank() in ranks else None
 
 
+class ReductionGroups:
+    """One reduction group per distinct set of ranks, shared by every bucket over that set.
+
+    Megatron's DDP reduces all of a data-parallel group's buckets on one communicator; creating a
+    group per bucket (as this runtime did) cost a 7B plan with --overlap-grad-reduce ~100 NCCL
+    communicators per rank, each with its own device buffers. Called as ``groups(ranks)`` by the
+    gradient synchronizer and the distributed optimizer, which visit their buckets in the same order
+    on every rank, so the first request of each set (the creation) is in one world-wide order.
+    Collective on a set's first request; None on non-members, as ``new_reduction_group``."""
+
+    def __init__(self, placement: RankPlacement | None, *, accelerator: Accelerator,
+                 timeout: datetime.timedelta | None = None) -> None:
+        self.placement = placement  # None: one collective library (every group native)
+        self.accelerator = accelerator
+        self.timeout = timeout
+        self._groups: dict[tuple[int, ...], object | None] = {}
+
+    def __call__(self, ranks: Sequence[int]):
+        key = tuple(sorted(ranks))
+        if key not in self._groups:
+            placement = self.placement or rank_placement_of(key)
+            self._groups[key] = new_reduction_group(key, placement, accelerator=self.accelerator,
+                                                    timeout=self.timeout)
+        return self._groups[key]
+
+    @property
+    def rank_sets(self) -> list[tuple[int, ...]]:
+        """Every distinct set a group was created for, in creation order (members or not)."""
+        return list(self._groups)
+
+
 def rank_placement_of(ranks: Sequence[int]) -> RankPlacement:
     """Ranks of one collective library (no cluster file): every group is native."""
     return RankPlacement(island={r: "" for r in ranks}, library={r: HOST_LIBRARY for r in ranks})

@@ -231,16 +231,18 @@ class GradientSynchronizer:
 
     def __init__(self, local: Sequence[Holding], params: Mapping[str, torch.nn.Parameter], *,
                  placement=None, bucket_numel: int | None = None, timeout: datetime.timedelta | None = None,
-                 accelerator=None, grads: Mapping[str, torch.Tensor] | None = None) -> None:
+                 accelerator=None, grads: Mapping[str, torch.Tensor] | None = None, groups=None) -> None:
         """``placement`` (comm_routing.RankPlacement) routes groups that span collective libraries
         through the cross-vendor bridge; None: every group is a plain torch group.
         ``accelerator`` (platform.Accelerator; None: detected) places the buffers and picks backends.
         ``bucket_numel``: see ``plan_buckets`` (None: one bucket per group of holders).
         ``timeout``: the run's group timeout (TrainConfig.group_timeout).
         ``grads``: the gradients reduced, by name, where they are not the parameters' ``.grad`` (the
-        distributed optimizer's fp32 main gradients in mixed precision, ``MainGrads.grads``)."""
+        distributed optimizer's fp32 main gradients in mixed precision, ``MainGrads.grads``).
+        ``groups`` (comm_routing.ReductionGroups) shares one group per rank set with the run's other
+        users (None: a cache of this synchronizer's own from ``placement``, ``accelerator``, ``timeout``)."""
         from megatron_het.platform import detect_accelerator
-        from megatron_het.runtime.comm_routing import new_reduction_group, rank_placement_of
+        from megatron_het.runtime.comm_routing import ReductionGroups
 
         self.accelerator = accelerator or detect_accelerator()
         self.device = self.accelerator.device
@@ -255,9 +257,10 @@ class GradientSynchronizer:
         self.local = {h.name: h for h in local}
         self._groups = []
         self.routes: list[tuple[tuple[int, ...], str]] = []  # (ranks, "native" | "het-bridge"), for the log
-        for bucket in self.buckets:  # every rank creates every group, in the same order
-            group = new_reduction_group(bucket.ranks, placement or rank_placement_of(bucket.ranks),
-                                        accelerator=self.accelerator, timeout=timeout)
+        if groups is None:
+            groups = ReductionGroups(placement, accelerator=self.accelerator, timeout=timeout)
+        for bucket in self.buckets:  # every rank asks for every bucket's group, in the same order
+            group = groups(bucket.ranks)
             if group is not None:
                 self._groups.append((bucket, group))
                 self.routes.append((bucket.ranks, group.kind))

@@ -320,13 +320,12 @@ class PipelineStrategy:
         self.module = self.modules[0]
         return self.gpts[0]
 
-    def _distributed_optimizer(self):
+    def _distributed_optimizer(self, groups):
         """fp32 main values and Adam moments sharded over every parameter's holders, in proportion to
         each rank's free memory (``perf.memory.optimizer_shard_weights``); in mixed precision the
         model keeps fp32 main gradients only (``MainGrads``), no full fp32 parameter copy."""
         from megatron_het.optim.distributed import DistributedOptimizer
         from megatron_het.perf.memory import optimizer_shard_weights
-        from megatron_het.runtime.comm_routing import new_reduction_group
         from megatron_het.runtime.grad_sync import owned_norm_holdings
         from megatron_het.runtime.mixed_precision import MainGrads
 
@@ -338,7 +337,8 @@ class PipelineStrategy:
         # weights' gather hidden in the next forward, hence --overlap-param-gather too)
         overlap = train.overlap_grad_reduce or self.plan.overlap_grad_reduce
         # registered after MainGrads' hooks: a bucket fires once its fp32 main gradients are complete
-        reducer = (self._overlapped_synchronizer(self.params, grads=self.main.grads if self.main is not None else None)
+        reducer = (self._overlapped_synchronizer(self.params, groups, grads=self.main.grads if self.main is not None
+                                                 else None)
                    if overlap else None)
         weights = optimizer_shard_weights(self.model_spec, self.plan, precision=train.precision)
         gather_overlap = train.overlap_param_gather or self.plan.overlap_grad_reduce
@@ -347,8 +347,7 @@ class PipelineStrategy:
             main_grads=self.main.grads if self.main is not None else None, weights=weights,
             # every model chunk's sub-modules finish their gathers (interleaved: several chunks)
             overlap_param_gather_in=torch.nn.ModuleList(self.gpts) if gather_overlap else None,
-            new_group=lambda ranks: new_reduction_group(ranks, self.placement, accelerator=self.accelerator,
-                                                        timeout=train.group_timeout), reducer=reducer)
+            new_group=groups, reducer=reducer)
 
     def _optimizer(self) -> torch.optim.AdamW:
         """AdamW with Megatron-LM's groups: no weight decay on biases and 1-D parameters (with the
@@ -379,21 +378,25 @@ class PipelineStrategy:
         """The plain synchronizer, or with ``overlap_grad_reduce`` the hook-driven one in buckets of
         ``ddp_bucket_size`` parameters (megatron-core's default size when None), or with the plan's
         ``use_distributed_optimizer`` the sharded optimizer (``optim/distributed.py``), which is
-        synchronizer and optimizer in one."""
+        synchronizer and optimizer in one. Every one of them reduces over one group per distinct
+        holder set (``comm_routing.ReductionGroups``), however many buckets share it."""
+        from megatron_het.runtime.comm_routing import ReductionGroups
+
+        groups = self.reduction_groups = ReductionGroups(self.placement, accelerator=self.accelerator,
+                                                         timeout=self.train.group_timeout)
         if self.plan.use_distributed_optimizer:
-            return self._distributed_optimizer()
+            return self._distributed_optimizer(groups)
         if self.train.overlap_param_gather:
             raise ConfigError("the parameter all-gather exists only with the distributed optimizer",
                               field="--overlap-param-gather", value=True,
                               fix="add --use-distributed-optimizer (or set the plan's use_distributed_optimizer)")
         if not (self.train.overlap_grad_reduce or self.plan.overlap_grad_reduce):  # the plan may record it
-            return GradientSynchronizer(self.holdings(), self.opt_params, placement=self.placement,
-                                        timeout=self.train.group_timeout, accelerator=self.accelerator)
+            return GradientSynchronizer(self.holdings(), self.opt_params, accelerator=self.accelerator, groups=groups)
         # mixed precision: the fp32 main gradients are reduced, bucket by bucket as the half-precision
         # parameters' gradients arrive (MainParams' hooks, registered before these, fill them first)
-        return self._overlapped_synchronizer(self.opt_params)
+        return self._overlapped_synchronizer(self.opt_params, groups)
 
-    def _overlapped_synchronizer(self, params, *, grads=None):
+    def _overlapped_synchronizer(self, params, groups, *, grads=None):
         """Bucketed all-reduce launched from the backward's hooks on this stage's parameters, of
         ``params``' gradients (or ``grads``), in buckets of ``ddp_bucket_size`` parameters (megatron-core's
         default size when None)."""
@@ -402,8 +405,7 @@ class PipelineStrategy:
 
         size = self.train.ddp_bucket_size or bucket_parameters(len(self.plan.replicas))
         return OverlappedGradientSynchronizer(self.holdings(), params, hook_params=self.params, grads=grads,
-                                              placement=self.placement, bucket_numel=size,
-                                              timeout=self.train.group_timeout, accelerator=self.accelerator)
+                                              bucket_numel=size, accelerator=self.accelerator, groups=groups)
 
     def holdings(self) -> list[Holding]:
         """What this rank holds of each full parameter (the gradient synchronizer's input;

@@ -58,7 +58,8 @@ def test_forced_bridge_island_matches_one_gpu(tmp_path_factory, gpus):
          global_batch_size=8, precision="fp32").save(tmp / "plan.json")
     cluster = write_cluster(tmp / "cluster.json", [("native", native_device(), n_native),
                                                   ("forced", _other_vendor(), n_forced)])
-    run = pretrain(gpus, cluster, tmp / "plan.json", load=start_checkpoint(shared, "fp32"))
+    # the forced island is labelled as the other vendor's device: a stand-in on purpose
+    run = pretrain(gpus, cluster, tmp / "plan.json", "--hetero-device-stand-in", load=start_checkpoint(shared, "fp32"))
     assert "the plan spans collective libraries ['nccl', 'rccl']" in run.output, run.output[-3000:]
     crossing = "pipeline boundaries" if gpus == 2 else "gradient groups"  # what crosses the islands
     assert re.search(rf"{crossing}: \d+ native \(\w+\), [1-9]\d* het-bridge", run.output), run.output[-3000:]

@@ -77,7 +77,9 @@ FOUR_RANKS = {  # name: (plan, extra flags)
 BF16 = {"tp2pp2_bf16": (dataclasses.replace(TP2PP2, precision="bf16"), ("--bf16",))}
 TWO_RANKS = {"tp2": (_plan(([_s((0, 1), (0, 6))], 8)), ()),
              "pp2": (_plan(([_s((0,), (0, 2)), _s((1,), (2, 6))], 8)), ()),
-             "dp2": (_plan(([_s((0,), (0, 6))], 6), ([_s((1,), (0, 6))], 2)), ())}
+             "dp2": (_plan(([_s((0,), (0, 6))], 6), ([_s((1,), (0, 6))], 2)), ()),
+             # a tf32 plan: fp32 storage, TF32 matmuls asked of torch (the host has none: fp32 here)
+             "tp2_tf32": (_plan(([_s((0, 1), (0, 6))], 8), precision="tf32"), ())}
 BRIDGED_CLUSTER = """islands:
   - {name: nv, device: A100-80GB, nodes: 1, gpus_per_node: 2}
   - {name: amd, device: MI250X, nodes: 1, gpus_per_node: 2}
@@ -86,7 +88,8 @@ links:
 """
 # NVIDIA beside AMD: the cross-replica gradient groups and the pipeline boundary go through the het bridge
 BRIDGED = {"bridged_nv_amd": (_plan(([_s((0, 1), (0, 3), island="nv", device="A100-80GB"),
-                                      _s((2, 3), (3, 6), island="amd", device="MI250X")], 8)), ())}
+                                      _s((2, 3), (3, 6), island="amd", device="MI250X")], 8)),
+                                ("--hetero-device-stand-in",))}  # CPU processes stand in for both vendors
 
 
 @pytest.fixture(scope="module")
@@ -168,6 +171,8 @@ def test_every_plan_kind_trains_the_single_process_model_from_the_seed(common, s
         assert "het bridge" in four[0][name]["log"]
     for name in TWO_RANKS:
         _check_run(two, name, ref, seeded, RTOL)
+    assert "fp32 matmuls: TF32 (plan precision tf32" in two[0]["tp2_tf32"]["log"]
+    assert "fp32 matmuls: torch's default" in two[0]["tp2"]["log"]
     _check_run(four, "tp2pp2_bf16", ref_bf16, seeded, BF16_RTOL)
 
 

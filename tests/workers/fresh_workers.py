@@ -88,3 +88,18 @@ def reference_worker(rank, world_size, argv, padded_vocab):
     train_fn, _ = batch_fns(args)
     return train_megatron_block(model=args.model, train=args.train, shape=BlockShape(tp=1, pp=1, dp=1),
                                 batch_fn=train_fn, return_shards=True, padded_vocab=padded_vocab)
+
+
+def device_check_worker(rank, world_size, argv, plan):
+    """pretrain_gpt.py's ``run`` on CPU processes: the error each rank raises (None if none did)."""
+    from megatron_het.cli.pretrain import run
+    from megatron_het.cluster import ConfigError
+    from megatron_het.platform import detect_accelerator, enable_cpu_backend
+    from megatron_het.runtime.arguments import parse_args
+
+    enable_cpu_backend()
+    try:
+        run(parse_args(argv), detect_accelerator(), plan=plan)
+    except ConfigError as e:
+        return str(e)
+    return None
