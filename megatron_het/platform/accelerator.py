@@ -85,6 +85,13 @@ class Accelerator:
         return self.kind != "cpu"
 
     @property
+    def vendor(self) -> str:
+        """The catalog vendor whose devices this process drives: "nvidia", "amd" or "cpu"."""
+        from megatron_het.cluster.catalog import AMD, HOST, NVIDIA
+
+        return {"cuda": NVIDIA, "rocm": AMD}.get(self.kind, HOST)
+
+    @property
     def host_backend(self) -> str:
         """Backend of host-staged traffic: the bridge between islands of different collective libraries."""
         return HOST_BACKEND

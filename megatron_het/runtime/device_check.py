@@ -13,23 +13,21 @@ whole job stops with the same list on every rank, before any group is built.
 from __future__ import annotations
 
 from megatron_het.cluster import ConfigError
-from megatron_het.cluster.catalog import AMD, NVIDIA
+from megatron_het.cluster.catalog import AMD, HOST, NVIDIA
 
 __all__ = ["check_rank_devices", "vendor_mismatch"]
 
-SEES = {"cuda": NVIDIA, "rocm": AMD}  # Accelerator.kind -> the vendor whose devices this torch drives
 RUNTIME = {NVIDIA: "a CUDA build of torch and an NVIDIA GPU", AMD: "a ROCm build of torch and an AMD GPU"}
 
 
-def vendor_mismatch(*, rank: int, island: str, device: str, vendor: str, accelerator_kind: str,
+def vendor_mismatch(*, rank: int, island: str, device: str, vendor: str, accelerator_vendor: str,
                     device_name: str, stand_in: bool) -> str | None:
     """Why rank ``rank`` of island ``island`` (device type ``device`` of ``vendor``) cannot run on
     this process's accelerator, or None. Host (CPU) device types run anywhere; with ``stand_in``
     every process may run any island."""
-    sees = SEES.get(accelerator_kind)
-    if vendor not in RUNTIME or sees == vendor or stand_in:
+    if vendor not in RUNTIME or accelerator_vendor == vendor or stand_in:
         return None
-    here = (f"this process sees {device_name} ({accelerator_kind})" if sees is not None
+    here = (f"this process sees {device_name} ({accelerator_vendor})" if accelerator_vendor != HOST
             else "this process's torch sees no GPU (it would train on the CPU)")
     return f"rank {rank} is in island {island!r} ({device}, {vendor}) but {here}; it needs {RUNTIME[vendor]}"
 
@@ -44,7 +42,7 @@ def check_rank_devices(cluster, plan, accelerator, *, stand_in: bool) -> None:
     if island is not None:
         device = cluster.island(island).device
         mine = vendor_mismatch(rank=rank, island=island, device=device.name, vendor=device.vendor,
-                               accelerator_kind=accelerator.kind, device_name=accelerator.device_name,
+                               accelerator_vendor=accelerator.vendor, device_name=accelerator.device_name,
                                stand_in=stand_in)
     verdicts: list[str | None] = [None] * dist.get_world_size()
     dist.all_gather_object(verdicts, mine)

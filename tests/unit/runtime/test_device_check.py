@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import pytest
 
+from megatron_het.platform import Accelerator
 from megatron_het.runtime.device_check import vendor_mismatch
 
 
 def _verdict(vendor, kind, *, stand_in=False, device="A100-80GB", name="NVIDIA A100"):
-    return vendor_mismatch(rank=5, island="nv", device=device, vendor=vendor, accelerator_kind=kind,
+    acc = Accelerator(kind=kind, device_count=0 if kind == "cpu" else 1, torch_backend="gloo", device_name=name)
+    return vendor_mismatch(rank=5, island="nv", device=device, vendor=vendor, accelerator_vendor=acc.vendor,
                            device_name=name, stand_in=stand_in)
 
 
@@ -26,7 +28,7 @@ def test_a_cpu_torch_on_an_nvidia_island_is_named():
 
 def test_the_wrong_vendor_is_named():
     message = _verdict("amd", "cuda", device="MI250X", name="NVIDIA H100")
-    assert message is not None and "'nv' (MI250X, amd)" in message and "sees NVIDIA H100 (cuda)" in message
+    assert message is not None and "'nv' (MI250X, amd)" in message and "sees NVIDIA H100 (nvidia)" in message
     assert "ROCm build" in message
 
 
