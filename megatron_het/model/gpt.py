@@ -96,10 +96,13 @@ class TransformerImplError(UserError):
 
 
 def layer_spec(model: ModelSpec, *, sequence_parallel: bool = False, num_layers: int = 0,
-               transformer_impl: str | None = None):
+               transformer_impl: str | None = None, fused_attention: bool | None = None):
     """transformer-engine spec (``transformer_impl`` "transformer_engine", or None where TE is
     importable on a GPU), else megatron-core's local spec; with ``sequence_parallel`` (the config's
-    flag: TP > 1) the local spec with norms that accept it, as a block spec of ``num_layers`` layers."""
+    flag: TP > 1) the local spec with norms that accept it, as a block spec of ``num_layers`` layers.
+    The local spec's core attention is torch's SDPA (``model/sdpa_attention.py``) where
+    ``fused_attention`` (None: on GPUs, where the planner prices fused attention; the host keeps
+    megatron-core's unfused attention, which the CPU parity suites were measured with)."""
     from megatron.core.models.gpt import gpt_layer_specs
 
     te = detect_optional_accelerators().transformer_engine
@@ -113,8 +116,18 @@ def layer_spec(model: ModelSpec, *, sequence_parallel: bool = False, num_layers:
     if sequence_parallel:
         from megatron_het.tp.spec import sequence_parallel_block_spec
 
-        return sequence_parallel_block_spec(normalization, num_layers)
-    return gpt_layer_specs.get_gpt_layer_local_spec(normalization=normalization)
+        local = sequence_parallel_block_spec(normalization, num_layers)
+    else:
+        local = gpt_layer_specs.get_gpt_layer_local_spec(normalization=normalization)
+    if fused_attention is None:
+        from megatron_het.platform import detect_accelerator
+
+        fused_attention = detect_accelerator().is_gpu
+    if fused_attention:
+        from megatron_het.model.sdpa_attention import with_sdpa
+
+        return with_sdpa(local)
+    return local
 
 
 def build_gpt_stage(spec: StageModelSpec, config, pg_collection, *, device=None):

@@ -35,15 +35,17 @@ class SequenceParallelTorchNorm:
         return norm
 
 
-def _swap_norms(spec: Any, old: type, new: type) -> Any:
+def swap_module_class(spec: Any, old: type, new: type) -> Any:
     """A copy of a ModuleSpec tree with every ``old`` module class replaced by ``new``."""
     import dataclasses
 
     if spec is old:
         return new
     if dataclasses.is_dataclass(spec) and not isinstance(spec, type):
-        changes = {f.name: _swap_norms(getattr(spec, f.name), old, new) for f in dataclasses.fields(spec)}
+        changes = {f.name: swap_module_class(getattr(spec, f.name), old, new) for f in dataclasses.fields(spec)}
         return dataclasses.replace(spec, **changes)
+    if isinstance(spec, (list, tuple)):  # a block spec's layer_specs
+        return type(spec)(swap_module_class(item, old, new) for item in spec)
     return spec
 
 
@@ -54,6 +56,6 @@ def sequence_parallel_block_spec(normalization: str, num_layers: int):
     from megatron.core.transformer.torch_norm import WrappedTorchNorm
     from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 
-    layer = _swap_norms(get_gpt_layer_local_spec(normalization=normalization), WrappedTorchNorm,
+    layer = swap_module_class(get_gpt_layer_local_spec(normalization=normalization), WrappedTorchNorm,
                         SequenceParallelTorchNorm)
     return TransformerBlockSubmodules(layer_specs=[layer] * num_layers, layer_norm=SequenceParallelTorchNorm)
