@@ -18,6 +18,8 @@ ENV NCCL_DEBUG=WARN \
 # hadolint ignore=DL3006
 FROM base-${VENDOR} AS final
 WORKDIR /opt/megatron-het
+# The repository without what .dockerignore leaves out (a local .venv, build/, compiled *.so, caches,
+# runs/, data/, .git): the image builds its own environment below.
 COPY . .
 # Same steps as `make env`: keep the image's torch, add megatron-core and our package (compiling
 # csrc/ against the image's CUDA or ROCm toolkit).

@@ -15,6 +15,9 @@ EXPECTED = {  # file: (GPUs by device type, number of links, emulated)
     "cpu-pair": ({"CPU": 2}, 1, True),
     "cpu-2": ({"CPU": 2}, 0, False),
     "cpu-resilience": ({"CPU": 6}, 0, True),
+    # docs/gpu.md's first job: one node, one island of 8 (MI250X counted per GCD)
+    "h100-8": ({"H100-SXM": 8}, 0, False),
+    "mi250x-8": ({"MI250X": 8}, 0, False),
     "a100-h100": ({"A100-80GB": 32, "H100-SXM": 16}, 1, False),
     "a100-mi250x": ({"A100-80GB": 32, "MI250X": 16}, 1, False),
     "h100-mi300x": ({"H100-SXM": 32, "MI300X": 32}, 1, False),
