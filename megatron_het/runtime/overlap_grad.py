@@ -79,6 +79,16 @@ class OverlappedGradientSynchronizer(GradientSynchronizer):
         for i, (bucket, _) in enumerate(self._groups):
             for name in bucket.names:
                 self._bucket_of.setdefault(name, []).append(i)
+        # Buckets over the same ranks share one group (comm_routing.ReductionGroups), and collectives
+        # on a group must be issued in the same order on every member. Hooks complete buckets in each
+        # rank's own backward order (replicas of different layouts differ), so a group's buckets are
+        # launched strictly in bucket order (the same list on every rank): a ready bucket waits for
+        # the earlier ones of its group.
+        self._group_order: dict[int, list[int]] = {}
+        for i, (_, group) in enumerate(self._groups):
+            self._group_order.setdefault(id(group), []).append(i)
+        self._next: dict[int, int] = {}  # id(group) -> position in its order of the next launch
+        self._ready: set[int] = set()
         self._handles = [hook_params[name].register_post_accumulate_grad_hook(self._hook(name))
                          for name in self._bucket_of]
 
@@ -87,6 +97,8 @@ class OverlappedGradientSynchronizer(GradientSynchronizer):
         self._armed = True
         self.launched_in_backward = 0
         self._pending = {i: set(b.names) for i, (b, _) in enumerate(self._groups)}
+        self._next = {key: 0 for key in self._group_order}
+        self._ready = set()
 
     def _hook(self, name: str):
         def hook(_param: torch.Tensor) -> None:
@@ -99,11 +111,20 @@ class OverlappedGradientSynchronizer(GradientSynchronizer):
                 waiting.discard(name)
                 if not waiting:
                     del self._pending[i]
-                    if _is_async(self._groups[i][1]):  # a bridged bucket waits for reduce() (no deadlock)
-                        self._launch(i)
-                        self.launched_in_backward += 1
+                    group = self._groups[i][1]
+                    if _is_async(group):  # a bridged bucket waits for reduce() (no deadlock)
+                        self._ready.add(i)
+                        self._launch_ready(id(group))
 
         return hook
+
+    def _launch_ready(self, key: int) -> None:
+        """Launch the group's ready buckets that are next in its order."""
+        order = self._group_order[key]
+        while self._next[key] < len(order) and order[self._next[key]] in self._ready:
+            self._launch(order[self._next[key]])
+            self._next[key] += 1
+            self.launched_in_backward += 1
 
     def _launch(self, i: int) -> None:
         bucket, group = self._groups[i]
@@ -122,6 +143,7 @@ class OverlappedGradientSynchronizer(GradientSynchronizer):
             self._unpack(bucket, flat)
         self._armed = False
         self._pending = {}
+        self._ready = set()
 
     def remove_hooks(self) -> None:
         """Detach the gradient hooks (before dropping the synchronizer while keeping the params)."""

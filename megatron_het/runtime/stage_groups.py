@@ -21,6 +21,9 @@ from megatron_het.plan import Plan, rank_roles
 # TP ranks, or this rank alone.
 STAGE_WIDE_GROUPS = ("tp", "mp", "tp_cp", "tp_dp_cp", "expt_tp", "tp_ep_pp")
 SELF_GROUPS = ("pp", "dp", "cp", "ep", "dp_cp", "embd", "pos_embd", "expt_dp")
+# megatron-core's collection roles and the grid dims each spans
+STAGE_GROUP_DIMS = (("tp", "tp"), ("pp", "pp"), ("dp", "dp"), ("cp", "cp"), ("ep", "ep"), ("mp", ["tp", "pp"]),
+                    ("tp_cp", ["tp", "cp"]), ("dp_cp", ["cp", "dp"]), ("tp_dp_cp", ["tp", "cp", "dp"]))
 
 
 def check_contiguous_stages(plan: Plan) -> None:
@@ -46,17 +49,25 @@ def build_stage_groups(plan: Plan, *, timeout: datetime.timedelta | None = None,
     from megatron.core.process_groups_config import ProcessGroupCollection
 
     check_contiguous_stages(plan)
-    options = group_options(timeout)
     rank = dist.get_rank()
     mine = None
+    # One group per distinct (ranks, backend): the grid's nine roles span only two sets here (the TP
+    # ranks, or this rank alone; one set at TP1), and on NCCL each group is a communicator with its
+    # own buffers. The grid only enumerates ranks; every rank asks in the same (plan) order.
+    created: dict[tuple[tuple[int, ...], str | None], object] = {}
     for replica in plan.replicas:
         for stage in replica.stages:
+            backend = None if backend_of is None else backend_of(stage.island)
             grid = HyperCommGrid([stage.tp, 1, 1, 1, 1], list(GRID_DIMS), rank_offset=stage.ranks[0],
-                                 backend=None if backend_of is None else backend_of(stage.island))
-            pgs = {name: grid.create_pg(dims, **options) for name, dims in (
-                ("tp", "tp"), ("pp", "pp"), ("dp", "dp"), ("cp", "cp"), ("ep", "ep"),
-                ("mp", ["tp", "pp"]), ("tp_cp", ["tp", "cp"]), ("dp_cp", ["cp", "dp"]),
-                ("tp_dp_cp", ["tp", "cp", "dp"]))}
+                                 backend=backend)
+            pgs = {}
+            for name, dims in STAGE_GROUP_DIMS:
+                for ranks in grid.get_rank_enum(dims):
+                    key = (tuple(sorted(ranks)), backend)
+                    if key not in created:
+                        created[key] = dist.new_group(list(key[0]), **group_options(timeout, backend))
+                    if rank in ranks:
+                        pgs[name] = created[key]
             if rank in stage.ranks:
                 mine = pgs
     if mine is None:

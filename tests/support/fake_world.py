@@ -146,6 +146,6 @@ def stage_group_problems(plan: Plan, sim: SimulatedRank) -> list[str]:
 
 def expected_multi_rank_groups(plan: Plan) -> list[tuple[int, ...]]:
     """The groups of more than one rank that ``build_stage_groups`` creates, in order: per stage of TP > 1
-    in plan order, its ranks 4 times (megatron's tp, mp, tp_cp and tp_dp_cp; with pp = dp = cp = 1 the
-    other five are groups of one rank)."""
-    return [tuple(s.ranks) for rep in plan.replicas for s in rep.stages if s.tp > 1 for _ in range(4)]
+    in plan order, its ranks once (megatron's tp, mp, tp_cp and tp_dp_cp share the one group over the
+    same ranks; with pp = dp = cp = 1 the other five share this rank's group of one)."""
+    return [tuple(s.ranks) for rep in plan.replicas for s in rep.stages if s.tp > 1]

@@ -323,3 +323,33 @@ def pure_results() -> list:
     if error is not None:
         raise RuntimeError(f"the 4-rank spawn failed (once, cached): {error}")
     return results
+
+
+def launch_order_worker(rank, world_size, count):
+    """``count`` one-tensor buckets over both ranks (one shared group); rank 0's hooks complete them in
+    the reverse of bucket order, rank 1's in bucket order. Returns (launch order, summed grads)."""
+    import torch
+
+    from megatron_het.platform import HOST_DEVICE, Accelerator, enable_cpu_backend
+    from megatron_het.runtime.grad_sync import Holding
+    from megatron_het.runtime.overlap_grad import OverlappedGradientSynchronizer
+
+    enable_cpu_backend()
+    acc = Accelerator(kind="cpu", device_count=0, torch_backend="gloo", device_name="cpu", device=HOST_DEVICE)
+    names = [f"decoder.layers.{i}.mlp.linear_fc1.weight" for i in range(count)]
+    params = {n: torch.nn.Parameter(torch.zeros(4, 4)) for n in names}
+    local = [Holding(name=n, rank=rank, stage_key=(rank, 0), tp_rank=0, tp_size=1, partition_dim=None,
+                     full_shape=(4, 4)) for n in names]
+    sync = OverlappedGradientSynchronizer(local, params, bucket_numel=16, accelerator=acc)
+    launched = []
+    real = sync._launch
+    sync._launch = lambda i: (launched.append(i), real(i))
+    sync.arm()
+    bucket_of = {sync._groups[i][0].names[0]: i for i in range(len(sync._groups))}
+    for name in sorted(names, key=lambda n: bucket_of[n], reverse=rank == 0):
+        params[name].grad = torch.full((4, 4), float((1 + bucket_of[name]) * (1 if rank == 0 else 100)))
+        sync._hook(name)(params[name])
+    in_backward = sync.launched_in_backward
+    sync.reduce()
+    return launched, in_backward, len({id(g) for _, g in sync._groups}), {
+        bucket_of[n]: float(params[n].grad[0, 0]) for n in names}
