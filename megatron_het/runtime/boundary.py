@@ -132,6 +132,13 @@ def _failed(what: str, peer: Neighbour, rank: int, micro_batch: int, err: BaseEx
                          "--distributed-timeout-minutes)")
 
 
+def _finish_send(work, peer: Neighbour, dst: int, t: int) -> None:
+    try:
+        work.wait()
+    except RuntimeError as err:
+        raise _failed("send", peer, dst, t // 2, err) from err
+
+
 class BoundaryLink:
     """Point-to-point transfers of one rank with its previous and next stage.
 
@@ -224,12 +231,21 @@ class BoundaryLink:
 
     def drain(self) -> None:
         """Wait for every posted send (end of an iteration)."""
-        for work, peer, dst, t in self._pending:
-            try:
-                work.wait()
-            except RuntimeError as err:
-                raise _failed("send", peer, dst, t // 2, err) from err
+        for entry in self._pending:
+            _finish_send(*entry)
         self._pending.clear()
+
+    def release_completed(self) -> int:
+        """Forget the sends that have completed (never waits), so their buffers are freed as the
+        schedule goes rather than held to the end of the iteration; the number still in flight."""
+        still = []
+        for entry in self._pending:
+            if entry[0].is_completed():
+                _finish_send(*entry)  # done: raises here if it failed
+            else:
+                still.append(entry)
+        self._pending = still
+        return len(still)
 
     def abandon(self) -> None:
         """Forget every posted send without waiting (a failed iteration's group is being torn down)."""

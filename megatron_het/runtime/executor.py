@@ -155,6 +155,8 @@ class ActionExecutor:
                     timer.compute(lambda: self.store.flush(key))
                 else:
                     raise ValueError(f"unknown schedule action {action}")
+                for link in links:  # a completed send's buffer is freed now, not at the iteration's end
+                    link.release_completed()
             for link in links:
                 link.drain()
         except BaseException:

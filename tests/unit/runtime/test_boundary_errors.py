@@ -51,3 +51,31 @@ def test_neighbour_without_island_still_names_the_rank(monkeypatch):
     with pytest.raises(BoundaryError, match=r"with rank 2 \(island slow, stage 1\) failed"):
         link.drain()
     assert Neighbour(ranks=(9,)).describe(9) == "rank 9"
+
+
+class _Work:
+    def __init__(self, done: bool, error: str | None = None) -> None:
+        self.done, self.error, self.waited = done, error, False
+
+    def is_completed(self) -> bool:
+        return self.done
+
+    def wait(self):
+        self.waited = True
+        if self.error:
+            raise RuntimeError(self.error)
+
+
+def test_completed_sends_are_released_without_waiting_for_the_rest(monkeypatch):
+    """Sends no longer live to the end of the iteration (#36): after each action the executor drops the
+    completed ones (their buffers freed); one still in flight is kept, a failed one names its peer."""
+    works = iter([_Work(True), _Work(False), _Work(True, error=GLOO)])
+    monkeypatch.setattr(dist, "isend", lambda tensor, dst, tag, group=None: next(works))
+    link = _link(island="fast", stage=3)
+    link.send_forward(torch.zeros(4, 1, 8), micro_batch=0)
+    link.send_forward(torch.zeros(4, 1, 8), micro_batch=1)
+    assert link.release_completed() == 1  # micro-batch 0's send released, 1's in flight
+    assert [t // 2 for _, _, _, t in link._pending] == [1] and not link._pending[0][0].waited
+    link.send_forward(torch.zeros(4, 1, 8), micro_batch=2)
+    with pytest.raises(BoundaryError, match=r"pipeline send of micro-batch 2 with rank 6 \(island fast, stage 3\)"):
+        link.release_completed()
