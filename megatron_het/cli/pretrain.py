@@ -131,8 +131,7 @@ def main(argv: list[str] | None = None) -> int:
         acc.set_device()  # before any group: NCCL binds its communicators to the current device
         minutes = (args.resilience.failure_timeout_s / 60 if args.resilience is not None
                    else args.train.distributed_timeout_minutes)  # resilience: a dead peer fails calls that soon
-        dist.init_process_group(acc.world_backend, timeout=datetime.timedelta(minutes=minutes),
-                                **acc.init_process_group_options())
+        dist.init_process_group(acc.world_backend, timeout=datetime.timedelta(minutes=minutes))
     try:
         run(args, acc, plan=plan)
         return 0
@@ -171,7 +170,9 @@ def run(args: PretrainArgs, acc, *, plan: AnyPlan | None = None,
     else:  # a sharded plan records its precision (unless written before the field) and nothing else
         reconciled = reconcile_precision(plan.precision, args.train)
     args = dataclasses.replace(args, train=reconciled)
-    check_rank_devices(args.cluster, plan, acc, stand_in=args.cluster.emulated or args.device_stand_in)
+    # an emulation: block declares CPU stand-ins, unless --no-emulation says the islands are real
+    check_rank_devices(args.cluster, plan, acc,
+                       stand_in=(args.cluster.emulated and not args.no_emulation) or args.device_stand_in)
     print_rank0(apply_fp32_matmul(plan.precision, is_gpu=acc.is_gpu))
     train = args.train
     if train.precision != "fp32":

@@ -59,11 +59,14 @@ def ensure_global_memory_buffer() -> None:
         parallel_state._set_global_memory_buffer()
 
 
-def group_options(timeout: datetime.timedelta | None, backend: str | None = None) -> dict:
+def group_options(timeout: datetime.timedelta | None, backend: str | None = None, device_id=None) -> dict:
     """Keyword arguments for ``new_group``: the run's timeout, when given (None keeps torch's default
     of 30 minutes, whatever the world group's timeout is), and the accelerator's backend for the
-    group's island (``Accelerator.backend_for``; None: the world's default)."""
+    group's island (``Accelerator.backend_for``; None: the world's default), and ``device_id``: a GPU
+    group's eager creation (``Accelerator.eager_device``; None: created at its first collective)."""
     out = {} if backend is None else {"backend": backend}
+    if device_id is not None:
+        out["device_id"] = device_id
     if timeout is None:
         return out
     if not isinstance(timeout, datetime.timedelta) or timeout.total_seconds() <= 0:

@@ -118,11 +118,15 @@ class Accelerator:
         """island -> torch backend, from island -> collective library."""
         return {island: self.backend_for(lib) for island, lib in libraries.items()}
 
-    def init_process_group_options(self) -> dict:
-        """``init_process_group``'s device binding: on a GPU the rank's device (NCCL then creates the
-        world communicator at once and every ``new_group`` is split from it, one world-wide order,
-        no lazy creation inside hooks); nothing on the host."""
-        return {"device_id": self.device} if self.is_gpu else {}
+    @property
+    def eager_device(self) -> torch.device | None:
+        """``new_group(device_id=)`` of this rank's multi-rank GPU groups: NCCL/RCCL then create each
+        communicator when the group is made (members only, in the one world-wide creation order), not
+        at its first collective, which may run inside a backward hook in each rank's own order. None
+        on the host. The world group is deliberately not bound (``init_process_group(device_id=)``):
+        every later group would become a world-wide split of one NCCL communicator, which cannot span
+        NVIDIA and AMD ranks and desynchronises when the bridge creates gloo subgroups."""
+        return self.device if self.is_gpu else None
 
     def set_device(self) -> None:
         """Bind this process to its device (before any process group is created)."""

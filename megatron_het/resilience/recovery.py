@@ -193,13 +193,14 @@ def rebind(strategy: PipelineStrategy, routing: Routing, rank: int, *, split_bac
     acc = strategy.accelerator
     library = {strategy.plan_placement.island[r]: lib for r, lib in strategy.plan_placement.library.items()}
     pgc, _ = build_stage_groups(instances_plan(routing, strategy.plan), timeout=strategy.train.group_timeout,
-                                backend_of=lambda island: acc.backend_for(library[island]))
+                                backend_of=lambda island: acc.backend_for(library[island]), device_id=acc.eager_device)
     key = routing.instance_of(rank).key
     schedule = routed_schedule(routing, split_backward=split_backward)
     placement = routed_placement(routing, strategy.plan_placement)
     bridges = routed_bridges(routing, placement, accelerator=acc, timeout=strategy.train.group_timeout)
     directions = create_direction_groups(routed_directions(routing), spans_libraries=placement.spans_libraries,
-                                         backend=acc.torch_backend, timeout=strategy.train.group_timeout)
+                                         backend=acc.torch_backend, timeout=strategy.train.group_timeout,
+                                         device_id=acc.eager_device)
     links = routed_links(routing, key, strategy.plan, tp_rank=strategy.role.tp_rank, device=strategy.device,
                          bridges=bridges, directions=directions)
     strategy.rebind(pgc=pgc, ranks={r: routing.new_rank(r) for r in routing.survivors}, actions=schedule.actions[key],

@@ -237,7 +237,9 @@ class BoundaryLink:
 
     def release_completed(self) -> int:
         """Forget the sends that have completed (never waits), so their buffers are freed as the
-        schedule goes rather than held to the end of the iteration; the number still in flight."""
+        schedule goes rather than held to the end of the iteration; the number still in flight.
+        NCCL/RCCL and the het backend report completion; torch's gloo send reports it only after
+        ``wait()``, so on the host every send is still released at ``drain()``."""
         still = []
         for entry in self._pending:
             if entry[0].is_completed():

@@ -59,18 +59,19 @@ def plan_directions(plan: Plan) -> list[Direction]:
 
 
 def create_direction_groups(directions: Sequence[Direction], *, spans_libraries, backend: str | None,
-                            timeout: datetime.timedelta | None = None) -> dict[Direction, object]:
+                            timeout: datetime.timedelta | None = None, device_id=None) -> dict[Direction, object]:
     """Direction -> its group, for the directions this rank sends or receives on. Collective over the
     world: every rank calls it with the same ``directions`` and creates every group in that order.
     ``spans_libraries(ranks)``: the boundary goes through the het bridge (no group); ``backend``: the
-    accelerator's torch backend for device tensors (None: the world's default)."""
+    accelerator's torch backend for device tensors (None: the world's default); ``device_id``:
+    ``Accelerator.eager_device`` (GPU groups created at once)."""
     rank = dist.get_rank()
     out: dict[Direction, object] = {}
     for d in directions:
         ranks = sorted({*d[0], *d[1]})
         if spans_libraries(ranks):
             continue
-        group = dist.new_group(ranks, **group_options(timeout, backend))
+        group = dist.new_group(ranks, **group_options(timeout, backend, device_id))
         if rank in ranks:
             out[d] = group
     return out

@@ -82,7 +82,7 @@ def new_reduction_group(ranks: Sequence[int], placement: RankPlacement, *, accel
         het = new_bridge_group(ranks, placement, accelerator=accelerator, timeout=timeout)
         return BridgedGroup(het) if het is not None else None
     backend = accelerator.backend_for(placement.library[ranks[0]])
-    group = dist.new_group(ranks, **group_options(timeout, backend))
+    group = dist.new_group(ranks, **group_options(timeout, backend, accelerator.eager_device))
     return NativeGroup(group) if dist.get_rank() in ranks else None
 
 

@@ -37,13 +37,16 @@ def check_rank_devices(cluster, plan, accelerator, *, stand_in: bool) -> None:
     import torch.distributed as dist
 
     rank = dist.get_rank()
-    island = next((name for name, ranks in plan.island_ranks().items() if rank in ranks), None)
     mine = None
-    if island is not None:
-        device = cluster.island(island).device
-        mine = vendor_mismatch(rank=rank, island=island, device=device.name, vendor=device.vendor,
-                               accelerator_vendor=accelerator.vendor, device_name=accelerator.device_name,
-                               stand_in=stand_in)
+    try:  # a local error is gathered too: a rank that raised alone would leave the others waiting
+        island = next((name for name, ranks in plan.island_ranks().items() if rank in ranks), None)
+        if island is not None:
+            device = cluster.island(island).device
+            mine = vendor_mismatch(rank=rank, island=island, device=device.name, vendor=device.vendor,
+                                   accelerator_vendor=accelerator.vendor, device_name=accelerator.device_name,
+                                   stand_in=stand_in)
+    except (KeyError, ValueError) as e:
+        mine = f"rank {rank}: its island could not be checked ({e})"
     verdicts: list[str | None] = [None] * dist.get_world_size()
     dist.all_gather_object(verdicts, mine)
     wrong = [v for v in verdicts if v is not None]

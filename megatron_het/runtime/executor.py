@@ -38,9 +38,21 @@ ForwardFn = Callable[[int, torch.Tensor | None, torch.Tensor | None], torch.Tens
 def grad_reduce_trigger(actions: Sequence[Action], *, split_backward: bool = False) -> int | None:
     """Index of the action before which an overlapped gradient synchronizer is armed: the last
     action computing weight gradients (the last B, or with split backward the last W)."""
+    triggers = grad_reduce_triggers(actions, split_backward=split_backward)
+    return max(triggers) if triggers else None
+
+
+def grad_reduce_triggers(actions: Sequence[Action], *, split_backward: bool = False) -> dict[int, int]:
+    """Action index -> model chunk armed before it: each chunk's last weight-gradient action (its
+    last B, or with split backward its last W). Interleaved chunks finish their gradients at
+    different points of the schedule; arming each at its own last backward lets its buckets reduce
+    while the other chunks still compute."""
     kinds = ("W",) if split_backward and any(a.kind == "W" for a in actions) else ("B", "BW")
-    backward = [i for i, a in enumerate(actions) if a.kind in kinds]
-    return backward[-1] if backward else None
+    last: dict[int, int] = {}
+    for i, a in enumerate(actions):
+        if a.kind in kinds:
+            last[a.chunk] = i
+    return {i: c for c, i in last.items()}
 
 
 def globalise(actions: Sequence[Action], first_micro_batch: int) -> tuple[Action, ...]:
@@ -74,8 +86,8 @@ class ActionExecutor:
             raise ValueError("split_backward: the schedule has W actions but the stage has no WeightGradStore. "
                              "Fix: install_split_linears(model, store) and pass store=")
         self.store = store  # the stage's deferred linear weight gradients (split_backward.py)
-        self.arm = arm  # an overlapped synchronizer's arm(): called before the last weight-gradient action
-        self.trigger = grad_reduce_trigger(self.actions, split_backward=self.split) if arm is not None else None
+        self.arm = arm  # an overlapped synchronizer's arm(chunk): before each chunk's last weight-gradient action
+        self.triggers = grad_reduce_triggers(self.actions, split_backward=self.split) if arm is not None else {}
         self.samples: list[int] = []  # sample indices this rank read in the last run (accounting)
         self.device = device  # the accelerator's device: the loss accumulator lives there (None: host)
         self.grad_scale: torch.Tensor | None = None  # fp16 loss scale a last stage multiplies its loss by
@@ -138,8 +150,8 @@ class ActionExecutor:
                                                                 self._msg(g, c, upstream_of_me=False))
                     if last and self.grad_scale is not None:
                         out = out * self.grad_scale  # the backward of the scaled loss (fp16)
-                    if index == self.trigger:  # buckets start reducing as this backward completes them
-                        self.arm()
+                    if index in self.triggers:  # buckets start reducing as this backward completes them
+                        self.arm(self.triggers[index])
                     if self.split and action.kind == "B":
                         with self.store.deferring(key):  # linears keep (input, output grad) for W
                             timer.compute(lambda: torch.autograd.backward(out, grad_tensors=grad))
@@ -150,13 +162,13 @@ class ActionExecutor:
                 elif action.kind == "W":
                     if not self.split:
                         continue  # fused into B: autograd computed both gradients together
-                    if index == self.trigger:
-                        self.arm()
+                    if index in self.triggers:
+                        self.arm(self.triggers[index])
                     timer.compute(lambda: self.store.flush(key))
                 else:
                     raise ValueError(f"unknown schedule action {action}")
-                for link in links:  # a completed send's buffer is freed now, not at the iteration's end
-                    link.release_completed()
+                for each in links:  # a completed send's buffer is freed now, not at the iteration's end
+                    each.release_completed()
             for link in links:
                 link.drain()
         except BaseException:

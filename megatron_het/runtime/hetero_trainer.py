@@ -126,7 +126,7 @@ class PipelineStrategy:
         placement = rank_placement(plan, cluster)
         island_library = {placement.island[r]: placement.library[r] for r in placement.island}
         self.groups = GroupLedger()  # every group built below, destroyed by close()
-        self.pgc, self.role = build_stage_groups(plan, timeout=train.group_timeout,
+        self.pgc, self.role = build_stage_groups(plan, timeout=train.group_timeout, device_id=acc.eager_device,
                                                  backend_of=lambda island: acc.backend_for(island_library[island]))
         role = self.role
         self.grid_groups = self._grid_groups()  # 3D tensor-parallel stage (plan tp_grid), else None
@@ -188,7 +188,8 @@ class PipelineStrategy:
         stages = self.replica.stages
         bridges = self._boundary_bridges()
         directions = create_direction_groups(plan_directions(plan), spans_libraries=self.plan_placement.spans_libraries,
-                                             backend=acc.torch_backend, timeout=self.train.group_timeout)
+                                             backend=acc.torch_backend, timeout=self.train.group_timeout,
+                                             device_id=acc.eager_device)
         mine = tuple(self.stage_plan.ranks)
         self.paths = self._communication_paths()
         if role.rank == 0:
@@ -404,8 +405,11 @@ class PipelineStrategy:
         from megatron_het.runtime.overlap_grad import OverlappedGradientSynchronizer
 
         size = self.train.ddp_bucket_size or bucket_parameters(len(self.plan.replicas))
+        chunk_by_id = {id(p): c for c, gpt in enumerate(self.gpts) for p in gpt.parameters()}
+        chunk_of = {name: chunk_by_id[id(p)] for name, p in self.params.items()}  # executor arms per chunk
         return OverlappedGradientSynchronizer(self.holdings(), params, hook_params=self.params, grads=grads,
-                                              bucket_numel=size, accelerator=self.accelerator, groups=groups)
+                                              bucket_numel=size, accelerator=self.accelerator, groups=groups,
+                                              chunk_of=chunk_of)
 
     def holdings(self) -> list[Holding]:
         """What this rank holds of each full parameter (the gradient synchronizer's input;

@@ -23,9 +23,10 @@ reduces the fp32 main gradients (``hook_params``: the model's half-precision par
 through the cross-vendor bridge (``placement=``) have no async form: they wait for ``reduce()``
 (all ranks reduce them there in bucket order). Reducing them inside the hook would block a rank's
 backward before it sends its input gradient upstream, while a peer of the bucket waits for that
-gradient: a deadlock across stages (seen on the bridged bf16 parity plan). Each bucket has
-its own process group (the parent creates one per bucket), so launching buckets in a different
-order on different ranks cannot deadlock. Parameters that got no gradient in the armed backward
+gradient: a deadlock across stages (seen on the bridged bf16 parity plan). Buckets over the same
+ranks share one process group (``comm_routing.ReductionGroups``), and a group's collectives must be
+issued in one order on every member, so a group's buckets launch strictly in bucket order (a ready
+bucket waits for the earlier ones of its group). Parameters that got no gradient in the armed backward
 keep their bucket from firing; ``reduce()`` then launches it (zeros filled in, as the parent does).
 """
 
@@ -62,16 +63,21 @@ class OverlappedGradientSynchronizer(GradientSynchronizer):
     """``GradientSynchronizer`` whose bucket all-reduces start from gradient hooks when armed."""
 
     def __init__(self, local: Sequence[Holding], params: Mapping[str, torch.nn.Parameter], *,
-                 hook_params: Mapping[str, torch.nn.Parameter] | None = None, **kwargs: Any) -> None:
+                 hook_params: Mapping[str, torch.nn.Parameter] | None = None,
+                 chunk_of: Mapping[str, int] | None = None, **kwargs: Any) -> None:
         """``params``: what is reduced (their ``.grad``); ``hook_params``: the parameters autograd
         accumulates into, whose hooks tell that a gradient is final (None: ``params``). Mixed precision
         reduces the fp32 main gradients (``params`` = main parameters) as the half-precision model
         parameters' hooks fire, after ``MainParams``' own hook (registered first) has added the
         half-precision gradient into the main gradient, as Megatron's DDP reduces its fp32 main_grad
-        buckets. ``kwargs`` go to ``GradientSynchronizer`` unchanged (e.g. ``placement``)."""
+        buckets. ``chunk_of``: each parameter's model chunk (interleaved schedules; None: one chunk),
+        so ``arm(c)`` counts only chunk c's gradients as final. ``kwargs`` go to
+        ``GradientSynchronizer`` unchanged (e.g. ``placement``)."""
         super().__init__(local, params, **kwargs)
         hook_params = self.params if hook_params is None else hook_params
         self._armed = False
+        self._chunk_of = dict(chunk_of) if chunk_of is not None else None
+        self._armed_chunks: set[int | None] = set()  # chunks whose last backward has begun (None: all)
         self._pending: dict[int, set[str]] = {}  # bucket index -> names whose grad is not final yet
         self._inflight: dict[int, tuple[torch.Tensor, Any]] = {}  # bucket index -> (flat buffer, work)
         self.launched_in_backward = 0  # buckets launched from hooks in the last armed backward
@@ -92,17 +98,27 @@ class OverlappedGradientSynchronizer(GradientSynchronizer):
         self._handles = [hook_params[name].register_post_accumulate_grad_hook(self._hook(name))
                          for name in self._bucket_of]
 
-    def arm(self) -> None:
-        """The next backward is the last before ``reduce()``: launch buckets as they complete."""
-        self._armed = True
-        self.launched_in_backward = 0
-        self._pending = {i: set(b.names) for i, (b, _) in enumerate(self._groups)}
-        self._next = {key: 0 for key in self._group_order}
-        self._ready = set()
+    def arm(self, chunk: int | None = None) -> None:
+        """The next backward is ``chunk``'s last before ``reduce()`` (None: every chunk's): its
+        parameters' gradients are final as their hooks fire, and buckets launch as they complete."""
+        if not self._armed:  # the iteration's first arm
+            self._armed = True
+            self.launched_in_backward = 0
+            self._pending = {i: set(b.names) for i, (b, _) in enumerate(self._groups)}
+            self._next = {key: 0 for key in self._group_order}
+            self._ready = set()
+            self._armed_chunks = set()
+        self._armed_chunks.add(chunk)
+
+    def _final(self, name: str) -> bool:
+        """Whether ``name``'s hook now reports its iteration's final gradient."""
+        if None in self._armed_chunks or self._chunk_of is None:
+            return True
+        return self._chunk_of.get(name, 0) in self._armed_chunks
 
     def _hook(self, name: str):
         def hook(_param: torch.Tensor) -> None:
-            if not self._armed:
+            if not self._armed or not self._final(name):
                 return
             for i in self._bucket_of[name]:
                 waiting = self._pending.get(i)
@@ -144,6 +160,7 @@ class OverlappedGradientSynchronizer(GradientSynchronizer):
         self._armed = False
         self._pending = {}
         self._ready = set()
+        self._armed_chunks = set()
 
     def remove_hooks(self) -> None:
         """Detach the gradient hooks (before dropping the synchronizer while keeping the params)."""

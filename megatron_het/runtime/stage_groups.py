@@ -39,12 +39,13 @@ def check_contiguous_stages(plan: Plan) -> None:
 
 
 def build_stage_groups(plan: Plan, *, timeout: datetime.timedelta | None = None,
-                       backend_of: Callable[[str], str] | None = None):
+                       backend_of: Callable[[str], str] | None = None, device_id=None):
     """Create every stage's groups (collective over the world); return this rank's collection.
 
     ``timeout``: the run's one timeout, given to every group (None: torch's 30-minute default);
     ``backend_of``: island name -> the accelerator's torch backend for that island's groups (None:
-    the world's default)."""
+    the world's default); ``device_id``: ``Accelerator.eager_device`` (multi-rank GPU groups created
+    at once; a rank's own group of one never communicates)."""
     from megatron.core.hyper_comm_grid import HyperCommGrid
     from megatron.core.process_groups_config import ProcessGroupCollection
 
@@ -65,7 +66,8 @@ def build_stage_groups(plan: Plan, *, timeout: datetime.timedelta | None = None,
                 for ranks in grid.get_rank_enum(dims):
                     key = (tuple(sorted(ranks)), backend)
                     if key not in created:
-                        created[key] = dist.new_group(list(key[0]), **group_options(timeout, backend))
+                        eager = device_id if len(key[0]) > 1 else None
+                        created[key] = dist.new_group(list(key[0]), **group_options(timeout, backend, eager))
                     if rank in ranks:
                         pgs[name] = created[key]
             if rank in stage.ranks:

@@ -353,3 +353,27 @@ def launch_order_worker(rank, world_size, count):
     sync.reduce()
     return launched, in_backward, len({id(g) for _, g in sync._groups}), {
         bucket_of[n]: float(params[n].grad[0, 0]) for n in names}
+
+
+def interleaved_overlap_worker(rank, world_size, model, cases):
+    """Fresh runs of (name, plan, train) cases: per case the losses and, on this rank, (buckets
+    launched during the last backward, buckets) of the overlapped reducer (None without one)."""
+    import torch.distributed as dist
+
+    from megatron_het.platform import enable_cpu_backend
+    from megatron_het.runtime.hetero_trainer import HeteroTrainer
+
+    from workers.megatron_workers import batch_fn
+
+    enable_cpu_backend()
+    out = {}
+    for name, plan, train in cases:
+        dist.barrier()
+        trainer = HeteroTrainer(model=model, plan=plan, train=train, batch_fn=batch_fn(model, train.seed))
+        res = trainer.run()
+        sync = trainer.strategy.sync
+        launched = getattr(sync, "launched_in_backward", None)
+        out[name] = {"losses": [log.lm_loss for log in res.iterations],
+                     "launched": None if launched is None else (launched, len(sync._groups))}
+        trainer.close()
+    return out
