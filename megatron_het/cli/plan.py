@@ -19,7 +19,7 @@ from megatron_het.cluster import load_cluster, load_model
 from megatron_het.errors import UserError
 from megatron_het.perf import load_profile
 from megatron_het.perf.bounds import check_global_batch_size
-from megatron_het.plan.types import DEFAULT_PRECISION, PLAN_PRECISIONS
+from megatron_het.plan.types import DEFAULT_PRECISION, PLAN_ATTENTIONS, PLAN_PRECISIONS
 from megatron_het.planner import MODES, plan_best, with_seq_length
 from megatron_het.planner.parallelizer import AxonnParallelizer
 from megatron_het.planner.summary import candidates_table, rank_ranges, summarize_plan, summarize_sharded
@@ -51,8 +51,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--precision", choices=PLAN_PRECISIONS, default=DEFAULT_PRECISION,
                         help="training precision the plans are priced at and record (pretrain_gpt.py trains in what "
                              f"the plan records; Megatron: no flag = fp32, --bf16, --fp16); default {DEFAULT_PRECISION}")
+    parser.add_argument("--attention", choices=PLAN_ATTENTIONS, default=None,
+                        help="the attention kernel the plans are priced with and record: fused (flash: "
+                             "transformer-engine or torch SDPA) or unfused (megatron-core's DotProductAttention, "
+                             "s x s scores held); default: fused on GPUs, unfused on CPUs. Pipeline plans only")
     add_progress_argument(parser)
     args = parser.parse_args(argv)
+    if args.attention is not None and args.mode == "sharded":
+        parser.error("--attention prices pipeline plans (sharded plans price the default kernel); drop it or use "
+                     "--mode pipeline")
     if args.top < 1:
         parser.error(f"--top must be >= 1 (plans to show), got {args.top}")
     try:
@@ -62,16 +69,21 @@ def main(argv: list[str] | None = None) -> int:
         model, cluster = load_model(args.model), load_cluster(args.cluster)
         profiles = [load_profile(p) for p in args.profile] or None
         warn_unused_profiles(profiles, with_seq_length(model, args.seq_length), cluster, prog="plan.py")
-        pipeline_options = {"top_k": args.top, "exhaustive": args.exhaustive, "precision": args.precision}
+        pipeline_options = {"top_k": args.top, "exhaustive": args.exhaustive, "precision": args.precision,
+                            **({} if args.attention is None else {"attention": args.attention})}
         # the sharded mode knows two state layouts: fp32 weights, or 16-bit weights with fp32 state
         sharded_options = {"precision": args.precision}  # stored and computed as the run's precision
         if args.tp_3d:  # the per-island parallelizer that offers 3D grids (docs/planner.md)
             pipeline_options.update(distributed_optimizer=False, parallelizer=AxonnParallelizer(
-                with_seq_length(model, args.seq_length), cluster, profile=profiles, distributed_optimizer=False))
+                with_seq_length(model, args.seq_length), cluster, profile=profiles, distributed_optimizer=False,
+                attention=args.attention))
         bar = Progress("plan: search", unit="candidates", quiet=args.no_progress)
         try:
             choice = plan_best(model, cluster, global_batch_size=args.global_batch_size, seq_length=args.seq_length,
-                               profile=profiles, modes=MODES if args.mode == "auto" else (args.mode,),
+                               profile=profiles,
+                               # --attention: pipeline plans (the sharded mode prices the default kernel)
+                               modes=(("pipeline",) if args.attention is not None else MODES) if args.mode == "auto"
+                               else (args.mode,),
                                sharded_options=sharded_options,
                                pipeline_options={**pipeline_options, "progress": bar.update})
         except UserError:

@@ -20,6 +20,7 @@ with exit code 2.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from dataclasses import replace
@@ -32,6 +33,7 @@ from megatron_het.perf import load_profile
 from megatron_het.perf.bounds import check_global_batch_size
 from megatron_het.perf.breakdown import PART_LABELS, explain
 from megatron_het.plan import Plan, PlanError, homogeneous_plan, layer_split, validate_plan
+from megatron_het.plan.types import PLAN_ATTENTIONS
 from megatron_het.planner.sharded import predict_sharded
 from megatron_het.sharding.plan import ShardedPlan, load_any_plan, validate_sharded_plan
 
@@ -85,6 +87,10 @@ def main(argv: list[str] | None = None) -> int:
         prec.add_argument(flag, dest="precision", action="store_const", const=value, help=text)
     parser.add_argument("--profile", action="append", default=[],
                         help="profile JSON (repeatable): measured layers, or a tools/calibrate.py compute model")
+    parser.add_argument("--attention", choices=PLAN_ATTENTIONS, default=None,
+                        help="the attention kernel to price: fused (flash: transformer-engine or torch SDPA) or "
+                             "unfused (s x s scores held); default: the plan's record, else fused on GPUs. With "
+                             "--plan it may add the record but not contradict it")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument("--trace", action="store_true",
                         help="also draw each replica's simulated schedule (the runtime's action lists) as a grid")
@@ -110,6 +116,13 @@ def main(argv: list[str] | None = None) -> int:
             check_global_batch_size(args.global_batch_size, field="--global-batch-size")
         model, cluster = load_model(args.model), load_cluster(args.cluster)
         plan = load_any_plan(args.plan) if args.plan else _homogeneous(args, model, cluster)
+        if args.attention is not None:
+            if isinstance(plan, ShardedPlan):
+                parser.error("--attention prices pipeline plans; this plan is a sharded one")
+            if plan.attention not in (None, args.attention):
+                parser.error(f"--attention {args.attention}: the plan records attention {plan.attention!r} (it runs "
+                             "that kernel); drop the flag or re-plan with tools/plan.py --attention")
+            plan = dataclasses.replace(plan, attention=args.attention, predicted=None)
         profiles = [load_profile(p) for p in args.profile] or None
         warn_unused_profiles(profiles, model, cluster, prog="predict.py")
         try:
@@ -134,6 +147,7 @@ def main(argv: list[str] | None = None) -> int:
           f"({pred.num_gpus} GPUs)")
     print(f"memory          max {pred.memory_gib_per_rank_max:.2f} GiB per rank, fits: {pred.fits} ({plan.precision}, "
           f"optimizer state {'sharded over the replicas' if plan.use_distributed_optimizer else 'full on every holder'}"
+          f", attention {plan.attention or 'fused on GPUs, unfused on CPUs'}"
           f"; pretrain_gpt.py runs what the plan records: runtime/plan_record.py)")
     print("replica stage island        device      TP  layers   fwd_ms    bwd_ms    idle_s    mem_GiB / cap")
     seen = set()

@@ -41,6 +41,9 @@ class StageModelSpec:
     # Megatron's --transformer-impl: "transformer_engine" or "local"; None: transformer-engine where
     # it is importable on a GPU, else megatron-core's local spec (always local on CPU)
     transformer_impl: str | None = None
+    # the local spec's core attention through torch SDPA (Plan.attention "fused") or megatron-core's
+    # unfused module ("unfused"); None: SDPA on GPUs, unfused on the host (layer_spec)
+    fused_attention: bool | None = None
 
 
 def transformer_config(spec: StageModelSpec, *, pp: int = 1, deterministic: bool = True,
@@ -139,7 +142,8 @@ def build_gpt_stage(spec: StageModelSpec, config, pg_collection, *, device=None)
     gpt = GPTModel(
         config=config,
         transformer_layer_spec=layer_spec(m, sequence_parallel=config.sequence_parallel,
-                                          num_layers=spec.num_layers, transformer_impl=spec.transformer_impl),
+                                          num_layers=spec.num_layers, transformer_impl=spec.transformer_impl,
+                                          fused_attention=spec.fused_attention),
         vocab_size=spec.vocab_size,
         max_sequence_length=m.max_position_embeddings or m.seq_length,
         pre_process=spec.pre_process,

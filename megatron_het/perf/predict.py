@@ -34,8 +34,9 @@ Assumptions (docs/planner.md, "Prediction"):
 - Precision is the plan's (``Plan.precision``): it sets the matmul rate (``DeviceType.rate_tflops``),
   the compute model's calibrated figures, bytes per weight/gradient/optimizer state and activation
   (perf/memory.py), the gradient bytes reduced and the optimizer step's traffic.
-- Attention is fused (flash) on GPUs, as megatron-core's Transformer Engine spec runs it, and
-  unfused on CPUs (the local spec); ``flash_attention=`` overrides.
+- Attention is what the plan records (``Plan.attention``: fused, or unfused with s x s scores held);
+  a plan without the field: fused (flash) on GPUs, as transformer-engine's spec and the local spec's
+  SDPA run it (``model/sdpa_attention.py``), unfused on CPUs; ``flash_attention=`` overrides.
 - The optimizer step is memory-bound: ``OPTIMIZER_STEP_BYTES`` per parameter (sharded over the
   replicas with the distributed optimizer) at the device's memory bandwidth.
 - Every iteration the trainer also runs ``SYNC_ALL_REDUCES_PER_ITERATION`` small all-reduce over
@@ -434,6 +435,8 @@ def predict(plan: Plan, model: ModelSpec, cluster: ClusterSpec, *, profile: Prof
     sharding share their replicas' pipeline simulations.
     """
     check_global_batch_size(plan.global_batch_size)  # bounds every replica's micro-batch count
+    if flash_attention is None and plan.attention is not None:  # the plan records the kernel it runs
+        flash_attention = plan.attention == "fused"
     if profile is not None:  # measured times price only the precision they were taken in
         check_profile_precision((profile,) if isinstance(profile, Profile) else profile, plan.precision,
                                 {island.device.name for island in cluster.islands})
@@ -731,8 +734,9 @@ def plan_stage_memory(plan: Plan, r: ReplicaPlan, i: int, model: ModelSpec, clus
                        seq_length=seq_length, sequence_parallel=plan.sequence_parallel,
                        recompute=(recompute_mode or "full") if st.recompute else "none",
                        distributed_optimizer=distributed_optimizer, precision=plan.precision,
-                       flash_attention=(not cluster.island(st.island).device.is_host
-                                        if flash_attention is None else flash_attention),
+                       flash_attention=(flash_attention if flash_attention is not None
+                                        else plan.attention == "fused" if plan.attention is not None
+                                        else not cluster.island(st.island).device.is_host),
                        virtual_stages=v, recompute_num_layers=(st.recompute_num_layers if recompute_num_layers is None
                                                                else recompute_num_layers),
                        chunk_sizes=plan_chunk_sizes(plan, r, i))

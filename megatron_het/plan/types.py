@@ -23,15 +23,18 @@ if TYPE_CHECKING:
     from megatron_het.cluster import ClusterSpec, ModelSpec
     from megatron_het.plan.interface import MemoryCheck
 
-__all__ = ["DEFAULT_PRECISION", "PLAN_FORMAT", "PLAN_FORMAT_VERSION", "PLAN_PRECISIONS", "TRAINS_IN", "Plan", "ReplicaPlan",
-           "StagePlan"]
+__all__ = ["DEFAULT_PRECISION", "PLAN_ATTENTIONS", "PLAN_FORMAT", "PLAN_FORMAT_VERSION", "PLAN_PRECISIONS", "TRAINS_IN",
+           "Plan", "ReplicaPlan", "StagePlan"]
 
 PLAN_FORMAT = "megatron-het-plan"  # value of the "format" key in plan JSON
 PLAN_FORMAT_VERSION = 1  # value of the "version" key this code reads and writes
 
 _PLAN_KEYS = ("format", "version", "micro_batch_size", "global_batch_size", "schedule", "virtual_pipeline_size",
-              "sequence_parallel", "use_distributed_optimizer", "overlap_grad_reduce", "precision", "replicas",
-              "predicted")
+              "sequence_parallel", "use_distributed_optimizer", "overlap_grad_reduce", "precision", "attention",
+              "replicas", "predicted")
+# Attention kernels a plan may record: "fused" (flash / memory-efficient: transformer-engine, or torch's
+# SDPA in the local spec; no s x s scores held) or "unfused" (megatron-core's DotProductAttention).
+PLAN_ATTENTIONS = ("fused", "unfused")
 # Precisions a plan may record (megatron_het.cluster.catalog.PRECISIONS, repeated here so plan/ does
 # not import cluster/ at run time).
 PLAN_PRECISIONS = ("fp32", "tf32", "fp16", "bf16", "fp8")
@@ -60,6 +63,9 @@ class Plan:
     # Training precision the plan was priced for (Megatron: no flag = fp32, --fp16, --bf16, --fp8-format;
     # tf32 = fp32 storage with tensor-core matmuls). Absent from older plan files, which were priced as bf16.
     precision: str = DEFAULT_PRECISION
+    # The attention kernel the plan was priced with and runs (PLAN_ATTENTIONS); None: fused on GPU
+    # device types, unfused on host ones (what every plan written before the field was priced with)
+    attention: str | None = None
     predicted: Mapping[str, object] | None = None  # performance-model output attached by the planner
     version: int = PLAN_FORMAT_VERSION  # JSON format version
 
@@ -79,6 +85,9 @@ class Plan:
     def validate(self, model: ModelSpec, cluster: ClusterSpec | None = None, *,
                  memory_check: MemoryCheck | None = None) -> None:
         """Raise PlanError for the first problem found; the memory check, when given, runs last."""
+        if self.attention is not None and self.attention not in PLAN_ATTENTIONS:
+            raise PlanError(field="attention", value=self.attention, problem="unknown attention kernel",
+                            fix=f"use one of: {', '.join(PLAN_ATTENTIONS)} (or leave it out: fused on GPUs)")
         check_pipeline(replicas=self.replicas, micro_batch_size=self.micro_batch_size,
                        global_batch_size=self.global_batch_size, schedule=self.schedule,
                        virtual_pipeline_size=self.virtual_pipeline_size, sequence_parallel=self.sequence_parallel,
@@ -113,6 +122,7 @@ class Plan:
             "use_distributed_optimizer": self.use_distributed_optimizer,
             # written only when on, so plans without it keep their files byte for byte
             **({"overlap_grad_reduce": True} if self.overlap_grad_reduce else {}), "precision": self.precision,
+            **({"attention": self.attention} if self.attention is not None else {}),
             "replicas": [r.to_dict() for r in self.replicas], "predicted": predicted,
         }
 
@@ -146,6 +156,12 @@ class Plan:
         if precision not in PLAN_PRECISIONS:
             raise PlanError(file=source, field="precision", value=precision, problem="unknown precision",
                             fix=f"use one of: {', '.join(PLAN_PRECISIONS)}")
+        attention = d.get("attention")
+        if attention is not None:
+            attention = as_str(attention, "attention", source)
+            if attention not in PLAN_ATTENTIONS:
+                raise PlanError(file=source, field="attention", value=attention, problem="unknown attention kernel",
+                                fix=f"use one of: {', '.join(PLAN_ATTENTIONS)} (or leave it out: fused on GPUs)")
         predicted = d.get("predicted")
         if predicted is not None and not isinstance(predicted, Mapping):
             raise PlanError(file=source, field="predicted", value=predicted,
@@ -161,6 +177,7 @@ class Plan:
                                               "use_distributed_optimizer", source),
             overlap_grad_reduce=as_bool(d.get("overlap_grad_reduce", False), "overlap_grad_reduce", source),
             precision=precision,
+            attention=attention,
             predicted=dict(predicted) if predicted is not None else None,
             version=version,
         )

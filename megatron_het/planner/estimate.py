@@ -115,7 +115,8 @@ class Estimator:
     def __init__(self, model: ModelSpec, cluster: ClusterSpec, *, global_batch_size: int,
                  profile: Profile | Sequence[Profile] | None, distributed_optimizer: bool,
                  overlap_grad_reduce: bool = False, parallelizer: Parallelizer | None = None,
-                 max_tp: int = 8, precision: str = "bf16", fill_free: bool = False) -> None:
+                 max_tp: int = 8, precision: str = "bf16", fill_free: bool = False,
+                 attention: str | None = None) -> None:
         self.model = model
         # What-if only (bench/zero_bubble_whatif.py): price every replica as m x its steady period, a
         # schedule with no pipeline fill at all, which no schedule the runtime runs achieves.
@@ -127,6 +128,7 @@ class Estimator:
         self.distributed_optimizer = distributed_optimizer
         self.overlap_grad_reduce = overlap_grad_reduce  # price stage 0's reduction as megatron's bucketed overlap
         self.precision = precision  # what the plans train in (build_plan records it in Plan.precision)
+        self.attention = attention  # the attention kernel priced and recorded (Plan.attention); None: default
         self._state_bytes = state_bytes(self.precision)[:2]  # (weight, gradient) bytes per parameter
         self._costs: dict[tuple[int, int, int, bool], StageCost] = {}
         self._mem: dict[tuple[object, ...], tuple[int, int, int, int]] = {}
@@ -144,7 +146,7 @@ class Estimator:
         # How a slice runs inside an island (TP, recompute) and what it costs: the plug-in point.
         self.parallelizer: Parallelizer = parallelizer if parallelizer is not None else MegatronParallelizer(
             model, self.cluster, max_tp=max_tp, profile=profile, distributed_optimizer=distributed_optimizer,
-            precision=precision)
+            precision=precision, attention=attention)
         self._candidates: dict[tuple[int, LayerSlice], Sequence[IntraConfig]] = {}
         self._tps: dict[int, tuple[int, ...]] = {}
         # W's share of a fused backward per island (measured split, else half): ZB-H1's estimate
@@ -231,7 +233,8 @@ class Estimator:
             # Unsharded lines, optimizer kept apart so one entry serves every replica count.
             args = dict(is_first=first, is_last=last, micro_batch_size=mbs, microbatches_in_flight=in_flight,
                         tp=tp, recompute="full" if recompute else "none", distributed_optimizer=False,
-                        precision=self.precision)
+                        precision=self.precision,
+                        **({} if self.attention is None else {"flash_attention": self.attention == "fused"}))
             one = stage_memory(self.model, num_layers=1, **args)
             two = stage_memory(self.model, num_layers=2, **args)
             self._mem[key] = (one.total_bytes - one.optimizer_bytes, two.total_bytes - two.optimizer_bytes

@@ -82,8 +82,9 @@ class MegatronParallelizer:
 
     def __init__(self, model: ModelSpec, cluster: ClusterSpec, *, max_tp: int = 8,
                  profile: Profile | Sequence[Profile] | None = None, distributed_optimizer: bool = True,
-                 precision: str = "bf16") -> None:
+                 precision: str = "bf16", attention: str | None = None) -> None:
         self.model = model
+        self.attention = attention  # Plan.attention priced ("fused"/"unfused"); None: fused on GPUs
         self.precision = precision  # what the plan trains in: matmul rate, state and activation bytes
         self.cluster = cluster
         self.max_tp = max_tp  # largest TP size offered
@@ -105,7 +106,8 @@ class MegatronParallelizer:
             island = self.cluster.islands[isl]
             self._costs[key] = stage_cost(self.model, island, tp=tp, micro_batch_size=mbs, recompute=recompute,
                                           slowdown=self.cluster.slowdown(island.name), profile=self.profile,
-                                          precision=self.precision)
+                                          precision=self.precision,
+                                          flash_attention=None if self.attention is None else self.attention == "fused")
         return self._costs[key]
 
     def _memory(self, slice_: LayerSlice, tp: int, rc: bool, flash: bool) -> tuple[int, int, int, int]:
@@ -131,7 +133,9 @@ class MegatronParallelizer:
         key = (isl, slice_.num_layers, slice_.is_first, slice_.is_last, slice_.micro_batch_size, slice_.in_flight,
                slice_.recompute_allowed)
         if key not in self._slice_lines:
-            flash = not self.cluster.islands[isl].device.is_host  # fused (flash) attention on GPUs, as perf.predict assumes
+            # fused (flash) attention on GPUs unless the plan records a kernel, as perf.predict prices it
+            flash = (not self.cluster.islands[isl].device.is_host if self.attention is None
+                     else self.attention == "fused")
             self._slice_lines[key] = [(tp, rc, self._cost(isl, tp, slice_.micro_batch_size, rc),
                                        *self._memory(slice_, tp, rc, flash))
                                       for tp in self.tp_sizes(isl)

@@ -182,7 +182,7 @@ def plan_cluster(model: ModelSpec, cluster: ClusterSpec, *, global_batch_size: i
                  progress: Callable[[int, int], None] | None = None,
                  parallelizer: Parallelizer | None = None, compose_islands: bool = True,
                  consider_grad_overlap: bool = True, keep_distributed_optimizer: bool = False,
-                 precision: str = "bf16") -> PlannerResult:
+                 precision: str = "bf16", attention: str | None = None) -> PlannerResult:
     """Search plans for ``model`` on ``cluster`` and return the fastest predicted one.
 
     ``islands`` restricts the search to those islands (the others get no ranks).
@@ -197,7 +197,8 @@ def plan_cluster(model: ModelSpec, cluster: ClusterSpec, *, global_batch_size: i
     with the distributed optimizer kept and without it: planner/grad_overlap.py) and records the choice
     in the plan. ``keep_distributed_optimizer``: only the overlapped forms that keep the distributed
     optimizer (a run that asks for it: ``--hetero-plan auto --use-distributed-optimizer``).
-    ``precision`` (a Plan precision) is what every point is priced at and what the plans record. Raises
+    ``precision`` (a Plan precision) is what every point is priced at and what the plans record;
+    ``attention`` (Plan.attention: "fused" or "unfused"; None: fused on GPUs) likewise. Raises
     :class:`InfeasibleError` (a ValueError) naming the failed memory or divisibility constraint.
     ``progress(done, total)`` is called after each candidate structure priced and each plan predicted
     in full; ``total`` counts the work known so far (it grows when a micro-batch size's combinations,
@@ -223,7 +224,7 @@ def plan_cluster(model: ModelSpec, cluster: ClusterSpec, *, global_batch_size: i
             f"multiple of {min(micro_batch_sizes, default=1)}")
     est = Estimator(model, cluster, global_batch_size=global_batch_size, profile=profile,
                     distributed_optimizer=distributed_optimizer, overlap_grad_reduce=overlap_grad_reduce,
-                    parallelizer=parallelizer, max_tp=max_tp, precision=precision)
+                    parallelizer=parallelizer, max_tp=max_tp, precision=precision, attention=attention)
     active = [i for i, isl in enumerate(cluster.islands) if isl.name in allowed]
     reasons: dict[str, None] = {}
     estimates: list[Estimate] = []
@@ -402,7 +403,7 @@ def plan_cluster(model: ModelSpec, cluster: ClusterSpec, *, global_batch_size: i
         plan = build_plan(cluster, e.templates, e.layer_counts, e.micro_batches, micro_batch_size=e.micro_batch_size,
                           global_batch_size=global_batch_size, recompute=e.recompute,
                           distributed_optimizer=distributed_optimizer, stage_recompute=e.stage_recompute,
-                          precision=precision)
+                          precision=precision, attention=attention)
         key = plan  # frozen and hashable (nothing predicted yet): far cheaper than its JSON at 1,024 ranks
         if key in seen:
             return
@@ -463,7 +464,7 @@ def plan_cluster(model: ModelSpec, cluster: ClusterSpec, *, global_batch_size: i
         plan = build_plan(cluster, e.templates, e.layer_counts, e.micro_batches, micro_batch_size=e.micro_batch_size,
                           global_batch_size=global_batch_size, recompute=e.recompute,
                           distributed_optimizer=distributed_optimizer, stage_recompute=e.stage_recompute,
-                          precision=precision)
+                          precision=precision, attention=attention)
         try:
             validate_plan(plan, model, cluster)
         except PlanError:

@@ -178,7 +178,8 @@ def island_gpus_used(templates: Sequence[Template], num_islands: int) -> list[in
 def build_plan(cluster: ClusterSpec, templates: Sequence[Template], layer_counts: Sequence[Sequence[int]],
                micro_batches: Sequence[tuple[int, int]], *, micro_batch_size: int, global_batch_size: int,
                recompute: bool, distributed_optimizer: bool,
-               stage_recompute: Sequence[Sequence[bool]] | None = None, precision: str = "bf16") -> Plan:
+               stage_recompute: Sequence[Sequence[bool]] | None = None, precision: str = "bf16",
+               attention: str | None = None) -> Plan:
     """Turn a search point into a Plan.
 
     ``stage_recompute`` (per template, per stage) overrides ``recompute`` stage by stage; ``precision``
@@ -206,4 +207,5 @@ def build_plan(cluster: ClusterSpec, templates: Sequence[Template], layer_counts
                 first += n
             replicas.append(ReplicaPlan(stages=tuple(stages), num_micro_batches=m if copy < high else m - 1))
     return Plan(replicas=tuple(replicas), micro_batch_size=micro_batch_size, global_batch_size=global_batch_size,
-                use_distributed_optimizer=distributed_optimizer and len(replicas) > 1, precision=precision)
+                use_distributed_optimizer=distributed_optimizer and len(replicas) > 1, precision=precision,
+                attention=attention)

@@ -52,7 +52,8 @@ def stage_model_spec(model: ModelSpec, plan: Plan, stage: StagePlan, *, is_first
                           tp=stage.tp, pre_process=is_first, post_process=is_last, vocab_size=vocab_size,
                           recompute=stage.recompute, recompute_num_layers=stage.recompute_num_layers,
                           sequence_parallel=plan.sequence_parallel, params_dtype=params_dtype,
-                          transformer_impl=transformer_impl)
+                          transformer_impl=transformer_impl,
+                          fused_attention=None if plan.attention is None else plan.attention == "fused")
     if stage.tp_grid is not None:
         spec = dataclasses.replace(spec, tp=stage.tp_grid[1], sequence_parallel=False)
     return spec

@@ -29,11 +29,14 @@ def fresh_start_worker(rank, world_size, cases, common_argv):
         trainer = Built(model=args.model, plan=built_plan, train=train, batch_fn=train_fn, cluster=args.cluster,
                         slowdown=1.0)
         initial = trainer.shards() if trainer.strategy.reports_shards else {}
+        attention = sorted({type(m).__name__ for gpt in getattr(trainer.strategy, "gpts", ()) for m in gpt.modules()
+                            if type(m).__name__ in ("DotProductAttention", "SdpaAttention")})
         trainer.close()
         buf = io.StringIO()
         with contextlib.redirect_stdout(buf):
             result = run(args, detect_accelerator(), plan=plan)
-        out[name] = {"initial": initial, "losses": [log.lm_loss for log in result.logs], "log": buf.getvalue()}
+        out[name] = {"initial": initial, "losses": [log.lm_loss for log in result.logs], "log": buf.getvalue(),
+                     "attention": attention}
     return out
 
 
