@@ -12,14 +12,17 @@ averaging, clipping and AdamW). Checked here:
   to 1.5e-4 per tensor (layer norm and qkv biases: small norms). Per tensor it is noisy: a matrix can land
   at 9.5e-7 in one fp32 run and 8e-6 in another, so "within 2x of the reference per tensor" would reject
   correct runs.
-- the criterion of support/param_diff.py (TruthComparison.violations): over all parameters at most 2x the
+- the criterion of support/param_diff.py (TruthComparison.violations): over all parameters at most 4x the
   reference's distance, per tensor at most 20x max(the reference's distance of that tensor, over all).
   Another fp32 run as accurate as the reference (the reference with micro-batches of 1) passes it
   (measured 1.26x over all, per tensor at most 1.56x); it fails when one micro-batch's gradient of the
   last step is dropped (783x over all), when a qkv weight's learning rate is 1% off (86x over all, 1159x on
   the tensor) and when the noisiest bias's learning rate is 1% off (7.05x over all, 65x on the tensor).
   The parity tests' correct runs measured 0.51x..1.15x over all and at most 6.7x per tensor, hence the
-  factors 2 and 20 (between the correct runs and the weakest fault, with room on both sides).
+  factors 2 and 20 (between the correct runs and the weakest fault, with room on both sides). Remeasured
+  2026-11-29 from seeded starts (#34): the reference with micro-batches of 1, 1.00x; faults 2220x, 227x
+  and 15.9x over all (the bias: 16246x on its tensor); correct parity runs up to 2.23x across machines and
+  CPU kernels (#39), hence 4x over all now (support/param_diff.py says how it was measured).
 - the same on the runtime itself (a two-stage pipeline, workers/f64_workers.lr_fault_hetero_worker): correct,
   1.00x over all (passes); a qkv weight's learning rate 1% off, 85.8x; the bias's, 7.11x over all and 64.9x
   on the tensor (both fail).

@@ -7,7 +7,7 @@ replica 1 = [0,2) [2,6) [6,8), replica 2 = [0,8). The resilience store runs in t
 layers 0-4) SIGKILLs itself in iteration 2 after one action: no surviving stage holds layers 0-4,
 so the union of replica 1's [0,2) and [2,6) (running only 2-4 for those micro-batches, handing the
 activation on at layer 2) covers it. Checked against a failure-free run of the same command
-(without the flag): every loss equal (relative 1e-5, fp32; the log prints 7 digits), the covering
+(without the flag): every loss equal within fp32 round-off (5e-5 relative: ``LOSS_RTOL``), the covering
 peers named in the log, every sample of every global batch embedded and scored exactly once.
 """
 
@@ -29,6 +29,13 @@ from megatron_het.resilience.launch import serve_store
 REPO = Path(__file__).resolve().parents[2]
 PRETRAIN = REPO / "pretrain_scripts" / "pretrain_gpt.py"
 ITERS, MBS, GBS = 4, 2, 12
+# The resilient run computes the lost stage's micro-batches in another replica's layout: another fp32
+# summation grouping. Measured 2026-11-29 (worst relative loss difference of the 4 iterations): 4.7e-6
+# on this machine's AVX2 kernels, 7.6e-6 with ATen's scalar kernels (ATEN_CPU_CAPABILITY=default), 4.7e-6
+# with oneDNN at SSE4.1 and MKL_CBWR=COMPATIBLE, 1.2e-5 on another machine (issue #39); ranks run one
+# thread each (resilience/launch.py). 5e-5 is 4x the worst; a micro-batch lost or counted twice moves
+# a loss by about 1/6 of it (and is caught by test_covering_peers_logged_and_every_sample_once).
+LOSS_RTOL = 5e-5
 LOSS = re.compile(r"iteration\s+(\d+)/\s*\d+ .*?\| lm loss: ([0-9.E+-]+)")
 KILLED_RANK, KILLED_ITERATION = 0, 1  # 0-based iteration: the log's iteration 2 is redone
 
@@ -113,8 +120,11 @@ def test_losses_equal_the_failure_free_run(runs):
     # rank 0 logged until it died; then the new rank 0 (original rank 1) logs
     got = {**losses(resilient[0].stdout), **losses(resilient[1].stdout)}
     assert sorted(got) == list(range(1, ITERS + 1)), resilient[1].stdout[-3000:]
+    worst = max(abs(got[it] - ref[it]) / abs(ref[it]) for it in ref)
+    print(f"resilient vs failure-free: worst relative loss difference {worst:.2e} (limit {LOSS_RTOL:.0e}; "
+          f"OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', 'unset')})")
     for it in ref:
-        assert abs(got[it] - ref[it]) <= 1e-5 * abs(ref[it]), (it, got[it], ref[it])
+        assert abs(got[it] - ref[it]) <= LOSS_RTOL * abs(ref[it]), (it, got[it], ref[it])
 
 
 @pytest.mark.multiproc

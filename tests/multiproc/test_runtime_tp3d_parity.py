@@ -17,7 +17,7 @@ Also printed, per tensor: ||p - p_ref||_2 / ||p_ref||_2 (support/param_diff.rela
 tensor; over all parameters as one vector it is asserted <= 1e-5 (measured 4.6e-7..7.0e-7).
 Asserted instead: each run is as close to a float64 truth (the reference's training replayed in float64
 in the reference's process, workers/f64_workers.py; validated in tests/multiproc/test_fp32_floor.py) as the
-fp32 reference is: over all parameters at most 2x the reference's distance, per tensor at most 20x
+fp32 reference is: over all parameters at most 4x the reference's distance, per tensor at most 20x
 max(the reference's distance of that tensor, over all) (support/param_diff.TruthComparison). Measured
 2026-11-25 over all parameters: reference 9.4e-7 (worst tensor 1.05e-4, layer 0 qkv bias); [2,2,1]->TP=2
 with and without recompute and with SP 4.8e-7 (0.51x), TP=2 SP->[2,2,1] 9.5e-7 (1.02x), [1,2,2] beside

@@ -31,10 +31,15 @@ def global_relative_norm(final: dict[str, torch.Tensor], ref: dict[str, torch.Te
 # parameters is at most TRUTH_GLOBAL_FACTOR x the reference's, and every tensor's error at most
 # TRUTH_TENSOR_FACTOR x max(the reference's error of that tensor, the reference's error over all
 # parameters): per tensor one fp32 run can land 7x closer to the truth than another, so the per-tensor
-# limit is loose. Measured 2026-11-25 (tests/multiproc/test_fp32_floor.py and the two parity tests):
-# correct runs 0.51..1.26 x over all parameters, per tensor at most 6.7 x; the weakest injected fault
-# (one bias's learning rate 1% off) 7.05 x over all and 65 x on its tensor.
-TRUTH_GLOBAL_FACTOR = 2.0
+# limit is loose. The spread it must cover, measured 2026-11-29 from fresh seeded starts (issue #39):
+# correct runs of tests/multiproc/test_schedules_parity.py 1.16..1.80 x over all parameters on this
+# machine's AVX2 kernels, 0.94..1.33 x with ATen's scalar kernels (ATEN_CPU_CAPABILITY=default),
+# 1.19..1.52 x with oneDNN at SSE4.1 and MKL_CBWR=COMPATIBLE, and 2.23 x on another machine (the
+# issue's report); per tensor at most 3.55 x. The weakest injected fault (tests/multiproc/
+# test_fp32_floor.py: one norm bias's learning rate 1% off) is 15.9 x over all and 16246 x on its tensor.
+# 4 x is 1.8 x above the worst correct run and 4 x below that fault. Worker processes run one thread
+# each (platform/local_launch.py), so OMP_NUM_THREADS does not move these.
+TRUTH_GLOBAL_FACTOR = 4.0
 TRUTH_TENSOR_FACTOR = 20.0
 
 
