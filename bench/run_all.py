@@ -155,6 +155,16 @@ def memory(d):
             d["component_target_met"] and d["peak_target_met"])
 
 
+@row("[fresh start (#34)](../docs/runtime.md#numbers-and-tests)", "<= 1e-5, initial model identical, weight check agreed")
+def fresh_start(d):
+    rows = d["rows"]
+    worst = max(r["worst_relative_loss_difference"] for r in rows)
+    same = sum(r["initial_equals_seeded_model"] and r["weight_check_agreed"] for r in rows)
+    return (f"{len(rows)} plans (TP2, PP2, DP2, TP2xPP2, TP4, TP2->TP1 beside TP1, sharded) from the seed vs one "
+            f"process: worst relative loss difference **{worst:.1e}**; initial model identical and weight check "
+            f"agreed **{same}/{len(rows)}**", d["targets"]["met"])
+
+
 @row("[Cephalo](../docs/sharding.md)", "sharded where only it fits; speed gain within 25% of calibrated")
 def cephalo(d):
     e, m = d["figures"]["emulated"], d["figures"]["emulated"]["mode_choice"]
