@@ -13,6 +13,7 @@ unfused forward, named in a warning once.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 
 import torch.nn.functional as F
@@ -59,11 +60,10 @@ class SdpaAttention(DotProductAttention):
         causal = attention_mask is None and mask_type == AttnMaskType.causal and sq > 1
         mask = None if attention_mask is None else ~attention_mask  # SDPA: True = attend
         p = self.attention_dropout.p if self.training else 0.0
-        if p > 0 and not self.config.sequence_parallel:  # the TP-consistent RNG stream, as the parent
-            with tensor_parallel.get_cuda_rng_tracker().fork():
-                context = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p, is_causal=causal,
-                                                         scale=self.softmax_scale)
-        else:
+        # dropout draws from the TP-consistent RNG stream, as the parent does
+        rng = (tensor_parallel.get_cuda_rng_tracker().fork() if p > 0 and not self.config.sequence_parallel
+               else contextlib.nullcontext())
+        with rng:
             context = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p, is_causal=causal,
                                                      scale=self.softmax_scale)
         # [b, heads, s, head dim] -> [s, b, heads x head dim]

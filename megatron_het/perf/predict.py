@@ -76,7 +76,7 @@ from megatron_het.perf.memory import (
 )
 from megatron_het.perf.profile import Profile, check_profile_precision
 from megatron_het.plan.layout import chunk_layers
-from megatron_het.plan.types import Plan, ReplicaPlan, StagePlan
+from megatron_het.plan.types import Plan, ReplicaPlan, StagePlan, fused_attention
 from megatron_het.schedule import Action
 from megatron_het.schedule.generators import SPLIT_BACKWARD_SCHEDULES
 from megatron_het.schedule.steady import PipelineTimes, pipeline_times
@@ -435,8 +435,8 @@ def predict(plan: Plan, model: ModelSpec, cluster: ClusterSpec, *, profile: Prof
     sharding share their replicas' pipeline simulations.
     """
     check_global_batch_size(plan.global_batch_size)  # bounds every replica's micro-batch count
-    if flash_attention is None and plan.attention is not None:  # the plan records the kernel it runs
-        flash_attention = plan.attention == "fused"
+    if flash_attention is None:  # the plan records the kernel it runs (None: the device decides)
+        flash_attention = fused_attention(plan.attention)
     if profile is not None:  # measured times price only the precision they were taken in
         check_profile_precision((profile,) if isinstance(profile, Profile) else profile, plan.precision,
                                 {island.device.name for island in cluster.islands})
@@ -734,9 +734,9 @@ def plan_stage_memory(plan: Plan, r: ReplicaPlan, i: int, model: ModelSpec, clus
                        seq_length=seq_length, sequence_parallel=plan.sequence_parallel,
                        recompute=(recompute_mode or "full") if st.recompute else "none",
                        distributed_optimizer=distributed_optimizer, precision=plan.precision,
-                       flash_attention=(flash_attention if flash_attention is not None
-                                        else plan.attention == "fused" if plan.attention is not None
-                                        else not cluster.island(st.island).device.is_host),
+                       flash_attention=next(f for f in (flash_attention, fused_attention(plan.attention),
+                                                        not cluster.island(st.island).device.is_host)
+                                            if f is not None),
                        virtual_stages=v, recompute_num_layers=(st.recompute_num_layers if recompute_num_layers is None
                                                                else recompute_num_layers),
                        chunk_sizes=plan_chunk_sizes(plan, r, i))

@@ -24,7 +24,7 @@ if TYPE_CHECKING:
     from megatron_het.plan.interface import MemoryCheck
 
 __all__ = ["DEFAULT_PRECISION", "PLAN_ATTENTIONS", "PLAN_FORMAT", "PLAN_FORMAT_VERSION", "PLAN_PRECISIONS", "TRAINS_IN",
-           "Plan", "ReplicaPlan", "StagePlan"]
+           "Plan", "ReplicaPlan", "StagePlan", "fused_attention"]
 
 PLAN_FORMAT = "megatron-het-plan"  # value of the "format" key in plan JSON
 PLAN_FORMAT_VERSION = 1  # value of the "version" key this code reads and writes
@@ -35,6 +35,17 @@ _PLAN_KEYS = ("format", "version", "micro_batch_size", "global_batch_size", "sch
 # Attention kernels a plan may record: "fused" (flash / memory-efficient: transformer-engine, or torch's
 # SDPA in the local spec; no s x s scores held) or "unfused" (megatron-core's DotProductAttention).
 PLAN_ATTENTIONS = ("fused", "unfused")
+
+
+def fused_attention(attention: str | None) -> bool | None:
+    """A plan's attention record as the flag the model and the predictor take (None: the device decides)."""
+    return None if attention is None else attention == "fused"
+
+
+def _check_attention(attention: str | None, source: str | None) -> None:
+    if attention is not None and attention not in PLAN_ATTENTIONS:
+        raise PlanError(file=source, field="attention", value=attention, problem="unknown attention kernel",
+                        fix=f"use one of: {', '.join(PLAN_ATTENTIONS)} (or leave it out: fused on GPUs)")
 # Precisions a plan may record (megatron_het.cluster.catalog.PRECISIONS, repeated here so plan/ does
 # not import cluster/ at run time).
 PLAN_PRECISIONS = ("fp32", "tf32", "fp16", "bf16", "fp8")
@@ -85,9 +96,7 @@ class Plan:
     def validate(self, model: ModelSpec, cluster: ClusterSpec | None = None, *,
                  memory_check: MemoryCheck | None = None) -> None:
         """Raise PlanError for the first problem found; the memory check, when given, runs last."""
-        if self.attention is not None and self.attention not in PLAN_ATTENTIONS:
-            raise PlanError(field="attention", value=self.attention, problem="unknown attention kernel",
-                            fix=f"use one of: {', '.join(PLAN_ATTENTIONS)} (or leave it out: fused on GPUs)")
+        _check_attention(self.attention, None)
         check_pipeline(replicas=self.replicas, micro_batch_size=self.micro_batch_size,
                        global_batch_size=self.global_batch_size, schedule=self.schedule,
                        virtual_pipeline_size=self.virtual_pipeline_size, sequence_parallel=self.sequence_parallel,
@@ -159,9 +168,7 @@ class Plan:
         attention = d.get("attention")
         if attention is not None:
             attention = as_str(attention, "attention", source)
-            if attention not in PLAN_ATTENTIONS:
-                raise PlanError(file=source, field="attention", value=attention, problem="unknown attention kernel",
-                                fix=f"use one of: {', '.join(PLAN_ATTENTIONS)} (or leave it out: fused on GPUs)")
+            _check_attention(attention, source)
         predicted = d.get("predicted")
         if predicted is not None and not isinstance(predicted, Mapping):
             raise PlanError(file=source, field="predicted", value=predicted,

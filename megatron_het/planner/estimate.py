@@ -43,6 +43,7 @@ from megatron_het.perf.predict import (
     stage_gradient_chunks,
 )
 from megatron_het.perf.profile import Profile
+from megatron_het.plan.types import fused_attention
 from megatron_het.planner.parallelizer import IntraConfig, LayerSlice, MegatronParallelizer, Parallelizer
 from megatron_het.planner.space import Template, allocate_micro_batches, balanced_split_options
 
@@ -234,7 +235,7 @@ class Estimator:
             args = dict(is_first=first, is_last=last, micro_batch_size=mbs, microbatches_in_flight=in_flight,
                         tp=tp, recompute="full" if recompute else "none", distributed_optimizer=False,
                         precision=self.precision,
-                        **({} if self.attention is None else {"flash_attention": self.attention == "fused"}))
+                        **({} if self.attention is None else {"flash_attention": fused_attention(self.attention)}))
             one = stage_memory(self.model, num_layers=1, **args)
             two = stage_memory(self.model, num_layers=2, **args)
             self._mem[key] = (one.total_bytes - one.optimizer_bytes, two.total_bytes - two.optimizer_bytes

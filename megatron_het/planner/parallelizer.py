@@ -29,6 +29,7 @@ from megatron_het.perf.predict import StageCost, stage_cost
 from megatron_het.perf.profile import Profile
 from megatron_het.plan import Plan, validate_plan
 from megatron_het.plan.checks import tp_grid_divisors
+from megatron_het.plan.types import fused_attention
 from megatron_het.planner.space import tp_options
 from megatron_het.tp.grid import Grid4D
 
@@ -107,7 +108,7 @@ class MegatronParallelizer:
             self._costs[key] = stage_cost(self.model, island, tp=tp, micro_batch_size=mbs, recompute=recompute,
                                           slowdown=self.cluster.slowdown(island.name), profile=self.profile,
                                           precision=self.precision,
-                                          flash_attention=None if self.attention is None else self.attention == "fused")
+                                          flash_attention=fused_attention(self.attention))
         return self._costs[key]
 
     def _memory(self, slice_: LayerSlice, tp: int, rc: bool, flash: bool) -> tuple[int, int, int, int]:
@@ -135,7 +136,7 @@ class MegatronParallelizer:
         if key not in self._slice_lines:
             # fused (flash) attention on GPUs unless the plan records a kernel, as perf.predict prices it
             flash = (not self.cluster.islands[isl].device.is_host if self.attention is None
-                     else self.attention == "fused")
+                     else fused_attention(self.attention))
             self._slice_lines[key] = [(tp, rc, self._cost(isl, tp, slice_.micro_batch_size, rc),
                                        *self._memory(slice_, tp, rc, flash))
                                       for tp in self.tp_sizes(isl)

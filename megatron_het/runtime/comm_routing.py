@@ -111,11 +111,6 @@ class ReductionGroups:
                                                     timeout=self.timeout)
         return self._groups[key]
 
-    @property
-    def rank_sets(self) -> list[tuple[int, ...]]:
-        """Every distinct set a group was created for, in creation order (members or not)."""
-        return list(self._groups)
-
 
 def rank_placement_of(ranks: Sequence[int]) -> RankPlacement:
     """Ranks of one collective library (no cluster file): every group is native."""

@@ -26,6 +26,7 @@ from megatron_het.cluster import ModelSpec
 from megatron_het.model.gpt import StageModelSpec
 from megatron_het.perf.flops import padded_vocab_size
 from megatron_het.plan import Plan, StagePlan, chunk_layers, rank_roles
+from megatron_het.plan.types import fused_attention
 from megatron_het.runtime.grad_sync import Holding
 from megatron_het.runtime.stage_groups import SELF_GROUPS, STAGE_WIDE_GROUPS
 from megatron_het.runtime.tp3d_groups import tp3d_holdings
@@ -53,7 +54,7 @@ def stage_model_spec(model: ModelSpec, plan: Plan, stage: StagePlan, *, is_first
                           recompute=stage.recompute, recompute_num_layers=stage.recompute_num_layers,
                           sequence_parallel=plan.sequence_parallel, params_dtype=params_dtype,
                           transformer_impl=transformer_impl,
-                          fused_attention=None if plan.attention is None else plan.attention == "fused")
+                          fused_attention=fused_attention(plan.attention))
     if stage.tp_grid is not None:
         spec = dataclasses.replace(spec, tp=stage.tp_grid[1], sequence_parallel=False)
     return spec
