@@ -8,7 +8,7 @@ loss difference from the reference, whether the initial parameters (gathered to 
 the seeded full model bit for bit, and whether the weight check agreed. Target: <= 1e-5, identical,
 agreed. Before #34 a fresh TP2 run ended 6.080 against TP1's 5.870.
 
-    python bench/fresh_start.py          # ~4 min on 2 shared cores
+    python bench/fresh_start.py          # ~2.5 min on 2 shared cores
 """
 
 from __future__ import annotations
@@ -43,6 +43,10 @@ TWO = {"tp2": _plan(([_s((0, 1), (0, 6))], 8)), "pp2": _plan(([_s((0,), (0, 2)),
        "dp2 (6 + 2 micro-batches)": _plan(([_s((0,), (0, 6))], 6), ([_s((1,), (0, 6))], 2))}
 FOUR = {"tp2 x pp2": _plan(([_s((0, 1), (0, 3)), _s((2, 3), (3, 6))], 8)),
         "tp4": _plan(([_s(range(4), (0, 6))], 8)),
+        "pp4 uneven (1/2/1/2 layers)": _plan(([_s((0,), (0, 1)), _s((1,), (1, 3)), _s((2,), (3, 4)),
+                                              _s((3,), (4, 6))], 8)),
+        "3D-TP stage [1,2,2]": _plan(([StagePlan(island="cpu", device_type="CPU", ranks=(0, 1, 2, 3), layers=(0, 6),
+                                                 tp_grid=(1, 2, 2))], 8)),
         "tp2->tp1 beside tp1": _plan(([_s((0, 1), (0, 4)), _s((2,), (4, 6))], 5), ([_s((3,), (0, 6))], 3)),
         "sharded (0.4/0.3/0.2/0.1)": ShardedPlan(ranks=tuple(
             RankShare(rank=i, island="cpu", device_type="CPU", micro_batch_size=2, num_micro_batches=(3, 2, 2, 1)[i],

@@ -160,7 +160,7 @@ def fresh_start(d):
     rows = d["rows"]
     worst = max(r["worst_relative_loss_difference"] for r in rows)
     same = sum(r["initial_equals_seeded_model"] and r["weight_check_agreed"] for r in rows)
-    return (f"{len(rows)} plans (TP2, PP2, DP2, TP2xPP2, TP4, TP2->TP1 beside TP1, sharded) from the seed vs one "
+    return (f"{len(rows)} plans (TP2, PP2, DP2, TP2xPP2, TP4, PP4 uneven, 3D-TP, TP2->TP1 beside TP1, sharded) from the seed vs one "
             f"process: worst relative loss difference **{worst:.1e}**; initial model identical and weight check "
             f"agreed **{same}/{len(rows)}**", d["targets"]["met"])
 
