@@ -73,6 +73,7 @@ setup(
         "sentencepiece",
         "psutil",  # megatron-core dist_checkpointing.save
         "packaging",
+        "typing_extensions; python_version < '3.12'",  # typing.override for megatron.training (platform/import_guard.py)
         "protobuf",  # reads a SentencePiece model's settings (tokenizer export to Hugging Face)
     ],
     entry_points={"console_scripts": [

@@ -79,7 +79,7 @@ def _argv(cluster: str, plan_path: str, iters: int) -> list[str]:
             "--num-attention-heads", str(MODEL.num_attention_heads), "--seq-length", str(MODEL.seq_length),
             "--max-position-embeddings", str(MODEL.seq_length), "--vocab-size", str(MODEL.vocab_size),
             "--mock-data", "--micro-batch-size", str(MICRO_BATCH), "--global-batch-size", str(GLOBAL_BATCH),
-            "--train-iters", str(iters), "--lr", "1e-4", "--log-interval", str(iters)]
+            "--train-iters", str(iters), "--lr", "1e-4", "--log-interval", str(iters), "--eval-iters", "0"]
 
 
 def _rank(rank, world_size, argv):

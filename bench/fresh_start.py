@@ -115,6 +115,7 @@ def main() -> int:
     prefix, tokenizer = sample_dataset(ROOT / "examples/data/corpus.jsonl", tmp)
     common = ["--hetero-model", str(ROOT / "examples/models/tiny-cpu.yaml"), "--num-layers", "6",
               "--micro-batch-size", "2", "--global-batch-size", "16", "--train-iters", str(ITERS), "--lr", "1e-3",
+              "--eval-iters", "0",
               "--check-weight-hash-across-dp-replicas-interval", str(ITERS), "--data-path", prefix,
               "--tokenizer-model", tokenizer, "--split", "98,2,0", "--data-cache-path", str(tmp / "cache")]
     args = parse_args(_argv(common, "cpu-4.yaml"))

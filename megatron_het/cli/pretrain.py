@@ -46,8 +46,25 @@ def apply_overlap_flags(plan: Plan, args: PretrainArgs) -> Plan:
 
 def resolve_plan(args: PretrainArgs) -> AnyPlan:
     """A plan file of either kind, validated against the model and cluster, or the planner's best plan
-    over both modes (pipeline search, uneven sharded data parallelism)."""
-    if args.plan_source == "auto":
+    over both modes (pipeline search, uneven sharded data parallelism); without --hetero-plan, the
+    layout Megatron's flags describe (``plan/megatron_layout.py``) or, with none given, the planner's."""
+    if args.plan_source is None and args.layout is not None:
+        from megatron_het.plan.megatron_layout import plan_from_layout_flags
+
+        plan = dataclasses.replace(plan_from_layout_flags(args.model, args.cluster, args.layout,
+                                                          micro_batch_size=args.train.micro_batch_size,
+                                                          global_batch_size=args.train.global_batch_size),
+                                   precision=args.train.precision)
+        lay = args.layout
+        print_rank0(f"plan: Megatron-LM's layout from the flags (no --hetero-plan): TP {lay.tensor_model_parallel_size}"
+                    f" x PP {lay.pipeline_model_parallel_size} x DP {len(plan.replicas)}, stages on islands "
+                    + "; ".join(f"replica {r}: {', '.join(s.island for s in rep.stages)}"
+                                for r, rep in enumerate(plan.replicas[:2]))
+                    + (" ..." if len(plan.replicas) > 2 else ""))
+    elif args.plan_source in (None, "auto"):
+        if args.plan_source is None:
+            print_rank0("plan: no --hetero-plan and no layout flags (--tensor/--pipeline-model-parallel-size): the "
+                        "planner chooses, as --hetero-plan auto")
         from megatron_het.perf import load_profile
         from megatron_het.planner.modes import plan_best
 
@@ -75,7 +92,33 @@ def resolve_plan(args: PretrainArgs) -> AnyPlan:
         if args.use_distributed_optimizer:
             plan = dataclasses.replace(plan, use_distributed_optimizer=True)
     plan.validate(args.model, args.cluster)
+    check_layout_flags(plan, args)
     return plan
+
+
+def check_layout_flags(plan: AnyPlan, args: PretrainArgs) -> None:
+    """Megatron's --tensor/--pipeline-model-parallel-size, when given, must be the plan's layout: a
+    plan may mix TP sizes across stages and stage counts across replicas, and a flag naming one size
+    for all of them would otherwise be dropped silently."""
+    if args.plan_source is None:
+        return  # built from the flags, or the planner's choice with none given
+    if args.plan_source == "auto" and (args.tensor_model_parallel_size or args.pipeline_model_parallel_size):
+        raise ConfigError("--hetero-plan auto chooses the layout", field="--tensor-model-parallel-size / "
+                          "--pipeline-model-parallel-size", value=(args.tensor_model_parallel_size,
+                                                                   args.pipeline_model_parallel_size),
+                          fix="drop the flags, or write a plan with that layout (tools/plan.py) and pass it")
+    if isinstance(plan, ShardedPlan):
+        tps, pps = {1}, {1}
+    else:
+        tps = {s.tp for r in plan.replicas for s in r.stages}
+        pps = {len(r.stages) for r in plan.replicas}
+    for flag, value, found in (("--tensor-model-parallel-size", args.tensor_model_parallel_size, tps),
+                               ("--pipeline-model-parallel-size", args.pipeline_model_parallel_size, pps)):
+        if value is not None and found != {value}:
+            raise ConfigError(f"the plan {args.plan_source} has {'TP' if 'tensor' in flag else 'stage counts'} "
+                              f"{sorted(found)}", field=flag, value=value,
+                              fix=f"drop {flag} (the plan decides), or pass {sorted(found)[0]} if that is the only "
+                                  "one")
 
 
 def batch_fns(args: PretrainArgs, *, resume: tuple[int, int] = (0, 0)):
@@ -157,6 +200,8 @@ def run(args: PretrainArgs, acc, *, plan: AnyPlan | None = None,
     ``plan`` replaces --hetero-plan (tests); ``memory_budget_bytes`` (one per rank, sharded plans)
     emulates device capacity on CPU (``sharding.budget``).
     """
+    for note in args.notes:  # Megatron flags announced as ignored, defaults taken from the plan
+        print_rank0(note)
     if not acc.is_gpu:
         print_rank0(enable_cpu_backend().describe())
     print_rank0(f"accelerator: {acc.kind} ({acc.device_name}, tensors on {acc.device}, island backend "

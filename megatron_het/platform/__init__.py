@@ -1,8 +1,8 @@
 """Platform layer: accelerator detection and the CPU backend for megatron-core.
 
-Importing this package installs the triton import guard (see ``import_guard.py``) so that any
-later ``import megatron.core.models.gpt`` works on machines without triton; everything else is an
-explicit call.
+Importing this package installs the import guards (see ``import_guard.py``) so that any later
+``import megatron.core.models.gpt`` works on machines without triton, and ``megatron.training``
+on Python 3.11; everything else is an explicit call.
 """
 
 from megatron_het.platform.accelerator import (
@@ -19,9 +19,10 @@ from megatron_het.platform.accelerator import (
     island_group_backend,
 )
 from megatron_het.platform.cpu_backend import CpuBackendReport, enable_cpu_backend, keep_checkpoint_flags_on_host
-from megatron_het.platform.import_guard import install_triton_guard
+from megatron_het.platform.import_guard import install_triton_guard, install_typing_override
 
 install_triton_guard()
+install_typing_override()
 
 __all__ = [
     "HOST_BACKEND",
@@ -39,4 +40,5 @@ __all__ = [
     "enable_cpu_backend",
     "keep_checkpoint_flags_on_host",
     "install_triton_guard",
+    "install_typing_override",
 ]

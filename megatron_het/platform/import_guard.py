@@ -10,6 +10,11 @@ Choice: when triton is absent, register a stand-in for exactly that one megatron
 The stand-in exports the same names; calling a kernel raises a clear error, since the MoE paged
 stash is a GPU-only feature. With triton installed the real module is used and this does nothing.
 Drop this file once upstream guards the import.
+
+The same wheel's ``megatron/training/`` (Megatron-LM's argument parser, which pretrain_gpt.py uses)
+does ``from typing import override`` (Python 3.12) in ``training/models/{gpt,hybrid}.py``, so on
+Python 3.11 it does not import. ``install_typing_override`` registers typing_extensions' backport
+of that decorator (the same function: it only sets ``__override__``) when typing lacks it.
 """
 
 from __future__ import annotations
@@ -53,4 +58,16 @@ def install_triton_guard() -> bool:
     stub.paged_stash_pop_kernel = _UnavailableKernel()
     stub.__all__ = ["GLOBAL_BLOCK_SIZE", "paged_stash_copy_kernel", "paged_stash_pop_kernel"]
     sys.modules[PAGED_STASH_OPS] = stub
+    return True
+
+
+def install_typing_override() -> bool:
+    """``typing.override`` from typing_extensions on Python < 3.12. Idempotent; True if installed."""
+    import typing
+
+    if hasattr(typing, "override"):
+        return False
+    from typing_extensions import override
+
+    typing.override = override
     return True

@@ -1,9 +1,12 @@
-"""Command-line arguments of pretrain_gpt.py: Megatron-LM's flag names plus --hetero-*.
+"""Command-line arguments of pretrain_gpt.py: Megatron-LM's own parser plus --hetero-*.
 
-Each flag is declared once in ``FLAGS`` (name, type, help, and the config field it fills); its
-default is that field's default in ``train/config.py``. ``parse_args`` builds the typed objects from it; no argparse Namespace leaves this
-module. Bad values exit with argparse's message naming the flag (code 2); a tokenizer file that
-does not load is a one-line ConfigError naming --tokenizer-model and the file.
+The parser is Megatron-LM's (``runtime/megatron_parser.py``): every Megatron flag with Megatron's
+default. ``FLAGS`` names each flag this runtime reads and the config field it fills (a flag Megatron
+does not have is added here, its default that field's default in ``train/config.py``); every other
+Megatron flag is honoured-by-default, announced or refused by ``runtime/flag_policy.py``.
+``parse_args`` builds the typed objects; no argparse Namespace leaves this module. Bad values exit
+with argparse's message naming the flag (code 2), before any rendezvous; a tokenizer file that does
+not load is a one-line ConfigError naming --tokenizer-model and the file.
 """
 
 from __future__ import annotations
@@ -14,11 +17,15 @@ import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from megatron_het.cluster import ClusterSpec, ConfigError, ModelSpec, load_cluster, load_model
 from megatron_het.errors import UserError
 from megatron_het.runtime.resilience_options import FaultInjection, ResilienceOptions, parse_store
 from megatron_het.train.config import DataConfig, LoopConfig, TensorBoardConfig, TrainConfig
+
+if TYPE_CHECKING:
+    from megatron_het.plan.megatron_layout import LayoutFlags
 
 
 @dataclass(frozen=True)
@@ -40,6 +47,15 @@ FLAGS = (
         "max_position_embeddings")),
     Flag("--vocab-size", "model.vocab_size", int, "unpadded vocabulary (default: the tokenizer's)"),
     Flag("--swiglu", "model.swiglu", bool),
+    Flag("--group-query-attention", "run.group_query_attention", bool),  # --num-query-groups counts only with it
+    # Megatron's layout flags: without --hetero-plan they build the plan (plan/megatron_layout.py); with
+    # one, TP/PP must be its layout and the others are refused (the plan decides them)
+    *(Flag(f"--{f.replace('_', '-')}", f"run.{f}", int) for f in (
+        "tensor_model_parallel_size", "pipeline_model_parallel_size", "num_layers_per_virtual_pipeline_stage",
+        "num_virtual_stages_per_pipeline_rank", "decoder_first_pipeline_num_layers",
+        "decoder_last_pipeline_num_layers", "recompute_num_layers")),
+    Flag("--recompute-granularity", "run.recompute_granularity"),
+    Flag("--recompute-method", "run.recompute_method"),
     Flag("--untie-embeddings-and-output-weights", "model.untie_embeddings_and_output_weights", bool),
     Flag("--micro-batch-size", "train.micro_batch_size", int, required=True),
     Flag("--global-batch-size", "train.global_batch_size", int, required=True),
@@ -90,7 +106,8 @@ FLAGS = (
          "the updated parameters while the next forward runs"),
     Flag("--hetero-cluster", "run.cluster_file", help="CLUSTER.yaml", required=True),
     Flag("--hetero-plan", "run.plan_source", help="a plan file (tools/plan.py writes one) or 'auto' to run the "
-         "planner at start-up", required=True),
+         "planner at start-up; without it: the layout of --tensor/--pipeline-model-parallel-size over the cluster's "
+         "islands when given, else the planner"),
     Flag("--hetero-profile", "run.profile", tuple,
          "measured profiles (PROFILE.json ...) for --hetero-plan auto: one per device type, or one per island"),
     Flag("--no-emulation", "run.no_emulation", bool, "ignore the cluster file's emulation block"),
@@ -116,21 +133,27 @@ CONFIGS = {"train": TrainConfig, "data": DataConfig, "loop": LoopConfig, "tensor
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="pretrain_gpt.py",
-        description="Train a GPT with megatron-core on a heterogeneous cluster (launch with torchrun).")
-    groups: dict = {}  # section -> its argument group
+    """Megatron-LM's parser with the flags of ``FLAGS`` it lacks (the --hetero-* ones) added."""
+    from megatron_het.runtime.megatron_parser import megatron_parser
+
+    p = megatron_parser(prog="pretrain_gpt.py", description="Train a GPT with megatron-core on a heterogeneous "
+                        "cluster (launch with torchrun). Megatron-LM's flags, plus:")
+    # argparse prints the usage before each error; 800 flags would bury the one line that matters
+    p.usage = "%(prog)s --hetero-cluster CLUSTER.yaml --hetero-plan PLAN.json|auto [Megatron-LM flags] (-h: all)"
+    group = p.add_argument_group("megatron-het")
     for flag in FLAGS:
+        if flag.name in p._option_string_actions:  # Megatron's definition and default
+            continue
         section, field = flag.to.split(".")
         fields = {f.name: f.default for f in dataclasses.fields(CONFIGS[section])} if section in CONFIGS else {}
         default = None if fields.get(field, dataclasses.MISSING) is dataclasses.MISSING else fields[field]
         kw: dict = {"dest": flag.to, "help": flag.help or None, "required": flag.required}
-        if flag.type is bool:  # a switch; model switches stay None unless given (the file decides)
+        if flag.type is bool:
             kw.update(action="store_true", default=default)
         else:
             kw.update(default=default, type=str if flag.type is tuple else flag.type, metavar=field.upper(),
                       nargs="+" if flag.type is tuple else None)
-        groups.setdefault(section, p.add_argument_group(section)).add_argument(flag.name, **kw)
+        group.add_argument(flag.name, **kw)
     return p
 
 
@@ -143,7 +166,7 @@ class PretrainArgs:
     data: DataConfig
     loop: LoopConfig
     cluster: ClusterSpec
-    plan_source: str  # a path or "auto"
+    plan_source: str | None  # a path or "auto"; None: no --hetero-plan (``layout``, or the planner)
     profile: tuple[str, ...] | None  # measured profiles for plan_source "auto"
     no_emulation: bool  # run every island at host speed despite the cluster's emulation block
     sequence_parallel: bool  # turn on the plan's sequence parallelism
@@ -153,16 +176,129 @@ class PretrainArgs:
     resilience: ResilienceOptions | None = None  # None: no --hetero-resilience
     device_stand_in: bool = False  # ranks may run islands of another vendor (runtime/device_check.py)
     staggered_step: bool = False  # --hetero-staggered-step
+    # Megatron's --tensor/--pipeline-model-parallel-size when given (None: the plan decides); the plan
+    # must have that layout (cli/pretrain.py checks)
+    tensor_model_parallel_size: int | None = None
+    pipeline_model_parallel_size: int | None = None
+    # Megatron's layout flags without --hetero-plan: the plan they describe is built at start-up
+    layout: LayoutFlags | None = None
+    notes: tuple[str, ...] = ()  # start-up lines: Megatron flags announced as ignored, defaults taken
 
 
-def _sections(ns: argparse.Namespace) -> dict[str, dict[str, object]]:
-    """The parsed values grouped by section (the one mapping of every flag)."""
+def _sections(ns: argparse.Namespace, parser: argparse.ArgumentParser,
+              given: frozenset[str]) -> dict[str, dict[str, object]]:
+    """The parsed values grouped by section (the one mapping of every flag). Model flags not on the
+    command line are None: the model file (--hetero-model) decides them."""
     out: dict[str, dict[str, object]] = {}
     for flag in FLAGS:
         section, field = flag.to.split(".")
-        value = getattr(ns, flag.to)
+        dest = parser._option_string_actions[flag.name].dest
+        value = getattr(ns, dest) if section != "model" or dest in given else None
+        if section == "run" and field in LAYOUT_FIELDS:
+            value = value if dest in given else None  # not given: the plan decides
         out.setdefault(section, {})[field] = tuple(value or ()) if flag.type is tuple else value
     return out
+
+
+LAYOUT_FIELDS = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "num_layers_per_virtual_pipeline_stage",
+                 "num_virtual_stages_per_pipeline_rank", "decoder_first_pipeline_num_layers",
+                 "decoder_last_pipeline_num_layers", "recompute_granularity", "recompute_method",
+                 "recompute_num_layers")
+
+
+def layout_from_args(run: dict[str, object], num_layers: int) -> tuple[LayoutFlags | None, list[str]]:
+    """Megatron's layout flags as a LayoutFlags (None when none is given) and start-up notes;
+    ValueError naming a flag this runtime cannot honour."""
+    from megatron_het.plan.megatron_layout import LayoutFlags
+
+    given = {f: run[f] for f in LAYOUT_FIELDS if run[f] is not None}
+    if not given:
+        return None, []
+    if run["plan_source"] is not None:
+        extra = sorted(set(given) - {"tensor_model_parallel_size", "pipeline_model_parallel_size"})
+        if extra:
+            flag = "--" + extra[0].replace("_", "-")
+            raise ValueError(f"{flag} {given[extra[0]]}: --hetero-plan {run['plan_source']} decides the layout. "
+                             f"Fix: drop {flag}, or drop --hetero-plan to build the layout from Megatron's flags")
+        return None, []
+    notes: list[str] = []
+    tp, pp = given.get("tensor_model_parallel_size", 1), given.get("pipeline_model_parallel_size", 1)
+    vpp = given.get("num_virtual_stages_per_pipeline_rank", 1)
+    per_stage = given.get("num_layers_per_virtual_pipeline_stage")
+    if per_stage is not None:
+        if num_layers % (pp * per_stage):
+            raise ValueError(f"--num-layers-per-virtual-pipeline-stage {per_stage}: {num_layers} layers are not a "
+                             f"multiple of {pp} stages x {per_stage}. Fix: choose a count that divides "
+                             f"{num_layers // pp}")
+        vpp = num_layers // (pp * per_stage)
+    granularity, method = given.get("recompute_granularity"), given.get("recompute_method")
+    if granularity == "selective":
+        raise ValueError("--recompute-granularity selective: not supported by megatron-het (plans recompute whole "
+                         "layers). Fix: use --recompute-granularity full, or drop it")
+    if granularity is None and (method is not None or "recompute_num_layers" in given):
+        raise ValueError("--recompute-method/--recompute-num-layers need --recompute-granularity full (as in "
+                         "Megatron-LM). Fix: add --recompute-granularity full")
+    block = given.get("recompute_num_layers", 1) if method == "block" else 0
+    if granularity == "full" and method != "block" and given.get("recompute_num_layers", 1) != 1:
+        notes.append(f"note: --recompute-method uniform --recompute-num-layers {given['recompute_num_layers']}: "
+                     "recomputed one layer per unit (the same numbers; the memory model prices units of one)")
+    return LayoutFlags(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, virtual_pipeline_size=vpp,
+                       decoder_first_pipeline_num_layers=given.get("decoder_first_pipeline_num_layers"),
+                       decoder_last_pipeline_num_layers=given.get("decoder_last_pipeline_num_layers"),
+                       recompute=granularity == "full", recompute_num_layers=block), notes
+
+
+# Megatron-LM's split when --split is not given (megatron/training/arguments.py, "legacy default")
+MEGATRON_DEFAULT_SPLIT = "969,30,1"
+
+
+def _from_megatron(values: dict[str, dict[str, object]], given: frozenset[str], ns: argparse.Namespace) -> list[str]:
+    """Megatron's None defaults as this runtime's values (in place); returns start-up notes."""
+    notes: list[str] = []
+    loop, data, train, model, run = (values[k] for k in ("loop", "data", "train", "model", "run"))
+    for name in ("eval_interval", "save_interval", "check_weight_hash_interval"):
+        loop[name] = loop[name] or 0  # Megatron: None = never
+    data["split"] = data["split"] or MEGATRON_DEFAULT_SPLIT
+    if data["tokenizer_type"] is None and data["tokenizer_model"]:
+        data["tokenizer_type"] = "SentencePieceTokenizer"
+        notes.append("note: --tokenizer-type not given: --tokenizer-model is read as a SentencePieceTokenizer")
+    data["tokenizer_type"] = data["tokenizer_type"] or "SentencePieceTokenizer"
+    train["loss_scale_window"] = int(train["loss_scale_window"])
+    if "transformer_impl" not in given:  # Megatron's default transformer_engine; here: TE where it imports
+        train["transformer_impl"] = None
+    if run["group_query_attention"]:
+        model["num_query_groups"] = ns.num_query_groups
+    elif model["num_query_groups"] is not None:
+        notes.append(f"note: --num-query-groups {model['num_query_groups']} is ignored without "
+                     "--group-query-attention (as in Megatron-LM): every head has its own keys and values")
+        model["num_query_groups"] = None
+    return notes
+
+
+def _batch_from_plan(train: dict[str, object], plan_source: str | None, layout, cluster: ClusterSpec) -> list[str]:
+    """--micro-batch-size/--global-batch-size not given: the plan file's; with Megatron's layout flags
+    the global batch is Megatron's micro-batch x data-parallel size. Notes, or ValueError."""
+    missing = [n for n in ("micro_batch_size", "global_batch_size") if train[n] is None]
+    if not missing:
+        return []
+    names = " and ".join("--" + n.replace("_", "-") for n in missing)
+    if layout is not None and train["micro_batch_size"] is None:
+        raise ValueError("--micro-batch-size: required (Megatron-LM has no default). Fix: pass --micro-batch-size N")
+    if layout is not None:
+        dp = cluster.num_gpus // (layout.tensor_model_parallel_size * layout.pipeline_model_parallel_size)
+        train["global_batch_size"] = train["micro_batch_size"] * max(dp, 1)
+        return [f"note: --global-batch-size not given: micro-batch x data-parallel size = {train['micro_batch_size']}"
+                f" x {dp} (Megatron-LM's default)"]
+    if plan_source is None or plan_source == "auto":
+        raise ValueError(f"{names}: not given, and the planner needs them to search. Fix: pass {names}")
+    from megatron_het.plan import load_any_plan
+
+    plan = load_any_plan(plan_source)
+    sizes = {"global_batch_size": plan.global_batch_size,
+             "micro_batch_size": getattr(plan, "micro_batch_size", None) or plan.ranks[0].micro_batch_size}
+    for n in missing:
+        train[n] = sizes[n]
+    return [f"note: {names} not given: the plan's ({', '.join(f'{n} {sizes[n]}' for n in missing)})"]
 
 
 def model_from_args(overrides: dict[str, object], model_file: str | None, *, tokenizer_vocab: int | None) -> ModelSpec:
@@ -201,35 +337,54 @@ def tokenizer_vocab(data: DataConfig) -> int | None:
 
 
 def parse_args(argv: list[str] | None = None) -> PretrainArgs:
+    import sys
+
+    from megatron_het.runtime.flag_policy import review_flags
+    from megatron_het.runtime.megatron_parser import given_dests, megatron_dests, option_name
+
+    argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
     ns = parser.parse_args(argv)
-    values = _sections(ns)
-    data, run = values["data"], values["run"]
+    given = given_dests(parser, argv)
+    values = _sections(ns, parser, given)
+    data, run, train = values["data"], values["run"], values["train"]
+    notes = _from_megatron(values, given, ns)
     if not data["mock_data"] and not data["data_path"]:
         parser.error("give --data-path PREFIX (with --tokenizer-model) or --mock-data")
     if data["data_path"] and not data["tokenizer_model"]:
         parser.error("--data-path needs --tokenizer-model (the SentencePiece model used by preprocess_data.py)")
+    for name in ("train_iters", "lr"):
+        if train[name] is None:  # Megatron has no default for these either
+            parser.error(f"--{name.replace('_', '-')}: required (Megatron-LM has no default)")
     data_config = DataConfig(**data)
     vocab = tokenizer_vocab(data_config)  # a bad file is one line naming the flag, not a usage message
     try:
         model = model_from_args(values["model"], run["model_file"], tokenizer_vocab=vocab)
         cluster = load_cluster(run["cluster_file"])
-        train = TrainConfig(**values["train"])
+        layout, layout_notes = layout_from_args(run, model.num_layers)
+        notes += layout_notes + _batch_from_plan(train, run["plan_source"], layout, cluster)
+        honoured = {parser._option_string_actions[f.name].dest for f in FLAGS}
+        defaults = {dest: action.default for dest, action in megatron_dests(parser).items()}
+        notes += review_flags(ns, defaults=defaults, given=given, honoured=honoured, model=model,
+                              spell=lambda dest: option_name(parser, dest))
+        train_config = TrainConfig(**train)
         loop = LoopConfig(**values["loop"])
         check_load_path(loop)
         tensorboard = tensorboard_from_args(values["tensorboard"])
         resilience = resilience_from_args(run)
-        if run["staggered_step"] and train.clip_grad > 0:
+        if run["staggered_step"] and train_config.clip_grad > 0:
             raise ValueError(f"--hetero-staggered-step: each stage steps before the global gradient norm exists, "
-                             f"so it cannot clip (--clip-grad {train.clip_grad}). Fix: add --clip-grad 0")
+                             f"so it cannot clip (--clip-grad {train_config.clip_grad}). Fix: add --clip-grad 0")
     except ValueError as e:  # UserError included: the flag's value is wrong
         parser.error(str(e))
-    return PretrainArgs(model=model, train=train, data=data_config, loop=loop, cluster=cluster,
-                        plan_source=run["plan_source"], profile=tuple(run["profile"]) if run["profile"] else None, no_emulation=bool(run["no_emulation"]),
-                        sequence_parallel=bool(run["sequence_parallel"]), tp_comm_overlap=bool(run["tp_comm_overlap"]),
-                        tensorboard=tensorboard, use_distributed_optimizer=bool(run["use_distributed_optimizer"]),
-                        resilience=resilience, staggered_step=bool(run["staggered_step"]),
-                        device_stand_in=bool(run["device_stand_in"]))
+    return PretrainArgs(model=model, train=train_config, data=data_config, loop=loop, cluster=cluster,
+                        plan_source=run["plan_source"], layout=layout, profile=tuple(run["profile"]) if run["profile"] else None,
+                        no_emulation=bool(run["no_emulation"]), sequence_parallel=bool(run["sequence_parallel"]),
+                        tp_comm_overlap=bool(run["tp_comm_overlap"]), tensorboard=tensorboard,
+                        use_distributed_optimizer=bool(run["use_distributed_optimizer"]), resilience=resilience,
+                        staggered_step=bool(run["staggered_step"]), device_stand_in=bool(run["device_stand_in"]),
+                        tensor_model_parallel_size=run["tensor_model_parallel_size"],
+                        pipeline_model_parallel_size=run["pipeline_model_parallel_size"], notes=tuple(notes))
 
 
 def check_load_path(loop: LoopConfig) -> None:

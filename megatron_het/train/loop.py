@@ -102,16 +102,19 @@ def train_loop(trainer: Trainer, *, loop: LoopConfig, seq_length: int, valid_fn:
                     print_rank0(memory_line(rank, it, memory))
                 memory_reported = True
         if loop.eval_interval and loop.eval_iters and valid_fn is not None and it % loop.eval_interval == 0:
-            loss = sum(trainer.evaluate(valid_fn, i) for i in range(loop.eval_iters)) / loop.eval_iters
-            validation.append((it, loss))
-            if on_validation is not None:
-                on_validation(it, loss)
-            print_rank0(f" validation loss at iteration {it} | lm loss value: {loss:.6E} | "
-                        f"lm loss PPL: {math.exp(min(loss, 700.0)):.3f}")
+            validate(it)
         if loop.check_weight_hash_interval and it % loop.check_weight_hash_interval == 0:
             check_weights(trainer, f"after iteration {it}")
         if loop.save and loop.save_interval and it % loop.save_interval == 0 and it < train.train_iters:
             print_rank0(f"saved checkpoint {trainer.save_checkpoint(loop.save, tokenizer_model=tokenizer_model)}")
+
+    def validate(it: int) -> None:
+        loss = sum(trainer.evaluate(valid_fn, i) for i in range(loop.eval_iters)) / loop.eval_iters
+        validation.append((it, loss))
+        if on_validation is not None:
+            on_validation(it, loss)
+        print_rank0(f" validation loss at iteration {it} | lm loss value: {loss:.6E} | "
+                    f"lm loss PPL: {math.exp(min(loss, 700.0)):.3f}")
 
     if loop.check_weight_hash_interval:
         check_weights(trainer, "at start" if trainer.iteration == 0 else f"after loading iteration {trainer.iteration}")
@@ -119,6 +122,10 @@ def train_loop(trainer: Trainer, *, loop: LoopConfig, seq_length: int, valid_fn:
         print_rank0(f"resuming data at consumed samples {trainer.consumed_samples} (iteration {trainer.iteration}, "
                     f"global batch size {train.global_batch_size})")
     logs = trainer.run(max(0, train.train_iters - trainer.iteration), on_iteration=after_step).iterations
+    # Megatron-LM validates once more at the end of training (--eval-iters > 0 and a validation split);
+    # skipped when the last iteration was just validated (the same numbers)
+    if loop.eval_iters and valid_fn is not None and (not validation or validation[-1][0] != trainer.iteration):
+        validate(trainer.iteration)
     if loop.save:
         print_rank0(f"saved checkpoint {trainer.save_checkpoint(loop.save, tokenizer_model=tokenizer_model)}")
     if logs:

@@ -34,7 +34,7 @@ def _validate(tmp_path, plan: Plan, islands, *extra):
     cluster = write_cluster(tmp_path / "cluster.json", islands)
     args = parse_args(["--hetero-cluster", str(cluster), "--hetero-model", str(MODEL_FILE), "--hetero-plan",
                        str(tmp_path / "plan.json"), "--micro-batch-size", str(plan.micro_batch_size),
-                       "--global-batch-size", str(plan.global_batch_size), "--train-iters", "6", "--mock-data",
+                       "--global-batch-size", str(plan.global_batch_size), "--train-iters", "6", "--mock-data", "--lr", "1e-3",
                        "--no-emulation", *extra])
     plan.validate(args.model, args.cluster)
     return communication_line(plan, args.cluster)

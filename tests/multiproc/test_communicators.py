@@ -29,6 +29,7 @@ PLAN = Plan(replicas=tuple(ReplicaPlan(stages=(StagePlan(island="cpu", device_ty
 ARGV = ["--hetero-model", os.path.join(REPO, "examples/models/tiny-cpu.yaml"), "--num-layers", "2",
         "--hetero-cluster", os.path.join(REPO, "examples/clusters/cpu-2.yaml"), "--hetero-plan", "unused",
         "--micro-batch-size", "1", "--global-batch-size", "2", "--train-iters", "1", "--mock-data",
+        "--lr", "1e-3", "--eval-iters", "0", "--log-interval", "1",
         "--overlap-grad-reduce"]
 SMALL_BUCKETS = 100
 LINE = re.compile(r"communicators per rank: (\d+) \(")

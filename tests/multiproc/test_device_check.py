@@ -29,7 +29,8 @@ def argv(tmp_path):
     cluster.write_text(CLUSTER)
     return ["--hetero-cluster", str(cluster), "--hetero-plan", "unused", "--num-layers", "2", "--hidden-size", "16",
             "--num-attention-heads", "2", "--seq-length", "8", "--max-position-embeddings", "8", "--vocab-size",
-            "64", "--micro-batch-size", "1", "--global-batch-size", "2", "--train-iters", "1", "--mock-data"]
+            "64", "--micro-batch-size", "1", "--global-batch-size", "2", "--train-iters", "1", "--mock-data",
+            "--lr", "1e-3", "--eval-iters", "0", "--log-interval", "1"]
 
 
 @pytest.mark.multiproc

@@ -33,7 +33,7 @@ from workers.fresh_workers import corrupted_holder_worker, fresh_start_worker, r
 ITERS = 8
 COMMON = ["--hetero-model", os.path.join(REPO, "examples/models/tiny-cpu.yaml"), "--num-layers", "6",
           "--micro-batch-size", "2", "--global-batch-size", "16", "--train-iters", str(ITERS),
-          "--lr", "1e-3", "--check-weight-hash-across-dp-replicas-interval", str(ITERS)]
+          "--lr", "1e-3", "--eval-iters", "0", "--log-interval", "1", "--check-weight-hash-across-dp-replicas-interval", str(ITERS)]
 CPU4 = os.path.join(REPO, "examples/clusters/cpu-4.yaml")
 CPU2 = os.path.join(REPO, "examples/clusters/cpu-2.yaml")
 PADDED_VOCAB = 512  # tiny-cpu's 512 is already a multiple of 128 x every TP size below

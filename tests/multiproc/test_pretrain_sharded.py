@@ -34,7 +34,8 @@ ISLANDS = ("fast", "fast", "slow", "slow")
 
 def argv(*extra: str) -> list[str]:
     return ["--hetero-cluster", CLUSTER, "--hetero-model", MODEL, "--hetero-plan", "unused",
-            "--micro-batch-size", "2", "--global-batch-size", "16", "--mock-data", "--no-emulation", *extra]
+            "--micro-batch-size", "2", "--global-batch-size", "16", "--mock-data", "--no-emulation",
+            "--lr", "1e-3", "--log-interval", "1", "--eval-iters", "0", *extra]
 
 
 def sharded(mbs, nmb, fractions, recompute=(False,) * 4) -> ShardedPlan:

@@ -60,7 +60,7 @@ def launch(tmp: Path, extra: list[str], *, timeout_s: float = 240) -> list[subpr
     argv = [sys.executable, str(PRETRAIN), "--hetero-cluster", str(cluster), "--hetero-plan", str(plan),
             "--num-layers", "8", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
             "--max-position-embeddings", "32", "--vocab-size", "200", "--micro-batch-size", str(MBS),
-            "--global-batch-size", str(GBS), "--train-iters", str(ITERS), "--lr", "1e-3", "--log-interval", "1",
+            "--global-batch-size", str(GBS), "--train-iters", str(ITERS), "--lr", "1e-3", "--log-interval", "1", "--eval-iters", "0",
             "--mock-data", "--no-emulation", *extra]
     port = free_port()
     procs = []

@@ -31,7 +31,8 @@ PLAN = """{"format": "megatron-het-plan", "version": 1, "micro_batch_size": 2, "
 
 def _argv(plan: str, tb_dir: str, iters: int = ITERS) -> list[str]:
     return ["--hetero-cluster", CLUSTER, "--hetero-plan", plan, "--hetero-model", MODEL, "--no-emulation",
-            "--micro-batch-size", "2", "--global-batch-size", str(GBS), "--train-iters", str(iters), "--mock-data",
+            "--micro-batch-size", "2", "--global-batch-size", str(GBS), "--train-iters", str(iters), "--mock-data", "--lr", "1e-3",
+            "--log-interval", "1",
             "--eval-interval", "2", "--eval-iters", "1", "--tensorboard-dir", tb_dir,
             "--log-timers-to-tensorboard", "--log-memory-to-tensorboard", "--log-throughput"]
 
@@ -151,7 +152,7 @@ def test_iteration_scalars_follow_the_flags():
 
 
 BASE = ["--hetero-cluster", CLUSTER, "--hetero-plan", "auto", "--hetero-model", MODEL, "--micro-batch-size", "2",
-        "--global-batch-size", "8", "--train-iters", "3", "--mock-data"]
+        "--global-batch-size", "8", "--train-iters", "3", "--mock-data", "--lr", "1e-3"]
 
 
 def test_flags_become_a_config(tmp_path):

@@ -111,7 +111,7 @@ def test_convert_refuses(row, tmp_path, capsys, monkeypatch):
 
 
 BASE = ("--hetero-cluster", CPU_DEMO, "--hetero-plan", DEMO_PLAN, "--hetero-model", TINY,
-        "--micro-batch-size", "2", "--global-batch-size", "16", "--train-iters", "1")
+        "--micro-batch-size", "2", "--global-batch-size", "16", "--train-iters", "1", "--lr", "1e-3")
 
 PRETRAIN_ROWS = [
     Row(id="tokenizer-model-last", argv=(*BASE, "--data-path", "d", "--tokenizer-model"),
@@ -121,7 +121,8 @@ PRETRAIN_ROWS = [
     Row(id="tokenizer-model-garbage", argv=(*BASE, "--data-path", "d", "--tokenizer-model", "sp.model"),
         files={"sp.model": GARBAGE}, names=("sp.model",)),
     Row(id="micro-batch-not-int", argv=(*BASE[:6], "--micro-batch-size", "two", "--global-batch-size", "16",
-                                        "--train-iters", "1", "--mock-data"), names=("--micro-batch-size",)),
+                                        "--train-iters", "1", "--mock-data", "--lr", "1e-3"),
+        names=("--micro-batch-size",)),
     Row(id="cluster-missing", argv=("--hetero-cluster", "c.yaml", *BASE[2:], "--mock-data"), names=("c.yaml",)),
     Row(id="plan-garbage", argv=(*BASE[:2], "--hetero-plan", "p.json", *BASE[4:], "--mock-data"),
         files={"p.json": GARBAGE}, names=("p.json",)),

@@ -102,7 +102,7 @@ def test_planned_plans_of_either_kind_become_a_job_pretrain_gpt_accepts(tmp_path
     mbs = plan.micro_batch_size if kind is Plan else plan.ranks[0].micro_batch_size
     job = tmp_path / "job.sbatch"
     train = ["--hetero-model", TINY, "--micro-batch-size", str(mbs), "--global-batch-size", "16",
-             "--train-iters", "1", "--mock-data"]
+             "--train-iters", "1", "--mock-data", "--lr", "1e-3"]
     assert slurm.main(["--cluster", cluster, "--plan", str(plan_file), "--output", str(job), "--", *train]) == 0
     subprocess.run(["bash", "-n", str(job)], check=True)
     recorded = dry_run(job, tmp_path)

@@ -16,7 +16,8 @@ from support.paths import REPO
 ARGV = ["--hetero-cluster", os.path.join(REPO, "examples/clusters/cpu-demo.yaml"),
         "--hetero-plan", os.path.join(REPO, "examples/plans/cpu-demo-hetero.json"),
         "--hetero-model", os.path.join(REPO, "examples/models/tiny-cpu.yaml"),
-        "--micro-batch-size", "2", "--global-batch-size", "16", "--train-iters", "3", "--mock-data"]
+        "--micro-batch-size", "2", "--global-batch-size", "16", "--train-iters", "3", "--mock-data",
+        "--lr", "1e-3", "--log-interval", "1"]
 
 
 @pytest.fixture

@@ -14,7 +14,7 @@ from support.paths import REPO
 BASE = ["--hetero-cluster", str(REPO / "examples/clusters/cpu-demo.yaml"), "--hetero-plan", "auto",
         "--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "64",
         "--max-position-embeddings", "64", "--vocab-size", "512", "--micro-batch-size", "2",
-        "--global-batch-size", "16", "--train-iters", "3", "--mock-data"]
+        "--global-batch-size", "16", "--train-iters", "3", "--mock-data", "--lr", "1e-3"]
 
 
 def test_off_by_default():

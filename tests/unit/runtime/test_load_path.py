@@ -13,7 +13,7 @@ from support.paths import REPO
 
 BASE = ["--hetero-cluster", os.path.join(REPO, "examples/clusters/cpu-demo.yaml"), "--hetero-plan", "auto",
         "--hetero-model", os.path.join(REPO, "examples/models/tiny-cpu.yaml"), "--micro-batch-size", "2",
-        "--global-batch-size", "16", "--train-iters", "3", "--mock-data"]
+        "--global-batch-size", "16", "--train-iters", "3", "--mock-data", "--lr", "1e-3"]
 
 
 def test_missing_load_path_exits_2_naming_it_and_the_fix(tmp_path, capsys):

@@ -15,7 +15,7 @@ MODEL = ModelSpec(num_layers=2, hidden_size=32, num_attention_heads=4, seq_lengt
 
 
 def test_flag_reaches_the_config():
-    base = ["--micro-batch-size", "1", "--global-batch-size", "1", "--train-iters", "1",
+    base = ["--micro-batch-size", "1", "--global-batch-size", "1", "--train-iters", "1", "--lr", "1e-3",
             "--hetero-cluster", str(EXAMPLES / "clusters" / "cpu-demo.yaml"), "--hetero-plan", "auto",
             "--hetero-model", str(EXAMPLES / "models" / "tiny-cpu.yaml"), "--mock-data"]
     assert parse_args(base).train.transformer_impl is None

@@ -1,0 +1,242 @@
+"""pretrain_gpt.py parses with Megatron-LM's own parser: every Megatron flag is known with Megatron's
+default, and each one is honoured, announced as ignored, or refused by name (#35 item 1)."""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import os
+import subprocess
+import sys
+
+import pytest
+
+from megatron_het.cluster import ConfigError
+from megatron_het.runtime import flag_policy
+from megatron_het.runtime.arguments import FLAGS, build_parser, parse_args
+from megatron_het.runtime.megatron_parser import megatron_dests, megatron_parser, option_name
+
+from support.paths import REPO
+
+CLUSTER = os.path.join(REPO, "examples/clusters/cpu-demo.yaml")
+MODEL = os.path.join(REPO, "examples/models/tiny-cpu.yaml")
+PLAN = os.path.join(REPO, "examples/plans/cpu-demo-hetero.json")
+BASE = ["--hetero-cluster", CLUSTER, "--hetero-plan", PLAN, "--hetero-model", MODEL, "--train-iters", "3",
+        "--lr", "1e-3", "--mock-data"]
+
+
+@pytest.fixture(scope="module")
+def parser() -> argparse.ArgumentParser:
+    return build_parser()
+
+
+@pytest.fixture(scope="module")
+def megatron_only() -> argparse.ArgumentParser:
+    """Megatron-LM's parser alone, as Megatron builds it (the reference for defaults)."""
+    return megatron_parser(prog="megatron", description="")
+
+
+def _non_default(action: argparse.Action):
+    """A value other than the flag's default, as parsing would store it."""
+    default = action.default
+    if isinstance(action, argparse._StoreTrueAction):
+        return True
+    if isinstance(action, argparse._StoreFalseAction):
+        return False
+    if isinstance(action, argparse._StoreConstAction):
+        return action.const
+    if action.choices:
+        return next(c for c in action.choices if c != default)
+    if isinstance(default, bool):
+        return not default
+    if isinstance(default, int):
+        return default + 3
+    if isinstance(default, float):
+        return default + 0.5
+    value = "x" if default != "x" else "y"
+    return [value] if action.nargs in ("+", "*") else value
+
+
+def _review(parser, ns, given=()):
+    honoured = {parser._option_string_actions[f.name].dest for f in FLAGS}
+    defaults = {d: a.default for d, a in megatron_dests(parser).items()}
+    return flag_policy.review_flags(ns, defaults=defaults, given=given, honoured=honoured, model=_model(),
+                                    spell=lambda d: option_name(parser, d))
+
+
+def _model(**kw):
+    from megatron_het.cluster import ModelSpec
+
+    return ModelSpec(num_layers=2, hidden_size=64, num_attention_heads=4, seq_length=64, vocab_size=512, **kw)
+
+
+def test_the_parser_is_megatrons_with_megatrons_defaults(parser, megatron_only):
+    ours, theirs = megatron_dests(parser), megatron_dests(megatron_only)
+    assert len(theirs) > 700 and set(theirs) <= set(ours)
+    different = {d: (ours[d].default, a.default) for d, a in theirs.items() if ours[d].default != a.default}
+    assert different == {}
+
+
+def test_every_megatron_flag_is_honoured_announced_or_refused(parser, megatron_only):
+    """Set each flag, alone, to a value other than its default: the review either reads it (the
+    honoured ones), returns one line naming it, or refuses it by name; none passes unremarked."""
+    honoured = {parser._option_string_actions[f.name].dest for f in FLAGS}
+    base = parser.parse_args(BASE)
+    assert _review(parser, base) == [n for n in _review(parser, base)]  # defaults alone: no refusal
+    quiet = set(_review(parser, base))
+    counts = {"honoured": 0, "announced": 0, "refused": 0}
+    for dest, action in megatron_dests(megatron_only).items():
+        if dest in honoured:
+            counts["honoured"] += 1
+            continue
+        ns = copy.copy(base)
+        setattr(ns, dest, _non_default(action))
+        flag = option_name(parser, dest)
+        try:
+            lines = set(_review(parser, ns, given={dest})) - quiet
+        except ValueError as e:
+            assert f"{flag} " in str(e) and "Fix:" in str(e)
+            counts["refused"] += 1
+            continue
+        assert lines and all(flag in line for line in lines), f"{flag} set to {getattr(ns, dest)!r} passed silently"
+        counts["announced"] += 1
+    assert counts["honoured"] >= 50 and counts["announced"] >= len(flag_policy.IGNORED) - 2
+    assert sum(counts.values()) == len(megatron_dests(megatron_only))
+
+
+def test_policy_tables_name_real_megatron_flags(megatron_only):
+    known = set(megatron_dests(megatron_only))
+    for table in (flag_policy.IGNORED, flag_policy.BUILT, flag_policy.REFUSED_FIX):
+        assert set(table) <= known, set(table) - known
+    assert {f.name for f in FLAGS if not f.name.startswith("--hetero-") and f.name != "--no-emulation"} <= set(
+        megatron_only._option_string_actions), "a Megatron spelling in FLAGS that Megatron does not have"
+
+
+def test_the_runs_defaults_are_megatrons(megatron_only):
+    """What a run does when a flag is not given is what Megatron-LM does (the typed configs, not only
+    the namespace): linear decay, a log line every 100 iterations, 100 validation batches, 969,30,1."""
+    args = parse_args(BASE)
+    sections = {"train": args.train, "loop": args.loop, "data": args.data}
+    checked = 0
+    for flag in FLAGS:
+        section, field = flag.to.split(".")
+        action = megatron_only._option_string_actions.get(flag.name)
+        if (action is None or section not in sections or action.default is None or field == "transformer_impl"
+                or flag.name in BASE):
+            continue
+        assert getattr(sections[section], field) == action.default, flag.name
+        checked += 1
+    assert checked >= 20
+    assert (args.train.lr_decay_style, args.train.log_interval, args.loop.eval_iters) == ("linear", 100, 100)
+    assert args.data.split == "969,30,1" and args.loop.eval_interval == 0  # Megatron: None, no periodic pass
+    assert args.train.micro_batch_size == 2 and args.train.global_batch_size == 16  # from the plan, said so
+    assert any("the plan's" in n for n in args.notes)
+
+
+@pytest.mark.parametrize("extra,names", [
+    (["--num-experts", "8"], ["--num-experts 8", "#37"]),
+    (["--context-parallel-size", "2"], ["--context-parallel-size 2", "#38"]),
+    (["--swiglu", "--normalization", "LayerNorm"], ["--normalization LayerNorm", "RMSNorm"]),
+    (["--hidden-dropout", "0.2"], ["--hidden-dropout 0.2", "without dropout"]),
+    (["--lr-decay-style", "WSD"], ["lr_decay_style", "WSD"]),
+    (["--train-samples", "100"], ["--train-samples 100", "--train-iters"]),
+    (["--yaml-cfg", "x.yaml"], ["--yaml-cfg x.yaml"]),
+])
+def test_refused_flags_exit_2_naming_each(extra, names, capsys):
+    with pytest.raises(SystemExit) as exc:
+        parse_args(BASE + extra)
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert all(n in err for n in names), err
+    assert err.count("\n") < 12, "the usage line must stay short"
+
+
+def test_several_refusals_are_listed_together(capsys):
+    with pytest.raises(SystemExit):
+        parse_args(BASE + ["--num-experts", "8", "--fp8-format", "hybrid"])
+    err = capsys.readouterr().err
+    assert "--num-experts 8" in err and "--fp8-format hybrid" in err
+
+
+def test_announced_flags_and_defaults_are_said_once():
+    notes = parse_args(BASE + ["--use-flash-attn", "--no-masked-softmax-fusion", "--swiglu"]).notes
+    joined = "\n".join(notes)
+    assert "--use-flash-attn True is ignored" in joined and "--no-masked-softmax-fusion False is ignored" in joined
+    # --swiglu builds RMSNorm/RoPE/no biases: Megatron's defaults for those are not silently replaced
+    for flag in ("--normalization", "--position-embedding-type", "--disable-bias-linear", "--hidden-dropout"):
+        assert sum(flag in n for n in notes) == 1, flag
+    stated = parse_args(BASE + ["--swiglu", "--normalization", "RMSNorm", "--position-embedding-type", "rope",
+                                "--disable-bias-linear", "--hidden-dropout", "0", "--attention-dropout", "0"]).notes
+    assert not any(f in n for n in stated for f in ("--normalization", "--position-embedding-type", "dropout"))
+
+
+def test_query_groups_count_only_with_group_query_attention():
+    plain = parse_args(BASE + ["--num-query-groups", "2"])
+    assert plain.model.num_query_groups == plain.model.num_attention_heads
+    assert any("--num-query-groups 2 is ignored without --group-query-attention" in n for n in plain.notes)
+    assert parse_args(BASE + ["--group-query-attention", "--num-query-groups", "2"]).model.num_query_groups == 2
+
+
+def test_layout_flags_must_be_the_plans():
+    from megatron_het.cli.pretrain import resolve_plan
+
+    # the demo plan: one replica of two TP2 stages
+    assert resolve_plan(parse_args(BASE + ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size",
+                                           "2"])) is not None
+    with pytest.raises(ConfigError, match=r"--tensor-model-parallel-size: .*\[2\].*got 1.*Fix"):
+        resolve_plan(parse_args(BASE + ["--tensor-model-parallel-size", "1"]))
+    with pytest.raises(ConfigError, match="--pipeline-model-parallel-size"):
+        resolve_plan(parse_args(BASE + ["--pipeline-model-parallel-size", "4"]))
+
+
+def test_missing_lr_is_megatrons_requirement(capsys):
+    with pytest.raises(SystemExit):
+        parse_args([a for a in BASE if a not in ("--lr", "1e-3")])
+    assert "--lr: required" in capsys.readouterr().err
+
+
+def test_refusal_comes_before_any_rendezvous():
+    """Plain python, no torchrun variables: the refusal, not the how-to-launch line, and no traceback."""
+    proc = subprocess.run([sys.executable, os.path.join(REPO, "pretrain_scripts/pretrain_gpt.py"), *BASE,
+                           "--num-experts", "4"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "--num-experts 4" in proc.stderr and "Traceback" not in proc.stderr
+    assert "torchrun" not in proc.stderr
+
+
+NO_PLAN = [a for a in BASE if a not in ("--hetero-plan", PLAN)]
+
+
+def test_without_a_plan_file_megatrons_layout_flags_build_the_plan(capsys):
+    from megatron_het.cli.pretrain import resolve_plan
+
+    args = parse_args(NO_PLAN + ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
+                                 "--decoder-first-pipeline-num-layers", "3", "--micro-batch-size", "2"])
+    assert args.train.global_batch_size == 2  # Megatron: micro-batch x DP (1)
+    plan = resolve_plan(args)
+    assert [(s.island, s.ranks, s.layers) for s in plan.replicas[0].stages] == [
+        ("fast", (0, 1), (0, 3)), ("slow", (2, 3), (3, 4))]
+    assert plan.precision == "fp32"  # no --bf16: Megatron trains in fp32
+    assert "Megatron-LM's layout from the flags (no --hetero-plan): TP 2 x PP 2 x DP 1" in capsys.readouterr().out
+
+
+def test_without_a_plan_file_or_layout_flags_the_planner_chooses(capsys):
+    from megatron_het.cli.pretrain import resolve_plan
+
+    plan = resolve_plan(parse_args(NO_PLAN + ["--micro-batch-size", "2", "--global-batch-size", "16"]))
+    assert plan.world_size == 4 and "the planner chooses" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("extra,message", [
+    (["--recompute-granularity", "full"], "--recompute-granularity full: --hetero-plan"),
+    (["--num-layers-per-virtual-pipeline-stage", "1"], "--num-layers-per-virtual-pipeline-stage 1: --hetero-plan"),
+])
+def test_layout_flags_beside_a_plan_file_are_refused(extra, message, capsys):
+    with pytest.raises(SystemExit):
+        parse_args(BASE + extra)
+    assert message in capsys.readouterr().err
+
+
+def test_selective_recompute_is_refused_by_name(capsys):
+    with pytest.raises(SystemExit):
+        parse_args(NO_PLAN + ["--micro-batch-size", "2", "--recompute-granularity", "selective"])
+    assert "--recompute-granularity selective: not supported" in capsys.readouterr().err
