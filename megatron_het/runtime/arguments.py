@@ -62,7 +62,12 @@ FLAGS = (
     Flag("--train-iters", "train.train_iters", int, required=True),
     *(Flag(f"--{f.replace('_', '-')}", f"train.{f}", float) for f in (
         "lr", "min_lr", "weight_decay", "adam_beta1", "adam_beta2", "adam_eps", "clip_grad")),
-    Flag("--lr-decay-style", "train.lr_decay_style", help="constant, linear or cosine"),
+    Flag("--lr-decay-style", "train.lr_decay_style"),
+    *(Flag(f"--{f.replace('_', '-')}", f"train.{f}", int) for f in (
+        "lr_decay_iters", "lr_wsd_decay_iters", "train_samples", "lr_decay_samples", "lr_warmup_samples",
+        "lr_wsd_decay_samples")),
+    *(Flag(f"--{f.replace('_', '-')}", f"train.{f}", float) for f in ("lr_warmup_fraction", "lr_warmup_init")),
+    Flag("--lr-wsd-decay-style", "train.lr_wsd_decay_style"),
     *(Flag(f"--{f.replace('_', '-')}", f"train.{f}", int) for f in ("lr_warmup_iters", "seed", "log_interval")),
     Flag("--bf16", "train.bf16", bool, "bf16 parameters and activations, fp32 main parameters and gradients"),
     Flag("--fp16", "train.fp16", bool, "fp16 parameters and activations with loss scaling, fp32 main parameters"),
@@ -353,9 +358,10 @@ def parse_args(argv: list[str] | None = None) -> PretrainArgs:
         parser.error("give --data-path PREFIX (with --tokenizer-model) or --mock-data")
     if data["data_path"] and not data["tokenizer_model"]:
         parser.error("--data-path needs --tokenizer-model (the SentencePiece model used by preprocess_data.py)")
-    for name in ("train_iters", "lr"):
-        if train[name] is None:  # Megatron has no default for these either
-            parser.error(f"--{name.replace('_', '-')}: required (Megatron-LM has no default)")
+    if train["lr"] is None:  # Megatron has no default either
+        parser.error("--lr: required (Megatron-LM has no default)")
+    if (train["train_iters"] is None) == (train["train_samples"] is None):
+        parser.error("give one of --train-iters and --train-samples (as Megatron-LM)")
     data_config = DataConfig(**data)
     vocab = tokenizer_vocab(data_config)  # a bad file is one line naming the flag, not a usage message
     try:
@@ -363,6 +369,11 @@ def parse_args(argv: list[str] | None = None) -> PretrainArgs:
         cluster = load_cluster(run["cluster_file"])
         layout, layout_notes = layout_from_args(run, model.num_layers)
         notes += layout_notes + _batch_from_plan(train, run["plan_source"], layout, cluster)
+        if train["train_iters"] is None:  # Megatron's update_train_iters without batch ramp-up
+            train["train_iters"] = train["train_samples"] // train["global_batch_size"]
+            if train["train_iters"] < 1:
+                raise ValueError(f"--train-samples {train['train_samples']}: fewer than one global batch of "
+                                 f"{train['global_batch_size']}. Fix: raise --train-samples")
         honoured = {parser._option_string_actions[f.name].dest for f in FLAGS}
         defaults = {dest: action.default for dest, action in megatron_dests(parser).items()}
         notes += review_flags(ns, defaults=defaults, given=given, honoured=honoured, model=model,

@@ -78,9 +78,6 @@ WHY_BUILT = ("this runtime builds the model from --swiglu alone (SwiGLU: RMSNorm
 REFUSED_FIX: dict[str, str] = {
     "num_experts": "mixture-of-experts lands with #37; use a dense model for now",
     "context_parallel_size": "context parallelism lands with #38; drop it or shorten --seq-length",
-    "train_samples": "use --train-iters (global batch size x iterations = samples)",
-    "lr_decay_iters": "decay spans --train-iters here; drop it",
-    "lr_warmup_fraction": "use --lr-warmup-iters",
 }
 
 

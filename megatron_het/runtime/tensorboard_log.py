@@ -26,6 +26,7 @@ import torch.distributed as dist
 
 from megatron_het.errors import UserError
 from megatron_het.train.config import TensorBoardConfig
+from megatron_het.train.lr_schedule import lr_at
 from megatron_het.train.strategy import IterationLog
 from megatron_het.train.trainer import Trainer, TrainerHooks
 
@@ -177,7 +178,7 @@ class TensorBoardHooks(TrainerHooks):
                                         accelerator=getattr(trainer.strategy, "accelerator", None))
         if self.writer is None:
             return
-        scalars = iteration_scalars(log, lr=trainer.train.lr_at(log.iteration - 1),
+        scalars = iteration_scalars(log, lr=lr_at(trainer.train, log.iteration - 1),
                                     global_batch_size=self.global_batch_size, seq_length=self.seq_length,
                                     config=self.config)
         if stages is not None:

@@ -9,6 +9,9 @@ from __future__ import annotations
 import datetime
 from dataclasses import dataclass
 
+LR_DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root", "WSD")  # Megatron-LM's choices
+WSD_DECAY_STYLES = ("exponential", "linear", "cosine", "minus_sqrt")
+
 
 @dataclass(frozen=True, kw_only=True)
 class TrainConfig:
@@ -19,8 +22,20 @@ class TrainConfig:
     train_iters: int  # optimizer steps
     lr: float = 1e-3  # peak learning rate
     min_lr: float = 0.0  # floor of the decay
-    lr_decay_style: str = "constant"  # "constant" | "linear" | "cosine"
-    lr_warmup_iters: int = 0  # linear warm-up steps from 0 to lr
+    lr_decay_style: str = "constant"  # LR_DECAY_STYLES (megatron-core's OptimizerParamScheduler)
+    lr_warmup_iters: int = 0  # linear warm-up iterations from lr_warmup_init to lr
+    # The rest of Megatron-LM's schedule (train/lr_schedule.py runs megatron-core's scheduler on them):
+    lr_decay_iters: int | None = None  # iterations the decay spans; None: train_iters
+    lr_warmup_fraction: float | None = None  # warm-up as a fraction of the decay span (replaces the iterations)
+    lr_warmup_init: float = 0.0  # the learning rate warm-up starts from
+    lr_wsd_decay_iters: int | None = None  # WSD: iterations of the final anneal (required with WSD)
+    lr_wsd_decay_style: str = "exponential"  # WSD anneal: exponential | linear | cosine | minus_sqrt
+    # Sample-based training (--train-samples): the schedule counts samples; train_iters is then
+    # train_samples // global_batch_size, as Megatron-LM's update_train_iters without ramp-up
+    train_samples: int | None = None
+    lr_decay_samples: int | None = None  # None: train_samples
+    lr_warmup_samples: int = 0
+    lr_wsd_decay_samples: int | None = None
     weight_decay: float = 0.01  # decoupled (AdamW) weight decay
     adam_beta1: float = 0.9
     adam_beta2: float = 0.999
@@ -69,8 +84,9 @@ class TrainConfig:
         if self.global_batch_size % self.micro_batch_size:
             raise ValueError(f"global_batch_size {self.global_batch_size} is not a multiple of "
                              f"micro_batch_size {self.micro_batch_size}; choose sizes that divide")
-        if self.lr_decay_style not in ("constant", "linear", "cosine"):
-            raise ValueError(f"lr_decay_style must be constant, linear or cosine, got {self.lr_decay_style!r}")
+        if self.lr_decay_style not in LR_DECAY_STYLES:
+            raise ValueError(f"lr_decay_style must be one of {', '.join(LR_DECAY_STYLES)}, got {self.lr_decay_style!r}")
+        self._check_schedule()
         if self.tp_comm_overlap_chunks < 1:
             raise ValueError(f"tp_comm_overlap_chunks must be >= 1, got {self.tp_comm_overlap_chunks} (limit 1). "
                              f"Fix: use 1 for Megatron's unchunked path or e.g. 4")
@@ -107,19 +123,38 @@ class TrainConfig:
         """The one timeout every process group of the run is created with."""
         return datetime.timedelta(minutes=self.distributed_timeout_minutes)
 
-    def lr_at(self, iteration: int) -> float:
-        """Learning rate for 0-based ``iteration`` (warm-up, then the decay style down to min_lr)."""
-        import math
+    def _check_schedule(self) -> None:
+        """Megatron's scheduler asserts these; say which flag and both numbers instead."""
+        if not 0 <= self.min_lr <= self.lr or not 0 <= self.lr_warmup_init <= self.lr:
+            raise ValueError(f"--min-lr {self.min_lr} and --lr-warmup-init {self.lr_warmup_init} must lie in [0, --lr "
+                             f"{self.lr}]. Fix: lower them or raise --lr")
+        if self.lr_wsd_decay_style not in WSD_DECAY_STYLES:
+            raise ValueError(f"lr_wsd_decay_style must be one of {', '.join(WSD_DECAY_STYLES)}, got "
+                             f"{self.lr_wsd_decay_style!r}")
+        steps = self.schedule_steps()
+        if self.lr_decay_style == "WSD" and steps["wsd_decay_steps"] is None:
+            raise ValueError("--lr-decay-style WSD needs the anneal length. Fix: add --lr-wsd-decay-iters N "
+                             "(or --lr-wsd-decay-samples with --train-samples)")
+        if not 0 <= steps["lr_warmup_steps"] < steps["lr_decay_steps"]:
+            raise ValueError(f"the warm-up ({steps['lr_warmup_steps']:g} samples) must be shorter than the decay "
+                             f"({steps['lr_decay_steps']:g} samples). Fix: shorten --lr-warmup-iters/-fraction or "
+                             f"lengthen --lr-decay-iters")
 
-        if self.lr_warmup_iters and iteration < self.lr_warmup_iters:
-            return self.lr * (iteration + 1) / self.lr_warmup_iters
-        span = max(1, self.train_iters - self.lr_warmup_iters)
-        frac = min(1.0, (iteration - self.lr_warmup_iters) / span)
-        if self.lr_decay_style == "constant":
-            return self.lr
-        if self.lr_decay_style == "linear":
-            return self.min_lr + (self.lr - self.min_lr) * (1.0 - frac)
-        return self.min_lr + (self.lr - self.min_lr) * 0.5 * (1.0 + math.cos(math.pi * frac))
+    def schedule_steps(self) -> dict[str, float | int | None]:
+        """Megatron-LM's step counts (samples) of the learning-rate schedule, as its
+        ``get_optimizer_param_scheduler`` computes them: decay, warm-up, WSD anneal."""
+        gbs = self.global_batch_size
+        if self.train_samples is None:  # iteration-based training
+            decay = (self.lr_decay_iters if self.lr_decay_iters is not None else self.train_iters) * gbs
+            wsd = self.lr_wsd_decay_iters * gbs if self.lr_wsd_decay_iters is not None else None
+            warmup = self.lr_warmup_iters * gbs
+        else:  # sample-based training
+            decay = self.lr_decay_samples if self.lr_decay_samples is not None else self.train_samples
+            wsd = self.lr_wsd_decay_samples
+            warmup = self.lr_warmup_samples
+        if self.lr_warmup_fraction is not None:
+            warmup = self.lr_warmup_fraction * decay
+        return {"lr_decay_steps": decay, "lr_warmup_steps": warmup, "wsd_decay_steps": wsd}
 
 
 @dataclass(frozen=True, kw_only=True)

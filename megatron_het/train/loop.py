@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch.distributed as dist
 
 from megatron_het.train.config import LoopConfig
+from megatron_het.train.lr_schedule import lr_at
 from megatron_het.train.strategy import BatchFn, IterationLog
 from megatron_het.train.trainer import Trainer
 
@@ -89,7 +90,7 @@ def train_loop(trainer: Trainer, *, loop: LoopConfig, seq_length: int, valid_fn:
             window_start = time.perf_counter()
             print_rank0(iteration_line(iteration=it, train_iters=train.train_iters,
                                        global_batch_size=train.global_batch_size, elapsed_s=elapsed,
-                                       lr=train.lr_at(it - 1), loss=entry.lm_loss, grad_norm=entry.grad_norm,
+                                       lr=lr_at(train, it - 1), loss=entry.lm_loss, grad_norm=entry.grad_norm,
                                        tokens_per_s=train.global_batch_size * seq_length / elapsed,
                                        loss_scale=entry.loss_scale,
                                        skipped=skipped if entry.loss_scale is not None else None,

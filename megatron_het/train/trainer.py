@@ -14,6 +14,7 @@ from collections.abc import Callable, Mapping
 
 from megatron_het.train.config import TrainConfig
 from megatron_het.train.data_position import check_resumed_data, consumed_samples
+from megatron_het.train.lr_schedule import lr_at
 from megatron_het.train.readout import Readout, read_all
 from megatron_het.train.strategy import BatchFn, IterationLog, RunResult, Strategy
 from megatron_het.train.timer import EmulationTimer
@@ -101,7 +102,7 @@ class Trainer:
     def _step(self, it: int) -> IterationLog:
         start = time.perf_counter()
         self.timer.reset()
-        result = self.strategy.step(it, lr=self.train.lr_at(it), timer=self.timer,
+        result = self.strategy.step(it, lr=lr_at(self.train, it), timer=self.timer,
                                     on_action=lambda index, action: self.hooks.on_action(self, it, index, action))
         elapsed = time.perf_counter() - start
         self.iteration = it + 1

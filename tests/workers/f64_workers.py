@@ -23,6 +23,7 @@ import torch
 
 from megatron_het.cluster import ModelSpec
 from megatron_het.train.config import TrainConfig
+from megatron_het.train.lr_schedule import lr_at
 
 from workers.megatron_workers import batch_fn, megatron_block_worker
 
@@ -117,7 +118,7 @@ def float64_truth(*, model: ModelSpec, train: TrainConfig, init_full_state: Mapp
         if train.clip_grad > 0 and coeff < 1.0:
             for g in grads:
                 g.mul_(coeff)
-        lr = train.lr_at(it)
+        lr = lr_at(train, it)
         for g in opt.param_groups:
             g["lr"] = lr * g["lr_mult"]
             g["weight_decay"] = train.weight_decay * g["wd_mult"]

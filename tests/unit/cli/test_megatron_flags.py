@@ -138,8 +138,9 @@ def test_the_runs_defaults_are_megatrons(megatron_only):
     (["--context-parallel-size", "2"], ["--context-parallel-size 2", "#38"]),
     (["--swiglu", "--normalization", "LayerNorm"], ["--normalization LayerNorm", "RMSNorm"]),
     (["--hidden-dropout", "0.2"], ["--hidden-dropout 0.2", "without dropout"]),
-    (["--lr-decay-style", "WSD"], ["lr_decay_style", "WSD"]),
-    (["--train-samples", "100"], ["--train-samples 100", "--train-iters"]),
+    (["--lr-decay-style", "WSD"], ["--lr-decay-style WSD needs", "--lr-wsd-decay-iters"]),
+    (["--rampup-batch-size", "16", "16", "100"], ["--rampup-batch-size [16, 16, 100]"]),
+    (["--decoupled-lr", "1e-4"], ["--decoupled-lr 0.0001"]),
     (["--yaml-cfg", "x.yaml"], ["--yaml-cfg x.yaml"]),
 ])
 def test_refused_flags_exit_2_naming_each(extra, names, capsys):
