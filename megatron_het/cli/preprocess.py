@@ -18,7 +18,7 @@ from pathlib import Path
 
 from megatron_het.cli.output import undo_created_dirs
 from megatron_het.data.preprocess import PreprocessConfig, preprocess
-from megatron_het.data.tokenizer import SENTENCEPIECE_TYPES
+from megatron_het.data.tokenizer import GPT_TOKENIZER_TYPES
 from megatron_het.errors import UserError
 from megatron_het.utils.progress import Progress, add_progress_argument
 
@@ -28,8 +28,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--input", required=True, help="JSONL file, one JSON object per line")
     parser.add_argument("--json-keys", nargs="+", default=["text"], help="keys to extract from each line")
     parser.add_argument("--output-prefix", required=True, help="prefix of the output .bin/.idx files")
-    parser.add_argument("--tokenizer-type", default="SentencePieceTokenizer", help=f"one of {SENTENCEPIECE_TYPES}")
-    parser.add_argument("--tokenizer-model", required=True, help="SentencePiece .model file")
+    parser.add_argument("--tokenizer-type", default="SentencePieceTokenizer", choices=GPT_TOKENIZER_TYPES)
+    parser.add_argument("--tokenizer-model", help="SentencePiece .model file, or a HuggingFace tokenizer directory")
+    parser.add_argument("--vocab-file", help="GPT2BPETokenizer: vocab.json")
+    parser.add_argument("--merge-file", help="GPT2BPETokenizer: merges.txt")
     parser.add_argument("--append-eod", action="store_true", help="end each document with the eod token")
     parser.add_argument("--workers", type=int, default=1, help="tokenizing processes")
     add_progress_argument(parser)
@@ -37,7 +39,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         config = PreprocessConfig(input=Path(args.input), json_keys=tuple(args.json_keys),
                                   output_prefix=args.output_prefix, tokenizer_type=args.tokenizer_type,
-                                  tokenizer_model=Path(args.tokenizer_model), append_eod=args.append_eod,
+                                  tokenizer_model=args.tokenizer_model and Path(args.tokenizer_model),
+                                  vocab_file=args.vocab_file and Path(args.vocab_file),
+                                  merge_file=args.merge_file and Path(args.merge_file), append_eod=args.append_eod,
                                   workers=args.workers)
         bar = Progress("preprocess", unit="documents", quiet=args.no_progress)
         try:

@@ -15,11 +15,11 @@ import dataclasses
 import datetime
 import logging
 import sys
-from functools import partial
 
 import torch.distributed as dist
 
 from megatron_het.cluster import ConfigError
+from megatron_het.data.tokenizer import SENTENCEPIECE_TYPES
 from megatron_het.errors import UserError
 from megatron_het.plan import AnyPlan, Plan, ShardedPlan, load_any_plan
 from megatron_het.platform import detect_accelerator, detect_optional_accelerators, enable_cpu_backend
@@ -126,29 +126,26 @@ def batch_fns(args: PretrainArgs, *, resume: tuple[int, int] = (0, 0)):
     (iteration, consumed samples) a resumed run continues from, which sizes the train split so that a
     changed global batch size still has its samples (``GptDataConfig.resume_consumed_samples``)."""
     model = args.model
-    if args.data.mock_data:
-        fn = partial(_mock_batch, model.seq_length, model.vocab_size, args.train.seed)
-        return fn, partial(_mock_batch, model.seq_length, model.vocab_size, args.train.seed + 1)
-    from megatron_het.data import GptDataConfig, build_gpt_datasets, gpt_batch_fn, load_tokenizer
+    from megatron_het.data import GptDataConfig, build_gpt_datasets, gpt_batch_fn
+    from megatron_het.data.tokenizer import TokenizerSpec, build_gpt_tokenizer
+    from megatron_het.runtime.arguments import tokenizer_spec
 
     data = args.data
-    tokenizer = load_tokenizer(data.tokenizer_model, tokenizer_type=data.tokenizer_type)
+    if data.mock_data and not data.tokenizer_model and data.tokenizer_type in SENTENCEPIECE_TYPES:
+        # Megatron's mock data with no tokenizer given: NullTokenizer over the model's vocabulary
+        spec = TokenizerSpec(tokenizer_type="NullTokenizer", vocab_size=model.vocab_size)
+    else:
+        spec = tokenizer_spec(data)
+    tokenizer = build_gpt_tokenizer(spec)
     cfg = GptDataConfig(data_path=tuple(data.data_path), split=data.split, seq_length=model.seq_length,
                         seed=args.train.seed, global_batch_size=args.train.global_batch_size,
                         train_iters=args.train.train_iters, eval_iters=args.loop.eval_iters,
                         eval_interval=args.loop.eval_interval or args.train.train_iters,
                         data_cache_path=data.data_cache_path, resume_iteration=resume[0],
-                        resume_consumed_samples=resume[1])
+                        resume_consumed_samples=resume[1], mock=data.mock_data)
     datasets = build_gpt_datasets(cfg, tokenizer)
     valid = gpt_batch_fn(datasets.valid) if datasets.valid is not None else None
     return gpt_batch_fn(datasets.train), valid
-
-
-def _mock_batch(seq_length, vocab_size, seed, iteration, indices):
-    from megatron_het.data.synthetic import synthetic_batch
-
-    return synthetic_batch(seed=seed, iteration=iteration, indices=indices, seq_length=seq_length,
-                           vocab_size=vocab_size)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -293,7 +290,8 @@ def run(args: PretrainArgs, acc, *, plan: AnyPlan | None = None,
             print_rank0(f"loaded checkpoint {load_path} (iteration {start}, written under another plan is fine)")
         result = train_loop(trainer, loop=args.loop, seq_length=args.model.seq_length, valid_fn=valid_fn,
                             on_validation=tensorboard.log_validation if tensorboard is not None else None,
-                            tokenizer_model=None if args.data.mock_data else args.data.tokenizer_model)
+                            tokenizer_model=None if args.data.mock_data or args.data.tokenizer_type not in
+                            SENTENCEPIECE_TYPES else args.data.tokenizer_model)  # conversions read SentencePiece
         if not sharded and trainer.iteration > 0:
             from megatron_het.runtime.memory_report import gathered_report_lines
 

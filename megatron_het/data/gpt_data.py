@@ -42,6 +42,9 @@ class GptDataConfig:
     # train samples up to resume_consumed_samples + (train_iters - resume_iteration) * global_batch_size
     resume_iteration: int = 0
     resume_consumed_samples: int = 0
+    # Megatron-LM's --mock-data: megatron-core's MockGPTDataset (documents 1, 2, 3, ... eod of random
+    # lengths: learnable) instead of data_path, which is then empty
+    mock: bool = False
 
     def __post_init__(self) -> None:
         for name in ("seq_length", "global_batch_size", "train_iters", "eval_interval"):
@@ -53,7 +56,7 @@ class GptDataConfig:
         if isinstance(self.data_path, str):
             raise DataInputError(f"data_path: got the string {self.data_path!r}, expected a tuple of strings. "
                              f"Fix: pass data_path=({self.data_path!r},).")
-        if not self.data_path:
+        if not self.data_path and not self.mock:
             raise DataInputError("data_path: got nothing. Fix: pass --data-path PREFIX (from tools/preprocess_data.py).")
         weights = _split_weights(self.split)
         if weights is None or len(weights) > 3 or sum(weights) <= 0:
@@ -79,6 +82,9 @@ class GptDataConfig:
         """Where megatron-core caches document/sample/shuffle indices."""
         if self.data_cache_path is not None:
             return Path(self.data_cache_path)
+        if self.mock:
+            raise DataInputError("data_cache_path: mock data has no prefix to put a cache beside. Fix: pass "
+                                 "data_cache_path, or read none (mock datasets are built in memory)")
         return Path(self.prefixes[0]).resolve().parent / "cache"
 
 
@@ -161,17 +167,18 @@ def build_gpt_datasets(config: GptDataConfig, tokenizer: Any) -> GptDatasets:
     check_prefixes(config.prefixes)
     import megatron_het.platform  # noqa: F401  (triton import guard before megatron.core)
     from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
-    from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
+    from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig, MockGPTDataset
     from megatron.core.datasets.utils import get_blend_from_list
 
+    cache = None if config.mock and config.data_cache_path is None else str(config.cache_dir())
     gpt_config = GPTDatasetConfig(
         random_seed=config.seed, sequence_length=config.seq_length,
-        blend=get_blend_from_list(list(config.data_path)), split=config.split,
-        path_to_cache=str(config.cache_dir()), tokenizer=tokenizer,
+        blend=None if config.mock else get_blend_from_list(list(config.data_path)), split=config.split,
+        path_to_cache=cache, tokenizer=tokenizer,  # blend None: megatron-core sets mock itself
         reset_position_ids=False, reset_attention_mask=False, eod_mask_loss=False,
         create_attention_mask=False)  # trainers use tokens only; the causal mask is built by the model
     sizes: list[int | None] = list(config.num_samples())
-    for index, name in enumerate(SPLIT_NAMES):
+    for index, name in enumerate(SPLIT_NAMES if not config.mock else ()):
         empty = [p for p in config.prefixes if split_document_counts(p, config.split)[index] == 0]
         if not empty or split_weight(config.split, index) == 0:
             continue
@@ -182,7 +189,8 @@ def build_gpt_datasets(config: GptDataConfig, tokenizer: Any) -> GptDatasets:
                 f"({split_document_counts(empty[0], config.split)} per split). Fix: raise the {name} weight "
                 f"in --split{', or set it to 0' if index else ''}.")
         sizes[index] = None  # one prefix: build the empty split without a sample target, then drop it
-    built = BlendedMegatronDatasetBuilder(GPTDataset, sizes, lambda: True, gpt_config).build()
+    built = BlendedMegatronDatasetBuilder(MockGPTDataset if config.mock else GPTDataset, sizes, lambda: True,
+                                          gpt_config).build()
     splits: list[GptSplit | None] = []
     for name, dataset, size in zip(SPLIT_NAMES, built, sizes):
         usable = dataset is not None and bool(size) and len(dataset) > 0

@@ -19,7 +19,7 @@ from multiprocessing import get_context
 from pathlib import Path
 
 from megatron_het.data.jsonl import DataInputError, read_jsonl_texts, require_file
-from megatron_het.data.tokenizer import check_tokenizer_type, load_tokenizer
+from megatron_het.data.tokenizer import TokenizerSpec, build_gpt_tokenizer
 from megatron_het.utils.progress import ProgressCallback
 
 # Documents per worker task: large enough to amortise loading the tokenizer in each task.
@@ -34,8 +34,10 @@ class PreprocessConfig:
     input: Path  # JSONL file
     json_keys: tuple[str, ...] = ("text",)  # each key becomes its own dataset
     output_prefix: str  # files are {output_prefix}_{key}_document.bin/.idx
-    tokenizer_type: str = "SentencePieceTokenizer"  # only SentencePiece models are supported
-    tokenizer_model: Path  # SentencePiece .model file
+    tokenizer_type: str = "SentencePieceTokenizer"  # data.tokenizer.GPT_TOKENIZER_TYPES
+    tokenizer_model: Path | None = None  # SentencePiece .model file or HuggingFace tokenizer directory
+    vocab_file: Path | None = None  # GPT2BPETokenizer's vocab.json
+    merge_file: Path | None = None  # GPT2BPETokenizer's merges.txt
     append_eod: bool = False  # end every document with the eod token
     workers: int = 1  # processes that tokenize; 1 tokenizes in this process
 
@@ -48,7 +50,15 @@ class PreprocessConfig:
             raise DataInputError(f"workers: got {self.workers}, the minimum is 1. Fix: pass --workers 1 or more.")
         if not self.output_prefix:
             raise DataInputError("output_prefix: got ''. Fix: pass --output-prefix PATH/NAME.")
-        check_tokenizer_type(self.tokenizer_type)
+        self.tokenizer  # validates the tokenizer flags before any work
+
+    @property
+    def tokenizer(self) -> TokenizerSpec:
+        """The tokenizer flags (Megatron-LM's --tokenizer-type and the files it reads)."""
+        as_str = {k: None if v is None else str(v) for k, v in (("tokenizer_model", self.tokenizer_model),
+                                                                 ("vocab_file", self.vocab_file),
+                                                                 ("merge_file", self.merge_file))}
+        return TokenizerSpec(tokenizer_type=self.tokenizer_type, **as_str)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -66,10 +76,10 @@ def dataset_prefix(output_prefix: str, key: str) -> str:
     return f"{output_prefix}_{key}_document"
 
 
-def encode_chunk(task: tuple[str, str, tuple[str, ...], bool, list[dict[str, str]]]) -> list[dict[str, list[int]]]:
+def encode_chunk(task: tuple[TokenizerSpec, tuple[str, ...], bool, list[dict[str, str]]]) -> list[dict[str, list[int]]]:
     """Token ids per key for a chunk of documents (a top-level function so worker processes can run it)."""
-    model_path, tokenizer_type, keys, append_eod, records = task
-    tokenizer = load_tokenizer(model_path, tokenizer_type=tokenizer_type)
+    spec, keys, append_eod, records = task
+    tokenizer = build_gpt_tokenizer(spec)
     out = []
     for record in records:
         ids = {}
@@ -82,10 +92,10 @@ def encode_chunk(task: tuple[str, str, tuple[str, ...], bool, list[dict[str, str
     return out
 
 
-def _chunks(config: PreprocessConfig) -> Iterator[tuple[str, str, tuple[str, ...], bool, list[dict[str, str]]]]:
+def _chunks(config: PreprocessConfig) -> Iterator[tuple[TokenizerSpec, tuple[str, ...], bool, list[dict[str, str]]]]:
     records = (texts for _, texts in read_jsonl_texts(config.input, config.json_keys))
     while chunk := list(itertools.islice(records, CHUNK_DOCUMENTS)):
-        yield (str(config.tokenizer_model), config.tokenizer_type, config.json_keys, config.append_eod, chunk)
+        yield (config.tokenizer, config.json_keys, config.append_eod, chunk)
 
 
 def count_documents(path: Path) -> int:
@@ -127,7 +137,7 @@ def preprocess(config: PreprocessConfig, *, progress: ProgressCallback | None = 
     require_file(config.input, field="input", fix="pass --input with an existing JSONL file.")
     check_output_prefix(config.output_prefix, config.json_keys)
     total = count_documents(config.input) if progress is not None else 0
-    tokenizer = load_tokenizer(config.tokenizer_model, tokenizer_type=config.tokenizer_type)
+    tokenizer = build_gpt_tokenizer(config.tokenizer)
     import numpy
     from megatron.core.datasets.indexed_dataset import DType, IndexedDatasetBuilder
 

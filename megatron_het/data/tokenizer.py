@@ -26,7 +26,10 @@ if TYPE_CHECKING:
     from megatron.core.tokenizers import MegatronTokenizerBase
 
 # Megatron-LM's --tokenizer-type values that mean "a SentencePiece model file".
-SENTENCEPIECE_TYPES = ("SentencePieceTokenizer", "GPTSentencePieceTokenizer")
+SENTENCEPIECE_TYPES = ("SentencePieceTokenizer", "GPTSentencePieceTokenizer", "Llama2Tokenizer")
+# Every --tokenizer-type Megatron-LM's GPT path takes (megatron-core's build_tokenizer builds them)
+GPT_TOKENIZER_TYPES = (*SENTENCEPIECE_TYPES, "GPT2BPETokenizer", "HuggingFaceTokenizer", "TikTokenizer",
+                       "NullTokenizer")
 MODEL_TYPES = ("bpe", "unigram")
 UNK_ID, BOS_ID, EOS_ID, PAD_ID = 0, 1, 2, 3
 # 256 byte-fallback pieces + 4 special pieces + at least one learned piece.
@@ -128,12 +131,74 @@ def _escape(piece: str) -> str:
 
 
 def check_tokenizer_type(tokenizer_type: str) -> str:
-    """Validate a Megatron-LM ``--tokenizer-type`` value; only SentencePiece models are supported here."""
+    """Validate a Megatron-LM ``--tokenizer-type`` value for a SentencePiece model file."""
     if tokenizer_type not in SENTENCEPIECE_TYPES:
         raise DataInputError(f"tokenizer_type: got {tokenizer_type!r}, supported {SENTENCEPIECE_TYPES}. "
                              "Fix: pass --tokenizer-type SentencePieceTokenizer with a .model file "
                              "(train one with tools/train_tokenizer.py).")
     return tokenizer_type
+
+
+@dataclass(frozen=True, kw_only=True)
+class TokenizerSpec:
+    """Megatron-LM's tokenizer flags for a GPT dataset (``--tokenizer-type`` and the files it reads)."""
+
+    tokenizer_type: str = "SentencePieceTokenizer"  # one of GPT_TOKENIZER_TYPES
+    tokenizer_model: str | None = None  # SentencePiece/Llama2/TikToken file, or a HuggingFace tokenizer directory
+    vocab_file: str | None = None  # GPT2BPETokenizer: vocab.json
+    merge_file: str | None = None  # GPT2BPETokenizer: merges.txt
+    vocab_size: int | None = None  # NullTokenizer: token ids are below it (Megatron's --vocab-size)
+
+    def __post_init__(self) -> None:
+        t = self.tokenizer_type
+        if t not in GPT_TOKENIZER_TYPES:
+            raise DataInputError(f"tokenizer_type: got {t!r}; a GPT dataset takes one of {', '.join(GPT_TOKENIZER_TYPES)}."
+                                 " Fix: pass one of those to --tokenizer-type")
+        need = {"GPT2BPETokenizer": ("vocab_file", "merge_file"), "NullTokenizer": ("vocab_size",)}.get(
+            t, ("tokenizer_model",))
+        for name in need:
+            if getattr(self, name) is None:
+                # GPT2BPETokenizer would otherwise download GPT-2's files: nothing here fetches at run time
+                raise DataInputError(f"{name}: --tokenizer-type {t} needs --{name.replace('_', '-')}. Fix: pass it"
+                                     + (" (GPT-2's vocab.json and merges.txt, as Megatron-LM's preprocess_data.py "
+                                        "took them)" if t == "GPT2BPETokenizer" else ""))
+        for name in ("vocab_file", "merge_file") if t == "GPT2BPETokenizer" else ():
+            require_file(Path(getattr(self, name)), field=name, fix=f"pass --{name.replace('_', '-')} with an "
+                         "existing file")
+        if t == "HuggingFaceTokenizer" and not Path(self.tokenizer_model).is_dir():
+            raise DataInputError(f"tokenizer_model: {self.tokenizer_model!r} is not a directory. Fix: pass a local "
+                                 "tokenizer directory (tokenizer.json, tokenizer_config.json); hub names are not "
+                                 "fetched at run time: download once (huggingface-cli download NAME --local-dir DIR)"
+                                 " and pass DIR")
+        if t == "NullTokenizer" and self.vocab_size < 2:
+            raise DataInputError(f"vocab_size: got {self.vocab_size}, the minimum is 2. Fix: pass --vocab-size")
+
+
+def build_gpt_tokenizer(spec: TokenizerSpec) -> MegatronTokenizerBase:
+    """megatron-core's tokenizer for ``spec``, as Megatron-LM builds it (``build_tokenizer``), the
+    SentencePiece types through ``load_tokenizer`` (which checks the file first)."""
+    if spec.tokenizer_type in SENTENCEPIECE_TYPES:
+        return load_tokenizer(spec.tokenizer_model, tokenizer_type=spec.tokenizer_type)
+    if spec.tokenizer_type == "GPT2BPETokenizer":
+        spec = TokenizerSpec(tokenizer_type="HuggingFaceTokenizer",
+                             tokenizer_model=str(gpt2_bpe_directory(Path(spec.vocab_file), Path(spec.merge_file))))
+    import types
+
+    from megatron.core.tokenizers.utils.build_tokenizer import build_tokenizer
+
+    # Megatron-LM's defaults for the tokenizer flags we do not take (runtime/flag_policy.py refuses them)
+    args = types.SimpleNamespace(
+        tokenizer_type=spec.tokenizer_type, tokenizer_model=spec.tokenizer_model, vocab_file=spec.vocab_file,
+        merge_file=spec.merge_file, vocab_size=spec.vocab_size, special_tokens=None, chat_template=None,
+        tokenizer_hf_no_use_fast=False, trust_remote_code=False, tokenizer_hf_no_include_special_tokens=False,
+        tiktoken_pattern=None, tiktoken_num_special_tokens=1000, metadata_path=None, pad_vocab_size=False)
+    try:
+        return build_tokenizer(args)
+    except (OSError, ValueError, KeyError) as err:  # a file of the wrong kind: one line naming it
+        what = spec.tokenizer_model or spec.vocab_file
+        raise DataInputError(f"tokenizer_model: --tokenizer-type {spec.tokenizer_type} could not load {what!r} "
+                             f"({type(err).__name__}: {str(err)[:200]}). Fix: pass the files that tokenizer type "
+                             "reads") from None
 
 
 def check_sentencepiece_model(path: Path) -> int:
@@ -169,3 +234,41 @@ def load_tokenizer(model_path: Path | str, *, tokenizer_type: str = "SentencePie
     # metadata as a dict: no tokenizer_metadata.json is written next to the model file.
     return MegatronTokenizer.from_pretrained(tokenizer_path=str(path.resolve()),
                                              metadata_path={"library": "sentencepiece", "model_type": "gpt"})
+
+
+# GPT-2's tokenizer settings (the hub's gpt2 tokenizer_config.json): what megatron-core's
+# GPT2BPETokenizer fetches from huggingface.co before it reads the vocab/merges files it was given
+GPT2_TOKENIZER_CONFIG = {"tokenizer_class": "GPT2Tokenizer", "bos_token": "<|endoftext|>",
+                         "eos_token": "<|endoftext|>", "unk_token": "<|endoftext|>", "add_prefix_space": False,
+                         "model_max_length": 1024}
+
+
+def gpt2_bpe_directory(vocab_file: Path, merges_file: Path) -> Path:
+    """A local HuggingFace tokenizer directory for GPT-2 BPE files: the two files and GPT-2's tokenizer
+    settings. megatron-core's GPT2BPETokenizer asks the hub for those settings (network, retries);
+    written here instead, so the same tokenizer loads offline. Named by the files' content, so every
+    rank (and every run) uses one directory; written atomically (a temporary directory renamed)."""
+    import hashlib
+    import json
+    import os
+    import tempfile
+
+    vocab, merges = vocab_file.read_bytes(), merges_file.read_bytes()
+    config = json.dumps(GPT2_TOKENIZER_CONFIG, sort_keys=True).encode()
+    files = {"vocab.json": vocab, "merges.txt": merges, "tokenizer_config.json": config}
+    digest = hashlib.sha256(b"\0".join((vocab, merges, config))).hexdigest()[:20]
+    target = Path(tempfile.gettempdir()) / f"megatron_het_gpt2bpe_{os.getuid()}_{digest}"
+    if target.is_dir() and all((target / n).is_file() and (target / n).read_bytes() == b for n, b in files.items()):
+        return target
+    work = Path(tempfile.mkdtemp(prefix=target.name + ".", dir=target.parent))
+    for name, data in files.items():
+        (work / name).write_bytes(data)
+    try:
+        os.rename(work, target)  # another rank may have won: its copy holds the same bytes
+    except OSError:
+        import shutil
+
+        shutil.rmtree(work, ignore_errors=True)
+        if not all((target / n).read_bytes() == b for n, b in files.items()):
+            raise DataInputError(f"vocab_file: {str(target)!r} exists with other contents. Fix: remove it") from None
+    return target

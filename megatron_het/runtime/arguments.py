@@ -84,7 +84,7 @@ FLAGS = (
          "timeout of the process groups: a hung peer fails a collective after this long"),
     Flag("--data-path", "data.data_path", tuple, "indexed dataset prefix (or weight prefix ... pairs)"),
     *(Flag(f"--{f.replace('_', '-')}", f"data.{f}") for f in ("split", "data_cache_path", "tokenizer_type",
-                                                                "tokenizer_model")),
+                                                                "tokenizer_model", "vocab_file", "merge_file")),
     Flag("--mock-data", "data.mock_data", bool, "synthetic tokens instead of --data-path"),
     Flag("--save", "loop.save"),
     Flag("--load", "loop.load"),
@@ -268,6 +268,8 @@ def _from_megatron(values: dict[str, dict[str, object]], given: frozenset[str], 
         data["tokenizer_type"] = "SentencePieceTokenizer"
         notes.append("note: --tokenizer-type not given: --tokenizer-model is read as a SentencePieceTokenizer")
     data["tokenizer_type"] = data["tokenizer_type"] or "SentencePieceTokenizer"
+    if data["tokenizer_type"] == "NullTokenizer":  # Megatron: ids below --vocab-size
+        data["null_vocab_size"] = ns.vocab_size
     train["loss_scale_window"] = int(train["loss_scale_window"])
     if "transformer_impl" not in given:  # Megatron's default transformer_engine; here: TE where it imports
         train["transformer_impl"] = None
@@ -321,10 +323,28 @@ def model_from_args(overrides: dict[str, object], model_file: str | None, *, tok
     return model_from_dict(base, source=model_file or "command line")
 
 
+def tokenizer_spec(data: DataConfig):
+    """The run's tokenizer flags as the data layer's TokenizerSpec (validated: DataInputError)."""
+    from megatron_het.data.tokenizer import TokenizerSpec
+
+    return TokenizerSpec(tokenizer_type=data.tokenizer_type, tokenizer_model=data.tokenizer_model,
+                         vocab_file=data.vocab_file, merge_file=data.merge_file, vocab_size=data.null_vocab_size)
+
+
 def tokenizer_vocab(data: DataConfig) -> int | None:
     """The tokenizer's size, needed before the model is known (Megatron pads from it); None with
-    --mock-data. A file that does not load is a ConfigError naming --tokenizer-model and the file."""
-    if data.mock_data or not data.tokenizer_model:
+    --mock-data. A file that does not load is a ConfigError naming the flag and the file."""
+    from megatron_het.data.tokenizer import SENTENCEPIECE_TYPES, build_gpt_tokenizer
+
+    if data.mock_data:
+        return None
+    if data.tokenizer_type not in SENTENCEPIECE_TYPES:
+        try:
+            return int(build_gpt_tokenizer(tokenizer_spec(data)).vocab_size)
+        except UserError as e:
+            raise ConfigError(str(e), field="--tokenizer-type", value=data.tokenizer_type,
+                              fix="pass the files that tokenizer type reads") from None
+    if not data.tokenizer_model:
         return None
     from megatron_het.data import load_tokenizer
 
@@ -356,8 +376,14 @@ def parse_args(argv: list[str] | None = None) -> PretrainArgs:
     notes = _from_megatron(values, given, ns)
     if not data["mock_data"] and not data["data_path"]:
         parser.error("give --data-path PREFIX (with --tokenizer-model) or --mock-data")
-    if data["data_path"] and not data["tokenizer_model"]:
+    if data["data_path"] and not data["tokenizer_model"] and data["tokenizer_type"] in (
+            "SentencePieceTokenizer", "GPTSentencePieceTokenizer", "Llama2Tokenizer"):
         parser.error("--data-path needs --tokenizer-model (the SentencePiece model used by preprocess_data.py)")
+    if data["data_path"] or data["tokenizer_type"] != "SentencePieceTokenizer":
+        try:
+            tokenizer_spec(DataConfig(**data))
+        except UserError as e:
+            parser.error(str(e))
     if train["lr"] is None:  # Megatron has no default either
         parser.error("--lr: required (Megatron-LM has no default)")
     if (train["train_iters"] is None) == (train["train_samples"] is None):

@@ -185,8 +185,11 @@ class DataConfig:
     data_path: tuple[str, ...] = ()  # indexed dataset prefix (or weight prefix ... pairs)
     split: str = "949,50,1"  # train,valid,test weights
     data_cache_path: str | None = None  # where megatron-core caches dataset indices
-    tokenizer_type: str = "SentencePieceTokenizer"
-    tokenizer_model: str | None = None  # the SentencePiece model the data was tokenized with
+    tokenizer_type: str = "SentencePieceTokenizer"  # Megatron-LM's --tokenizer-type (data/tokenizer.py)
+    tokenizer_model: str | None = None  # SentencePiece model file or HuggingFace tokenizer directory
+    vocab_file: str | None = None  # GPT2BPETokenizer's vocab.json
+    merge_file: str | None = None  # GPT2BPETokenizer's merges.txt
+    null_vocab_size: int | None = None  # NullTokenizer over pre-tokenized data: --vocab-size
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -35,7 +35,7 @@ ISLANDS = ("fast", "fast", "slow", "slow")
 def argv(*extra: str) -> list[str]:
     return ["--hetero-cluster", CLUSTER, "--hetero-model", MODEL, "--hetero-plan", "unused",
             "--micro-batch-size", "2", "--global-batch-size", "16", "--mock-data", "--no-emulation",
-            "--lr", "1e-3", "--log-interval", "1", "--eval-iters", "0", *extra]
+            "--lr", "1e-3", "--lr-decay-style", "constant", "--log-interval", "1", "--eval-iters", "0", *extra]
 
 
 def sharded(mbs, nmb, fractions, recompute=(False,) * 4) -> ShardedPlan:
@@ -62,10 +62,12 @@ def runs(tmp_path_factory):
              (argv("--train-iters", "5", "--load", ckpt, "--save", ckpt, "--eval-interval", "5",
                    "--eval-iters", "1"), paths[1])]
     per_rank = run_local(4, pretrain_sharded_worker,
-                         (steps, (argv("--train-iters", "5"), PIPELINE_PLAN, ckpt)), timeout_s=900)
+                         (steps, (argv("--train-iters", "5", "--eval-interval", "5", "--eval-iters", "1"), PIPELINE_PLAN,
+                                  ckpt)), timeout_s=900)
     train = dataclasses.replace(parse_args(argv("--train-iters", "5")).train, micro_batch_size=1)
     model = parse_args(argv("--train-iters", "5")).model
-    ref = run_local(1, megatron_block_worker, (model, train, BlockShape(tp=1, pp=1, dp=1)))[0]
+    ref = run_local(1, megatron_block_worker, (model, train, BlockShape(tp=1, pp=1, dp=1), None, None,
+                                               argv("--train-iters", "5")))[0]  # the batches pretrain reads
     return per_rank, ref, ckpt
 
 

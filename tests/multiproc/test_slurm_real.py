@@ -30,7 +30,8 @@ PLAN = ROOT / "examples" / "plans" / "cpu-demo-hetero.json"
 MODEL = ROOT / "examples" / "models" / "tiny-cpu.yaml"  # slurm.py checks the plan against it
 PRETRAIN = ROOT / "pretrain_scripts" / "pretrain_gpt.py"
 DEMO_ARGS = ("--num-layers 4 --hidden-size 64 --num-attention-heads 4 --seq-length 64 --max-position-embeddings 64 "
-             "--micro-batch-size 2 --global-batch-size 16 --train-iters 3 --lr 1e-3 --mock-data --vocab-size 512").split()
+             "--micro-batch-size 2 --global-batch-size 16 --train-iters 3 --lr 1e-3 --mock-data --vocab-size 512 "
+             "--log-interval 1 --eval-iters 0").split()
 # Records what torchrun gave this rank in <dir>/rank-<RANK>.txt (the job log interleaves lines of
 # concurrent processes) and prints it, so the test can check every rank's place.
 STAND_IN = """import os, sys

@@ -32,6 +32,7 @@ PLAN = """{"format": "megatron-het-plan", "version": 1, "micro_batch_size": 2, "
 def _argv(plan: str, tb_dir: str, iters: int = ITERS) -> list[str]:
     return ["--hetero-cluster", CLUSTER, "--hetero-plan", plan, "--hetero-model", MODEL, "--no-emulation",
             "--micro-batch-size", "2", "--global-batch-size", str(GBS), "--train-iters", str(iters), "--mock-data", "--lr", "1e-3",
+            "--lr-decay-style", "constant",
             "--log-interval", "1",
             "--eval-interval", "2", "--eval-iters", "1", "--tensorboard-dir", tb_dir,
             "--log-timers-to-tensorboard", "--log-memory-to-tensorboard", "--log-throughput"]
@@ -115,7 +116,7 @@ def test_event_files_match_the_run(tmp_path):
         assert 0 < got["mem-allocated-bytes"][i][1] <= got["mem-max-allocated-bytes"][i][1]
 
     assert [(s, pytest.approx(v, rel=rel)) for s, v in got["lm loss validation"]] == list(r0.validation)
-    assert len(r0.validation) == 1 and r0.validation[0][0] == 2
+    assert [it for it, _ in r0.validation] == [2, ITERS]  # every --eval-interval, and at the end as Megatron
 
     # The failed run's event file was flushed and closed: iteration 1 is there.
     assert failed == "injected failure at iteration 2"

@@ -22,12 +22,21 @@ def _batch(seq_length, vocab_size, seed, iteration, indices):
 
 
 def megatron_block_worker(rank, world_size, model: ModelSpec, train: TrainConfig, shape: BlockShape,
-                          init_full_state=None, padded_vocab=None):
+                          init_full_state=None, padded_vocab=None, pretrain_argv=None):
+    """``pretrain_argv``: read the batches pretrain_gpt.py reads for that command line (its data flags),
+    instead of the synthetic ones."""
     from megatron_het.platform import enable_cpu_backend
     from megatron_het.runtime.megatron_trainer import train_megatron_block
 
     enable_cpu_backend()
-    return train_megatron_block(model=model, train=train, shape=shape, batch_fn=batch_fn(model, train.seed),
+    if pretrain_argv is not None:
+        from megatron_het.cli.pretrain import batch_fns
+        from megatron_het.runtime.arguments import parse_args
+
+        batches = batch_fns(parse_args(pretrain_argv))[0]
+    else:
+        batches = batch_fn(model, train.seed)
+    return train_megatron_block(model=model, train=train, shape=shape, batch_fn=batches,
                                 init_full_state=init_full_state, return_shards=True,
                                 padded_vocab=padded_vocab)
 
