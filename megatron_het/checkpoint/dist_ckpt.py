@@ -102,11 +102,16 @@ def model_common_state(model: ModelSpec) -> dict:
     return {k: v for k, v in dataclasses.asdict(model).items() if k != "name"}
 
 
+INIT_ONLY = ("init_method_std",)
+
+
 def check_model_matches(common: Mapping, model: ModelSpec, path: str, *,
                         fix: str = "use the checkpoint's model settings, or start without --load") -> None:
     """``fix``: what the caller's user should do (pretrain_gpt.py has --load, convert.py --model)."""
     saved = common.get("model", {})
     for key, value in model_common_state(model).items():
+        if key in INIT_ONLY:  # the initial draw's settings: a loaded model has its values already
+            continue
         if key in saved and saved[key] != value:
             raise CheckpointError(
                 f"{path}: model.{key}: the checkpoint was trained with {key}={saved[key]!r}, this run has "

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from megatron_het.cluster.errors import ConfigError
-from megatron_het.cluster.fields import as_bool, as_int, as_str
+from megatron_het.cluster.fields import as_bool, as_float, as_int, as_str
 
 __all__ = ["MAX_SIZES", "ModelSpec", "default_ffn_hidden_size"]
 
@@ -44,6 +44,12 @@ class ModelSpec:
     swiglu: bool = False  # gated SiLU MLP (Llama) instead of GeLU
     untie_embeddings_and_output_weights: bool = False  # separate output layer weights (Llama)
     name: str | None = None  # display name, e.g. "llama2-7b"
+    # Megatron-LM's model flags of the same names, passed to megatron-core's TransformerConfig/GPTModel:
+    kv_channels: int | None = None  # per-head width; None -> hidden_size // num_attention_heads
+    init_method_std: float = 0.02  # std of the normal initial weights (--init-method-std)
+    rotary_base: int = 10000  # RoPE theta (--rotary-base; used where positions are rotary)
+    rotary_percent: float = 1.0  # share of each head's channels that rotate (--rotary-percent)
+    layernorm_epsilon: float = 1e-5  # epsilon of every LayerNorm/RMSNorm (--norm-epsilon)
 
     def __post_init__(self) -> None:
         for f in ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "vocab_size"):
@@ -52,6 +58,12 @@ class ModelSpec:
         as_bool(self.untie_embeddings_and_output_weights, "untie_embeddings_and_output_weights")
         if self.name is not None:
             as_str(self.name, "name")
+        as_float(self.init_method_std, "init_method_std")
+        as_int(self.rotary_base, "rotary_base")
+        as_float(self.layernorm_epsilon, "layernorm_epsilon")
+        if not 0 < as_float(self.rotary_percent, "rotary_percent") <= 1:
+            raise ConfigError("must be in (0, 1]", field="rotary_percent", value=self.rotary_percent,
+                              fix="use 1.0 (every channel rotates) or a fraction such as 0.5")
         defaults = {
             "num_query_groups": self.num_attention_heads,
             "ffn_hidden_size": default_ffn_hidden_size(self.hidden_size, swiglu=self.swiglu),
@@ -62,10 +74,15 @@ class ModelSpec:
             object.__setattr__(self, f, default if value is None else as_int(value, f, maximum=MAX_SIZES[f]))
 
         h, heads, groups = self.hidden_size, self.num_attention_heads, self.num_query_groups
-        if h % heads:
+        if self.kv_channels is not None:
+            object.__setattr__(self, "kv_channels", as_int(self.kv_channels, "kv_channels",
+                                                           maximum=MAX_SIZES["hidden_size"]))
+        elif h % heads:
             raise ConfigError(f"hidden_size {h} is not divisible by num_attention_heads {heads}",
                               field="num_attention_heads", value=heads,
                               fix=f"pick a head count that divides {h}, e.g. {_divisor_near(h, heads)}")
+        else:
+            object.__setattr__(self, "kv_channels", h // heads)
         if heads % groups:
             raise ConfigError(f"num_attention_heads {heads} is not divisible by num_query_groups {groups}",
                               field="num_query_groups", value=groups,
@@ -74,11 +91,6 @@ class ModelSpec:
             raise ConfigError(f"must be >= seq_length {self.seq_length}", field="max_position_embeddings",
                               value=self.max_position_embeddings,
                               fix=f"raise it to at least {self.seq_length} or lower seq_length")
-
-    @property
-    def kv_channels(self) -> int:
-        """Per-head width, hidden_size // num_attention_heads."""
-        return self.hidden_size // self.num_attention_heads
 
 
 def _divisor_near(n: int, target: int) -> int:

@@ -65,6 +65,9 @@ def transformer_config(spec: StageModelSpec, *, pp: int = 1, deterministic: bool
         num_attention_heads=m.num_attention_heads,
         num_query_groups=m.num_query_groups or m.num_attention_heads,
         ffn_hidden_size=m.ffn_hidden_size,
+        kv_channels=m.kv_channels,
+        init_method_std=m.init_method_std,
+        layernorm_epsilon=m.layernorm_epsilon,
         tensor_model_parallel_size=spec.tp,
         pipeline_model_parallel_size=pp,
         sequence_parallel=spec.sequence_parallel and spec.tp > 1,
@@ -150,6 +153,8 @@ def build_gpt_stage(spec: StageModelSpec, config, pg_collection, *, device=None)
         post_process=spec.post_process,
         share_embeddings_and_output_weights=not m.untie_embeddings_and_output_weights,
         position_embedding_type="rope" if m.swiglu else "learned_absolute",
+        rotary_base=m.rotary_base,
+        rotary_percent=m.rotary_percent,
         pg_collection=pg_collection,
     )
     return gpt if device is None else gpt.to(device)

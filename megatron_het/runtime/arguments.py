@@ -46,6 +46,11 @@ FLAGS = (
         "num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "ffn_hidden_size", "seq_length",
         "max_position_embeddings")),
     Flag("--vocab-size", "model.vocab_size", int, "unpadded vocabulary (default: the tokenizer's)"),
+    Flag("--kv-channels", "model.kv_channels", int),
+    Flag("--init-method-std", "model.init_method_std", float),
+    Flag("--rotary-base", "model.rotary_base", int),
+    Flag("--rotary-percent", "model.rotary_percent", float),
+    Flag("--norm-epsilon", "model.layernorm_epsilon", float),
     Flag("--swiglu", "model.swiglu", bool),
     Flag("--group-query-attention", "run.group_query_attention", bool),  # --num-query-groups counts only with it
     # Megatron's layout flags: without --hetero-plan they build the plan (plan/megatron_layout.py); with
@@ -313,7 +318,11 @@ def model_from_args(overrides: dict[str, object], model_file: str | None, *, tok
 
     base: dict = {}
     if model_file:
-        base = {k: v for k, v in dataclasses.asdict(load_model(model_file)).items() if v is not None}
+        from megatron_het.cluster.loader import read_yaml
+
+        load_model(model_file)  # a bad file is named as itself, before the flags are merged in
+        # the file as written, not its resolved defaults: --hidden-size must still move kv_channels and ffn
+        base = {k: v for k, v in dict(read_yaml(model_file)).items() if v is not None}
     base.update({k: v for k, v in overrides.items() if v is not None})
     if "vocab_size" not in base and tokenizer_vocab is not None:
         base["vocab_size"] = tokenizer_vocab

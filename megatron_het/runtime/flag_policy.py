@@ -59,20 +59,15 @@ BUILT: dict[str, Callable[[object], object]] = {
     "add_bias_linear": lambda m: not m.swiglu,
     "hidden_dropout": lambda m: 0.0,
     "attention_dropout": lambda m: 0.0,
-    "init_method_std": lambda m: 0.02,
-    "rotary_base": lambda m: 10000,
-    "rotary_percent": lambda m: 1.0,
     "layernorm_zero_centered_gamma": lambda m: False,
     "qk_layernorm": lambda m: False,
     "add_qkv_bias": lambda m: False,
     "squared_relu": lambda m: False,
     "openai_gelu": lambda m: False,
     "make_vocab_size_divisible_by": lambda m: 128,
-    "layernorm_epsilon": lambda m: 1e-5,
 }
 WHY_BUILT = ("this runtime builds the model from --swiglu alone (SwiGLU: RMSNorm, RoPE, no biases; else LayerNorm, "
-             "learned positions, biases), without dropout, init std 0.02 (the other model flags land with #35 "
-             "item 3)")
+             "learned positions, biases), without dropout (the other model flags land with #35 item 3)")
 
 # dest -> the fix a refusal names, where there is a better one than "drop it"
 REFUSED_FIX: dict[str, str] = {

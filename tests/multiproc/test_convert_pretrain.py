@@ -35,8 +35,14 @@ ITERS, GBS = 10, 8
 # tiny-cpu.yaml (vocab 512 = the padded vocabulary at TP 1: no padding rows beyond HF's) with 2 layers
 RECIPES = {
     "gpt": ["--num-layers", "2"],
-    "llama": ["--num-layers", "2", "--swiglu", "--untie-embeddings-and-output-weights", "--num-query-groups", "2",
-              "--ffn-hidden-size", "96"],
+    "llama": ["--num-layers", "2", "--swiglu", "--untie-embeddings-and-output-weights", "--group-query-attention",
+              "--num-query-groups", "2", "--ffn-hidden-size", "96"],
+    # Llama-3's model flags as Megatron-LM's example spells them (#35 item 3): rotary base, wider heads,
+    # another epsilon and init std reach megatron-core, the HF export and the Megatron export
+    "llama3": ["--num-layers", "2", "--swiglu", "--untie-embeddings-and-output-weights", "--group-query-attention",
+               "--num-query-groups", "2", "--ffn-hidden-size", "96", "--rotary-base", "500000", "--kv-channels", "32",
+               "--norm-epsilon", "1e-6", "--init-method-std", "0.0134", "--normalization", "RMSNorm",
+               "--position-embedding-type", "rope", "--disable-bias-linear"],
 }
 ACCEPTANCE = 0.02  # issue #34: the HF export's loss within 2% of the run's validation loss
 EXACT = 1e-4  # relative: the same tokens in fp32 through the same weights (measured <= 1e-7)

@@ -47,24 +47,32 @@ def hf_config(model: ModelSpec) -> dict:
         if model.num_query_groups != model.num_attention_heads:
             raise ConvertError(f"num_query_groups: GPT-2 has no grouped-query attention (got {model.num_query_groups} "
                                f"groups for {model.num_attention_heads} heads). Fix: convert a model without GQA")
+        if model.kv_channels * model.num_attention_heads != model.hidden_size:
+            raise ConvertError(f"kv_channels: GPT-2's heads are hidden_size / heads wide (got {model.kv_channels} x "
+                               f"{model.num_attention_heads} heads for hidden {model.hidden_size}). Fix: convert a "
+                               "model trained without --kv-channels")
         return {
             "architectures": ["GPT2LMHeadModel"], "model_type": "gpt2",
             "n_layer": model.num_layers, "n_embd": model.hidden_size, "n_head": model.num_attention_heads,
             "n_inner": model.ffn_hidden_size, "n_positions": model.max_position_embeddings,
             "vocab_size": model.vocab_size,
             "activation_function": "gelu",  # megatron's F.gelu (erf), not GPT-2's tanh "gelu_new"
-            "layer_norm_epsilon": LAYERNORM_EPS, "scale_attn_weights": True,
+            "layer_norm_epsilon": model.layernorm_epsilon, "scale_attn_weights": True,
             "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0,
-            "tie_word_embeddings": tied, "torch_dtype": "float32",
+            "tie_word_embeddings": tied, "torch_dtype": "float32", "initializer_range": model.init_method_std,
         }
+    if model.rotary_percent != 1.0:
+        raise ConvertError("rotary_percent: Hugging Face's Llama rotates every channel of a head (got "
+                           f"{model.rotary_percent}). Fix: convert a model trained with --rotary-percent 1.0")
     return {
         "architectures": ["LlamaForCausalLM"], "model_type": "llama",
         "num_hidden_layers": model.num_layers, "hidden_size": model.hidden_size,
         "num_attention_heads": model.num_attention_heads, "num_key_value_heads": model.num_query_groups,
         "head_dim": model.kv_channels, "intermediate_size": model.ffn_hidden_size,
         "max_position_embeddings": model.max_position_embeddings, "vocab_size": model.vocab_size,
-        "hidden_act": "silu", "rms_norm_eps": LAYERNORM_EPS, "rope_theta": ROPE_THETA,
+        "hidden_act": "silu", "rms_norm_eps": model.layernorm_epsilon, "rope_theta": float(model.rotary_base),
         "attention_bias": False, "mlp_bias": False, "tie_word_embeddings": tied, "torch_dtype": "float32",
+        "initializer_range": model.init_method_std,
     }
 
 
@@ -78,40 +86,37 @@ def model_from_hf_config(config: Mapping, *, seq_length: int | None = None, sour
         if act == "gelu_new":
             print(f"warning: {source}: activation_function 'gelu_new' (tanh GeLU); megatron uses exact GeLU, "
                   "outputs will differ slightly", file=sys.stderr)
-        _check_norm_eps(config, "layer_norm_epsilon", source)
+        eps = _norm_eps(config, "layer_norm_epsilon", source)
         positions = int(config.get("n_positions", 1024))
         return ModelSpec(num_layers=int(config["n_layer"]), hidden_size=int(config["n_embd"]),
                          num_attention_heads=int(config["n_head"]), ffn_hidden_size=config.get("n_inner"),
                          seq_length=seq_length or positions, max_position_embeddings=positions,
-                         vocab_size=int(config["vocab_size"]), swiglu=False,
+                         vocab_size=int(config["vocab_size"]), swiglu=False, layernorm_epsilon=eps,
+                         init_method_std=_init_std(config, source),
                          untie_embeddings_and_output_weights=not config.get("tie_word_embeddings", True))
     if kind == "llama":
         for key, want in (("hidden_act", "silu"), ("attention_bias", False), ("mlp_bias", False)):
             if config.get(key, want) != want:
                 raise ConvertError(f"{source}: {key} is {config[key]!r}; megatron-het's Llama recipe has {want!r}. "
                                    f"Fix: convert a model with {key}={want!r}")
-        _check_rope(config, source)
-        _check_norm_eps(config, "rms_norm_eps", source)
+        base = _rope_base(config, source)
+        eps = _norm_eps(config, "rms_norm_eps", source)
         heads, hidden = int(config["num_attention_heads"]), int(config["hidden_size"])
-        if int(config.get("head_dim") or hidden // heads) != hidden // heads:
-            raise ConvertError(f"{source}: head_dim {config['head_dim']} differs from hidden_size/num_attention_heads "
-                               f"= {hidden // heads}. Fix: megatron-het needs head_dim = hidden_size / heads")
         positions = int(config.get("max_position_embeddings", 4096))
         return ModelSpec(num_layers=int(config["num_hidden_layers"]), hidden_size=hidden, num_attention_heads=heads,
                          num_query_groups=int(config.get("num_key_value_heads") or heads),
                          ffn_hidden_size=int(config["intermediate_size"]), seq_length=seq_length or positions,
                          max_position_embeddings=positions, vocab_size=int(config["vocab_size"]), swiglu=True,
+                         kv_channels=int(config.get("head_dim") or hidden // heads), rotary_base=base,
+                         layernorm_epsilon=eps, init_method_std=_init_std(config, source),
                          untie_embeddings_and_output_weights=not config.get("tie_word_embeddings", False))
     raise ConvertError(f"{source}: model_type {kind!r} is not supported. Fix: convert a 'gpt2' or 'llama' model")
 
 
-def _check_rope(config: Mapping, source: str) -> None:
-    """Refuse rotary settings megatron-het does not build, whichever transformers version wrote them.
-
-    ModelSpec has no rotary base, scaling or partial-rotary field: every megatron-het model runs
-    megatron-core's default rotary embedding (base 10000, unscaled, all channels of a head), so a
-    model trained with another one would convert to different outputs. Refused by name: field, value, fix.
-    """
+def _rope_base(config: Mapping, source: str) -> int:
+    """The rotary base of a Llama config.json in whichever spelling transformers wrote it (ModelSpec's
+    rotary_base, megatron-core's rotary_base); settings megatron-het does not build are refused by
+    name (field, value, fix): scaling, a partial rotary factor, per-attention-type settings."""
     found: list[tuple[str, object]] = [(k, config[k]) for k in ("rope_theta", "partial_rotary_factor") if k in config]
     for group in ROPE_GROUPS:
         params = config.get(group)
@@ -128,6 +133,7 @@ def _check_rope(config: Mapping, source: str) -> None:
                                fix="convert a model with one set of rotary settings (a Llama config)")
         kind = "rope_type" if "rope_type" in params or "type" not in params else "type"  # "type": before 4.45
         found += [(f"{group}.{k}", params[k]) for k in (kind, "rope_theta", "partial_rotary_factor") if k in params]
+    base = ROPE_THETA
     for field, value in found:
         name = field.rsplit(".", 1)[-1]
         if name in ("rope_type", "type"):
@@ -137,23 +143,39 @@ def _check_rope(config: Mapping, source: str) -> None:
                                    file=source, fix="convert a model without rotary scaling (rope_type 'default'); "
                                                     "Llama-3.1-style scaling ('llama3'), 'linear', 'dynamic' or "
                                                     "'yarn' cannot be run here")
-        elif _as_float(value) != (ROPE_THETA if name == "rope_theta" else 1.0):
-            what = (f"megatron-het's models have no configurable rotary base (ModelSpec has no such field): they "
-                    f"run megatron-core's {ROPE_THETA:g}" if name == "rope_theta" else
-                    "megatron-het rotates every channel of a head (megatron-core's rotary_percent 1.0)")
-            fix = (f"convert a model trained with rope_theta {ROPE_THETA:g} (Llama-2 style); a Llama-3 model "
-                   f"(500000) cannot be run here" if name == "rope_theta" else
-                   "convert a model with partial_rotary_factor 1.0")
-            raise ConvertError(what, field=field, value=value, file=source, fix=fix)
+        elif name == "rope_theta":
+            theta = _as_float(value)
+            if theta is None or theta <= 0 or theta != int(theta):
+                raise ConvertError("the rotary base must be a positive whole number (Megatron-LM's --rotary-base is "
+                                   "an integer)", field=field, value=value, file=source,
+                                   fix="convert a model whose rope_theta is a whole number, e.g. 500000")
+            base = theta
+        elif _as_float(value) != 1.0:
+            raise ConvertError("megatron-het exports and imports models that rotate every channel of a head "
+                               "(Hugging Face's Llama applies a partial factor differently)", field=field,
+                               value=value, file=source, fix="convert a model with partial_rotary_factor 1.0")
+    return int(base)
 
 
-def _check_norm_eps(config: Mapping, key: str, source: str) -> None:
-    """The layer-norm epsilon must be megatron-core's: ModelSpec has no epsilon field. A config without
-    ``key`` passes (transformers writes it into every config it saves; hand-written ones keep working)."""
-    if key in config and _as_float(config[key]) != LAYERNORM_EPS:
-        raise ConvertError(f"megatron-het's models normalise with megatron-core's epsilon {LAYERNORM_EPS:g} "
-                           f"(ModelSpec has no epsilon field)", field=key, value=config[key], file=source,
-                           fix=f"convert a model trained with {key} {LAYERNORM_EPS:g}")
+def _norm_eps(config: Mapping, key: str, source: str) -> float:
+    """The layer-norm epsilon of a config.json (ModelSpec's layernorm_epsilon); a config without ``key``
+    gets megatron-core's default (transformers writes it into every config it saves)."""
+    if key not in config:
+        return LAYERNORM_EPS
+    eps = _as_float(config[key])
+    if eps is None or not eps > 0:
+        raise ConvertError("must be a positive number", field=key, value=config[key], file=source,
+                           fix=f"write {key} as a number such as 1e-05")
+    return eps
+
+
+def _init_std(config: Mapping, source: str) -> float:
+    """``initializer_range`` (Megatron's --init-method-std); megatron-core's 0.02 when absent."""
+    std = _as_float(config.get("initializer_range", 0.02))
+    if std is None or not std > 0:
+        raise ConvertError("must be a positive number", field="initializer_range", value=config["initializer_range"],
+                           file=source, fix="write initializer_range as a number such as 0.02")
+    return std
 
 
 def _as_float(value: object) -> float | None:

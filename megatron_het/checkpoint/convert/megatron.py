@@ -45,8 +45,6 @@ _TE_NAMES = {
 }
 
 
-NORM_EPSILON = 1e-5  # megatron-core TransformerConfig.layernorm_epsilon default, which the runtime builds
-ROTARY_BASE = 10000  # megatron-core GPTModel rotary_base default, which the runtime builds
 
 
 @dataclass(frozen=True)
@@ -63,10 +61,6 @@ class FixedArg:
 
 
 FIXED_ARGS = (
-    FixedArg("rotary_base", ROTARY_BASE, "another rotary base", f"with --rotary-base {ROTARY_BASE} (a Llama-3 recipe's "
-             "500000 cannot be run here)", rope=True),
-    FixedArg("rotary_percent", 1.0, "rotating part of each head's channels", "with --rotary-percent 1.0",
-             rope=True),
     FixedArg("rotary_interleaved", False, "interleaved rotary pairs", "without --rotary-interleaved", rope=True),
     FixedArg("rotary_seq_len_interpolation_factor", None, "rotary position interpolation",
              "without --rotary-seq-len-interpolation-factor", rope=True),
@@ -74,7 +68,6 @@ FIXED_ARGS = (
     FixedArg("no_rope_freq", None, "layers without the rotary embedding", "without --no-rope-freq", rope=True),
     FixedArg("apply_layernorm_1p", False, "zero-centred norm weights (stored as gamma - 1)",
              "without --apply-layernorm-1p"),
-    FixedArg("norm_epsilon", NORM_EPSILON, "another norm epsilon", f"with --norm-epsilon {NORM_EPSILON:g}"),
     FixedArg("apply_residual_connection_post_layernorm", False, "the residual taken after the norm",
              "without --apply-residual-connection-post-layernorm"),
     FixedArg("openai_gelu", False, "the tanh GeLU", "without --openai-gelu"),
@@ -114,6 +107,8 @@ def megatron_args(model: ModelSpec, *, tp: int, pp: int, padded_vocab: int, iter
         add_position_embedding=not model.swiglu, add_bias_linear=not model.swiglu, add_qkv_bias=False,
         tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, ckpt_format="torch_dist",
         iteration=iteration, consumed_train_samples=0,
+        rotary_base=model.rotary_base, rotary_percent=model.rotary_percent,
+        layernorm_epsilon=model.layernorm_epsilon, init_method_std=model.init_method_std,
         **{arg.name: arg.value for arg in FIXED_ARGS},  # what the runtime builds, for --use-checkpoint-args
     )
 
@@ -145,13 +140,12 @@ def model_from_megatron_args(args: object, *, source: str) -> ModelSpec:
                                f"{arg.value!r} only (ModelSpec has no such setting)",
                                field=f"args.{arg.name}", value=value, file=source,
                                fix=f"convert a checkpoint trained {arg.trained}")
-    heads, hidden = int(get("num_attention_heads")), int(get("hidden_size"))
-    if get("kv_channels") not in (None, hidden // heads):
-        raise ConvertError(f"megatron-het's heads are hidden_size / num_attention_heads = {hidden // heads} wide "
-                           f"(ModelSpec has no kv_channels)", field="args.kv_channels", value=get("kv_channels"),
-                           file=source, fix=f"convert a checkpoint trained without --kv-channels (or with "
-                                            f"--kv-channels {hidden // heads})")
-    return ModelSpec(num_layers=int(get("num_layers")), hidden_size=int(get("hidden_size")),
+    # Megatron-LM's own names (its --norm-epsilon is stored as layernorm_epsilon)
+    tuned = {"kv_channels": get("kv_channels"), "init_method_std": get("init_method_std"),
+             "layernorm_epsilon": get("layernorm_epsilon", get("norm_epsilon"))}
+    if swiglu:  # rotary positions: the recorded base and share count
+        tuned.update(rotary_base=get("rotary_base"), rotary_percent=get("rotary_percent"))
+    return ModelSpec(**{k: v for k, v in tuned.items() if v is not None},num_layers=int(get("num_layers")), hidden_size=int(get("hidden_size")),
                      num_attention_heads=int(get("num_attention_heads")),
                      num_query_groups=int(get("num_query_groups")) if get("group_query_attention") else None,
                      ffn_hidden_size=get("ffn_hidden_size"), seq_length=int(get("seq_length")),

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 
@@ -189,17 +190,15 @@ def test_convert_reports_each_phase_to_its_total(tmp_path, capsys):
 
 
 # Rotary settings in every spelling config.json has: transformers < 5 (top-level rope_theta, rope_scaling
-# with "rope_type" or the older "type") and transformers 5 (rope_parameters). ModelSpec has no rotary base
-# or scaling field, so anything but megatron-core's default rotary is refused naming the field.
+# with "rope_type" or the older "type") and transformers 5 (rope_parameters). ModelSpec has a rotary base
+# but no scaling or partial factor: those are refused naming the field.
 @pytest.mark.parametrize(("extra", "field", "value"), [
-    ({"rope_theta": 500000.0}, "rope_theta", "500000.0"),
-    ({"rope_parameters": {"rope_type": "default", "rope_theta": 500000.0}}, "rope_parameters.rope_theta", "500000.0"),
+    ({"rope_theta": 5e5 + 0.5}, "rope_theta", "500000.5"),
     ({"rope_parameters": {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
                           "high_freq_factor": 4.0, "original_max_position_embeddings": 8}},
      "rope_parameters.rope_type", "'llama3'"),
     ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, "rope_scaling.rope_type", "'llama3'"),
     ({"rope_scaling": {"type": "linear", "factor": 2.0}}, "rope_scaling.type", "'linear'"),
-    ({"rope_scaling": {"rope_type": "default", "rope_theta": 1e6}}, "rope_scaling.rope_theta", "1000000.0"),
     ({"partial_rotary_factor": 0.5}, "partial_rotary_factor", "0.5"),
     ({"rope_parameters": {"rope_type": "default", "partial_rotary_factor": 0.25}},
      "rope_parameters.partial_rotary_factor", "0.25"),
@@ -225,6 +224,15 @@ def test_default_rotary_is_accepted_in_every_spelling(extra):
     assert model_from_hf_config(hf_config(LLAMA) | extra, seq_length=8) == LLAMA
 
 
+@pytest.mark.parametrize("extra", [
+    {"rope_theta": 500000.0},
+    {"rope_parameters": {"rope_type": "default", "rope_theta": 500000.0}},
+    {"rope_scaling": {"rope_type": "default", "rope_theta": 5e5}},
+])
+def test_a_llama_3_rotary_base_is_read_in_every_spelling(extra):
+    assert model_from_hf_config(hf_config(LLAMA) | extra, seq_length=8).rotary_base == 500000
+
+
 def test_rotary_as_transformers_writes_it():
     """config.json as transformers itself writes it (5.x: rope_parameters) from our export's config, and
     from a Llama-3-style config (rope_theta 500000) and a Llama-3.1-style one (llama3 scaling)."""
@@ -232,8 +240,8 @@ def test_rotary_as_transformers_writes_it():
 
     ours = LlamaConfig.from_dict(hf_config(LLAMA)).to_dict()
     assert model_from_hf_config(ours, seq_length=8) == LLAMA
-    with pytest.raises(ConvertError, match=r"rope_theta: .* \(got 500000.0\)"):
-        model_from_hf_config(LlamaConfig.from_dict(hf_config(LLAMA) | {"rope_theta": 500000.0}).to_dict())
+    llama3 = dataclasses.replace(LLAMA, rotary_base=500000, layernorm_epsilon=1e-6, kv_channels=8)
+    assert model_from_hf_config(LlamaConfig.from_dict(hf_config(llama3)).to_dict(), seq_length=8) == llama3
     scaled = hf_config(LLAMA) | {"max_position_embeddings": 64, "rope_scaling": {
         "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
         "original_max_position_embeddings": 8}}
@@ -242,7 +250,7 @@ def test_rotary_as_transformers_writes_it():
 
 
 @pytest.mark.parametrize(("model", "key"), [(LLAMA, "rms_norm_eps"), (GPT, "layer_norm_epsilon")])
-def test_norm_epsilon_other_than_megatrons_is_refused_by_name(model, key):
-    with pytest.raises(ConvertError, match=rf"^cfg: {key}: .*epsilon 1e-05.* \(got 1e-06\)\. Fix: convert a model "
-                                           rf"trained with {key} 1e-05"):
-        model_from_hf_config(hf_config(model) | {key: 1e-6}, source="cfg")
+def test_norm_epsilon_is_the_models(model, key):
+    assert model_from_hf_config(hf_config(model) | {key: 1e-6}, source="cfg").layernorm_epsilon == 1e-6
+    with pytest.raises(ConvertError, match=rf"^cfg: {key}: must be a positive number \(got 'x'\)"):
+        model_from_hf_config(hf_config(model) | {key: "x"}, source="cfg")

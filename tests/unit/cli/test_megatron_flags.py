@@ -241,3 +241,18 @@ def test_selective_recompute_is_refused_by_name(capsys):
     with pytest.raises(SystemExit):
         parse_args(NO_PLAN + ["--micro-batch-size", "2", "--recompute-granularity", "selective"])
     assert "--recompute-granularity selective: not supported" in capsys.readouterr().err
+
+
+def test_model_flags_reach_the_model():
+    """#35 item 3 (first part): Megatron's flags for head width, init std, rotary base/share and norm
+    epsilon are the model's (megatron-core's TransformerConfig and GPTModel take them)."""
+    from megatron_het.model.gpt import StageModelSpec, transformer_config
+
+    model = parse_args(BASE + ["--swiglu", "--kv-channels", "32", "--init-method-std", "0.006", "--rotary-base",
+                               "500000", "--rotary-percent", "0.5", "--norm-epsilon", "1e-6"]).model
+    assert (model.kv_channels, model.init_method_std, model.rotary_base, model.rotary_percent,
+            model.layernorm_epsilon) == (32, 0.006, 500000, 0.5, 1e-6)
+    config = transformer_config(StageModelSpec(model=model, num_layers=1, layer_offset=0, tp=1, pre_process=True,
+                                               post_process=True, vocab_size=512))
+    assert (config.kv_channels, config.init_method_std, config.layernorm_epsilon) == (32, 0.006, 1e-6)
+    assert parse_args(BASE + ["--hidden-size", "128"]).model.kv_channels == 32  # the file's, re-derived: 128 / 4
