@@ -3,7 +3,7 @@
 The parser is Megatron-LM's (``runtime/megatron_parser.py``): every Megatron flag with Megatron's
 default. ``FLAGS`` names each flag this runtime reads and the config field it fills (a flag Megatron
 does not have is added here, its default that field's default in ``train/config.py``); every other
-Megatron flag is honoured-by-default, announced or refused by ``runtime/flag_policy.py``.
+Megatron flag is announced as ignored or refused by name (``runtime/flag_policy.py``).
 ``parse_args`` builds the typed objects; no argparse Namespace leaves this module. Bad values exit
 with argparse's message naming the flag (code 2), before any rendezvous; a tokenizer file that does
 not load is a one-line ConfigError naming --tokenizer-model and the file.
@@ -62,9 +62,9 @@ FLAGS = (
     Flag("--recompute-granularity", "run.recompute_granularity"),
     Flag("--recompute-method", "run.recompute_method"),
     Flag("--untie-embeddings-and-output-weights", "model.untie_embeddings_and_output_weights", bool),
-    Flag("--micro-batch-size", "train.micro_batch_size", int, required=True),
-    Flag("--global-batch-size", "train.global_batch_size", int, required=True),
-    Flag("--train-iters", "train.train_iters", int, required=True),
+    Flag("--micro-batch-size", "train.micro_batch_size", int),  # not given: the plan's (``_batch_from_plan``)
+    Flag("--global-batch-size", "train.global_batch_size", int),
+    Flag("--train-iters", "train.train_iters", int),  # or --train-samples
     *(Flag(f"--{f.replace('_', '-')}", f"train.{f}", float) for f in (
         "lr", "min_lr", "weight_decay", "adam_beta1", "adam_beta2", "adam_eps", "clip_grad")),
     Flag("--lr-decay-style", "train.lr_decay_style"),
@@ -149,7 +149,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = megatron_parser(prog="pretrain_gpt.py", description="Train a GPT with megatron-core on a heterogeneous "
                         "cluster (launch with torchrun). Megatron-LM's flags, plus:")
     # argparse prints the usage before each error; 800 flags would bury the one line that matters
-    p.usage = "%(prog)s --hetero-cluster CLUSTER.yaml --hetero-plan PLAN.json|auto [Megatron-LM flags] (-h: all)"
+    p.usage = "%(prog)s --hetero-cluster CLUSTER.yaml [--hetero-plan PLAN.json|auto] [Megatron-LM flags] (-h: all)"
     group = p.add_argument_group("megatron-het")
     for flag in FLAGS:
         if flag.name in p._option_string_actions:  # Megatron's definition and default
