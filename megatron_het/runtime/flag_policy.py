@@ -103,8 +103,8 @@ def review_flags(ns: argparse.Namespace, *, defaults: dict[str, object], given: 
             if not _differs(value, built):
                 continue
             if dest in given:
-                refused.append(f"{flag} {value}: {WHY_BUILT}; this model is built with {built}. Fix: drop {flag}, "
-                               f"or pass {built}")
+                fix = f"drop {flag}" + ("" if isinstance(built, bool) else f", or pass {built}")  # a switch: drop it
+                refused.append(f"{flag} {value}: {WHY_BUILT}; this model is built with {built}. Fix: {fix}")
             else:
                 lines.append(f"note: {flag}: Megatron-LM's default {value} is not what is built: {built} ({WHY_BUILT})")
         elif not _differs(value, default):
