@@ -139,7 +139,9 @@ def test_missing_tokenizer_model_and_bad_type(workdir: Path, model: Path) -> Non
     src = write_jsonl(workdir / "ok.jsonl", [{"text": "fine"}])
     with pytest.raises(DataInputError, match=r"tokenizer_model: '.*no.model' does not exist"):
         preprocess(config(input=src, output_prefix=str(workdir / "t"), tokenizer_model=workdir / "no.model"))
-    with pytest.raises(DataInputError, match=r"tokenizer_type: got 'HuggingFaceTokenizer'"):
+    with pytest.raises(DataInputError, match=r"tokenizer_type: got 'BertWordPieceCase'; a GPT dataset takes one of"):
+        config(input=src, output_prefix="t", tokenizer_model=model, tokenizer_type="BertWordPieceCase")
+    with pytest.raises(DataInputError, match=r"tokenizer_model: '.*sp.model' is not a directory"):
         config(input=src, output_prefix="t", tokenizer_model=model, tokenizer_type="HuggingFaceTokenizer")
     with pytest.raises(ValueError, match=r"workers: got 0, the minimum is 1"):
         config(input=src, output_prefix="t", tokenizer_model=model, workers=0)
