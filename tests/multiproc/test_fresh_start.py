@@ -187,7 +187,8 @@ def test_a_fresh_run_and_its_resumed_half_train_the_same_model(common, tmp_path)
     save and a resume equal the 8 of an uninterrupted run (the check runs after the load too)."""
     ckpt = str(tmp_path / "ckpt")
     tp2 = TWO_RANKS["tp2"][0]
-    cases = [("whole", tp2, CPU2, []), ("first", tp2, CPU2, ["--train-iters", "4", "--save", ckpt]),
+    cases = [("whole", tp2, CPU2, []), ("first", tp2, CPU2, ["--train-iters", "4", "--lr-decay-iters", str(ITERS),
+                                                                "--save", ckpt]),  # the whole run's schedule
              ("resumed", tp2, CPU2, ["--load", ckpt])]
     out = run_local(2, fresh_start_worker, (cases, common), timeout_s=900)[0]
     assert out["first"]["losses"] + out["resumed"]["losses"] == pytest.approx(out["whole"]["losses"], rel=1e-7, abs=0)
