@@ -127,16 +127,11 @@ def batch_fns(args: PretrainArgs, *, resume: tuple[int, int] = (0, 0)):
     changed global batch size still has its samples (``GptDataConfig.resume_consumed_samples``)."""
     model = args.model
     from megatron_het.data import GptDataConfig, build_gpt_datasets, gpt_batch_fn
-    from megatron_het.data.tokenizer import TokenizerSpec, build_gpt_tokenizer
+    from megatron_het.data.tokenizer import build_gpt_tokenizer
     from megatron_het.runtime.arguments import tokenizer_spec
 
     data = args.data
-    if data.mock_data and not data.tokenizer_model and data.tokenizer_type in SENTENCEPIECE_TYPES:
-        # Megatron's mock data with no tokenizer given: NullTokenizer over the model's vocabulary
-        spec = TokenizerSpec(tokenizer_type="NullTokenizer", vocab_size=model.vocab_size)
-    else:
-        spec = tokenizer_spec(data)
-    tokenizer = build_gpt_tokenizer(spec)
+    tokenizer = build_gpt_tokenizer(tokenizer_spec(data, model_vocab_size=model.vocab_size))
     cfg = GptDataConfig(data_path=tuple(data.data_path), split=data.split, seq_length=model.seq_length,
                         seed=args.train.seed, global_batch_size=args.train.global_batch_size,
                         train_iters=args.train.train_iters, eval_iters=args.loop.eval_iters,

@@ -78,13 +78,13 @@ class GptDataConfig:
                     self.resume_consumed_samples + (self.train_iters - self.resume_iteration) * gbs)
         return [train, evaluations * self.eval_iters * gbs, self.eval_iters * gbs]
 
-    def cache_dir(self) -> Path:
-        """Where megatron-core caches document/sample/shuffle indices."""
+    def cache_dir(self) -> Path | None:
+        """Where megatron-core caches document/sample/shuffle indices; None: mock data without a
+        data_cache_path, built in memory."""
         if self.data_cache_path is not None:
             return Path(self.data_cache_path)
         if self.mock:
-            raise DataInputError("data_cache_path: mock data has no prefix to put a cache beside. Fix: pass "
-                                 "data_cache_path, or read none (mock datasets are built in memory)")
+            return None
         return Path(self.prefixes[0]).resolve().parent / "cache"
 
 
@@ -170,11 +170,11 @@ def build_gpt_datasets(config: GptDataConfig, tokenizer: Any) -> GptDatasets:
     from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig, MockGPTDataset
     from megatron.core.datasets.utils import get_blend_from_list
 
-    cache = None if config.mock and config.data_cache_path is None else str(config.cache_dir())
+    cache = config.cache_dir()
     gpt_config = GPTDatasetConfig(
         random_seed=config.seed, sequence_length=config.seq_length,
         blend=None if config.mock else get_blend_from_list(list(config.data_path)), split=config.split,
-        path_to_cache=cache, tokenizer=tokenizer,  # blend None: megatron-core sets mock itself
+        path_to_cache=None if cache is None else str(cache), tokenizer=tokenizer,  # blend None: megatron-core sets mock itself
         reset_position_ids=False, reset_attention_mask=False, eod_mask_loss=False,
         create_attention_mask=False)  # trainers use tokens only; the causal mask is built by the model
     sizes: list[int | None] = list(config.num_samples())

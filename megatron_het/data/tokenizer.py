@@ -258,7 +258,11 @@ def gpt2_bpe_directory(vocab_file: Path, merges_file: Path) -> Path:
     files = {"vocab.json": vocab, "merges.txt": merges, "tokenizer_config.json": config}
     digest = hashlib.sha256(b"\0".join((vocab, merges, config))).hexdigest()[:20]
     target = Path(tempfile.gettempdir()) / f"megatron_het_gpt2bpe_{os.getuid()}_{digest}"
-    if target.is_dir() and all((target / n).is_file() and (target / n).read_bytes() == b for n, b in files.items()):
+    def holds_files() -> bool:
+        return target.is_dir() and all((target / n).is_file() and (target / n).read_bytes() == b
+                                       for n, b in files.items())
+
+    if holds_files():
         return target
     work = Path(tempfile.mkdtemp(prefix=target.name + ".", dir=target.parent))
     for name, data in files.items():
@@ -269,6 +273,6 @@ def gpt2_bpe_directory(vocab_file: Path, merges_file: Path) -> Path:
         import shutil
 
         shutil.rmtree(work, ignore_errors=True)
-        if not all((target / n).read_bytes() == b for n, b in files.items()):
+        if not holds_files():
             raise DataInputError(f"vocab_file: {str(target)!r} exists with other contents. Fix: remove it") from None
     return target

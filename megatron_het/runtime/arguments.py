@@ -332,10 +332,15 @@ def model_from_args(overrides: dict[str, object], model_file: str | None, *, tok
     return model_from_dict(base, source=model_file or "command line")
 
 
-def tokenizer_spec(data: DataConfig):
-    """The run's tokenizer flags as the data layer's TokenizerSpec (validated: DataInputError)."""
-    from megatron_het.data.tokenizer import TokenizerSpec
+def tokenizer_spec(data: DataConfig, *, model_vocab_size: int | None = None):
+    """The run's tokenizer flags as the data layer's TokenizerSpec (validated: DataInputError). Mock
+    data with no tokenizer given (and ``model_vocab_size`` known): a NullTokenizer over the model's
+    vocabulary, as Megatron-LM's mock-data scripts use."""
+    from megatron_het.data.tokenizer import SENTENCEPIECE_TYPES, TokenizerSpec
 
+    if (data.mock_data and model_vocab_size is not None and not data.tokenizer_model
+            and data.tokenizer_type in SENTENCEPIECE_TYPES):
+        return TokenizerSpec(tokenizer_type="NullTokenizer", vocab_size=model_vocab_size)
     return TokenizerSpec(tokenizer_type=data.tokenizer_type, tokenizer_model=data.tokenizer_model,
                          vocab_file=data.vocab_file, merge_file=data.merge_file, vocab_size=data.null_vocab_size)
 

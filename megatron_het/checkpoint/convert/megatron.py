@@ -45,8 +45,6 @@ _TE_NAMES = {
 }
 
 
-
-
 @dataclass(frozen=True)
 class FixedArg:
     """A Megatron-LM argument that changes what a checkpoint's weights compute, at the value
