@@ -87,6 +87,10 @@ def resolve_plan(args: PretrainArgs) -> AnyPlan:
             raise ConfigError("the plan is a sharded data-parallel plan (no tensor parallelism)",
                               field="--sequence-parallel / --tp-comm-overlap", value=args.plan_source,
                               fix="drop the flags or use a pipeline/TP plan")
+        if args.train.log_params_norm or args.train.log_num_zeros_in_grad:  # the pipeline strategy computes them
+            raise ConfigError("the sharded data-parallel strategy does not compute these norms yet",
+                              field="--log-params-norm / --log-num-zeros-in-grad", value=args.plan_source,
+                              fix="drop the flags, or use a pipeline/TP plan")
     else:
         plan = apply_overlap_flags(plan, args)
         if args.use_distributed_optimizer:

@@ -7,7 +7,11 @@ from dataclasses import dataclass
 from megatron_het.cluster.errors import ConfigError
 from megatron_het.cluster.fields import as_bool, as_float, as_int, as_str
 
-__all__ = ["MAX_SIZES", "ModelSpec", "default_ffn_hidden_size"]
+__all__ = ["MAX_SIZES", "NORMALIZATIONS", "POSITION_EMBEDDING_TYPES", "ModelSpec", "default_ffn_hidden_size",
+           "recipe_of", "off_recipe"]
+
+NORMALIZATIONS = ("LayerNorm", "RMSNorm")  # Megatron-LM's --normalization choices megatron-core builds locally
+POSITION_EMBEDDING_TYPES = ("learned_absolute", "rope", "none")  # --position-embedding-type for a GPT model
 
 # Sane bounds, far above any model trained so far: beyond them a value is a typo, and the planner and
 # performance model would spend minutes or memory on it.
@@ -27,6 +31,20 @@ def default_ffn_hidden_size(hidden_size: int, *, swiglu: bool) -> int:
     if swiglu:
         return int((4 * hidden_size * 2 / 3) / 64) * 64
     return 4 * hidden_size
+
+
+def recipe_of(swiglu: bool) -> dict[str, object]:
+    """The architecture ``swiglu`` names: Llama's (True) or GPT-2's (False), in ModelSpec's field names."""
+    return {"normalization": "RMSNorm" if swiglu else "LayerNorm",
+            "position_embedding_type": "rope" if swiglu else "learned_absolute",
+            "add_bias_linear": not swiglu, "add_qkv_bias": False, "qk_layernorm": False,
+            "layernorm_zero_centered_gamma": False, "squared_relu": False}
+
+
+def off_recipe(model: ModelSpec) -> dict[str, object]:
+    """The model's architecture fields that differ from the recipe of its ``swiglu`` (formats that
+    know only the GPT-2 and Llama layouts refuse these)."""
+    return {f: getattr(model, f) for f, want in recipe_of(model.swiglu).items() if getattr(model, f) != want}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -50,6 +68,20 @@ class ModelSpec:
     rotary_base: int = 10000  # RoPE theta (--rotary-base; used where positions are rotary)
     rotary_percent: float = 1.0  # share of each head's channels that rotate (--rotary-percent)
     layernorm_epsilon: float = 1e-5  # epsilon of every LayerNorm/RMSNorm (--norm-epsilon)
+    # Architecture choices, Megatron-LM's flags of the same names. None: the recipe ``swiglu`` names
+    # (True: Llama's RMSNorm, rotary positions, no linear biases; False: GPT-2's LayerNorm, learned
+    # positions, biases), so a model file saying only ``swiglu: true`` stays Llama
+    normalization: str | None = None  # --normalization: LayerNorm or RMSNorm
+    position_embedding_type: str | None = None  # --position-embedding-type: learned_absolute, rope or none
+    add_bias_linear: bool | None = None  # biases of every linear layer (False: --disable-bias-linear)
+    add_qkv_bias: bool = False  # --add-qkv-bias: the QKV projection keeps its bias without the others (Qwen)
+    qk_layernorm: bool = False  # --qk-layernorm: each head's queries and keys normalised before attention
+    layernorm_zero_centered_gamma: bool = False  # --apply-layernorm-1p: norm weights held as (weight - 1)
+    squared_relu: bool = False  # --squared-relu: relu(x)^2 MLP activation instead of GeLU (not with swiglu)
+    # dropout: 0 unless written (Llama's; what the parity suites measure). pretrain_gpt.py without a
+    # model file takes Megatron-LM's --hidden-dropout/--attention-dropout defaults (0.1) instead
+    hidden_dropout: float = 0.0  # --hidden-dropout: after attention and MLP outputs and the embedding
+    attention_dropout: float = 0.0  # --attention-dropout: on the attention probabilities
 
     def __post_init__(self) -> None:
         for f in ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "vocab_size"):
@@ -64,6 +96,7 @@ class ModelSpec:
         if not 0 < as_float(self.rotary_percent, "rotary_percent") <= 1:
             raise ConfigError("must be in (0, 1]", field="rotary_percent", value=self.rotary_percent,
                               fix="use 1.0 (every channel rotates) or a fraction such as 0.5")
+        self._resolve_architecture()
         defaults = {
             "num_query_groups": self.num_attention_heads,
             "ffn_hidden_size": default_ffn_hidden_size(self.hidden_size, swiglu=self.swiglu),
@@ -91,6 +124,26 @@ class ModelSpec:
             raise ConfigError(f"must be >= seq_length {self.seq_length}", field="max_position_embeddings",
                               value=self.max_position_embeddings,
                               fix=f"raise it to at least {self.seq_length} or lower seq_length")
+
+
+    def _resolve_architecture(self) -> None:
+        """The recipe of ``swiglu`` for architecture fields left None; every choice validated."""
+        for f, value in recipe_of(self.swiglu).items():
+            if getattr(self, f) is None:
+                object.__setattr__(self, f, value)
+        for f, choices in (("normalization", NORMALIZATIONS), ("position_embedding_type", POSITION_EMBEDDING_TYPES)):
+            if getattr(self, f) not in choices:
+                raise ConfigError(f"must be one of {', '.join(choices)}", field=f, value=getattr(self, f),
+                                  fix=f"use {choices[0]} or {choices[1]}")
+        for f in ("add_bias_linear", "add_qkv_bias", "qk_layernorm", "layernorm_zero_centered_gamma", "squared_relu"):
+            as_bool(getattr(self, f), f)
+        for f in ("hidden_dropout", "attention_dropout"):
+            if not as_float(getattr(self, f), f, inclusive=True) < 1:
+                raise ConfigError("must be in [0, 1)", field=f, value=getattr(self, f),
+                                  fix="use 0.0 (no dropout) or Megatron-LM's 0.1")
+        if self.swiglu and self.squared_relu:
+            raise ConfigError("swiglu and squared_relu are two MLP activations (Megatron-LM refuses both)",
+                              field="squared_relu", value=True, fix="keep one of swiglu and squared_relu")
 
 
 def _divisor_near(n: int, target: int) -> int:

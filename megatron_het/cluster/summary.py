@@ -63,7 +63,7 @@ def format_catalog(catalog: Mapping[str, DeviceType], *, sources: bool = True) -
 def format_model(spec: ModelSpec) -> str:
     fields = ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "kv_channels",
               "ffn_hidden_size", "seq_length", "max_position_embeddings", "vocab_size", "swiglu",
-              "untie_embeddings_and_output_weights")
+              "untie_embeddings_and_output_weights", "normalization", "position_embedding_type", "add_bias_linear")
     lines = [f"model: {spec.name or '(unnamed)'}"]
     lines += [f"  {f}: {getattr(spec, f)}" for f in fields]
     return "\n".join(lines)

@@ -46,9 +46,9 @@ class StageModelSpec:
     fused_attention: bool | None = None
 
 
-def transformer_config(spec: StageModelSpec, *, pp: int = 1, deterministic: bool = True,
-                       cpu_initialization: bool = True, initialize: bool = True):
-    """megatron-core TransformerConfig for a stage (dropout off when deterministic: parity tests).
+def transformer_config(spec: StageModelSpec, *, pp: int = 1, cpu_initialization: bool = True,
+                       initialize: bool = True):
+    """megatron-core TransformerConfig for a stage: the ModelSpec's architecture and dropout.
 
     ``cpu_initialization``: the full weight initialised on the host then split (same values for any
     TP; the CPU path); False on GPUs, where megatron-core initialises each shard on the current device.
@@ -74,15 +74,23 @@ def transformer_config(spec: StageModelSpec, *, pp: int = 1, deterministic: bool
         params_dtype=spec.params_dtype,
         pipeline_dtype=spec.params_dtype,
         use_cpu_initialization=cpu_initialization,
-        hidden_dropout=0.0 if deterministic else 0.1,
-        attention_dropout=0.0 if deterministic else 0.1,
+        hidden_dropout=m.hidden_dropout,
+        attention_dropout=m.attention_dropout,
+        normalization=m.normalization,
+        add_bias_linear=m.add_bias_linear,
+        add_qkv_bias=m.add_qkv_bias,
+        qk_layernorm=m.qk_layernorm,
+        layernorm_zero_centered_gamma=m.layernorm_zero_centered_gamma,
         bf16=spec.params_dtype == torch.bfloat16,
         fp16=spec.params_dtype == torch.float16,
         perform_initialization=initialize,
     )
     if m.swiglu:
-        kwargs.update(gated_linear_unit=True, activation_func=F.silu, add_bias_linear=False,
-                      normalization="RMSNorm")
+        kwargs.update(gated_linear_unit=True, activation_func=F.silu)
+    elif m.squared_relu:
+        from megatron.core.activations import squared_relu
+
+        kwargs.update(activation_func=squared_relu)
     if spec.recompute and spec.recompute_num_layers:
         kwargs.update(recompute_granularity="full", recompute_method="block",
                       recompute_num_layers=min(spec.recompute_num_layers, spec.num_layers))
@@ -117,14 +125,19 @@ def layer_spec(model: ModelSpec, *, sequence_parallel: bool = False, num_layers:
                                    "a GPU in this process (got transformer_engine). Fix: pass --transformer-impl "
                                    "local, or install transformer-engine on the GPU nodes")
     if transformer_impl == "transformer_engine" or (transformer_impl is None and te):
-        return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec()
-    normalization = "RMSNorm" if model.swiglu else "LayerNorm"
+        return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=model.qk_layernorm)
+    if model.layernorm_zero_centered_gamma:  # megatron-core's torch norms assert it away (torch_norm.py:45)
+        raise TransformerImplError("--apply-layernorm-1p: megatron-core's local layer spec has no zero-centred norm "
+                                   "(its torch norms refuse layernorm_zero_centered_gamma). Fix: run with "
+                                   "transformer-engine (--transformer-impl transformer_engine on GPUs), or drop "
+                                   "--apply-layernorm-1p")
     if sequence_parallel:
         from megatron_het.tp.spec import sequence_parallel_block_spec
 
-        local = sequence_parallel_block_spec(normalization, num_layers)
+        local = sequence_parallel_block_spec(model.normalization, num_layers, qk_layernorm=model.qk_layernorm)
     else:
-        local = gpt_layer_specs.get_gpt_layer_local_spec(normalization=normalization)
+        local = gpt_layer_specs.get_gpt_layer_local_spec(normalization=model.normalization,
+                                                         qk_layernorm=model.qk_layernorm)
     if fused_attention is None:
         from megatron_het.platform import detect_accelerator
 
@@ -152,9 +165,16 @@ def build_gpt_stage(spec: StageModelSpec, config, pg_collection, *, device=None)
         pre_process=spec.pre_process,
         post_process=spec.post_process,
         share_embeddings_and_output_weights=not m.untie_embeddings_and_output_weights,
-        position_embedding_type="rope" if m.swiglu else "learned_absolute",
+        position_embedding_type=m.position_embedding_type,
         rotary_base=m.rotary_base,
         rotary_percent=m.rotary_percent,
         pg_collection=pg_collection,
     )
+    if config.qk_layernorm and spec.tp > 1:
+        # each TP rank normalises its own heads with the shared q/k norm weights: their gradients are
+        # partial sums, summed over TP like sequence-parallel norms' (megatron-core's
+        # finalize_model_grads sums both; runtime/grad_sync.py reads this mark)
+        for name, p in gpt.named_parameters():
+            if "q_layernorm" in name or "k_layernorm" in name:
+                p.sequence_parallel = True
     return gpt if device is None else gpt.to(device)

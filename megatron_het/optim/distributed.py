@@ -295,6 +295,17 @@ class DistributedOptimizer:
         """This rank's share of the squared global norm (each element is owned exactly once)."""
         return sum_of_squares_f64(self.shard_grad)
 
+    def param_norm_sq_local(self) -> torch.Tensor:
+        """This rank's share of the squared global parameter norm, after a step (--log-params-norm):
+        its fp32 main pieces where it keeps them, else its pieces of the parameters."""
+        if self.keeps_master and self.adam.master.numel():
+            return sum_of_squares_f64(self.adam.master)
+        return sum_of_squares_f64(self._my_pieces(lambda n: self.params[n].detach()))
+
+    def grad_zeros_local(self) -> torch.Tensor:
+        """This rank's share of the global count of zero gradient elements (--log-num-zeros-in-grad)."""
+        return (self.shard_grad == 0).sum().to(torch.float64)
+
     def scale_grads(self, coeff: float | torch.Tensor) -> None:
         """Clipping: scale the reduced gradient pieces."""
         self.shard_grad.mul_(coeff)

@@ -12,9 +12,9 @@ Conventions:
 - Sizes are per tensor-parallel rank when ``tp`` is given: heads, query groups, the MLP width and
   the vocabulary are split ``tp`` ways (column/row-parallel linears, vocab-parallel output).
 
-Architecture flavour (``ModelSpec`` has no bias/normalization/position fields yet): ``swiglu=True``
-means the Llama recipe (no linear biases, RMSNorm, rotary positions); ``swiglu=False`` means the
-GPT recipe (linear biases, LayerNorm with bias, learned absolute positions). Both reproduce the
+Architecture: the ModelSpec's ``normalization`` (LayerNorm has a bias), ``add_bias_linear`` /
+``add_qkv_bias``, ``position_embedding_type`` (only learned positions have parameters),
+``qk_layernorm`` and ``swiglu`` (fc1 twice as wide). The GPT and Llama recipes reproduce the
 published parameter counts (GPT-3 175B, Llama-2-7B); see the tests.
 """
 
@@ -111,17 +111,21 @@ def _seq(model: ModelSpec, seq_length: int | None) -> int:
     return s
 
 
-def _has_linear_bias(model: ModelSpec) -> bool:
-    return not model.swiglu  # GPT recipe keeps biases; the Llama recipe drops them
+def _norm_params(model: ModelSpec, width: int | None = None) -> int:
+    """LayerNorm has weight and bias; RMSNorm only a weight (of ``width``, default h)."""
+    width = model.hidden_size if width is None else width
+    return 2 * width if model.normalization == "LayerNorm" else width
 
 
-def _norm_params(model: ModelSpec) -> int:
-    """LayerNorm has weight and bias; RMSNorm (Llama recipe) only a weight."""
-    return model.hidden_size if model.swiglu else 2 * model.hidden_size
+def replicated_layer_parameters(model: ModelSpec) -> int:
+    """Parameters of one layer every TP rank holds whole: the norms (q/k norms too) and the
+    row-parallel biases (attention output and fc2)."""
+    qk_norms = 2 * _norm_params(model, model.kv_channels) if model.qk_layernorm else 0
+    return (2 * model.hidden_size if model.add_bias_linear else 0) + 2 * _norm_params(model) + qk_norms
 
 
 def _learned_positions(model: ModelSpec) -> bool:
-    return not model.swiglu  # Llama recipe uses rotary embeddings (no parameters)
+    return model.position_embedding_type == "learned_absolute"  # rotary and none have no parameters
 
 
 def layer_gemms(model: ModelSpec, *, micro_batch_size: int, seq_length: int | None = None,
@@ -215,8 +219,9 @@ def layer_parameters_per_rank(model: ModelSpec, *, tp: int = 1) -> int:
     proj_in = model.num_attention_heads * d // tp
     fc2_in = model.ffn_hidden_size // tp
     weights = h * qkv_out + proj_in * h + h * fc1_out + fc2_in * h
-    biases = (qkv_out + h + fc1_out + h) if _has_linear_bias(model) else 0
-    return weights + biases + 2 * _norm_params(model)
+    biases = (qkv_out + h + fc1_out + h) if model.add_bias_linear else (qkv_out if model.add_qkv_bias else 0)
+    qk_norms = 2 * _norm_params(model, model.kv_channels) if model.qk_layernorm else 0  # replicated per rank
+    return weights + biases + 2 * _norm_params(model) + qk_norms
 
 
 def layer_parameters(model: ModelSpec) -> int:

@@ -423,10 +423,10 @@ def rank_memory(model: ModelSpec, plan, rank: int, *, precision: str | None = No
 
     from megatron_het.cluster.catalog import CATALOG
     from megatron_het.perf.flops import (
-        _has_linear_bias,
         _learned_positions,
         _norm_params,
         layer_parameters_per_rank,
+        replicated_layer_parameters,
     )
     from megatron_het.plan import rank_roles
     from megatron_het.schedule import build_schedule
@@ -440,7 +440,7 @@ def rank_memory(model: ModelSpec, plan, rank: int, *, precision: str | None = No
     vmodel = _dc.replace(model, vocab_size=padded_vocab) if padded_vocab else model
     tp, h = st.tp, model.hidden_size
     weight_b, grad_b, opt_b = runtime_state_bytes(precision, distributed_optimizer=plan.use_distributed_optimizer)
-    replicated_per_layer = (2 * h if _has_linear_bias(model) else 0) + 2 * _norm_params(model)
+    replicated_per_layer = replicated_layer_parameters(model)
     per_layer = layer_parameters_per_rank(vmodel, tp=tp)
     n_layers = st.num_layers
     classes = {"layer_partitioned": n_layers * (per_layer - replicated_per_layer),

@@ -69,8 +69,8 @@ class TorchReferenceLayer(torch.nn.Module):
         super().__init__()
         h, d = model.hidden_size, model.kv_channels
         self.heads, self.groups, self.d, self.swiglu = model.num_attention_heads, model.num_query_groups, d, model.swiglu
-        bias = not model.swiglu
-        norm = torch.nn.RMSNorm if model.swiglu else torch.nn.LayerNorm
+        bias = model.add_bias_linear
+        norm = torch.nn.RMSNorm if model.normalization == "RMSNorm" else torch.nn.LayerNorm
         self.norm1, self.norm2 = norm(h), norm(h)
         self.qkv = torch.nn.Linear(h, (self.heads + 2 * self.groups) * d, bias=bias)
         self.proj = torch.nn.Linear(self.heads * d, h, bias=bias)
@@ -127,9 +127,9 @@ def _build_megatron(model: ModelSpec, num_layers: int, dtype: torch.dtype,
     config = TransformerConfig(
         num_layers=num_layers, hidden_size=model.hidden_size, num_attention_heads=model.num_attention_heads,
         num_query_groups=model.num_query_groups, ffn_hidden_size=model.ffn_hidden_size,
-        gated_linear_unit=model.swiglu, add_bias_linear=not model.swiglu,
+        gated_linear_unit=model.swiglu, add_bias_linear=model.add_bias_linear,
         activation_func=torch.nn.functional.silu if model.swiglu else torch.nn.functional.gelu,
-        normalization="RMSNorm" if model.swiglu else "LayerNorm",
+        normalization=model.normalization,
         hidden_dropout=0.0, attention_dropout=0.0, use_cpu_initialization=True, params_dtype=dtype,
         bf16=dtype == torch.bfloat16,
     )

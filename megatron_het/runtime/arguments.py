@@ -52,6 +52,17 @@ FLAGS = (
     Flag("--rotary-percent", "model.rotary_percent", float),
     Flag("--norm-epsilon", "model.layernorm_epsilon", float),
     Flag("--swiglu", "model.swiglu", bool),
+    # architecture (ModelSpec's fields of the same meaning); without a model file Megatron's defaults
+    # apply (``ARCHITECTURE``), with one the file's recipe does
+    Flag("--normalization", "model.normalization"),
+    Flag("--position-embedding-type", "model.position_embedding_type"),
+    Flag("--disable-bias-linear", "model.add_bias_linear", bool),
+    Flag("--add-qkv-bias", "model.add_qkv_bias", bool),
+    Flag("--qk-layernorm", "model.qk_layernorm", bool),
+    Flag("--apply-layernorm-1p", "model.layernorm_zero_centered_gamma", bool),
+    Flag("--squared-relu", "model.squared_relu", bool),
+    Flag("--hidden-dropout", "model.hidden_dropout", float),
+    Flag("--attention-dropout", "model.attention_dropout", float),
     Flag("--group-query-attention", "run.group_query_attention", bool),  # --num-query-groups counts only with it
     # Megatron's layout flags: without --hetero-plan they build the plan (plan/megatron_layout.py); with
     # one, TP/PP must be its layout and the others are refused (the plan decides them)
@@ -74,6 +85,8 @@ FLAGS = (
     *(Flag(f"--{f.replace('_', '-')}", f"train.{f}", float) for f in ("lr_warmup_fraction", "lr_warmup_init")),
     Flag("--lr-wsd-decay-style", "train.lr_wsd_decay_style"),
     *(Flag(f"--{f.replace('_', '-')}", f"train.{f}", int) for f in ("lr_warmup_iters", "seed", "log_interval")),
+    Flag("--log-params-norm", "train.log_params_norm", bool),
+    Flag("--log-num-zeros-in-grad", "train.log_num_zeros_in_grad", bool),
     Flag("--bf16", "train.bf16", bool, "bf16 parameters and activations, fp32 main parameters and gradients"),
     Flag("--fp16", "train.fp16", bool, "fp16 parameters and activations with loss scaling, fp32 main parameters"),
     Flag("--loss-scale", "train.loss_scale", float, "constant fp16 loss scale (default: dynamic)"),
@@ -94,6 +107,8 @@ FLAGS = (
     Flag("--save", "loop.save"),
     Flag("--load", "loop.load"),
     *(Flag(f"--{f.replace('_', '-')}", f"loop.{f}", int) for f in ("save_interval", "eval_interval", "eval_iters")),
+    Flag("--exit-interval", "loop.exit_interval", int),
+    Flag("--exit-duration-in-mins", "loop.exit_duration_in_mins", float),
     Flag("--check-weight-hash-across-dp-replicas-interval", "loop.check_weight_hash_interval", int,
          "iterations between checks that every holder of each parameter (replicas of any layout, TP peers, tied "
          "copies) holds the same value; also before the first step (default: never)"),
@@ -266,12 +281,16 @@ def _from_megatron(values: dict[str, dict[str, object]], given: frozenset[str], 
     """Megatron's None defaults as this runtime's values (in place); returns start-up notes."""
     notes: list[str] = []
     loop, data, train, model, run = (values[k] for k in ("loop", "data", "train", "model", "run"))
-    for name in ("eval_interval", "save_interval", "check_weight_hash_interval"):
+    for name in ("eval_interval", "save_interval", "check_weight_hash_interval", "exit_interval",
+                 "exit_duration_in_mins"):
         loop[name] = loop[name] or 0  # Megatron: None = never
     data["split"] = data["split"] or MEGATRON_DEFAULT_SPLIT
     if data["tokenizer_type"] is None and data["tokenizer_model"]:
         data["tokenizer_type"] = "SentencePieceTokenizer"
         notes.append("note: --tokenizer-type not given: --tokenizer-model is read as a SentencePieceTokenizer")
+    if data["tokenizer_type"] is None and data["vocab_file"] and data["merge_file"]:
+        data["tokenizer_type"] = "GPT2BPETokenizer"  # what Megatron-LM's GPT functional tests' vocab/merges are
+        notes.append("note: --tokenizer-type not given: --vocab-file/--merge-file are read as a GPT2BPETokenizer")
     data["tokenizer_type"] = data["tokenizer_type"] or "SentencePieceTokenizer"
     if data["tokenizer_type"] == "NullTokenizer":  # Megatron: ids below --vocab-size
         data["null_vocab_size"] = ns.vocab_size
@@ -313,10 +332,18 @@ def _batch_from_plan(train: dict[str, object], plan_source: str | None, layout, 
     return [f"note: {names} not given: the plan's ({', '.join(f'{n} {sizes[n]}' for n in missing)})"]
 
 
-def model_from_args(overrides: dict[str, object], model_file: str | None, *, tokenizer_vocab: int | None) -> ModelSpec:
+# ModelSpec fields whose value, without a model file, is Megatron-LM's default (its parser's) rather
+# than the recipe ModelSpec derives from --swiglu: a Megatron script builds the model Megatron would
+ARCHITECTURE = ("normalization", "position_embedding_type", "add_bias_linear", "hidden_dropout", "attention_dropout")
+
+
+def model_from_args(overrides: dict[str, object], model_file: str | None, *, tokenizer_vocab: int | None,
+                    megatron_defaults: dict[str, object] | None = None) -> ModelSpec:
+    """The model: ``overrides`` (flags given) over the model file as written; without a file, over
+    ``megatron_defaults`` (the ``ARCHITECTURE`` fields' values in Megatron's parser)."""
     from megatron_het.cluster import model_from_dict
 
-    base: dict = {}
+    base: dict = {} if model_file else dict(megatron_defaults or {})
     if model_file:
         from megatron_het.cluster.loader import read_yaml
 
@@ -405,7 +432,13 @@ def parse_args(argv: list[str] | None = None) -> PretrainArgs:
     data_config = DataConfig(**data)
     vocab = tokenizer_vocab(data_config)  # a bad file is one line naming the flag, not a usage message
     try:
-        model = model_from_args(values["model"], run["model_file"], tokenizer_vocab=vocab)
+        architecture = {f: getattr(ns, parser._option_string_actions[flag.name].dest) for flag in FLAGS
+                        if (f := flag.to.removeprefix("model.")) in ARCHITECTURE}
+        model = model_from_args(values["model"], run["model_file"], tokenizer_vocab=vocab,
+                                megatron_defaults=architecture)
+        if not ns.add_position_embedding and model.position_embedding_type != "rope":
+            raise ValueError("--no-position-embedding: deprecated, and Megatron-LM refuses it without rope. Fix: use "
+                             "--position-embedding-type none")
         cluster = load_cluster(run["cluster_file"])
         layout, layout_notes = layout_from_args(run, model.num_layers)
         notes += layout_notes + _batch_from_plan(train, run["plan_source"], layout, cluster)

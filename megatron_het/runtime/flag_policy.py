@@ -5,9 +5,9 @@ refuses it by name. No flag is dropped silently.
 - ``IGNORED``: flags with no meaning here (performance-only kernels megatron-core picks for the
   platform, infrastructure this runtime does differently). A value other than Megatron's default
   gets one start-up line with the reason;
-- ``BUILT``: model flags whose value the model this runtime builds fixes (until #35 item 3 passes
-  them to megatron-core's TransformerConfig). Given with another value: refused. Not given, and
-  Megatron's default differs from what is built: one start-up line saying what is built instead;
+- ``BUILT``: model flags whose value the model this runtime builds fixes. Given with another value:
+  refused. Not given, and Megatron's default differs from what is built: one start-up line saying
+  what is built instead;
 - everything else: refused when its value differs from Megatron's default, one line per flag with
   the fix (``REFUSED_FIX`` where we know a better one than "drop it").
 
@@ -50,24 +50,34 @@ IGNORED: dict[str, str] = {
     "create_attention_mask_in_dataloader": "the causal mask is megatron-core's, built in the attention",
     "exit_on_missing_checkpoint": "--load of a directory without a checkpoint starts from scratch and says so",
     "dataloader_type": "batches follow Megatron's single (resumable) sampler order",
+    "attention_backend": "the attention kernel is the plan's (Plan.attention; tools/plan.py --attention), priced by "
+                         "the planner",
+    "add_position_embedding": "deprecated in Megatron-LM too: positions are --position-embedding-type's (without "
+                              "rope Megatron-LM and this runtime refuse it)",
+    **{d: "checkpoints are megatron-het's resharding format, written synchronously and atomically by every rank "
+          "for its own shards (tools/convert.py writes Megatron-LM's torch_dist)" for d in (
+        "ckpt_format", "async_save", "use_persistent_ckpt_worker", "ckpt_fully_parallel_save",
+        "ckpt_fully_parallel_load", "ckpt_assume_constant_structure")},
+    "dist_ckpt_optim_fully_reshardable": "optimizer state always reshards between any two plans "
+                                         "(checkpoint/ and sharding/)",
+    "dist_ckpt_strictness": "loading is always strict: a missing, unexpected or misshapen tensor is an error naming it",
+    "use_checkpoint_opt_param_scheduler": "the learning rate is recomputed from the flags at every iteration "
+                                          "(Megatron-LM's --override-opt_param-scheduler): resume with the saved "
+                                          "run's schedule flags",
+    "deterministic_mode": "not switched on: megatron-het does not put torch or NCCL into deterministic algorithms "
+                          "(CPU runs are reproducible from the seed regardless)",
+    "test_mode": "Megatron-LM's own CI switch",
+    "grad_reduce_in_bf16": "gradients are always reduced in fp32 (twice the bytes, no rounding)",
+    "overlap_param_gather_with_optimizer_step": PERF + " (--overlap-param-gather overlaps the next forward)",
 }
 
 # model flags: dest -> the value this runtime builds for a ModelSpec (model/gpt.py)
 BUILT: dict[str, Callable[[object], object]] = {
-    "normalization": lambda m: "RMSNorm" if m.swiglu else "LayerNorm",
-    "position_embedding_type": lambda m: "rope" if m.swiglu else "learned_absolute",
-    "add_bias_linear": lambda m: not m.swiglu,
-    "hidden_dropout": lambda m: 0.0,
-    "attention_dropout": lambda m: 0.0,
-    "layernorm_zero_centered_gamma": lambda m: False,
-    "qk_layernorm": lambda m: False,
-    "add_qkv_bias": lambda m: False,
-    "squared_relu": lambda m: False,
     "openai_gelu": lambda m: False,
     "make_vocab_size_divisible_by": lambda m: 128,
 }
-WHY_BUILT = ("this runtime builds the model from --swiglu alone (SwiGLU: RMSNorm, RoPE, no biases; else LayerNorm, "
-             "learned positions, biases), without dropout (the other model flags land with #35 item 3)")
+WHY_BUILT = ("this runtime builds megatron-core's exact GeLU and pads the vocabulary to a multiple of 128 x TP "
+             "(checkpoints and conversions assume both)")
 
 # dest -> the fix a refusal names, where there is a better one than "drop it"
 REFUSED_FIX: dict[str, str] = {

@@ -315,6 +315,20 @@ class GradientSynchronizer:
             total += sum_of_squares_f64(self._grad(name))
         return total
 
+    def param_norm_sq_local(self) -> torch.Tensor:
+        """This rank's share of the squared global parameter norm (--log-params-norm)."""
+        total = torch.zeros((), dtype=torch.float64, device=self.device)
+        for name in self.norm_names:
+            total += sum_of_squares_f64(self.params[name].detach())
+        return total
+
+    def grad_zeros_local(self) -> torch.Tensor:
+        """This rank's share of the global count of zero gradient elements (--log-num-zeros-in-grad)."""
+        total = torch.zeros((), dtype=torch.float64, device=self.device)
+        for name in self.norm_names:
+            total += (self._grad(name) == 0).sum()
+        return total
+
     def _grad(self, name: str) -> torch.Tensor:
         if self._grads is not None:
             return self._grads[name]

@@ -416,8 +416,7 @@ class PipelineStrategy:
         ``runtime/holdings.plan_holdings`` gives every rank's without processes)."""
         role = self.role
         return stage_holdings(self.params, rank=role.rank, stage_key=(role.replica, role.stage), tp_rank=role.tp_rank,
-                              tp_size=role.tp_size, gated=self.model_spec.swiglu,
-                              sequence_parallel=self.config.sequence_parallel, grid=self.stage_plan.tp_grid)
+                              tp_size=role.tp_size, gated=self.model_spec.swiglu, grid=self.stage_plan.tp_grid)
 
     def check_weights(self, context: str) -> int:
         from megatron_het.runtime.consistency import check_holders_agree
@@ -456,10 +455,18 @@ class PipelineStrategy:
         norm, report = self._world_norm_and_loss(loss_sum)
         if not skipped:
             self._clip(norm)
+        zeros = self._world_sum(self.sync.grad_zeros_local()) if self.train.log_num_zeros_in_grad else None
         if not skipped and not staggered:
             self._optimizer_step(timer)
+        params_norm = self._world_sum(self.sync.param_norm_sq_local()).sqrt() if self.train.log_params_norm else None
         return StepResult(lm_loss=report / self.total_micro_batches, grad_norm=norm if not skipped else math.nan,
-                          skipped=skipped, loss_scale=scale)
+                          skipped=skipped, loss_scale=scale, params_norm=params_norm, num_zeros=zeros)
+
+    def _world_sum(self, local: torch.Tensor) -> torch.Tensor:
+        """A float64 sum over the world, on the device (read at the log interval)."""
+        total = local.reshape(1).double()
+        all_reduce_world(total)
+        return total[0]
 
     def _main_grads(self) -> list[torch.Tensor]:
         """This rank's fp32 main gradients as the optimizer will read them: the distributed optimizer's

@@ -83,11 +83,11 @@ def global_params(chunks: Sequence[tuple[torch.nn.Module, int]], *, tied: bool) 
 
 
 def stage_holdings(params: Mapping[str, torch.Tensor], *, rank: int, stage_key: tuple[int, int], tp_rank: int,
-                   tp_size: int, gated: bool, sequence_parallel: bool,
-                   grid: tuple[int, int, int] | None = None) -> list[Holding]:
+                   tp_size: int, gated: bool, grid: tuple[int, int, int] | None = None) -> list[Holding]:
     """What rank ``rank`` holds of each full parameter, from its stage's ``params`` (global name ->
-    local tensor with megatron-core's TP attributes), in their order. ``sequence_parallel``: the
-    stage config's flag (the plan's, where TP > 1). ``grid``: a 3D stage's (gx, gy, gz);
+    local tensor with megatron-core's TP attributes), in their order. A parameter marked
+    ``sequence_parallel`` holds a TP-partial gradient (sequence-parallel norms and biases; q/k norms
+    under TP, model/gpt.py) where TP > 1. ``grid``: a 3D stage's (gx, gy, gz);
     ``tp_rank`` is then the rank's index in the grid (runtime/tp3d_groups.tp3d_holdings)."""
     dims = {n: int(p.partition_dim) if getattr(p, "tensor_model_parallel", False) else None
             for n, p in params.items()}
@@ -101,7 +101,7 @@ def stage_holdings(params: Mapping[str, torch.Tensor], *, rank: int, stage_key: 
             full[dims[name]] *= tp_size
         hs.append(Holding(name=name, rank=rank, stage_key=stage_key, tp_rank=tp_rank, tp_size=tp_size,
                           partition_dim=dims[name], full_shape=tuple(full), glu=is_glu(name, gated),
-                          sequence_parallel=sequence_parallel and bool(getattr(p, "sequence_parallel", False))))
+                          sequence_parallel=tp_size > 1 and bool(getattr(p, "sequence_parallel", False))))
     return hs
 
 
@@ -142,9 +142,8 @@ def _any_world() -> Iterator[None]:
 
 
 def _build_meta(specs: Sequence[StageModelSpec], *, tp_rank: int, grid: tuple[int, int, int] | None,
-                micro_batch_size: int) -> tuple[list[torch.nn.Module], bool]:
-    """The stage's chunks as the trainer builds them (``PipelineStrategy._build_model``), on meta, and
-    whether their config runs sequence parallelism."""
+                micro_batch_size: int) -> list[torch.nn.Module]:
+    """The stage's chunks as the trainer builds them (``PipelineStrategy._build_model``), on meta."""
     from megatron.core.process_groups_config import ProcessGroupCollection
 
     from megatron_het.model.gpt import build_gpt_stage, transformer_config
@@ -163,7 +162,7 @@ def _build_meta(specs: Sequence[StageModelSpec], *, tp_rank: int, grid: tuple[in
         tp = _Placeholder(specs[0].tp, tp_rank)
     one = _Placeholder(1, 0)
     pgc = ProcessGroupCollection(**dict.fromkeys(STAGE_WIDE_GROUPS, tp), **dict.fromkeys(SELF_GROUPS, one))
-    out, config = [], None
+    out = []
     with _any_world(), torch.device("meta"):
         for spec in specs:
             # no initial values (shapes only): host path, no device RNG, no init kernels on meta
@@ -172,7 +171,7 @@ def _build_meta(specs: Sequence[StageModelSpec], *, tp_rank: int, grid: tuple[in
                 out.append(build_tp3d_gpt_stage(spec, config, pgc, grid_groups, micro_batch_size=micro_batch_size))
             else:
                 out.append(build_gpt_stage(spec, config, pgc))
-    return out, bool(config.sequence_parallel)
+    return out
 
 
 def plan_holdings(plan: Plan, model: ModelSpec, *, padded_vocab: int | None = None,
@@ -195,11 +194,11 @@ def plan_holdings(plan: Plan, model: ModelSpec, *, padded_vocab: int | None = No
         key = (spec, tuple(ranges), role.tp_rank, stage.tp_grid)
         stage_key = (role.replica, role.stage)
         if key not in built:
-            chunks, sp = _build_meta(chunk_model_specs(spec, ranges), tp_rank=role.tp_rank, grid=stage.tp_grid,
+            chunks = _build_meta(chunk_model_specs(spec, ranges), tp_rank=role.tp_rank, grid=stage.tp_grid,
                                      micro_batch_size=plan.micro_batch_size)
             params = global_params(list(zip(chunks, (first for first, _ in ranges))), tied=tied)
             built[key] = stage_holdings(params, rank=rank, stage_key=stage_key, tp_rank=role.tp_rank,
-                                        tp_size=role.tp_size, gated=model.swiglu, sequence_parallel=sp,
+                                        tp_size=role.tp_size, gated=model.swiglu,
                                         grid=stage.tp_grid)
         # the same shape elsewhere holds the same pieces: only the rank and its stage differ (a copy of
         # the fields: dataclasses.replace costs 1 s more on 100,000 holdings)

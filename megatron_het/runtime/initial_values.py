@@ -86,7 +86,7 @@ class SeededFullState(Mapping[str, torch.Tensor]):
         full = StageModelSpec(model=model, num_layers=model.num_layers, layer_offset=0, tp=1, pre_process=True,
                               post_process=True, vocab_size=padded_vocab)
         self.config = transformer_config(full)
-        chunks, _ = _build_meta([full], tp_rank=0, grid=None, micro_batch_size=1)
+        chunks = _build_meta([full], tp_rank=0, grid=None, micro_batch_size=1)
         tied = not model.untie_embeddings_and_output_weights
         self.shapes = {n: tuple(p.shape) for n, p in global_params([(chunks[0], 0)], tied=tied).items()}
         for name in self.shapes:

@@ -12,9 +12,9 @@ from __future__ import annotations
 import argparse
 from collections.abc import Sequence
 
-# Megatron types this int; tests bound hung collectives in fractions of a minute, so the parser
-# accepts floats too (every int Megatron accepts still parses to the same value).
-WIDENED_TYPES = {"distributed_timeout_minutes": float}
+# Megatron types these int; tests bound hung collectives and time limits in fractions of a minute,
+# so the parser accepts floats too (every int Megatron accepts still parses to the same value).
+WIDENED_TYPES = {"distributed_timeout_minutes": float, "exit_duration_in_mins": float}
 
 
 def megatron_parser(*, prog: str, description: str) -> argparse.ArgumentParser:

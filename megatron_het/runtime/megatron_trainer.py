@@ -89,8 +89,7 @@ class MegatronStrategy:
         if init_full_state is None:  # a fresh run: the seeded full model, as every strategy (initial_values.py)
             params = global_params([(self.gpt, self.layer_offset)], tied=self.tied)
             load_seeded(params, stage_holdings(params, rank=self.rank, stage_key=(self.dp_rank, pp_rank),
-                                               tp_rank=self.tp_rank, tp_size=shape.tp, gated=model.swiglu,
-                                               sequence_parallel=False),
+                                               tp_rank=self.tp_rank, tp_size=shape.tp, gated=model.swiglu),
                         SeededFullState(model, seed=train.seed, padded_vocab=self.stage.vocab_size))
         else:
             load_full_state(self.gpt, init_full_state, layer_offset=self.layer_offset, tp_rank=self.tp_rank,

@@ -252,7 +252,7 @@ class ShardedStrategy:
         from megatron_het.runtime.holdings import stage_holdings
 
         return stage_holdings(self.params, rank=self.rank, stage_key=(self.rank, 0), tp_rank=0, tp_size=1,
-                              gated=False, sequence_parallel=False), self.params
+                              gated=False), self.params
 
     def check_weights(self, context: str) -> int:
         from megatron_het.runtime.consistency import check_holders_agree

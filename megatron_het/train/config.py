@@ -43,6 +43,8 @@ class TrainConfig:
     clip_grad: float = 1.0  # global gradient-norm clip; 0 disables
     seed: int = 1234  # model initialisation and data order
     log_interval: int = 1  # iterations between log lines
+    log_params_norm: bool = False  # --log-params-norm: the global parameter norm after each step, in the log line
+    log_num_zeros_in_grad: bool = False  # --log-num-zeros-in-grad: zero gradient elements, in the log line
     # pieces per GEMM of the chunked TP collective/GEMM overlap on stages whose plan sets
     # tp_comm_overlap (comm/overlap.py); a shard whose rows it does not divide uses fewer
     tp_comm_overlap_chunks: int = 4
@@ -170,9 +172,13 @@ class LoopConfig:
     # --check-weight-hash-across-dp-replicas-interval, here over every holder: replicas of any layout,
     # TP peers of replicated parameters, tied copies); also checked before the first step; 0: never
     check_weight_hash_interval: int = 0
+    # end the run early, saving first when --save is given (Megatron-LM's flags of the same names; 0: never):
+    exit_interval: int = 0  # after the first iteration divisible by this
+    exit_duration_in_mins: float = 0  # after the first iteration that ends this many minutes into training
 
     def __post_init__(self) -> None:
-        for name in ("eval_interval", "eval_iters", "save_interval", "check_weight_hash_interval"):
+        for name in ("eval_interval", "eval_iters", "save_interval", "check_weight_hash_interval", "exit_interval",
+                     "exit_duration_in_mins"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
 

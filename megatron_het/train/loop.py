@@ -12,6 +12,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import torch
 import torch.distributed as dist
 
 from megatron_het.train.config import LoopConfig
@@ -29,7 +30,8 @@ def print_rank0(msg: str) -> None:
 
 def iteration_line(*, iteration: int, train_iters: int, global_batch_size: int, elapsed_s: float, lr: float,
                    loss: float, grad_norm: float, tokens_per_s: float, loss_scale: float | None = None,
-                   skipped: int | None = None, consumed_samples: int | None = None) -> str:
+                   skipped: int | None = None, consumed_samples: int | None = None,
+                   num_zeros: float | None = None, params_norm: float | None = None) -> str:
     """Megatron-LM's per-iteration log line (``elapsed_s``: mean per iteration over the log window);
     with fp16 loss scaling also the scale and the skipped iterations of the window, as Megatron.
     ``consumed_samples``: the run's data position (train/data_position.py; None: a fresh run's
@@ -41,7 +43,12 @@ def iteration_line(*, iteration: int, train_iters: int, global_batch_size: int, 
             f"| global batch size: {global_batch_size:5d} | lm loss: {loss:.6E} ")
     if loss_scale is not None:
         line += f"| loss scale: {loss_scale:.1f} "
-    line += f"| grad norm: {grad_norm:.3f} | tokens/s: {tokens_per_s:.0f}"
+    line += f"| grad norm: {grad_norm:.3f} "
+    if num_zeros is not None:  # --log-num-zeros-in-grad
+        line += f"| num zeros: {int(num_zeros)} "
+    if params_norm is not None:  # --log-params-norm
+        line += f"| params norm: {params_norm:.3f} "
+    line += f"| tokens/s: {tokens_per_s:.0f}"
     if skipped is not None:
         line += f" | number of skipped iterations: {skipped:3d}"
     return line
@@ -81,8 +88,9 @@ def train_loop(trainer: Trainer, *, loop: LoopConfig, seq_length: int, valid_fn:
     skipped = 0  # fp16: steps skipped on overflow in the current log window
     memory_reported = False
 
-    def after_step(entry: IterationLog) -> None:
-        nonlocal window_start, skipped, memory_reported
+    def after_step(entry: IterationLog) -> bool:
+        """Log, validate, check, save; True to end the run here (--exit-interval/-duration-in-mins)."""
+        nonlocal window_start, skipped, memory_reported, exit_reason
         it = entry.iteration
         skipped += int(entry.skipped)
         if it % train.log_interval == 0:
@@ -94,7 +102,8 @@ def train_loop(trainer: Trainer, *, loop: LoopConfig, seq_length: int, valid_fn:
                                        tokens_per_s=train.global_batch_size * seq_length / elapsed,
                                        loss_scale=entry.loss_scale,
                                        skipped=skipped if entry.loss_scale is not None else None,
-                                       consumed_samples=entry.consumed_samples))
+                                       consumed_samples=entry.consumed_samples, num_zeros=entry.num_zeros,
+                                       params_norm=entry.params_norm))
             skipped = 0
             if not memory_reported and entry.memory is not None:  # once, every rank's line, as Megatron
                 gathered = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
@@ -106,8 +115,26 @@ def train_loop(trainer: Trainer, *, loop: LoopConfig, seq_length: int, valid_fn:
             validate(it)
         if loop.check_weight_hash_interval and it % loop.check_weight_hash_interval == 0:
             check_weights(trainer, f"after iteration {it}")
+        exit_reason = exit_now(it)
+        if exit_reason is not None:
+            return True  # the end-of-run save below writes this iteration's checkpoint
         if loop.save and loop.save_interval and it % loop.save_interval == 0 and it < train.train_iters:
             print_rank0(f"saved checkpoint {trainer.save_checkpoint(loop.save, tokenizer_model=tokenizer_model)}")
+        return False
+
+    def exit_now(it: int) -> str | None:
+        """Megatron-LM's exit checks after iteration ``it``: the interval, then the wall time (a world
+        MAX of every rank's verdict, so all ranks stop at the same iteration)."""
+        if loop.exit_interval and it % loop.exit_interval == 0:
+            return f"exiting program at iteration {it} (--exit-interval {loop.exit_interval})"
+        if loop.exit_duration_in_mins:
+            minutes = (time.perf_counter() - train_start) / 60
+            done = torch.tensor([float(minutes > loop.exit_duration_in_mins)])
+            dist.all_reduce(done, op=dist.ReduceOp.MAX)  # host tensor: the world group is gloo-capable
+            if done.item():
+                return (f"exiting program after {minutes:.2f} minutes at iteration {it} "
+                        f"(--exit-duration-in-mins {loop.exit_duration_in_mins:g})")
+        return None
 
     def validate(it: int) -> None:
         loss = sum(trainer.evaluate(valid_fn, i) for i in range(loop.eval_iters)) / loop.eval_iters
@@ -122,10 +149,14 @@ def train_loop(trainer: Trainer, *, loop: LoopConfig, seq_length: int, valid_fn:
     if trainer.iteration > 0:  # resumed: the data continues where the checkpoint's run stopped
         print_rank0(f"resuming data at consumed samples {trainer.consumed_samples} (iteration {trainer.iteration}, "
                     f"global batch size {train.global_batch_size})")
+    train_start = time.perf_counter()
+    exit_reason: str | None = None
     logs = trainer.run(max(0, train.train_iters - trainer.iteration), on_iteration=after_step).iterations
+    if exit_reason is not None:
+        print_rank0(exit_reason)
     # Megatron-LM validates once more at the end of training (--eval-iters > 0 and a validation split);
-    # skipped when the last iteration was just validated (the same numbers)
-    if loop.eval_iters and valid_fn is not None and (not validation or validation[-1][0] != trainer.iteration):
+    # skipped when the last iteration was just validated (the same numbers), and on an early exit (as Megatron)
+    elif loop.eval_iters and valid_fn is not None and (not validation or validation[-1][0] != trainer.iteration):
         validate(trainer.iteration)
     if loop.save:
         print_rank0(f"saved checkpoint {trainer.save_checkpoint(loop.save, tokenizer_model=tokenizer_model)}")

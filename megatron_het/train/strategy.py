@@ -42,6 +42,8 @@ class StepResult:
     optimizer_s: float = 0.0  # the optimizer step, where a strategy measures it apart
     skipped: bool = False  # fp16: the step was skipped (gradients overflowed at this loss scale)
     loss_scale: float | torch.Tensor | None = None  # fp16: the loss scale the step ran with (None: no scaling)
+    params_norm: float | torch.Tensor | None = None  # --log-params-norm: global parameter norm after the step
+    num_zeros: float | torch.Tensor | None = None  # --log-num-zeros-in-grad: zero gradient elements, world-wide
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -74,6 +76,14 @@ class IterationLog:
     @property
     def loss_scale(self) -> float | None:
         return self.readout.get("loss_scale")
+
+    @property
+    def params_norm(self) -> float | None:
+        return self.readout.get("params_norm")
+
+    @property
+    def num_zeros(self) -> float | None:
+        return self.readout.get("num_zeros")
 
     @property
     def idle_s(self) -> float:

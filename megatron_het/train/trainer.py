@@ -107,7 +107,8 @@ class Trainer:
         elapsed = time.perf_counter() - start
         self.iteration = it + 1
         tokens = self.train.global_batch_size * self.strategy.model_spec.seq_length
-        readout = Readout(lm_loss=result.lm_loss, grad_norm=result.grad_norm, loss_scale=result.loss_scale)
+        readout = Readout(lm_loss=result.lm_loss, grad_norm=result.grad_norm, loss_scale=result.loss_scale,
+                          params_norm=result.params_norm, num_zeros=result.num_zeros)
         consumed = consumed_samples(self.strategy, self.iteration, self.train.global_batch_size)
         return IterationLog(iteration=self.iteration, consumed_samples=consumed, readout=readout, elapsed_s=elapsed,
                             compute_s=self.timer.compute_s, emulated_s=self.timer.emulated_s, comm_s=result.comm_s, optimizer_s=result.optimizer_s, tokens_per_s=tokens / elapsed,
@@ -133,7 +134,8 @@ class Trainer:
 
         Losses and norms stay on the device and are read once per ``train.log_interval`` (and at the
         end), as Megatron does: ``on_iteration`` sees every log, with its values read on the
-        log-interval iterations (reading one earlier reads it alone)."""
+        log-interval iterations (reading one earlier reads it alone); ``on_iteration`` returning True
+        ends the run after that iteration (Megatron's --exit-interval / --exit-duration-in-mins)."""
         initial = self.shards() if return_shards else None
         target = self.iteration + (iterations if iterations is not None else self.train.train_iters)
         logs = []
@@ -142,8 +144,9 @@ class Trainer:
             logs.append(log)
             if self.iteration >= target:
                 self.read_logs()  # the last window's values
-            if on_iteration is not None:
-                on_iteration(log)
+            if on_iteration is not None and on_iteration(log):
+                self.read_logs()  # the cut window's values
+                break
         final = self.shards() if return_shards else None
         keep = return_shards and self.strategy.reports_shards
         return RunResult(rank=self.strategy.rank, iterations=tuple(logs), initial_shards=initial if keep else None,

@@ -193,3 +193,66 @@ def test_a_fresh_run_and_its_resumed_half_train_the_same_model(common, tmp_path)
     out = run_local(2, fresh_start_worker, (cases, common), timeout_s=900)[0]
     assert out["first"]["losses"] + out["resumed"]["losses"] == pytest.approx(out["whole"]["losses"], rel=1e-7, abs=0)
     assert "weight check after loading iteration 4: every holder agrees" in out["resumed"]["log"]
+
+
+# Megatron's architecture flags on the tiny model (#35 item 3): RMSNorm, rotary, no linear biases but a
+# QKV bias, q/k norms (shared by the heads each TP rank holds: their gradients are summed over TP)
+# and squared ReLU
+ARCHITECTURE = ("--normalization", "RMSNorm", "--position-embedding-type", "rope", "--disable-bias-linear",
+                "--add-qkv-bias", "--qk-layernorm", "--squared-relu")
+
+
+@pytest.mark.multiproc
+def test_architecture_flags_train_the_single_process_model_under_tp2(common):
+    ref = _reference(common, *ARCHITECTURE)
+    plan = TWO_RANKS["tp2"][0]
+    out = run_local(2, fresh_start_worker, ([("tp2", plan, CPU2, list(ARCHITECTURE))], common), timeout_s=900)[0]
+    losses = out["tp2"]["losses"]
+    assert losses == pytest.approx(ref, rel=RTOL), (losses, ref)
+    assert losses[-1] < losses[0]
+    assert f"weight check after iteration {ITERS}: every holder agrees" in out["tp2"]["log"]
+
+
+@pytest.mark.multiproc
+def test_logged_params_norm_and_zero_gradients_are_the_whole_models(common):
+    """--log-params-norm / --log-num-zeros-in-grad (Megatron's log-line fields): under TP2 x PP2 the
+    norm after the last step is the norm of the single-process run's final model (float64 over its
+    assembled tensors, each counted once); TP2 x PP2 and TP4 count the same zero gradients every
+    iteration: the untied word-embedding rows of tokens a batch lacks (h = 64 zeros per row), each
+    element once, give or take an element whose gradient rounds to zero in one layout only."""
+    import re
+
+    flags = ("--log-params-norm", "--log-num-zeros-in-grad", "--untie-embeddings-and-output-weights")
+    cases = {"tp2pp2": (TP2PP2, flags), "tp4": (FOUR_RANKS["tp4"][0], flags)}
+    out = run_local(4, fresh_start_worker, (_cases(cases, CPU4), common), timeout_s=900)[0]
+    norms, zeros = {}, {}
+    for name in cases:
+        log = out[name]["log"]
+        norms[name] = [float(m) for m in re.findall(r"\| params norm: ([0-9.]+) ", log)]
+        zeros[name] = [int(m) for m in re.findall(r"\| num zeros: ([0-9]+) ", log)]
+        assert len(norms[name]) == len(zeros[name]) == ITERS, log[-3000:]
+    reference = run_local(1, reference_worker, (_argv(common, flags[-1]), PADDED_VOCAB))[0]
+    final = assemble_full_state([reference.shards])
+    want = torch.sqrt(sum(t.double().pow(2).sum() for t in final.values())).item()
+    assert norms["tp2pp2"][-1] == pytest.approx(want, rel=1e-5, abs=5e-4), (norms["tp2pp2"][-1], want)  # .3f
+    assert norms["tp4"] == pytest.approx(norms["tp2pp2"], abs=1e-3) and norms["tp2pp2"][0] != norms["tp2pp2"][-1]
+    assert all(abs(a - b) <= 2 for a, b in zip(zeros["tp2pp2"], zeros["tp4"])), zeros
+    assert min(zeros["tp4"]) >= 64 * 10, zeros  # rows of unseen tokens: whole rows of zeros
+
+
+@pytest.mark.multiproc
+def test_exit_interval_and_duration_end_the_run_with_a_checkpoint(common, tmp_path):
+    """Megatron's --exit-interval (a Slurm job split into pieces) and --exit-duration-in-mins (a time
+    limit): the run stops after that iteration, saves it when --save is given, and skips the final
+    validation, as Megatron-LM's exit does."""
+    from megatron_het.checkpoint.dist_ckpt import latest_iteration
+
+    tp2 = TWO_RANKS["tp2"][0]
+    cases = [("interval", tp2, CPU2, ["--exit-interval", "3", "--save", str(tmp_path / "a"), "--eval-iters", "1"]),
+             ("duration", tp2, CPU2, ["--exit-duration-in-mins", "1e-9", "--save", str(tmp_path / "b")])]
+    out = run_local(2, fresh_start_worker, (cases, common), timeout_s=900)[0]
+    assert len(out["interval"]["losses"]) == 3 and latest_iteration(str(tmp_path / "a")) == 3
+    assert "exiting program at iteration 3 (--exit-interval 3)" in out["interval"]["log"]
+    assert "validation loss" not in out["interval"]["log"]
+    assert len(out["duration"]["losses"]) == 1 and latest_iteration(str(tmp_path / "b")) == 1
+    assert "(--exit-duration-in-mins 1e-09)" in out["duration"]["log"]

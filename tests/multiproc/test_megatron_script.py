@@ -48,3 +48,15 @@ def test_megatron_flags_train_what_the_same_plan_file_trains():
     assert "plan: Megatron-LM's layout from the flags (no --hetero-plan): TP 2 x PP 2 x DP 1" in out
     for flag in ("--use-flash-attn", "--no-masked-softmax-fusion"):  # --distributed-backend nccl: the default
         assert f"note: {flag} " in out, flag
+
+
+@pytest.mark.multiproc
+def test_megatron_dropout_is_applied_under_tensor_parallelism():
+    """--hidden/--attention-dropout reach megatron-core's layers (the losses move off the dropout-free
+    run's) and a TP=2 x PP=2 run with them trains, every holder of each parameter in agreement
+    (checked every iteration)."""
+    plain, _ = _torchrun(MEGATRON_FLAGS + LAYOUT)
+    dropped, out = _torchrun(MEGATRON_FLAGS + LAYOUT + ["--hidden-dropout", "0.1", "--attention-dropout", "0.1",
+                                                        "--check-weight-hash-across-dp-replicas-interval", "1"])
+    assert len(dropped) == ITERS and dropped != plain, (dropped, plain)
+    assert dropped[-1] < dropped[0] - 0.05, dropped

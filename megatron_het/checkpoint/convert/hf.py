@@ -22,6 +22,7 @@ from megatron_het.checkpoint.convert.hf_tokenizer import TOKENIZER_MODEL, write_
 from megatron_het.checkpoint.convert.qkv import fuse_qkv, split_qkv
 from megatron_het.checkpoint.convert.state import OUTPUT_LAYER, POSITION_EMBEDDING, WORD_EMBEDDING, ModelState
 from megatron_het.cluster import ModelSpec
+from megatron_het.cluster.model_spec import off_recipe, recipe_of
 from megatron_het.utils.atomic import write_text_atomic
 from megatron_het.utils.json_file import FileProblem, read_json_file
 from megatron_het.utils.progress import ProgressCallback
@@ -43,6 +44,13 @@ _GPT2_BUFFERS = (".attn.bias", ".attn.masked_bias")
 def hf_config(model: ModelSpec) -> dict:
     """config.json for the model (GPT2LMHeadModel or LlamaForCausalLM)."""
     tied = not model.untie_embeddings_and_output_weights
+    off = off_recipe(model)
+    if off:
+        field, value = next(iter(off.items()))
+        arch = "Llama" if model.swiglu else "GPT-2"
+        raise ConvertError(f"{field}: Hugging Face's {arch} layout has {recipe_of(model.swiglu)[field]!r} (got "
+                           f"{value!r}). Fix: convert to Megatron's format (tools/convert.py --to megatron), which "
+                           f"holds any architecture, or train the {arch} recipe")
     if not model.swiglu:
         if model.num_query_groups != model.num_attention_heads:
             raise ConvertError(f"num_query_groups: GPT-2 has no grouped-query attention (got {model.num_query_groups} "

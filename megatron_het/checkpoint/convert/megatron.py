@@ -32,6 +32,7 @@ from megatron_het.checkpoint.convert.state import (
     unpad_vocab,
 )
 from megatron_het.cluster import ModelSpec
+from megatron_het.cluster.model_spec import NORMALIZATIONS, POSITION_EMBEDDING_TYPES, recipe_of
 from megatron_het.utils.atomic import write_bytes_atomic, write_text_atomic
 from megatron_het.utils.progress import ProgressCallback
 
@@ -64,16 +65,12 @@ FIXED_ARGS = (
              "without --rotary-seq-len-interpolation-factor", rope=True),
     FixedArg("use_rope_scaling", False, "Llama-3.1-style rotary scaling", "without --use-rope-scaling", rope=True),
     FixedArg("no_rope_freq", None, "layers without the rotary embedding", "without --no-rope-freq", rope=True),
-    FixedArg("apply_layernorm_1p", False, "zero-centred norm weights (stored as gamma - 1)",
-             "without --apply-layernorm-1p"),
     FixedArg("apply_residual_connection_post_layernorm", False, "the residual taken after the norm",
              "without --apply-residual-connection-post-layernorm"),
     FixedArg("openai_gelu", False, "the tanh GeLU", "without --openai-gelu"),
-    FixedArg("squared_relu", False, "the squared-ReLU activation", "without --squared-relu"),
     FixedArg("quick_geglu", False, "the quick-GeGLU activation", "without --quick-geglu"),
     FixedArg("glu_linear_offset", 0.0, "an offset in the gated MLP", "without --glu-linear-offset"),
     FixedArg("activation_func_clamp_value", None, "a clamped activation", "without --activation-func-clamp-value"),
-    FixedArg("qk_layernorm", False, "query/key layer norms", "without --qk-layernorm"),
     FixedArg("qk_l2_norm", False, "query/key L2 norms", "without --qk-l2-norm"),
     FixedArg("multi_latent_attention", False, "multi-latent attention", "without --multi-latent-attention"),
     FixedArg("attention_output_gate", False, "a gated attention output", "without --attention-output-gate"),
@@ -100,9 +97,10 @@ def megatron_args(model: ModelSpec, *, tp: int, pp: int, padded_vocab: int, iter
         max_position_embeddings=model.max_position_embeddings, vocab_size=model.vocab_size,
         padded_vocab_size=padded_vocab, make_vocab_size_divisible_by=128,
         swiglu=model.swiglu, untie_embeddings_and_output_weights=model.untie_embeddings_and_output_weights,
-        normalization="RMSNorm" if model.swiglu else "LayerNorm",
-        position_embedding_type="rope" if model.swiglu else "learned_absolute",
-        add_position_embedding=not model.swiglu, add_bias_linear=not model.swiglu, add_qkv_bias=False,
+        normalization=model.normalization, position_embedding_type=model.position_embedding_type,
+        add_position_embedding=model.position_embedding_type == "learned_absolute",
+        add_bias_linear=model.add_bias_linear, add_qkv_bias=model.add_qkv_bias, qk_layernorm=model.qk_layernorm,
+        apply_layernorm_1p=model.layernorm_zero_centered_gamma, squared_relu=model.squared_relu,
         tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, ckpt_format="torch_dist",
         iteration=iteration, consumed_train_samples=0,
         rotary_base=model.rotary_base, rotary_percent=model.rotary_percent,
@@ -121,16 +119,25 @@ def model_from_megatron_args(args: object, *, source: str) -> ModelSpec:
                            f"{get('padded_vocab_size')} when a tokenizer sets it). Fix: pass --model M.yaml with the "
                            f"unpadded vocab_size")
     swiglu = bool(get("swiglu", False))
-    recipe = {"normalization": "RMSNorm" if swiglu else "LayerNorm",
-              "position_embedding_type": "rope" if swiglu else "learned_absolute",
-              "add_bias_linear": not swiglu}
-    recipe.update({"add_qkv_bias": False} if swiglu else {"add_position_embedding": True})
-    for key, want in recipe.items():
-        if get(key, want) != want:
-            raise ConvertError(f"{source}: args.{key} is {get(key)!r}, megatron-het's {'Llama' if swiglu else 'GPT'} "
-                               f"recipe has {want!r}. Fix: convert a checkpoint of that recipe")
+    recipe = recipe_of(swiglu)  # a checkpoint without these args predates them: Megatron's flags were the recipe's
+    architecture = {"normalization": get("normalization", recipe["normalization"]),
+                    "position_embedding_type": get("position_embedding_type", recipe["position_embedding_type"]),
+                    "add_bias_linear": bool(get("add_bias_linear", recipe["add_bias_linear"])),
+                    "add_qkv_bias": bool(get("add_qkv_bias", False)), "qk_layernorm": bool(get("qk_layernorm", False)),
+                    "layernorm_zero_centered_gamma": bool(get("apply_layernorm_1p", False)),
+                    "squared_relu": bool(get("squared_relu", False))}
+    for key, choices in (("normalization", NORMALIZATIONS), ("position_embedding_type", POSITION_EMBEDDING_TYPES)):
+        if architecture[key] not in choices:
+            raise ConvertError(f"not implemented: megatron-het builds {key} {' or '.join(choices)} only",
+                               field=f"args.{key}", value=architecture[key], file=source,
+                               fix=f"convert a checkpoint trained with one of {', '.join(choices)}")
+    rope = architecture["position_embedding_type"] == "rope"
+    if architecture["position_embedding_type"] == "learned_absolute" and get("add_position_embedding", True) is False:
+        raise ConvertError("learned positions without a position embedding (--no-position-embedding; Megatron-LM "
+                           "refuses it without rope)", field="args.add_position_embedding", value=False,
+                           file=source, fix="convert a checkpoint trained with --position-embedding-type none or rope")
     for arg in FIXED_ARGS:
-        if arg.rope and not swiglu:
+        if arg.rope and not rope:
             continue  # learned positions: rotary settings are recorded but unused
         value = get(arg.name, arg.value)
         if value != arg.value:
@@ -140,10 +147,10 @@ def model_from_megatron_args(args: object, *, source: str) -> ModelSpec:
                                fix=f"convert a checkpoint trained {arg.trained}")
     # Megatron-LM's own names (its --norm-epsilon is stored as layernorm_epsilon)
     tuned = {"kv_channels": get("kv_channels"), "init_method_std": get("init_method_std"),
-             "layernorm_epsilon": get("layernorm_epsilon", get("norm_epsilon"))}
-    if swiglu:  # rotary positions: the recorded base and share count
+             "layernorm_epsilon": get("layernorm_epsilon", get("norm_epsilon"))}  # dropout: the run's flags
+    if rope:  # rotary positions: the recorded base and share count
         tuned.update(rotary_base=get("rotary_base"), rotary_percent=get("rotary_percent"))
-    return ModelSpec(**{k: v for k, v in tuned.items() if v is not None},num_layers=int(get("num_layers")), hidden_size=int(get("hidden_size")),
+    return ModelSpec(**{k: v for k, v in tuned.items() if v is not None}, **architecture, num_layers=int(get("num_layers")), hidden_size=int(get("hidden_size")),
                      num_attention_heads=int(get("num_attention_heads")),
                      num_query_groups=int(get("num_query_groups")) if get("group_query_attention") else None,
                      ffn_hidden_size=get("ffn_hidden_size"), seq_length=int(get("seq_length")),

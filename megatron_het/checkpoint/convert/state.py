@@ -47,15 +47,18 @@ def layer_shapes(model: ModelSpec) -> dict[str, tuple[int, ...]]:
         "mlp.linear_fc1.weight": (fc1, h),
         "mlp.linear_fc2.weight": (h, ffn),
     }
-    if not model.swiglu:  # GPT recipe: LayerNorm with bias and biased linears; Llama has neither
-        shapes.update({
-            "input_layernorm.bias": (h,),
-            "self_attention.linear_qkv.bias": (qkv,),
-            "self_attention.linear_proj.bias": (h,),
-            "pre_mlp_layernorm.bias": (h,),
-            "mlp.linear_fc1.bias": (fc1,),
-            "mlp.linear_fc2.bias": (h,),
-        })
+    if model.normalization == "LayerNorm":  # RMSNorm has no bias
+        shapes.update({"input_layernorm.bias": (h,), "pre_mlp_layernorm.bias": (h,)})
+    if model.add_bias_linear:
+        shapes.update({"self_attention.linear_proj.bias": (h,), "mlp.linear_fc1.bias": (fc1,),
+                       "mlp.linear_fc2.bias": (h,)})
+    if model.add_bias_linear or model.add_qkv_bias:
+        shapes["self_attention.linear_qkv.bias"] = (qkv,)
+    if model.qk_layernorm:
+        for norm in ("q_layernorm", "k_layernorm"):
+            shapes[f"self_attention.{norm}.weight"] = (d,)
+            if model.normalization == "LayerNorm":
+                shapes[f"self_attention.{norm}.bias"] = (d,)
     return shapes
 
 
@@ -63,13 +66,13 @@ def expected_shapes(model: ModelSpec) -> dict[str, tuple[int, ...]]:
     """Every tensor of the neutral form and its shape (unpadded vocabulary)."""
     h = model.hidden_size
     out: dict[str, tuple[int, ...]] = {WORD_EMBEDDING: (model.vocab_size, h)}
-    if not model.swiglu:  # learned absolute positions (GPT); Llama uses rotary
+    if model.position_embedding_type == "learned_absolute":  # rotary and none have no parameters
         out[POSITION_EMBEDDING] = (model.max_position_embeddings, h)
     for i in range(model.num_layers):
         for suffix, shape in layer_shapes(model).items():
             out[f"decoder.layers.{i}.{suffix}"] = shape
     out["decoder.final_layernorm.weight"] = (h,)
-    if not model.swiglu:
+    if model.normalization == "LayerNorm":
         out["decoder.final_layernorm.bias"] = (h,)
     if model.untie_embeddings_and_output_weights:
         out[OUTPUT_LAYER] = (model.vocab_size, h)

@@ -40,12 +40,9 @@ def test_args_of_an_older_megatron_without_the_fields_are_read():
 
 # Model settings Megatron-LM records that the runtime does not build (zero-centred LayerNorm, ...).
 @pytest.mark.parametrize(("field", "value", "fix"), [
-    ("apply_layernorm_1p", True, "without --apply-layernorm-1p"),
     ("rotary_interleaved", True, "without --rotary-interleaved"),
     ("rotary_seq_len_interpolation_factor", 4, "without --rotary-seq-len-interpolation-factor"),
     ("use_rope_scaling", True, "without --use-rope-scaling"),
-    ("qk_layernorm", True, "without --qk-layernorm"),
-    ("squared_relu", True, "without --squared-relu"),
     ("num_experts", 8, "without --num-experts"),
     ("multi_latent_attention", True, "without --multi-latent-attention"),
     ("window_size", (128, 0), "without --window-size"),
@@ -61,23 +58,34 @@ def test_llama_args_the_runtime_does_not_build_are_refused_by_name(field, value,
     assert f"(got {value!r}). Fix: convert a checkpoint trained {fix}" in message, message
 
 
-@pytest.mark.parametrize(("field", "value", "want"), [
-    ("normalization", "LayerNorm", "'RMSNorm'"),
-    ("position_embedding_type", "learned_absolute", "'rope'"),
-    ("add_qkv_bias", True, "False"),  # a bias only the Llama recipe lacks: it would be dropped
+@pytest.mark.parametrize(("arg", "value", "field"), [
+    ("normalization", "LayerNorm", "normalization"),
+    ("position_embedding_type", "learned_absolute", "position_embedding_type"),
+    ("position_embedding_type", "none", "position_embedding_type"),
+    ("add_bias_linear", True, "add_bias_linear"),
+    ("add_qkv_bias", True, "add_qkv_bias"),
+    ("qk_layernorm", True, "qk_layernorm"),
+    ("apply_layernorm_1p", True, "layernorm_zero_centered_gamma"),
 ])
-def test_llama_recipe_settings_are_refused_by_name(field, value, want):
-    with pytest.raises(ConvertError, match=rf"args.{field} is {value!r}, megatron-het's Llama recipe has {want}"):
-        model_from_megatron_args(_args(LLAMA, **{field: value}), source="ckpt")
+def test_architecture_args_are_read_into_the_model(arg, value, field):
+    """#35 item 3: each architecture choice Megatron-LM records is the model's own field, not a recipe
+    the checkpoint must match; written back, it says the same."""
+    changes = {arg: value}
+    if arg == "position_embedding_type":  # Megatron-LM records both
+        changes["add_position_embedding"] = value == "learned_absolute"
+    model = model_from_megatron_args(_args(LLAMA, **changes), source="ckpt")
+    assert getattr(model, field) == value
+    assert model_from_megatron_args(megatron_args(model, tp=1, pp=1, padded_vocab=128, iteration=1),
+                                    source="ckpt") == model
 
 
-def test_rotary_settings_of_a_learned_position_model_do_not_matter():
-    """Megatron-LM records --rotary-base & co. for every model; a GPT with learned positions ignores them."""
-    assert model_from_megatron_args(_args(GPT, rotary_base=500000, rotary_percent=0.5), source="ckpt") == GPT
-    with pytest.raises(ConvertError, match=r"args.apply_layernorm_1p: .*\(got True\)"):
-        model_from_megatron_args(_args(GPT, apply_layernorm_1p=True), source="ckpt")
-    with pytest.raises(ConvertError, match=r"args.add_position_embedding is False, megatron-het's GPT recipe"):
-        model_from_megatron_args(_args(GPT, add_position_embedding=False), source="ckpt")
+def test_squared_relu_is_read_and_an_unknown_norm_refused():
+    assert model_from_megatron_args(_args(GPT, squared_relu=True), source="ckpt").squared_relu
+    with pytest.raises(ConvertError, match=r"args.normalization: not implemented: megatron-het builds normalization "
+                                           r"LayerNorm or RMSNorm only \(got 'L2Norm'\)"):
+        model_from_megatron_args(_args(LLAMA, normalization="L2Norm"), source="ckpt")
+    with pytest.raises(ConvertError, match=r"args.position_embedding_type: .*\(got 'yarn'\)"):
+        model_from_megatron_args(_args(LLAMA, position_embedding_type="yarn"), source="ckpt")
 
 
 @pytest.mark.parametrize(("field", "value"), [

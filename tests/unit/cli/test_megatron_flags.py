@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import math
 import os
 import subprocess
 import sys
@@ -136,8 +137,9 @@ def test_the_runs_defaults_are_megatrons(megatron_only):
 @pytest.mark.parametrize("extra,names", [
     (["--num-experts", "8"], ["--num-experts 8", "#37"]),
     (["--context-parallel-size", "2"], ["--context-parallel-size 2", "#38"]),
-    (["--swiglu", "--normalization", "LayerNorm"], ["--normalization LayerNorm", "RMSNorm"]),
-    (["--hidden-dropout", "0.2"], ["--hidden-dropout 0.2", "without dropout"]),
+    (["--openai-gelu"], ["--openai-gelu True", "exact GeLU"]),
+    (["--swiglu", "--squared-relu"], ["squared_relu", "keep one of swiglu and squared_relu"]),
+    (["--normalization", "L2Norm"], ["--normalization", "invalid choice"]),
     (["--lr-decay-style", "WSD"], ["--lr-decay-style WSD needs", "--lr-wsd-decay-iters"]),
     (["--rampup-batch-size", "16", "16", "100"], ["--rampup-batch-size [16, 16, 100]"]),
     (["--decoupled-lr", "1e-4"], ["--decoupled-lr 0.0001"]),
@@ -163,12 +165,7 @@ def test_announced_flags_and_defaults_are_said_once():
     notes = parse_args(BASE + ["--use-flash-attn", "--no-masked-softmax-fusion", "--swiglu"]).notes
     joined = "\n".join(notes)
     assert "--use-flash-attn True is ignored" in joined and "--no-masked-softmax-fusion False is ignored" in joined
-    # --swiglu builds RMSNorm/RoPE/no biases: Megatron's defaults for those are not silently replaced
-    for flag in ("--normalization", "--position-embedding-type", "--disable-bias-linear", "--hidden-dropout"):
-        assert sum(flag in n for n in notes) == 1, flag
-    stated = parse_args(BASE + ["--swiglu", "--normalization", "RMSNorm", "--position-embedding-type", "rope",
-                                "--disable-bias-linear", "--hidden-dropout", "0", "--attention-dropout", "0"]).notes
-    assert not any(f in n for n in stated for f in ("--normalization", "--position-embedding-type", "dropout"))
+    assert sum("--make-vocab-size-divisible-by" in n for n in notes) == 0  # Megatron's 128 is what is built
 
 
 def test_query_groups_count_only_with_group_query_attention():
@@ -256,3 +253,78 @@ def test_model_flags_reach_the_model():
                                                post_process=True, vocab_size=512))
     assert (config.kv_channels, config.init_method_std, config.layernorm_epsilon) == (32, 0.006, 1e-6)
     assert parse_args(BASE + ["--hidden-size", "128"]).model.kv_channels == 32  # the file's, re-derived: 128 / 4
+
+
+SHAPE = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
+         "--max-position-embeddings", "32", "--vocab-size", "512", "--micro-batch-size", "1"]
+FLAGS_ONLY = [a for a in BASE if a not in ("--hetero-model", MODEL)] + SHAPE
+
+
+def test_without_a_model_file_the_architecture_is_megatrons():
+    """#35 item 3: --swiglu is the MLP alone; norm, positions, biases and dropout are Megatron's
+    defaults unless their own flags say otherwise (Megatron-LM builds exactly this)."""
+    m = parse_args(FLAGS_ONLY + ["--swiglu"]).model
+    assert (m.swiglu, m.normalization, m.position_embedding_type, m.add_bias_linear, m.hidden_dropout,
+            m.attention_dropout) == (True, "LayerNorm", "learned_absolute", True, 0.1, 0.1)
+    m = parse_args(FLAGS_ONLY + ["--normalization", "RMSNorm", "--position-embedding-type", "rope",
+                                 "--disable-bias-linear", "--add-qkv-bias", "--qk-layernorm", "--squared-relu",
+                                 "--hidden-dropout", "0.0", "--attention-dropout", "0.05"]).model
+    assert (m.swiglu, m.squared_relu, m.normalization, m.position_embedding_type, m.add_bias_linear, m.add_qkv_bias,
+            m.qk_layernorm, m.hidden_dropout, m.attention_dropout) == (
+        False, True, "RMSNorm", "rope", False, True, True, 0.0, 0.05)
+
+
+def test_a_model_file_keeps_its_recipe_and_flags_override_it(tmp_path):
+    llama = tmp_path / "llama.yaml"
+    llama.write_text("num_layers: 2\nhidden_size: 64\nnum_attention_heads: 4\nseq_length: 32\nvocab_size: 512\n"
+                     "swiglu: true\n")
+    argv = [a if a != MODEL else str(llama) for a in BASE] + ["--micro-batch-size", "1"]
+    m = parse_args(argv).model
+    assert (m.normalization, m.position_embedding_type, m.add_bias_linear, m.hidden_dropout) == (
+        "RMSNorm", "rope", False, 0.0)
+    m = parse_args(argv + ["--normalization", "LayerNorm", "--hidden-dropout", "0.1"]).model
+    assert (m.normalization, m.position_embedding_type, m.hidden_dropout) == ("LayerNorm", "rope", 0.1)
+
+
+ARCHITECTURES = {
+    "gpt2": {},
+    "llama": {"swiglu": True},
+    "swiglu-layernorm-bias": {"swiglu": True, "normalization": "LayerNorm", "add_bias_linear": True,
+                              "position_embedding_type": "learned_absolute"},
+    "rope-no-bias-qkv-bias-qk-norm": {"position_embedding_type": "rope", "add_bias_linear": False,
+                                      "add_qkv_bias": True, "qk_layernorm": True},
+    "rmsnorm-squared-relu-no-positions": {"normalization": "RMSNorm", "squared_relu": True,
+                                          "position_embedding_type": "none", "untie_embeddings_and_output_weights": True},
+}
+
+
+@pytest.mark.parametrize("name", ARCHITECTURES)
+def test_megatron_core_builds_the_described_architecture(name):
+    """The model megatron-core builds from a ModelSpec has exactly the tensors the converters
+    (checkpoint/convert/state.expected_shapes) and the performance model (perf/flops) count."""
+    from megatron_het.checkpoint.convert.state import expected_shapes
+    from megatron_het.perf.flops import padded_vocab_size, total_parameters
+    from megatron_het.plan.layout import homogeneous_plan
+    from megatron_het.runtime.holdings import plan_holdings
+
+    model = _model(**ARCHITECTURES[name])
+    plan = homogeneous_plan(tp=1, pp=1, dp=1, num_layers=2, micro_batch_size=1, global_batch_size=1)
+    built = {h.name: h.full_shape for h in plan_holdings(plan, model)}  # megatron-core's GPTModel, on meta
+    want = expected_shapes(model)
+    padded = padded_vocab_size(model.vocab_size, tp=1)
+    want = {n: (padded, *s[1:]) if s[0] == model.vocab_size else s for n, s in want.items()}
+    assert built == want
+    vocab_pad = (padded - model.vocab_size) * model.hidden_size * (2 if model.untie_embeddings_and_output_weights else 1)
+    assert sum(math.prod(s) for s in built.values()) - vocab_pad == total_parameters(model)
+
+
+def test_each_architecture_flag_reaches_megatron_cores_config():
+    from megatron_het.model.gpt import StageModelSpec, transformer_config
+
+    model = _model(normalization="RMSNorm", position_embedding_type="rope", add_bias_linear=False, add_qkv_bias=True,
+                   qk_layernorm=True, squared_relu=True, hidden_dropout=0.1, attention_dropout=0.2)
+    c = transformer_config(StageModelSpec(model=model, num_layers=1, layer_offset=0, tp=1, pre_process=True,
+                                          post_process=True, vocab_size=512))
+    assert (c.normalization, c.add_bias_linear, c.add_qkv_bias, c.qk_layernorm, c.activation_func.__name__,
+            c.gated_linear_unit, c.hidden_dropout, c.attention_dropout) == (
+        "RMSNorm", False, True, True, "squared_relu", False, 0.1, 0.2)
