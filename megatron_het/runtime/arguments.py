@@ -451,6 +451,10 @@ def parse_args(argv: list[str] | None = None) -> PretrainArgs:
         defaults = {dest: action.default for dest, action in megatron_dests(parser).items()}
         notes += review_flags(ns, defaults=defaults, given=given, honoured=honoured, model=model,
                               spell=lambda dest: option_name(parser, dest))
+        if model.layernorm_zero_centered_gamma and not _transformer_engine_builds(train["transformer_impl"]):
+            raise ValueError("--apply-layernorm-1p: megatron-core's local layers (no transformer-engine in this "
+                             "process) have no zero-centred norm. Fix: run where transformer-engine is installed, "
+                             "or drop --apply-layernorm-1p")
         train_config = TrainConfig(**train)
         loop = LoopConfig(**values["loop"])
         check_load_path(loop)
@@ -469,6 +473,15 @@ def parse_args(argv: list[str] | None = None) -> PretrainArgs:
                         staggered_step=bool(run["staggered_step"]), device_stand_in=bool(run["device_stand_in"]),
                         tensor_model_parallel_size=run["tensor_model_parallel_size"],
                         pipeline_model_parallel_size=run["pipeline_model_parallel_size"], notes=tuple(notes))
+
+
+def _transformer_engine_builds(transformer_impl: str | None) -> bool:
+    """Whether the layers will be transformer-engine's (model/gpt.layer_spec's choice), before rendezvous."""
+    if transformer_impl == "local":
+        return False
+    from megatron_het.platform import detect_optional_accelerators
+
+    return detect_optional_accelerators().transformer_engine
 
 
 def check_load_path(loop: LoopConfig) -> None:

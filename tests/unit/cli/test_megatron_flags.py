@@ -140,6 +140,7 @@ def test_the_runs_defaults_are_megatrons(megatron_only):
     (["--openai-gelu"], ["--openai-gelu True", "exact GeLU"]),
     (["--swiglu", "--squared-relu"], ["squared_relu", "keep one of swiglu and squared_relu"]),
     (["--normalization", "L2Norm"], ["--normalization", "invalid choice"]),
+    (["--apply-layernorm-1p"], ["--apply-layernorm-1p: megatron-core's local layers", "transformer-engine"]),
     (["--lr-decay-style", "WSD"], ["--lr-decay-style WSD needs", "--lr-wsd-decay-iters"]),
     (["--rampup-batch-size", "16", "16", "100"], ["--rampup-batch-size [16, 16, 100]"]),
     (["--decoupled-lr", "1e-4"], ["--decoupled-lr 0.0001"]),
