@@ -87,10 +87,12 @@ def resolve_plan(args: PretrainArgs) -> AnyPlan:
             raise ConfigError("the plan is a sharded data-parallel plan (no tensor parallelism)",
                               field="--sequence-parallel / --tp-comm-overlap", value=args.plan_source,
                               fix="drop the flags or use a pipeline/TP plan")
-        if args.train.log_params_norm or args.train.log_num_zeros_in_grad:  # the pipeline strategy computes them
-            raise ConfigError("the sharded data-parallel strategy does not compute these norms yet",
-                              field="--log-params-norm / --log-num-zeros-in-grad", value=args.plan_source,
-                              fix="drop the flags, or use a pipeline/TP plan")
+        for flag, given in (("--log-params-norm", args.train.log_params_norm),
+                            ("--log-num-zeros-in-grad", args.train.log_num_zeros_in_grad),
+                            ("--decoupled-lr", args.train.decoupled_lr is not None)):
+            if given:  # built in the pipeline strategy only
+                raise ConfigError("the sharded data-parallel strategy does not support it yet", field=flag,
+                                  value=args.plan_source, fix=f"drop {flag}, or use a pipeline/TP plan")
     else:
         plan = apply_overlap_flags(plan, args)
         if args.use_distributed_optimizer:

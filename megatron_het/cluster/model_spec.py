@@ -38,7 +38,7 @@ def recipe_of(swiglu: bool) -> dict[str, object]:
     return {"normalization": "RMSNorm" if swiglu else "LayerNorm",
             "position_embedding_type": "rope" if swiglu else "learned_absolute",
             "add_bias_linear": not swiglu, "add_qkv_bias": False, "qk_layernorm": False,
-            "layernorm_zero_centered_gamma": False, "squared_relu": False}
+            "layernorm_zero_centered_gamma": False, "squared_relu": False, "rotary_interleaved": False}
 
 
 def off_recipe(model: ModelSpec) -> dict[str, object]:
@@ -67,6 +67,7 @@ class ModelSpec:
     init_method_std: float = 0.02  # std of the normal initial weights (--init-method-std)
     rotary_base: int = 10000  # RoPE theta (--rotary-base; used where positions are rotary)
     rotary_percent: float = 1.0  # share of each head's channels that rotate (--rotary-percent)
+    rotary_interleaved: bool = False  # --rotary-interleaved: rotate channel pairs (2i, 2i+1), not halves
     layernorm_epsilon: float = 1e-5  # epsilon of every LayerNorm/RMSNorm (--norm-epsilon)
     # Architecture choices, Megatron-LM's flags of the same names. None: the recipe ``swiglu`` names
     # (True: Llama's RMSNorm, rotary positions, no linear biases; False: GPT-2's LayerNorm, learned
@@ -135,7 +136,8 @@ class ModelSpec:
             if getattr(self, f) not in choices:
                 raise ConfigError(f"must be one of {', '.join(choices)}", field=f, value=getattr(self, f),
                                   fix=f"use {choices[0]} or {choices[1]}")
-        for f in ("add_bias_linear", "add_qkv_bias", "qk_layernorm", "layernorm_zero_centered_gamma", "squared_relu"):
+        for f in ("add_bias_linear", "add_qkv_bias", "qk_layernorm", "layernorm_zero_centered_gamma", "squared_relu",
+                  "rotary_interleaved"):
             as_bool(getattr(self, f), f)
         for f in ("hidden_dropout", "attention_dropout"):
             if not as_float(getattr(self, f), f, inclusive=True) < 1:

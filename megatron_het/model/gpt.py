@@ -81,6 +81,7 @@ def transformer_config(spec: StageModelSpec, *, pp: int = 1, cpu_initialization:
         add_qkv_bias=m.add_qkv_bias,
         qk_layernorm=m.qk_layernorm,
         layernorm_zero_centered_gamma=m.layernorm_zero_centered_gamma,
+        rotary_interleaved=m.rotary_interleaved,
         bf16=spec.params_dtype == torch.bfloat16,
         fp16=spec.params_dtype == torch.float16,
         perform_initialization=initialize,

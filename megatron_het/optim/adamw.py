@@ -49,6 +49,8 @@ class ShardedAdamW:
     exp_avg: torch.Tensor | None = None  # Adam first moment (zeros at start)
     exp_avg_sq: torch.Tensor | None = None  # Adam second moment (zeros at start)
     step_count: int = 0  # optimizer steps taken (bias correction)
+    # 1.0 where the element takes --decoupled-lr (word embedding, output layer); None: no such element
+    decoupled: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         if self.master.dim() != 1 or self.mask.shape != self.master.shape:
@@ -60,19 +62,26 @@ class ShardedAdamW:
             self.exp_avg_sq = torch.zeros_like(self.master)
 
     @torch.no_grad()
-    def step(self, grad: torch.Tensor, lr: float) -> None:
-        """One AdamW update of the shard with its (already reduced and clipped) gradient."""
+    def step(self, grad: torch.Tensor, lr: float, decoupled_lr: float | None = None) -> None:
+        """One AdamW update of the shard with its (already reduced and clipped) gradient;
+        ``decoupled_lr``: the rate of the ``decoupled`` elements (--decoupled-lr)."""
         if grad.shape != self.master.shape:
             raise ValueError(f"grad: shape {tuple(grad.shape)} does not match the shard {tuple(self.master.shape)}. "
                              "Fix: pass this rank's reduce-scattered gradient")
         t = self.train
         self.step_count += 1
-        wd = lr * t.weight_decay
-        if wd:
-            self.master.mul_(1.0 - wd * self.mask)  # decoupled decay, masked per element
+        # a per-element rate only where some element takes another (the scalar path is torch's, exactly)
+        rate = (lr if decoupled_lr is None or self.decoupled is None or decoupled_lr == lr
+                else torch.lerp(torch.full_like(self.master, lr), torch.full_like(self.master, decoupled_lr),
+                                self.decoupled))
+        if t.weight_decay:
+            self.master.mul_(1.0 - rate * t.weight_decay * self.mask)  # decoupled decay, masked per element
         self.exp_avg.lerp_(grad, 1.0 - t.adam_beta1)
         self.exp_avg_sq.mul_(t.adam_beta2).addcmul_(grad, grad, value=1.0 - t.adam_beta2)
         bias1 = 1.0 - t.adam_beta1 ** self.step_count
         bias2_sqrt = math.sqrt(1.0 - t.adam_beta2 ** self.step_count)
         denom = (self.exp_avg_sq.sqrt() / bias2_sqrt).add_(t.adam_eps)
-        self.master.addcdiv_(self.exp_avg, denom, value=-lr / bias1)
+        if isinstance(rate, torch.Tensor):
+            self.master.sub_(self.exp_avg / denom * (rate / bias1))
+        else:
+            self.master.addcdiv_(self.exp_avg, denom, value=-rate / bias1)

@@ -38,6 +38,7 @@ from megatron_het.optim.adamw import ShardedAdamW, decays
 from megatron_het.optim.holders import ShardBucket, block, canonical_flat, plan_shard_buckets, write_canonical
 from megatron_het.optim.layout import ShardLayout
 from megatron_het.optim.norms import sum_of_squares_f64
+from megatron_het.train.lr_schedule import is_decoupled
 
 __all__ = ["DistributedOptimizer"]
 
@@ -106,20 +107,25 @@ class DistributedOptimizer:
             pos += sum(p.stop - p.start for p in self._pieces[i])
         self.shard_numel = pos
         mask = torch.zeros(pos, device=device)
+        decoupled = torch.zeros(pos, device=device) if train.decoupled_lr is not None else None
         for i in self._mine:
             at = self._start[i]
             for p in self._pieces[i]:
                 if decays(p.name, tuple(self.local[p.name].full_shape)):
                     mask[at:at + p.stop - p.start] = 1.0
+                if decoupled is not None and is_decoupled(p.name):
+                    decoupled[at:at + p.stop - p.start] = 1.0
                 at += p.stop - p.start
-        self.adam = ShardedAdamW(master=self._my_pieces(lambda n: self.params[n].detach()), mask=mask, train=train)
+        self.adam = ShardedAdamW(master=self._my_pieces(lambda n: self.params[n].detach()), mask=mask, train=train,
+                                 decoupled=decoupled)
         # fp32: the model parameters are the main values (as in Megatron's fp32 distributed optimizer),
         # so the fp32 pieces exist only during a step; mixed precision keeps them (the only fp32 copy)
         self.keeps_master = self.main_grads is not None
         if not self.keeps_master:
             self.adam.master = self._empty()
         self.shard_grad = self._empty()  # reduced gradient pieces, from reduce() to step()
-        self.param_groups = [{"lr": train.lr}]  # the strategy sets the learning rate here each step
+        # the strategy sets the learning rates here each step (decoupled_lr: --decoupled-lr's, or None)
+        self.param_groups = [{"lr": train.lr, "decoupled_lr": None}]
         self._pending: dict[int, object] = {}  # bucket index -> gather in flight (overlap_param_gather)
         self._hooks = []
         if overlap_param_gather_in is not None:
@@ -327,11 +333,11 @@ class DistributedOptimizer:
         copy of the gathered values into the model's parameters (a cast per element, unstretched here while
         the plain optimizer's ``copy_to_model`` is stretched: small beside the update, left so)."""
         self.finish_param_gather()
-        lr = float(self.param_groups[0]["lr"])
+        lr, decoupled_lr = float(self.param_groups[0]["lr"]), self.param_groups[0].get("decoupled_lr")
 
         def update() -> None:
             self._master()
-            self.adam.step(self.shard_grad, lr)
+            self.adam.step(self.shard_grad, lr, decoupled_lr)
 
         (compute or (lambda fn: fn()))(update)
         if self.overlap_param_gather:  # finished by the next forward's pre-hooks, bucket by bucket

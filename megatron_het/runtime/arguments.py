@@ -50,6 +50,7 @@ FLAGS = (
     Flag("--init-method-std", "model.init_method_std", float),
     Flag("--rotary-base", "model.rotary_base", int),
     Flag("--rotary-percent", "model.rotary_percent", float),
+    Flag("--rotary-interleaved", "model.rotary_interleaved", bool),
     Flag("--norm-epsilon", "model.layernorm_epsilon", float),
     Flag("--swiglu", "model.swiglu", bool),
     # architecture (ModelSpec's fields of the same meaning); without a model file Megatron's defaults
@@ -79,6 +80,8 @@ FLAGS = (
     *(Flag(f"--{f.replace('_', '-')}", f"train.{f}", float) for f in (
         "lr", "min_lr", "weight_decay", "adam_beta1", "adam_beta2", "adam_eps", "clip_grad")),
     Flag("--lr-decay-style", "train.lr_decay_style"),
+    Flag("--decoupled-lr", "train.decoupled_lr", float),
+    Flag("--decoupled-min-lr", "train.decoupled_min_lr", float),
     *(Flag(f"--{f.replace('_', '-')}", f"train.{f}", int) for f in (
         "lr_decay_iters", "lr_wsd_decay_iters", "train_samples", "lr_decay_samples", "lr_warmup_samples",
         "lr_wsd_decay_samples")),

@@ -72,6 +72,7 @@ from megatron_het.runtime.stage_groups import build_stage_groups
 from megatron_het.schedule import Action, build_schedule
 from megatron_het.train.config import TrainConfig
 from megatron_het.train.data_position import DataPosition, position_from_checkpoint, positioned_batches
+from megatron_het.train.lr_schedule import decoupled_lr_at, is_decoupled
 from megatron_het.train.strategy import ActionHook, BatchFn, IterationLog, StepResult
 from megatron_het.train.timer import EmulationTimer, emulation_timer
 from megatron_het.train.trainer import Trainer, TrainerHooks
@@ -356,10 +357,13 @@ class PipelineStrategy:
         if self.plan.use_distributed_optimizer:
             return self.sync
         train = self.train
-        decay = [p for n, p in self.opt_params.items() if not (p.dim() == 1 or n.endswith(".bias"))]
-        no_decay = [p for n, p in self.opt_params.items() if p.dim() == 1 or n.endswith(".bias")]
+        groups: dict[tuple[bool, bool], list[torch.nn.Parameter]] = {}  # (decays, decoupled) -> parameters
+        for n, p in self.opt_params.items():
+            key = (not (p.dim() == 1 or n.endswith(".bias")), train.decoupled_lr is not None and is_decoupled(n))
+            groups.setdefault(key, []).append(p)
         return torch.optim.AdamW(
-            [{"params": decay, "weight_decay": train.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+            [{"params": ps, "weight_decay": train.weight_decay if wd else 0.0, "decoupled": dec}
+             for (wd, dec), ps in sorted(groups.items(), reverse=True)],
             lr=train.lr, betas=(train.adam_beta1, train.adam_beta2), eps=train.adam_eps)
 
     def _executor(self, actions: Sequence[Action], links: Mapping[int, BoundaryLink], *,
@@ -425,8 +429,11 @@ class PipelineStrategy:
 
     # ---- one iteration ----------------------------------------------------------------------
     def step(self, iteration: int, *, lr: float, timer: EmulationTimer, on_action: ActionHook | None) -> StepResult:
+        decoupled_lr = decoupled_lr_at(self.train, iteration)
         for group in self.optimizer.param_groups:
-            group["lr"] = lr
+            group["lr"] = decoupled_lr if group.get("decoupled") else lr
+            if "decoupled_lr" in group:  # the distributed optimizer: one group, a rate per element
+                group["decoupled_lr"] = decoupled_lr
         self.optimizer.zero_grad(set_to_none=False)
         if self.main is not None:
             self.main.zero_grad()

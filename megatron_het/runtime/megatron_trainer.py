@@ -22,6 +22,7 @@ from megatron_het.runtime.holdings import global_params, stage_holdings
 from megatron_het.runtime.initial_values import SeededFullState, load_seeded
 from megatron_het.runtime.mixed_precision import params_dtype, wrap_float16
 from megatron_het.train.config import TrainConfig
+from megatron_het.train.lr_schedule import lr_at
 from megatron_het.train.strategy import ActionHook, BatchFn, IterationLog, RunResult, StepResult
 from megatron_het.train.timer import EmulationTimer
 from megatron_het.train.trainer import Trainer
@@ -104,7 +105,8 @@ class MegatronStrategy:
                             clip_grad=train.clip_grad, params_dtype=params_dtype(train.precision),
                             bf16=train.bf16, fp16=train.fp16, loss_scale=train.loss_scale,
                             initial_loss_scale=train.initial_loss_scale, min_loss_scale=train.min_loss_scale,
-                            loss_scale_window=train.loss_scale_window, hysteresis=train.hysteresis),
+                            loss_scale_window=train.loss_scale_window, hysteresis=train.hysteresis,
+                            decoupled_lr=train.decoupled_lr, decoupled_min_lr=train.decoupled_min_lr),
             [self.ddp], pg_collection=pgc, use_gloo_process_groups=False)
         config.finalize_model_grads_func = (
             lambda models, num_tokens=None, **_: finalize_model_grads(models, num_tokens, pg_collection=pgc))
@@ -125,8 +127,10 @@ class MegatronStrategy:
 
         for group in self.optimizer.param_groups:
             # What megatron's OptimizerParamScheduler.step does: the multipliers carry
-            # Megatron-LM's "no weight decay on biases and 1-D parameters" groups.
-            group["lr"] = lr * group.get("lr_mult", 1.0)
+            # Megatron-LM's "no weight decay on biases and 1-D parameters" groups, and a group's
+            # max_lr/min_lr megatron-core's --decoupled-lr override.
+            rate = lr_at(train, iteration, group=group) if "max_lr" in group else lr
+            group["lr"] = rate * group.get("lr_mult", 1.0)
             group["weight_decay"] = train.weight_decay * group.get("wd_mult", 1.0)
         self.ddp.zero_grad_buffer()
         self.optimizer.zero_grad()

@@ -30,6 +30,10 @@ class TrainConfig:
     lr_warmup_init: float = 0.0  # the learning rate warm-up starts from
     lr_wsd_decay_iters: int | None = None  # WSD: iterations of the final anneal (required with WSD)
     lr_wsd_decay_style: str = "exponential"  # WSD anneal: exponential | linear | cosine | minus_sqrt
+    # --decoupled-lr: the peak rate of the word embedding and output layer (megatron-core's
+    # is_embedding_or_output_parameter), on the same schedule; None: theirs is --lr
+    decoupled_lr: float | None = None
+    decoupled_min_lr: float | None = None  # their floor; None: --min-lr
     # Sample-based training (--train-samples): the schedule counts samples; train_iters is then
     # train_samples // global_batch_size, as Megatron-LM's update_train_iters without ramp-up
     train_samples: int | None = None
@@ -130,6 +134,9 @@ class TrainConfig:
         if not 0 <= self.min_lr <= self.lr or not 0 <= self.lr_warmup_init <= self.lr:
             raise ValueError(f"--min-lr {self.min_lr} and --lr-warmup-init {self.lr_warmup_init} must lie in [0, --lr "
                              f"{self.lr}]. Fix: lower them or raise --lr")
+        if self.decoupled_min_lr is not None and self.decoupled_lr is None:
+            raise ValueError(f"--decoupled-min-lr {self.decoupled_min_lr} needs --decoupled-lr (it is the floor of "
+                             "that rate). Fix: add --decoupled-lr, or drop --decoupled-min-lr")
         if self.lr_wsd_decay_style not in WSD_DECAY_STYLES:
             raise ValueError(f"lr_wsd_decay_style must be one of {', '.join(WSD_DECAY_STYLES)}, got "
                              f"{self.lr_wsd_decay_style!r}")

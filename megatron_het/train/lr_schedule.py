@@ -30,9 +30,30 @@ def _scheduler(train: TrainConfig):
         lr_wsd_decay_style=train.lr_wsd_decay_style, **steps)
 
 
-def lr_at(train: TrainConfig, iteration: int) -> float:
+def lr_at(train: TrainConfig, iteration: int, *, group: dict | None = None) -> float:
     """The learning rate of 0-based ``iteration`` (Megatron: the scheduler has stepped ``iteration``
-    global batches when that iteration's optimizer step runs)."""
+    global batches when that iteration's optimizer step runs). ``group``: an optimizer param group
+    whose ``max_lr``/``min_lr`` replace --lr/--min-lr, as megatron-core's scheduler reads them."""
     scheduler = _scheduler(train)
     scheduler.num_steps = iteration * train.global_batch_size
-    return float(scheduler.get_lr({}))
+    return float(scheduler.get_lr(group or {}))
+
+
+def decoupled_lr_at(train: TrainConfig, iteration: int) -> float | None:
+    """The rate of the word embedding and output layer under --decoupled-lr (None without it):
+    megatron-core's param-group override (``max_lr`` = --decoupled-lr, ``min_lr`` =
+    --decoupled-min-lr when given) on the run's schedule."""
+    if train.decoupled_lr is None:
+        return None
+    group = {"max_lr": train.decoupled_lr}
+    if train.decoupled_min_lr is not None:
+        group["min_lr"] = train.decoupled_min_lr
+    return lr_at(train, iteration, group=group)
+
+
+def is_decoupled(name: str) -> bool:
+    """Whether the global parameter ``name`` takes --decoupled-lr: megatron-core marks the word
+    embedding and the output layer (``is_embedding_or_output_parameter``)."""
+    from megatron_het.checkpoint.full_state import TIED_OUTPUT, WORD_EMBEDDING
+
+    return name in (WORD_EMBEDDING, TIED_OUTPUT)

@@ -196,10 +196,10 @@ def test_a_fresh_run_and_its_resumed_half_train_the_same_model(common, tmp_path)
 
 
 # Megatron's architecture flags on the tiny model (#35 item 3): RMSNorm, rotary, no linear biases but a
-# QKV bias, q/k norms (shared by the heads each TP rank holds: their gradients are summed over TP)
-# and squared ReLU
+# QKV bias, q/k norms (shared by the heads each TP rank holds: their gradients are summed over TP),
+# squared ReLU and interleaved rotary pairs
 ARCHITECTURE = ("--normalization", "RMSNorm", "--position-embedding-type", "rope", "--disable-bias-linear",
-                "--add-qkv-bias", "--qk-layernorm", "--squared-relu")
+                "--add-qkv-bias", "--qk-layernorm", "--squared-relu", "--rotary-interleaved")
 
 
 @pytest.mark.multiproc
@@ -256,3 +256,23 @@ def test_exit_interval_and_duration_end_the_run_with_a_checkpoint(common, tmp_pa
     assert "validation loss" not in out["interval"]["log"]
     assert len(out["duration"]["losses"]) == 1 and latest_iteration(str(tmp_path / "b")) == 1
     assert "(--exit-duration-in-mins 1e-09)" in out["duration"]["log"]
+
+
+DECOUPLED = ("--decoupled-lr", "1e-2", "--decoupled-min-lr", "1e-4", "--lr-decay-style", "cosine",
+             "--min-lr", "1e-5", "--lr-warmup-iters", "2")
+
+
+@pytest.mark.multiproc
+def test_decoupled_lr_trains_what_megatron_cores_optimizer_groups_train(common):
+    """--decoupled-lr/--decoupled-min-lr: the reference is megatron-core's own optimizer, whose param
+    groups put the word embedding and output layer on that rate (is_embedding_or_output_parameter);
+    TP2 x PP2 (plain AdamW groups) and DP2 x TP2 with the distributed optimizer (a rate per element
+    of each shard) train the same losses, and a run without the flags trains other ones."""
+    ref = _reference(common, *DECOUPLED)
+    plain = _reference(common, *DECOUPLED[4:])
+    dist_opt = FOUR_RANKS["dp2_tp2_distributed_optimizer"]
+    cases = {"tp2pp2": (TP2PP2, DECOUPLED), "dp2_tp2_dist_opt": (dist_opt[0], DECOUPLED + dist_opt[1])}
+    out = run_local(4, fresh_start_worker, (_cases(cases, CPU4), common), timeout_s=900)[0]
+    for name in cases:
+        assert out[name]["losses"] == pytest.approx(ref, rel=RTOL), (name, out[name]["losses"], ref)
+    assert ref[-1] != pytest.approx(plain[-1], rel=1e-4), (ref, plain)

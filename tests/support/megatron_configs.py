@@ -52,11 +52,10 @@ OUTCOME = {
                                         "lands with #37",
     "example_gpt3_175b_distributed": "--rampup-batch-size [16, 16, 5859375]: not supported",
     "gpt3_15b_8t_release": "--rampup-batch-size: expected 3 arguments",  # one quoted string upstream
-    "example_llama3_8b_h100_fp8": "--decoupled-lr 0.0005: not supported",
+    "example_llama3_8b_h100_fp8": "--fp8-format hybrid: not supported",
     "gpt3_345m_weekly_h100_tp2_pp2_fp8_tp_pp_sp": "--fp8-format hybrid: not supported",
-    "gpt3_mcore_te_tp1_pp2_resume_torch_dist_rope_embeddings_interleaved_no_fusion": "--rotary-interleaved True: "
-                                                                                     "not supported",
-    "gpt3_mcore_te_tp1_pp4_vp1_resume_torch_decoupled_lr": "--decoupled-lr 0.0002: not supported",
+    "gpt3_mcore_te_tp1_pp2_resume_torch_dist_rope_embeddings_interleaved_no_fusion": None,
+    "gpt3_mcore_te_tp1_pp4_vp1_resume_torch_decoupled_lr": None,
     "gpt3_mcore_te_tp1_pp4_vp2_account_for_embedding_loss_in_pipeline_split": "--account-for-embedding-in-pipeline-"
                                                                               "split True: not supported",
     "gpt3_345m_nightly_tp1_pp4_vp1_overlap_grad_reduce": "unrecognized arguments: --use-legacy-models",

@@ -60,7 +60,6 @@ class FixedArg:
 
 
 FIXED_ARGS = (
-    FixedArg("rotary_interleaved", False, "interleaved rotary pairs", "without --rotary-interleaved", rope=True),
     FixedArg("rotary_seq_len_interpolation_factor", None, "rotary position interpolation",
              "without --rotary-seq-len-interpolation-factor", rope=True),
     FixedArg("use_rope_scaling", False, "Llama-3.1-style rotary scaling", "without --use-rope-scaling", rope=True),
@@ -101,6 +100,7 @@ def megatron_args(model: ModelSpec, *, tp: int, pp: int, padded_vocab: int, iter
         add_position_embedding=model.position_embedding_type == "learned_absolute",
         add_bias_linear=model.add_bias_linear, add_qkv_bias=model.add_qkv_bias, qk_layernorm=model.qk_layernorm,
         apply_layernorm_1p=model.layernorm_zero_centered_gamma, squared_relu=model.squared_relu,
+        rotary_interleaved=model.rotary_interleaved,
         tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, ckpt_format="torch_dist",
         iteration=iteration, consumed_train_samples=0,
         rotary_base=model.rotary_base, rotary_percent=model.rotary_percent,
@@ -148,8 +148,9 @@ def model_from_megatron_args(args: object, *, source: str) -> ModelSpec:
     # Megatron-LM's own names (its --norm-epsilon is stored as layernorm_epsilon)
     tuned = {"kv_channels": get("kv_channels"), "init_method_std": get("init_method_std"),
              "layernorm_epsilon": get("layernorm_epsilon", get("norm_epsilon"))}  # dropout: the run's flags
-    if rope:  # rotary positions: the recorded base and share count
-        tuned.update(rotary_base=get("rotary_base"), rotary_percent=get("rotary_percent"))
+    if rope:  # rotary positions: the recorded base, share count and pairing
+        tuned.update(rotary_base=get("rotary_base"), rotary_percent=get("rotary_percent"),
+                     rotary_interleaved=get("rotary_interleaved"))
     return ModelSpec(**{k: v for k, v in tuned.items() if v is not None}, **architecture, num_layers=int(get("num_layers")), hidden_size=int(get("hidden_size")),
                      num_attention_heads=int(get("num_attention_heads")),
                      num_query_groups=int(get("num_query_groups")) if get("group_query_attention") else None,

@@ -40,7 +40,6 @@ def test_args_of_an_older_megatron_without_the_fields_are_read():
 
 # Model settings Megatron-LM records that the runtime does not build (zero-centred LayerNorm, ...).
 @pytest.mark.parametrize(("field", "value", "fix"), [
-    ("rotary_interleaved", True, "without --rotary-interleaved"),
     ("rotary_seq_len_interpolation_factor", 4, "without --rotary-seq-len-interpolation-factor"),
     ("use_rope_scaling", True, "without --use-rope-scaling"),
     ("num_experts", 8, "without --num-experts"),
@@ -66,6 +65,7 @@ def test_llama_args_the_runtime_does_not_build_are_refused_by_name(field, value,
     ("add_qkv_bias", True, "add_qkv_bias"),
     ("qk_layernorm", True, "qk_layernorm"),
     ("apply_layernorm_1p", True, "layernorm_zero_centered_gamma"),
+    ("rotary_interleaved", True, "rotary_interleaved"),
 ])
 def test_architecture_args_are_read_into_the_model(arg, value, field):
     """#35 item 3: each architecture choice Megatron-LM records is the model's own field, not a recipe

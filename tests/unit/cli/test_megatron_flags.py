@@ -143,7 +143,7 @@ def test_the_runs_defaults_are_megatrons(megatron_only):
     (["--apply-layernorm-1p"], ["--apply-layernorm-1p: megatron-core's local layers", "transformer-engine"]),
     (["--lr-decay-style", "WSD"], ["--lr-decay-style WSD needs", "--lr-wsd-decay-iters"]),
     (["--rampup-batch-size", "16", "16", "100"], ["--rampup-batch-size [16, 16, 100]"]),
-    (["--decoupled-lr", "1e-4"], ["--decoupled-lr 0.0001"]),
+    (["--decoupled-min-lr", "1e-5"], ["--decoupled-min-lr 1e-05 needs --decoupled-lr"]),
     (["--yaml-cfg", "x.yaml"], ["--yaml-cfg x.yaml"]),
 ])
 def test_refused_flags_exit_2_naming_each(extra, names, capsys):
@@ -323,9 +323,10 @@ def test_each_architecture_flag_reaches_megatron_cores_config():
     from megatron_het.model.gpt import StageModelSpec, transformer_config
 
     model = _model(normalization="RMSNorm", position_embedding_type="rope", add_bias_linear=False, add_qkv_bias=True,
-                   qk_layernorm=True, squared_relu=True, hidden_dropout=0.1, attention_dropout=0.2)
+                   qk_layernorm=True, squared_relu=True, hidden_dropout=0.1, attention_dropout=0.2,
+                   rotary_interleaved=True)
     c = transformer_config(StageModelSpec(model=model, num_layers=1, layer_offset=0, tp=1, pre_process=True,
                                           post_process=True, vocab_size=512))
     assert (c.normalization, c.add_bias_linear, c.add_qkv_bias, c.qk_layernorm, c.activation_func.__name__,
-            c.gated_linear_unit, c.hidden_dropout, c.attention_dropout) == (
-        "RMSNorm", False, True, True, "squared_relu", False, 0.1, 0.2)
+            c.gated_linear_unit, c.hidden_dropout, c.attention_dropout, c.rotary_interleaved) == (
+        "RMSNorm", False, True, True, "squared_relu", False, 0.1, 0.2, True)

@@ -16,7 +16,8 @@ from megatron_het.train.timer import EmulationTimer
 def _stub(log: list[str], *, overlap: bool = False) -> SimpleNamespace:
     return SimpleNamespace(
         finish_param_gather=lambda: log.append("finish"), _master=lambda: log.append("master"),
-        adam=SimpleNamespace(step=lambda grad, lr: log.append(f"adam lr={lr}"), master=torch.zeros(2)),
+        adam=SimpleNamespace(step=lambda grad, lr, decoupled_lr=None: log.append(f"adam lr={lr}"),
+                             master=torch.zeros(2)),
         shard_grad=torch.ones(2), param_groups=[{"lr": 0.5}], overlap_param_gather=overlap,
         _all_gather_into=lambda shard, sink: log.append("gather"), _write_params=None,
         _start_gathers=lambda shard: log.append("start gathers"),
