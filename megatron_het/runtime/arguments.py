@@ -110,6 +110,12 @@ FLAGS = (
     Flag("--save", "loop.save"),
     Flag("--load", "loop.load"),
     *(Flag(f"--{f.replace('_', '-')}", f"loop.{f}", int) for f in ("save_interval", "eval_interval", "eval_iters")),
+    Flag("--profile", "loop.profile", bool),
+    Flag("--use-pytorch-profiler", "loop.use_pytorch_profiler", bool),
+    *(Flag(f"--{f.replace('_', '-')}", f"loop.{f}", int) for f in ("profile_step_start", "profile_step_end")),
+    Flag("--profile-ranks", "loop.profile_ranks", tuple),
+    Flag("--pytorch-profiler-collect-shapes", "loop.pytorch_profiler_collect_shapes", bool),
+    Flag("--pytorch-profiler-collect-callstack", "loop.pytorch_profiler_collect_callstack", bool),
     Flag("--exit-interval", "loop.exit_interval", int),
     Flag("--exit-duration-in-mins", "loop.exit_duration_in_mins", float),
     Flag("--check-weight-hash-across-dp-replicas-interval", "loop.check_weight_hash_interval", int,
@@ -287,6 +293,16 @@ def _from_megatron(values: dict[str, dict[str, object]], given: frozenset[str], 
     for name in ("eval_interval", "save_interval", "check_weight_hash_interval", "exit_interval",
                  "exit_duration_in_mins"):
         loop[name] = loop[name] or 0  # Megatron: None = never
+    tensorboard_dir = values["tensorboard"]["log_dir"]
+    if tensorboard_dir:  # where Megatron-LM writes torch profiler traces
+        loop["profile_trace_dir"] = os.path.join(os.path.dirname(os.path.abspath(tensorboard_dir)), "torch_profile")
+    if loop["profile"] and not loop["use_pytorch_profiler"]:
+        import torch
+
+        if not torch.cuda.is_available():
+            notes.append("note: --profile without --use-pytorch-profiler opens nsys's capture range "
+                         "(cudaProfilerStart); this host has no GPU, so nothing is captured. Add "
+                         "--use-pytorch-profiler for a torch trace")
     data["split"] = data["split"] or MEGATRON_DEFAULT_SPLIT
     if data["tokenizer_type"] is None and data["tokenizer_model"]:
         data["tokenizer_type"] = "SentencePieceTokenizer"
@@ -460,6 +476,7 @@ def parse_args(argv: list[str] | None = None) -> PretrainArgs:
                              "or drop --apply-layernorm-1p")
         train_config = TrainConfig(**train)
         loop = LoopConfig(**values["loop"])
+        loop.profile_config()  # a bad capture window is refused here, before any rendezvous
         check_load_path(loop)
         tensorboard = tensorboard_from_args(values["tensorboard"])
         resilience = resilience_from_args(run)

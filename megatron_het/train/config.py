@@ -182,6 +182,26 @@ class LoopConfig:
     # end the run early, saving first when --save is given (Megatron-LM's flags of the same names; 0: never):
     exit_interval: int = 0  # after the first iteration divisible by this
     exit_duration_in_mins: float = 0  # after the first iteration that ends this many minutes into training
+    # Megatron-LM's --profile and its companions (train/profiler.py)
+    profile: bool = False  # capture iterations [profile_step_start, profile_step_end)
+    profile_step_start: int = 10
+    profile_step_end: int = 12
+    profile_ranks: tuple[int, ...] = ()  # empty: every rank
+    use_pytorch_profiler: bool = False  # torch's profiler (else nsys's capture range, GPUs only)
+    pytorch_profiler_collect_shapes: bool = False
+    pytorch_profiler_collect_callstack: bool = False
+    profile_trace_dir: str | None = None  # torch profiler traces: <--tensorboard-dir>/../torch_profile
+
+    def profile_config(self):
+        """The ProfileConfig of --profile (None without it); ValueError on a bad window."""
+        if not self.profile:
+            return None
+        from megatron_het.train.profiler import ProfileConfig
+
+        return ProfileConfig(step_start=self.profile_step_start, step_end=self.profile_step_end,
+                             ranks=tuple(self.profile_ranks), pytorch_profiler=self.use_pytorch_profiler,
+                             trace_dir=self.profile_trace_dir, collect_shapes=self.pytorch_profiler_collect_shapes,
+                             collect_callstack=self.pytorch_profiler_collect_callstack)
 
     def __post_init__(self) -> None:
         for name in ("eval_interval", "eval_iters", "save_interval", "check_weight_hash_interval", "exit_interval",

@@ -115,6 +115,9 @@ def train_loop(trainer: Trainer, *, loop: LoopConfig, seq_length: int, valid_fn:
             validate(it)
         if loop.check_weight_hash_interval and it % loop.check_weight_hash_interval == 0:
             check_weights(trainer, f"after iteration {it}")
+        if profiler is not None:
+            profiler.after(it)
+            profiler.before(it)  # the next iteration's
         exit_reason = exit_now(it)
         if exit_reason is not None:
             return True  # the end-of-run save below writes this iteration's checkpoint
@@ -149,9 +152,20 @@ def train_loop(trainer: Trainer, *, loop: LoopConfig, seq_length: int, valid_fn:
     if trainer.iteration > 0:  # resumed: the data continues where the checkpoint's run stopped
         print_rank0(f"resuming data at consumed samples {trainer.consumed_samples} (iteration {trainer.iteration}, "
                     f"global batch size {train.global_batch_size})")
+    profiler = None
+    if loop.profile:
+        from megatron_het.platform import detect_accelerator
+        from megatron_het.train.profiler import StepProfiler
+
+        profiler = StepProfiler(loop.profile_config(), rank=dist.get_rank(), is_gpu=detect_accelerator().is_gpu)
+        profiler.before(trainer.iteration)
     train_start = time.perf_counter()
     exit_reason: str | None = None
-    logs = trainer.run(max(0, train.train_iters - trainer.iteration), on_iteration=after_step).iterations
+    try:
+        logs = trainer.run(max(0, train.train_iters - trainer.iteration), on_iteration=after_step).iterations
+    finally:
+        if profiler is not None:
+            profiler.close()  # a window the run ended inside of
     if exit_reason is not None:
         print_rank0(exit_reason)
     # Megatron-LM validates once more at the end of training (--eval-iters > 0 and a validation split);

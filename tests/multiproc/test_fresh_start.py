@@ -276,3 +276,20 @@ def test_decoupled_lr_trains_what_megatron_cores_optimizer_groups_train(common):
     for name in cases:
         assert out[name]["losses"] == pytest.approx(ref, rel=RTOL), (name, out[name]["losses"], ref)
     assert ref[-1] != pytest.approx(plain[-1], rel=1e-4), (ref, plain)
+
+
+@pytest.mark.multiproc
+def test_profile_writes_a_torch_trace_of_the_window_on_the_profiled_rank(common, tmp_path):
+    """Megatron's --profile --use-pytorch-profiler: iterations [start, end) traced on --profile-ranks,
+    written where Megatron writes it (beside --tensorboard-dir, torch_profile/rank-R.json.gz)."""
+    import gzip
+    import json
+
+    flags = ["--profile", "--use-pytorch-profiler", "--profile-step-start", "2", "--profile-step-end", "4",
+             "--profile-ranks", "1", "--tensorboard-dir", str(tmp_path / "tb")]
+    run_local(2, fresh_start_worker, ([("profiled", TWO_RANKS["tp2"][0], CPU2, flags)], common), timeout_s=900)
+    traces = sorted(p.name for p in (tmp_path / "torch_profile").iterdir())
+    assert traces == ["rank-1.json.gz"], traces
+    events = json.loads(gzip.decompress((tmp_path / "torch_profile" / "rank-1.json.gz").read_bytes()))["traceEvents"]
+    steps = sorted({e["name"] for e in events if e.get("name", "").startswith("ProfilerStep#")})
+    assert steps == ["ProfilerStep#2", "ProfilerStep#3"], steps

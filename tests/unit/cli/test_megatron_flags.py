@@ -125,7 +125,8 @@ def test_the_runs_defaults_are_megatrons(megatron_only):
         if (action is None or section not in sections or action.default is None or field == "transformer_impl"
                 or flag.name in BASE):
             continue
-        assert getattr(sections[section], field) == action.default, flag.name
+        default = tuple(action.default) if isinstance(action.default, list) else action.default  # configs hold tuples
+        assert getattr(sections[section], field) == default, flag.name
         checked += 1
     assert checked >= 20
     assert (args.train.lr_decay_style, args.train.log_interval, args.loop.eval_iters) == ("linear", 100, 100)
@@ -144,6 +145,9 @@ def test_the_runs_defaults_are_megatrons(megatron_only):
     (["--lr-decay-style", "WSD"], ["--lr-decay-style WSD needs", "--lr-wsd-decay-iters"]),
     (["--rampup-batch-size", "16", "16", "100"], ["--rampup-batch-size [16, 16, 100]"]),
     (["--decoupled-min-lr", "1e-5"], ["--decoupled-min-lr 1e-05 needs --decoupled-lr"]),
+    (["--profile", "--use-pytorch-profiler"], ["--use-pytorch-profiler writes its trace beside --tensorboard-dir"]),
+    (["--profile", "--profile-step-start", "5", "--profile-step-end", "5"],
+     ["--profile-step-start 5 must be >= 0 and below --profile-step-end 5"]),
     (["--yaml-cfg", "x.yaml"], ["--yaml-cfg x.yaml"]),
 ])
 def test_refused_flags_exit_2_naming_each(extra, names, capsys):
@@ -167,6 +171,8 @@ def test_announced_flags_and_defaults_are_said_once():
     joined = "\n".join(notes)
     assert "--use-flash-attn True is ignored" in joined and "--no-masked-softmax-fusion False is ignored" in joined
     assert sum("--make-vocab-size-divisible-by" in n for n in notes) == 0  # Megatron's 128 is what is built
+    nsys = parse_args(BASE + ["--profile"]).notes  # the host has no GPU: no nsys capture range
+    assert any("--profile without --use-pytorch-profiler" in n and "nothing is captured" in n for n in nsys), nsys
 
 
 def test_query_groups_count_only_with_group_query_attention():
