@@ -247,7 +247,9 @@ def run(args: PretrainArgs, acc, *, plan: AnyPlan | None = None,
         print_rank0("note: --tensorboard-dir is not written for sharded plans yet (log lines only)")
     load_path, common = checkpoint_to_load(args)
     padded_vocab = common.get("padded_vocab") if common is not None else None
-    batch_fn, valid_fn = batch_fns(args, resume=resume_position(common, args.train.global_batch_size))
+    # --finetune reads the data from its start (Megatron-LM: iteration and consumed samples reset)
+    batch_fn, valid_fn = batch_fns(args, resume=resume_position(None if args.loop.finetune else common,
+                                                                args.train.global_batch_size))
     tensorboard = resilience = None
     try:
         if sharded:
@@ -286,9 +288,14 @@ def run(args: PretrainArgs, acc, *, plan: AnyPlan | None = None,
                 trainer.strategy.staggered_step = True
                 print_rank0("optimizer: staggered step (each stage steps right after its own gradient reduction)")
         print_rank0(gathered_communicators_line())
-        if load_path:
-            start = trainer.load_checkpoint(load_path)
-            print_rank0(f"loaded checkpoint {load_path} (iteration {start}, written under another plan is fine)")
+        if load_path and args.loop.finetune:
+            trained = trainer.load_weights(load_path)
+            print_rank0(f"loaded the weights of {load_path} (iteration {trained}) to fine-tune from iteration 0 "
+                        "(--finetune: no optimizer state, the data from its start)")
+        elif load_path:
+            start = trainer.load_checkpoint(load_path, with_optimizer=not args.loop.no_load_optim)
+            print_rank0(f"loaded checkpoint {load_path} (iteration {start}, written under another plan is fine)"
+                        + ("; optimizer state not loaded (--no-load-optim)" if args.loop.no_load_optim else ""))
         result = train_loop(trainer, loop=args.loop, seq_length=args.model.seq_length, valid_fn=valid_fn,
                             on_validation=tensorboard.log_validation if tensorboard is not None else None,
                             tokenizer_model=None if args.data.mock_data or args.data.tokenizer_type not in

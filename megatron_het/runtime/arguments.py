@@ -109,6 +109,8 @@ FLAGS = (
     Flag("--mock-data", "data.mock_data", bool, "synthetic tokens instead of --data-path"),
     Flag("--save", "loop.save"),
     Flag("--load", "loop.load"),
+    Flag("--finetune", "loop.finetune", bool),
+    Flag("--no-load-optim", "loop.no_load_optim", bool),
     *(Flag(f"--{f.replace('_', '-')}", f"loop.{f}", int) for f in ("save_interval", "eval_interval", "eval_iters")),
     Flag("--profile", "loop.profile", bool),
     Flag("--use-pytorch-profiler", "loop.use_pytorch_profiler", bool),

@@ -175,6 +175,8 @@ class LoopConfig:
     save: str | None = None  # checkpoint directory written at the end (and every save_interval)
     save_interval: int = 0  # iterations between intermediate saves; 0: only at the end
     load: str | None = None  # checkpoint directory to resume from (its latest iteration)
+    finetune: bool = False  # --finetune: load the weights only; iteration 0, fresh optimizer, data from the start
+    no_load_optim: bool = False  # --no-load-optim: resume without the optimizer state (fresh moments)
     # iterations between checks that every holder of a parameter holds the same value (Megatron-LM's
     # --check-weight-hash-across-dp-replicas-interval, here over every holder: replicas of any layout,
     # TP peers of replicated parameters, tied copies); also checked before the first step; 0: never

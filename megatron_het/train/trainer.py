@@ -177,6 +177,16 @@ class Trainer:
                            train_iters=self.train.train_iters, global_batch_size=self.train.global_batch_size)
         return self.iteration
 
+    def load_weights(self, path: str) -> int:
+        """Megatron-LM's --finetune: the checkpoint's parameters only, trained from iteration 0 with a
+        fresh optimizer and the data from its start; returns the checkpoint's iteration (collective)."""
+        from megatron_het.train.data_position import DataPosition
+
+        trained = self.strategy.load_checkpoint(path, with_optimizer=False)
+        self.strategy.data_position = DataPosition()
+        self.iteration = 0
+        return trained
+
     @property
     def consumed_samples(self) -> int:
         """Training samples read so far (a resumed run: from the checkpoint's count on)."""

@@ -293,3 +293,27 @@ def test_profile_writes_a_torch_trace_of_the_window_on_the_profiled_rank(common,
     events = json.loads(gzip.decompress((tmp_path / "torch_profile" / "rank-1.json.gz").read_bytes()))["traceEvents"]
     steps = sorted({e["name"] for e in events if e.get("name", "").startswith("ProfilerStep#")})
     assert steps == ["ProfilerStep#2", "ProfilerStep#3"], steps
+
+
+@pytest.mark.multiproc
+def test_no_load_optim_and_finetune_load_what_megatron_loads(common, tmp_path):
+    """--no-load-optim resumes the weights, iteration and data but not Adam's moments: its first loss
+    (a forward of the loaded weights on the next batch) is the resumed run's, the next one is not.
+    --finetune takes the weights only: iteration 1 again, the data from its first sample."""
+    import re
+
+    ckpt = str(tmp_path / "ckpt")
+    tp2 = TWO_RANKS["tp2"][0]
+    cases = [("first", tp2, CPU2, ["--train-iters", "4", "--lr-decay-iters", str(ITERS), "--save", ckpt]),
+             ("resumed", tp2, CPU2, ["--load", ckpt]),
+             ("no_optim", tp2, CPU2, ["--load", ckpt, "--no-load-optim"]),
+             ("finetune", tp2, CPU2, ["--load", ckpt, "--finetune", "--train-iters", "3"])]
+    out = run_local(2, fresh_start_worker, (cases, common), timeout_s=900)[0]
+    resumed, no_optim = out["resumed"]["losses"], out["no_optim"]["losses"]
+    assert len(resumed) == len(no_optim) == ITERS - 4
+    assert no_optim[0] == resumed[0] and no_optim[1] != resumed[1], (no_optim, resumed)
+    assert "optimizer state not loaded (--no-load-optim)" in out["no_optim"]["log"]
+    finetune = out["finetune"]
+    assert len(finetune["losses"]) == 3 and finetune["losses"][0] < out["first"]["losses"][0]
+    assert re.search(r"iteration +1/ +3 \| consumed samples: +16 ", finetune["log"]), finetune["log"][-2000:]
+    assert "to fine-tune from iteration 0" in finetune["log"]
