@@ -263,10 +263,14 @@ def run(args: PretrainArgs, acc, *, plan: AnyPlan | None = None,
             from megatron_het.runtime.tensorboard_log import TensorBoardHooks
 
             if args.tensorboard is not None:
+                run_config = {k: dataclasses.asdict(getattr(args, k)) for k in ("model", "train", "data", "loop")}
                 tensorboard = TensorBoardHooks(args.tensorboard, group=None,
                                                global_batch_size=args.train.global_batch_size,
-                                               seq_length=args.model.seq_length, writer_rank=0)
-                print_rank0(f"tensorboard: rank 0 writes to {args.tensorboard.log_dir}")
+                                               seq_length=args.model.seq_length, writer_rank=0,
+                                               run_config={**run_config, "plan": args.plan_source})
+                print_rank0(f"tensorboard: rank 0 writes to {args.tensorboard.log_dir}"
+                            + (f"; W&B project {args.tensorboard.wandb_project}, run {args.tensorboard.wandb_exp_name}"
+                               if args.tensorboard.wandb_project else ""))
             from megatron_het.runtime.memory_report import MemoryProbe
             from megatron_het.train.trainer import ChainedHooks
 

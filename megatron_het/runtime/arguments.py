@@ -129,6 +129,8 @@ FLAGS = (
     Flag("--log-timers-to-tensorboard", "tensorboard.log_timers", bool, "iteration time, per-stage compute/idle"),
     Flag("--log-memory-to-tensorboard", "tensorboard.log_memory", bool, "peak and current memory (CPU: RSS)"),
     Flag("--log-throughput", "tensorboard.log_throughput", bool, "tokens/s and samples/s to TensorBoard"),
+    *(Flag(f"--{f.replace('_', '-')}", f"tensorboard.{f}") for f in (
+        "wandb_project", "wandb_exp_name", "wandb_save_dir", "wandb_entity")),
     Flag("--sequence-parallel", "run.sequence_parallel", bool, "turn on the plan's sequence_parallel"),
     Flag("--tp-comm-overlap", "run.tp_comm_overlap", bool, "chunked TP collective/GEMM overlap on every stage with "
          "TP > 1 (plans can also choose per stage); needs sequence parallelism"),
@@ -292,6 +294,10 @@ def _from_megatron(values: dict[str, dict[str, object]], given: frozenset[str], 
     """Megatron's None defaults as this runtime's values (in place); returns start-up notes."""
     notes: list[str] = []
     loop, data, train, model, run = (values[k] for k in ("loop", "data", "train", "model", "run"))
+    board = values["tensorboard"]
+    board["wandb_exp_name"] = board["wandb_exp_name"] or ""
+    if board["wandb_project"] and not board["wandb_save_dir"] and loop["save"]:
+        board["wandb_save_dir"] = os.path.join(loop["save"], "wandb")  # Megatron-LM's default
     for name in ("eval_interval", "save_interval", "check_weight_hash_interval", "exit_interval",
                  "exit_duration_in_mins"):
         loop[name] = loop[name] or 0  # Megatron: None = never
@@ -526,11 +532,16 @@ def check_load_path(loop: LoopConfig) -> None:
 def tensorboard_from_args(values: dict[str, object]) -> TensorBoardConfig | None:
     """The TensorBoard settings, or None without --tensorboard-dir (the --log-* flags then do nothing)."""
     if values["log_dir"] is None:
+        if values["wandb_project"]:
+            raise ValueError(f"--wandb-project {values['wandb_project']}: W&B mirrors the TensorBoard writer's "
+                             "scalars, as in Megatron-LM. Fix: add --tensorboard-dir DIR")
         return None
-    from megatron_het.runtime.tensorboard_log import require_tensorboard
+    from megatron_het.runtime.tensorboard_log import require_tensorboard, require_wandb
 
     config = TensorBoardConfig(**values)
     require_tensorboard()  # every rank parses: all fail together, before any process group exists
+    if config.wandb_project:
+        require_wandb()
     return config
 
 

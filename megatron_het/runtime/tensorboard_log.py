@@ -16,6 +16,7 @@ over each stage's ranks. Scalars (step = iteration, 1-based as in Megatron-LM):
 
 from __future__ import annotations
 
+import os
 import resource
 import sys
 from collections.abc import Sequence
@@ -52,6 +53,42 @@ def require_tensorboard() -> None:
         raise TensorBoardUnavailable(
             f"--tensorboard-dir: the `tensorboard` package is not importable ({e}). Fix: {INSTALL_HINT}, "
             f"or drop --tensorboard-dir") from e
+
+
+class WandbUnavailable(UserError):
+    """--wandb-project was given and wandb does not import."""
+
+
+def require_wandb() -> None:
+    """wandb must import where --wandb-project is given (it is not a dependency of megatron-het)."""
+    try:
+        import wandb  # noqa: F401
+    except ImportError:
+        raise WandbUnavailable("--wandb-project: wandb is not installed in this environment. Fix: pip install "
+                               "wandb (and wandb login, or WANDB_MODE=offline), or drop --wandb-project") from None
+
+
+class WandbMirror:
+    """The TensorBoard writer's scalars, logged to a W&B run as Megatron-LM's wandb writer logs them."""
+
+    def __init__(self, config: TensorBoardConfig, run_config: dict) -> None:
+        import wandb
+
+        os.makedirs(config.wandb_save_dir, exist_ok=True)
+        kwargs = {"dir": config.wandb_save_dir, "name": config.wandb_exp_name, "project": config.wandb_project,
+                  "config": run_config}
+        if config.wandb_entity:
+            kwargs["entity"] = config.wandb_entity
+        self.run = wandb.init(**kwargs)
+
+    def add_scalar(self, tag: str, value: float, step: int) -> None:
+        self.run.log({tag: value}, step=step)
+
+    def flush(self) -> None:
+        pass  # wandb sends in the background
+
+    def close(self) -> None:
+        self.run.finish()
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -151,17 +188,19 @@ class TensorBoardHooks(TrainerHooks):
     """
 
     def __init__(self, config: TensorBoardConfig, *, group: dist.ProcessGroup | None, global_batch_size: int,
-                 seq_length: int, writer_rank: int = 0) -> None:
+                 seq_length: int, writer_rank: int = 0, run_config: dict | None = None) -> None:
         self.config = config
         self.group = group  # the ranks of the run (the per-stage gather spans it)
         self.global_batch_size, self.seq_length = global_batch_size, seq_length
         self.writer_rank = writer_rank  # global rank that writes the event file
-        self.writer = None
+        self.writers: list = []  # the writing rank's: the event file, and W&B with --wandb-project
         if dist.get_rank() == writer_rank:
             require_tensorboard()
             from torch.utils.tensorboard import SummaryWriter
 
-            self.writer = SummaryWriter(log_dir=config.log_dir, max_queue=config.queue_size)
+            self.writers.append(SummaryWriter(log_dir=config.log_dir, max_queue=config.queue_size))
+            if config.wandb_project:
+                self.writers.append(WandbMirror(config, run_config or {}))
 
     def __enter__(self) -> TensorBoardHooks:
         return self
@@ -176,23 +215,24 @@ class TensorBoardHooks(TrainerHooks):
         if self.config.log_timers or self.config.log_memory:
             stages = gather_stage_times(trainer.strategy.role, [log], group=self.group, dst=self.writer_rank,
                                         accelerator=getattr(trainer.strategy, "accelerator", None))
-        if self.writer is None:
+        if not self.writers:
             return
         scalars = iteration_scalars(log, lr=lr_at(trainer.train, log.iteration - 1),
                                     global_batch_size=self.global_batch_size, seq_length=self.seq_length,
                                     config=self.config)
         if stages is not None:
             scalars.update(stage_scalars(stages, config=self.config))
-        for tag, value in scalars.items():
-            self.writer.add_scalar(tag, value, log.iteration)
+        for writer in self.writers:
+            for tag, value in scalars.items():
+                writer.add_scalar(tag, value, log.iteration)
 
     def log_validation(self, iteration: int, loss: float) -> None:
         """Validation loss at ``iteration`` (call on every rank; the writer writes)."""
-        if self.writer is not None:
-            self.writer.add_scalar("lm loss validation", loss, iteration)
+        for writer in self.writers:
+            writer.add_scalar("lm loss validation", loss, iteration)
 
     def close(self) -> None:
-        if self.writer is not None:
-            self.writer.flush()
-            self.writer.close()
-            self.writer = None
+        for writer in self.writers:
+            writer.flush()
+            writer.close()
+        self.writers = []

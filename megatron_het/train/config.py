@@ -237,10 +237,22 @@ class TensorBoardConfig:
     log_timers: bool = False  # --log-timers-to-tensorboard: iteration-time and per-stage compute/idle
     log_memory: bool = False  # --log-memory-to-tensorboard: peak/current memory, per stage
     log_throughput: bool = False  # --log-throughput: tokens/s and samples/s
+    # Weights & Biases: the same scalars, mirrored by the writing rank (Megatron-LM logs W&B beside its
+    # TensorBoard writer); wandb_project None: off
+    wandb_project: str | None = None  # --wandb-project
+    wandb_exp_name: str = ""  # --wandb-exp-name: the run's name (required with a project, as Megatron)
+    wandb_save_dir: str | None = None  # --wandb-save-dir (pretrain_gpt.py: default <--save>/wandb)
+    wandb_entity: str | None = None  # --wandb-entity: the team or user
 
     def __post_init__(self) -> None:
         if not self.log_dir:
             raise ValueError("--tensorboard-dir: got ''. Fix: pass a directory, e.g. --tensorboard-dir runs/tb")
+        if self.wandb_project and not self.wandb_exp_name:
+            raise ValueError(f"--wandb-project {self.wandb_project}: the run needs a name, as in Megatron-LM. Fix: add "
+                             "--wandb-exp-name NAME")
+        if self.wandb_project and not self.wandb_save_dir:
+            raise ValueError(f"--wandb-project {self.wandb_project}: W&B writes its files under --wandb-save-dir "
+                             "(default <--save>/wandb). Fix: add --wandb-save-dir DIR or --save DIR")
         for flag, value in (("--tensorboard-log-interval", self.log_interval),
                             ("--tensorboard-queue-size", self.queue_size)):
             if value < 1:
