@@ -111,7 +111,8 @@ FLAGS = (
     Flag("--load", "loop.load"),
     Flag("--finetune", "loop.finetune", bool),
     Flag("--no-load-optim", "loop.no_load_optim", bool),
-    *(Flag(f"--{f.replace('_', '-')}", f"loop.{f}", int) for f in ("save_interval", "eval_interval", "eval_iters")),
+    *(Flag(f"--{f.replace('_', '-')}", f"loop.{f}", int) for f in ("save_interval", "eval_interval", "eval_iters",
+                                                                      "save_retain_interval")),
     Flag("--profile", "loop.profile", bool),
     Flag("--use-pytorch-profiler", "loop.use_pytorch_profiler", bool),
     *(Flag(f"--{f.replace('_', '-')}", f"loop.{f}", int) for f in ("profile_step_start", "profile_step_end")),
@@ -299,7 +300,7 @@ def _from_megatron(values: dict[str, dict[str, object]], given: frozenset[str], 
     if board["wandb_project"] and not board["wandb_save_dir"] and loop["save"]:
         board["wandb_save_dir"] = os.path.join(loop["save"], "wandb")  # Megatron-LM's default
     for name in ("eval_interval", "save_interval", "check_weight_hash_interval", "exit_interval",
-                 "exit_duration_in_mins"):
+                 "exit_duration_in_mins", "save_retain_interval"):
         loop[name] = loop[name] or 0  # Megatron: None = never
     tensorboard_dir = values["tensorboard"]["log_dir"]
     if tensorboard_dir:  # where Megatron-LM writes torch profiler traces

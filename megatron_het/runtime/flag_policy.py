@@ -67,6 +67,8 @@ IGNORED: dict[str, str] = {
     "deterministic_mode": "not switched on: megatron-het does not put torch or NCCL into deterministic algorithms "
                           "(CPU runs are reproducible from the seed regardless)",
     "test_mode": "Megatron-LM's own CI switch",
+    "calculate_per_token_loss": "every token counts here (no --eod-mask-loss), so the loss is already the mean over "
+                                "the global batch's tokens: the same loss and gradients",
     "no_load_rng": "RNG states are not in megatron-het's checkpoints: a resumed run re-seeds from --seed (dropout "
                    "masks after a resume differ from an uninterrupted run's)",
     "grad_reduce_in_bf16": "gradients are always reduced in fp32 (twice the bytes, no rounding)",

@@ -174,6 +174,9 @@ class LoopConfig:
     eval_iters: int = 0  # validation batches per pass
     save: str | None = None  # checkpoint directory written at the end (and every save_interval)
     save_interval: int = 0  # iterations between intermediate saves; 0: only at the end
+    # --save-retain-interval: checkpoints at multiples of it are kept, the others deleted once a newer
+    # one is written (the latest always stays); 0: keep every checkpoint
+    save_retain_interval: int = 0
     load: str | None = None  # checkpoint directory to resume from (its latest iteration)
     finetune: bool = False  # --finetune: load the weights only; iteration 0, fresh optimizer, data from the start
     no_load_optim: bool = False  # --no-load-optim: resume without the optimizer state (fresh moments)
@@ -206,8 +209,11 @@ class LoopConfig:
                              collect_callstack=self.pytorch_profiler_collect_callstack)
 
     def __post_init__(self) -> None:
+        if self.save_retain_interval and (not self.save_interval or self.save_retain_interval % self.save_interval):
+            raise ValueError(f"--save-retain-interval {self.save_retain_interval} must be a multiple of "
+                             f"--save-interval {self.save_interval} (as Megatron-LM asserts). Fix: pick a multiple")
         for name in ("eval_interval", "eval_iters", "save_interval", "check_weight_hash_interval", "exit_interval",
-                     "exit_duration_in_mins"):
+                     "exit_duration_in_mins", "save_retain_interval"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
 

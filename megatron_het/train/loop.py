@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 import os
+import shutil
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -122,7 +123,7 @@ def train_loop(trainer: Trainer, *, loop: LoopConfig, seq_length: int, valid_fn:
         if exit_reason is not None:
             return True  # the end-of-run save below writes this iteration's checkpoint
         if loop.save and loop.save_interval and it % loop.save_interval == 0 and it < train.train_iters:
-            print_rank0(f"saved checkpoint {trainer.save_checkpoint(loop.save, tokenizer_model=tokenizer_model)}")
+            save()
         return False
 
     def exit_now(it: int) -> str | None:
@@ -138,6 +139,20 @@ def train_loop(trainer: Trainer, *, loop: LoopConfig, seq_length: int, valid_fn:
                 return (f"exiting program after {minutes:.2f} minutes at iteration {it} "
                         f"(--exit-duration-in-mins {loop.exit_duration_in_mins:g})")
         return None
+
+    def save() -> None:
+        """Write this iteration's checkpoint; with --save-retain-interval, then delete the one it
+        replaces as the latest unless its iteration is a multiple of the interval (Megatron-LM's rule)."""
+        from megatron_het.checkpoint.dist_ckpt import iteration_dir, latest_iteration
+
+        previous = latest_iteration(loop.save) if loop.save_retain_interval else None
+        print_rank0(f"saved checkpoint {trainer.save_checkpoint(loop.save, tokenizer_model=tokenizer_model)}")
+        if previous and previous != trainer.iteration and previous % loop.save_retain_interval:
+            old = iteration_dir(loop.save, previous)
+            if dist.get_rank() == 0 and os.path.isdir(old) and not os.path.islink(old):
+                shutil.rmtree(old)
+                print(f"deleted checkpoint {old} (--save-retain-interval {loop.save_retain_interval})", flush=True)
+            dist.barrier()
 
     def validate(it: int) -> None:
         loss = sum(trainer.evaluate(valid_fn, i) for i in range(loop.eval_iters)) / loop.eval_iters
@@ -173,7 +188,7 @@ def train_loop(trainer: Trainer, *, loop: LoopConfig, seq_length: int, valid_fn:
     elif loop.eval_iters and valid_fn is not None and (not validation or validation[-1][0] != trainer.iteration):
         validate(trainer.iteration)
     if loop.save:
-        print_rank0(f"saved checkpoint {trainer.save_checkpoint(loop.save, tokenizer_model=tokenizer_model)}")
+        save()
     if logs:
         for line in trainer.strategy.summary_lines(logs):
             print(line, flush=True)

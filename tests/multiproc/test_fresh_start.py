@@ -317,3 +317,17 @@ def test_no_load_optim_and_finetune_load_what_megatron_loads(common, tmp_path):
     assert len(finetune["losses"]) == 3 and finetune["losses"][0] < out["first"]["losses"][0]
     assert re.search(r"iteration +1/ +3 \| consumed samples: +16 ", finetune["log"]), finetune["log"][-2000:]
     assert "to fine-tune from iteration 0" in finetune["log"]
+
+
+@pytest.mark.multiproc
+def test_save_retain_interval_keeps_the_multiples_and_the_latest(common, tmp_path):
+    """Megatron's --save-retain-interval: saves at 2, 4, 6 and 8; each new save deletes the one it
+    replaces unless that one's iteration is a multiple of 4: 4 and 8 remain, 8 as the latest."""
+    from megatron_het.checkpoint.dist_ckpt import latest_iteration
+
+    ckpt = tmp_path / "ckpt"
+    flags = ["--save", str(ckpt), "--save-interval", "2", "--save-retain-interval", "4"]
+    out = run_local(2, fresh_start_worker, ([("retain", TWO_RANKS["tp2"][0], CPU2, flags)], common), timeout_s=900)[0]
+    assert sorted(p.name for p in ckpt.iterdir() if p.name.startswith("iter_")) == ["iter_0000004", "iter_0000008"]
+    assert latest_iteration(str(ckpt)) == 8
+    assert out["retain"]["log"].count("deleted checkpoint") == 2

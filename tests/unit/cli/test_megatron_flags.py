@@ -145,6 +145,8 @@ def test_the_runs_defaults_are_megatrons(megatron_only):
     (["--lr-decay-style", "WSD"], ["--lr-decay-style WSD needs", "--lr-wsd-decay-iters"]),
     (["--rampup-batch-size", "16", "16", "100"], ["--rampup-batch-size [16, 16, 100]"]),
     (["--decoupled-min-lr", "1e-5"], ["--decoupled-min-lr 1e-05 needs --decoupled-lr"]),
+    (["--save-interval", "2", "--save-retain-interval", "3"],
+     ["--save-retain-interval 3 must be a multiple of --save-interval 2"]),
     (["--profile", "--use-pytorch-profiler"], ["--use-pytorch-profiler writes its trace beside --tensorboard-dir"]),
     (["--profile", "--profile-step-start", "5", "--profile-step-end", "5"],
      ["--profile-step-start 5 must be >= 0 and below --profile-step-end 5"]),
