@@ -479,6 +479,10 @@ def parse_args(argv: list[str] | None = None) -> PretrainArgs:
         defaults = {dest: action.default for dest, action in megatron_dests(parser).items()}
         notes += review_flags(ns, defaults=defaults, given=given, honoured=honoured, model=model,
                               spell=lambda dest: option_name(parser, dest))
+        if train["transformer_impl"] == "transformer_engine" and not _transformer_engine_builds(None):
+            raise ValueError("--transformer-impl transformer_engine: transformer-engine is not importable on a GPU "
+                             "in this process. Fix: pass --transformer-impl local, or install transformer-engine "
+                             "on the GPU nodes")  # here, not in every rank's model build after rendezvous
         if model.layernorm_zero_centered_gamma and not _transformer_engine_builds(train["transformer_impl"]):
             raise ValueError("--apply-layernorm-1p: megatron-core's local layers (no transformer-engine in this "
                              "process) have no zero-centred norm. Fix: run where transformer-engine is installed, "

@@ -24,6 +24,18 @@ def test_flag_reaches_the_config():
         parse_args([*base, "--transformer-impl", "apex"])
 
 
+def test_te_without_a_gpu_is_refused_when_parsing(capsys):
+    """Before any rendezvous, once: not in every rank's model build after the process groups exist."""
+    base = ["--micro-batch-size", "1", "--global-batch-size", "1", "--train-iters", "1", "--lr", "1e-3",
+            "--hetero-cluster", str(EXAMPLES / "clusters" / "cpu-demo.yaml"), "--hetero-plan", "auto",
+            "--hetero-model", str(EXAMPLES / "models" / "tiny-cpu.yaml"), "--mock-data"]
+    with pytest.raises(SystemExit) as exc:
+        parse_args([*base, "--transformer-impl", "transformer_engine"])
+    assert exc.value.code == 2
+    assert ("--transformer-impl transformer_engine: transformer-engine is not importable on a GPU in this process. "
+            "Fix: pass --transformer-impl local") in capsys.readouterr().err
+
+
 def test_local_spec_and_te_refused_without_a_gpu():
     local = layer_spec(MODEL, transformer_impl="local")
     default = layer_spec(MODEL)
