@@ -102,15 +102,21 @@ def model_common_state(model: ModelSpec) -> dict:
     return {k: v for k, v in dataclasses.asdict(model).items() if k != "name"}
 
 
-INIT_ONLY = ("init_method_std",)
+# Settings a loaded model need not share with the run that saved it: the initial draw's (a loaded
+# model has its values already) and dropout (a training choice; Megatron-LM fine-tunes with another)
+NOT_COMPARED = ("init_method_std", "hidden_dropout", "attention_dropout")
 
 
 def check_model_matches(common: Mapping, model: ModelSpec, path: str, *,
                         fix: str = "use the checkpoint's model settings, or start without --load") -> None:
-    """``fix``: what the caller's user should do (pretrain_gpt.py has --load, convert.py --model)."""
-    saved = common.get("model", {})
+    """``fix``: what the caller's user should do (pretrain_gpt.py has --load, convert.py --model).
+    A checkpoint written before a setting existed was trained with that setting's value of its
+    ``swiglu`` recipe (``recipe_of``): compared as such."""
+    from megatron_het.cluster.model_spec import recipe_of
+
+    saved = {**recipe_of(bool(common.get("model", {}).get("swiglu", False))), **common.get("model", {})}
     for key, value in model_common_state(model).items():
-        if key in INIT_ONLY:  # the initial draw's settings: a loaded model has its values already
+        if key in NOT_COMPARED:
             continue
         if key in saved and saved[key] != value:
             raise CheckpointError(

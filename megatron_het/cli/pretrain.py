@@ -15,6 +15,7 @@ import dataclasses
 import datetime
 import logging
 import sys
+import time
 
 import torch.distributed as dist
 
@@ -150,6 +151,7 @@ def batch_fns(args: PretrainArgs, *, resume: tuple[int, int] = (0, 0)):
 
 
 def main(argv: list[str] | None = None) -> int:
+    started_at = time.perf_counter()  # --exit-duration-in-mins counts from here, as Megatron-LM's start time
     argv = list(sys.argv[1:] if argv is None else argv)
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
     logging.getLogger("megatron_het").setLevel(logging.INFO)
@@ -174,7 +176,7 @@ def main(argv: list[str] | None = None) -> int:
                    else args.train.distributed_timeout_minutes)  # resilience: a dead peer fails calls that soon
         dist.init_process_group(acc.world_backend, timeout=datetime.timedelta(minutes=minutes))
     try:
-        run(args, acc, plan=plan)
+        run(args, acc, plan=plan, started_at=started_at)
         return 0
     except UserError as e:
         print(f"[rank {dist.get_rank()}] pretrain_gpt.py: error: {e}", file=sys.stderr, flush=True)
@@ -192,11 +194,12 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def run(args: PretrainArgs, acc, *, plan: AnyPlan | None = None,
-        memory_budget_bytes=None) -> PretrainResult:
+        memory_budget_bytes=None, started_at: float | None = None) -> PretrainResult:
     """Build and train the run ``args`` describes on the initialised default group (collective).
 
     ``plan`` replaces --hetero-plan (tests); ``memory_budget_bytes`` (one per rank, sharded plans)
-    emulates device capacity on CPU (``sharding.budget``).
+    emulates device capacity on CPU (``sharding.budget``); ``started_at``: the process's start
+    (``time.perf_counter()``), from which --exit-duration-in-mins counts (None: the loop's start).
     """
     for note in args.notes:  # Megatron flags announced as ignored, defaults taken from the plan
         print_rank0(note)
@@ -301,6 +304,7 @@ def run(args: PretrainArgs, acc, *, plan: AnyPlan | None = None,
             print_rank0(f"loaded checkpoint {load_path} (iteration {start}, written under another plan is fine)"
                         + ("; optimizer state not loaded (--no-load-optim)" if args.loop.no_load_optim else ""))
         result = train_loop(trainer, loop=args.loop, seq_length=args.model.seq_length, valid_fn=valid_fn,
+                            started_at=started_at,
                             on_validation=tensorboard.log_validation if tensorboard is not None else None,
                             tokenizer_model=None if args.data.mock_data or args.data.tokenizer_type not in
                             SENTENCEPIECE_TYPES else args.data.tokenizer_model)  # conversions read SentencePiece

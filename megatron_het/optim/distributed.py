@@ -306,6 +306,7 @@ class DistributedOptimizer:
         its fp32 main pieces where it keeps them, else its pieces of the parameters."""
         if self.keeps_master and self.adam.master.numel():
             return sum_of_squares_f64(self.adam.master)
+        self.finish_param_gather()  # --overlap-param-gather: the parameters hold the step's values only after it
         return sum_of_squares_f64(self._my_pieces(lambda n: self.params[n].detach()))
 
     def grad_zeros_local(self) -> torch.Tensor:

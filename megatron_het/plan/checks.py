@@ -250,6 +250,23 @@ def tp_grid_divisors(grid: Sequence[int], model: ModelSpec) -> list[tuple[str, i
             ("qkv width", qkv, "gy*gz", gy * gz)]
 
 
+def tp3d_unsupported(model: ModelSpec) -> str | None:
+    """Why the 3D layers (model/tp3d.py) cannot build ``model``, or None: they are GPT-2's recipe
+    (LayerNorm, learned positions, biases, GeLU) without dropout."""
+    if model.swiglu:
+        return "the gated (SwiGLU) MLP's fused [gate; up] weight has no 3D tensor-parallel layout yet"
+    from megatron_het.cluster.model_spec import off_recipe
+
+    off = off_recipe(model)
+    if off:
+        field, value = next(iter(off.items()))
+        return f"the 3D layers build GPT-2's architecture only (got {field}={value!r})"
+    if model.hidden_dropout or model.attention_dropout:
+        return (f"the 3D layers run without dropout (got hidden_dropout={model.hidden_dropout}, "
+                f"attention_dropout={model.attention_dropout})")
+    return None
+
+
 def check_tp_grid(grid: Sequence[int], ranks: int, model: ModelSpec, path: str) -> None:
     """A stage's ``tp_grid``: the product is its rank count and the grid divides the layer's sizes."""
     gx, gy, gz = grid
@@ -259,12 +276,10 @@ def check_tp_grid(grid: Sequence[int], ranks: int, model: ModelSpec, path: str) 
             problem=f"the grid's product gx*gy*gz = {gx * gy * gz} must equal the stage's {ranks} ranks",
             fix=f"choose axis sizes whose product is {ranks}, or list {gx * gy * gz} ranks",
         )
-    if model.swiglu:
-        raise PlanError(
-            field=f"{path}.tp_grid", value=list(grid),
-            problem="the gated (SwiGLU) MLP's fused [gate; up] weight has no 3D tensor-parallel layout yet",
-            fix='remove "tp_grid" (1D tensor parallelism) for gated models',
-        )
+    unsupported = tp3d_unsupported(model)
+    if unsupported:
+        raise PlanError(field=f"{path}.tp_grid", value=list(grid), problem=unsupported,
+                        fix='remove "tp_grid" (1D tensor parallelism) for this model')
     for name, size, what, div in tp_grid_divisors(grid, model):
         if size % div:
             raise PlanError(

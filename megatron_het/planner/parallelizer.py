@@ -28,7 +28,7 @@ from megatron_het.perf.memory import stage_memory
 from megatron_het.perf.predict import StageCost, stage_cost
 from megatron_het.perf.profile import Profile
 from megatron_het.plan import Plan, validate_plan
-from megatron_het.plan.checks import tp_grid_divisors
+from megatron_het.plan.checks import tp3d_unsupported, tp_grid_divisors
 from megatron_het.plan.types import fused_attention
 from megatron_het.planner.space import tp_options
 from megatron_het.tp.grid import Grid4D
@@ -213,8 +213,8 @@ def tp_grid_choice(model: ModelSpec, island: IslandSpec, tp: int, *, micro_batch
     if one is None:
         raise ValueError(f"tp: {tp} ranks do not split {model.name or 'the model'} as 1D TP (grid [1, {tp}, 1]). "
                          f"Fix: ask only for TP sizes the Megatron parallelizer offers")
-    # a gated MLP's fused [gate; up] weight has no 3D layout yet (plan/checks.check_tp_grid refuses it)
-    priced = [] if model.swiglu else [(c.exposed_chunked_s, g, c) for g in _grids(tp)
+    # models the 3D layers do not build (plan/checks.tp3d_unsupported) get no grid
+    priced = [] if tp3d_unsupported(model) else [(c.exposed_chunked_s, g, c) for g in _grids(tp)
                                       if g != (1, tp, 1) and (c := cost(g)) is not None]
     if not priced:
         return GridChoice(tp=tp, grid=None, best_3d=None, exposed_1d_s=one.exposed_s, exposed_3d_s=float("inf"),

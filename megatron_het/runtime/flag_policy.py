@@ -55,7 +55,7 @@ IGNORED: dict[str, str] = {
     "add_position_embedding": "deprecated in Megatron-LM too: positions are --position-embedding-type's (without "
                               "rope Megatron-LM and this runtime refuse it)",
     **{d: "checkpoints are megatron-het's resharding format, written synchronously and atomically by every rank "
-          "for its own shards (tools/convert.py writes Megatron-LM's torch_dist)" for d in (
+          "for its own shards (tools/checkpoint/convert.py writes Megatron-LM's torch_dist)" for d in (
         "ckpt_format", "async_save", "use_persistent_ckpt_worker", "ckpt_fully_parallel_save",
         "ckpt_fully_parallel_load", "ckpt_assume_constant_structure")},
     "dist_ckpt_optim_fully_reshardable": "optimizer state always reshards between any two plans "

@@ -76,6 +76,7 @@ from megatron_het.train.lr_schedule import decoupled_lr_at, is_decoupled
 from megatron_het.train.strategy import ActionHook, BatchFn, IterationLog, StepResult
 from megatron_het.train.timer import EmulationTimer, emulation_timer
 from megatron_het.train.trainer import Trainer, TrainerHooks
+from megatron_het.utils.eval_mode import eval_mode
 
 logger = logging.getLogger(__name__)
 
@@ -496,7 +497,8 @@ class PipelineStrategy:
     @torch.no_grad()
     def evaluate(self, batch_fn: BatchFn, iteration: int) -> float:
         """Forward-only loss of one global batch from ``batch_fn`` (e.g. the validation split)."""
-        loss_sum = self.executor.evaluate(iteration=iteration, batch_fn=batch_fn, forward=self._forward)
+        with eval_mode(self.modules):  # dropout off, as Megatron-LM's evaluate()
+            loss_sum = self.executor.evaluate(iteration=iteration, batch_fn=batch_fn, forward=self._forward)
         return float(self._loss_report(loss_sum)) / self.total_micro_batches
 
     def _loss_report(self, loss_sum: torch.Tensor) -> torch.Tensor:

@@ -158,6 +158,9 @@ def iteration_scalars(log: IterationLog, *, lr: float, global_batch_size: int, s
     """The per-iteration scalars of one logged iteration (pure)."""
     out = {"lm loss": log.lm_loss, "learning-rate": lr, "grad-norm": log.grad_norm,
            "batch-size": float(global_batch_size)}
+    for tag, value in (("params-norm", log.params_norm), ("num-zeros", log.num_zeros)):  # --log-params-norm & co.
+        if value is not None:
+            out[tag] = value
     if config.log_timers:
         out["iteration-time"] = log.elapsed_s
     if config.log_throughput:

@@ -58,6 +58,7 @@ from megatron_het.train.data_position import DataPosition, positioned_batches
 from megatron_het.train.strategy import ActionHook, BatchFn, IterationLog, StepResult
 from megatron_het.train.timer import EmulationTimer, emulation_timer
 from megatron_het.train.trainer import Trainer
+from megatron_het.utils.eval_mode import eval_mode
 
 __all__ = ["ShardedStrategy", "ShardedTrainer"]
 
@@ -225,10 +226,12 @@ class ShardedStrategy:
         """
         scale = 1.0 / (self.train.global_batch_size * self.model_spec.seq_length)
         loss_sum, mbs = torch.zeros(1, dtype=torch.float64, device=self.device), self.share.micro_batch_size
-        for m in range(self.share.num_micro_batches):
-            first = self.samples.start + m * mbs
-            inputs, labels, position_ids, _ = split_tokens(batch_fn(iteration, range(first, first + mbs)), self.device)
-            loss_sum += self.module(inputs, position_ids, None, labels=labels).double().sum() * scale
+        with eval_mode([self.module]):  # dropout off, as Megatron-LM's evaluate()
+            for m in range(self.share.num_micro_batches):
+                first = self.samples.start + m * mbs
+                inputs, labels, position_ids, _ = split_tokens(batch_fn(iteration, range(first, first + mbs)),
+                                                               self.device)
+                loss_sum += self.module(inputs, position_ids, None, labels=labels).double().sum() * scale
         all_reduce_world(loss_sum)
         return float(loss_sum)
 

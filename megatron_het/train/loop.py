@@ -78,10 +78,12 @@ def check_weights(trainer: Trainer, when: str) -> None:
 
 def train_loop(trainer: Trainer, *, loop: LoopConfig, seq_length: int, valid_fn: BatchFn | None,
                on_validation: Callable[[int, float], None] | None = None,
-               tokenizer_model: str | None = None) -> PretrainResult:
+               tokenizer_model: str | None = None, started_at: float | None = None) -> PretrainResult:
     """Train up to ``trainer.train.train_iters`` (from the trainer's iteration); collective.
 
     Checkpoints carry ``tokenizer_model`` (the run's SentencePiece file) when given.
+    ``started_at``: the process's start (``time.perf_counter()``), from which --exit-duration-in-mins
+    counts, as Megatron-LM's (None: this call's start).
     """
     train = trainer.train
     validation = []
@@ -142,17 +144,21 @@ def train_loop(trainer: Trainer, *, loop: LoopConfig, seq_length: int, valid_fn:
 
     def save() -> None:
         """Write this iteration's checkpoint; with --save-retain-interval, then delete the one it
-        replaces as the latest unless its iteration is a multiple of the interval (Megatron-LM's rule)."""
+        replaces as the latest unless its iteration is a multiple of the interval (Megatron-LM's rule).
+        Rank 0 alone reads the tracker and deletes, and every rank meets at one barrier after."""
         from megatron_het.checkpoint.dist_ckpt import iteration_dir, latest_iteration
 
-        previous = latest_iteration(loop.save) if loop.save_retain_interval else None
+        retain = loop.save_retain_interval
+        previous = latest_iteration(loop.save) if retain and dist.get_rank() == 0 else None
         print_rank0(f"saved checkpoint {trainer.save_checkpoint(loop.save, tokenizer_model=tokenizer_model)}")
-        if previous and previous != trainer.iteration and previous % loop.save_retain_interval:
+        if not retain:
+            return
+        if previous and previous != trainer.iteration and previous % retain:
             old = iteration_dir(loop.save, previous)
-            if dist.get_rank() == 0 and os.path.isdir(old) and not os.path.islink(old):
+            if os.path.isdir(old) and not os.path.islink(old):
                 shutil.rmtree(old)
-                print(f"deleted checkpoint {old} (--save-retain-interval {loop.save_retain_interval})", flush=True)
-            dist.barrier()
+                print(f"deleted checkpoint {old} (--save-retain-interval {retain})", flush=True)
+        dist.barrier()
 
     def validate(it: int) -> None:
         loss = sum(trainer.evaluate(valid_fn, i) for i in range(loop.eval_iters)) / loop.eval_iters
@@ -174,7 +180,7 @@ def train_loop(trainer: Trainer, *, loop: LoopConfig, seq_length: int, valid_fn:
 
         profiler = StepProfiler(loop.profile_config(), rank=dist.get_rank(), is_gpu=detect_accelerator().is_gpu)
         profiler.before(trainer.iteration)
-    train_start = time.perf_counter()
+    train_start = time.perf_counter() if started_at is None else started_at
     exit_reason: str | None = None
     try:
         logs = trainer.run(max(0, train.train_iters - trainer.iteration), on_iteration=after_step).iterations

@@ -331,3 +331,15 @@ def test_save_retain_interval_keeps_the_multiples_and_the_latest(common, tmp_pat
     assert sorted(p.name for p in ckpt.iterdir() if p.name.startswith("iter_")) == ["iter_0000004", "iter_0000008"]
     assert latest_iteration(str(ckpt)) == 8
     assert out["retain"]["log"].count("deleted checkpoint") == 2
+
+
+@pytest.mark.multiproc
+def test_validation_runs_without_dropout(common):
+    """Megatron-LM evaluates in eval mode: with dropout 0.5 two validation passes over one batch give one
+    loss, and training afterwards runs with dropout again (the modules are back in training mode)."""
+    from workers.fresh_workers import evaluate_twice_worker
+
+    first, second, training, step = run_local(2, evaluate_twice_worker, (TWO_RANKS["tp2"][0], common, CPU2),
+                                              timeout_s=600)[0]
+    assert first == second and training, (first, second, training)
+    assert step != pytest.approx(first, rel=1e-3)  # a training batch under dropout: another loss

@@ -150,6 +150,10 @@ def test_iteration_scalars_follow_the_flags():
                              config=TensorBoardConfig(log_dir="x", log_timers=True, log_throughput=True))
     assert full["iteration-time"] == 0.5
     assert full["throughput/tokens-per-s"] == 1024.0 and full["throughput/samples-per-s"] == 16.0
+    norms = IterationLog(iteration=4, readout=Readout(lm_loss=6.5, grad_norm=0.25, params_norm=30.5, num_zeros=640),
+                         elapsed_s=0.5)  # --log-params-norm, --log-num-zeros-in-grad: Megatron's tags
+    scalars = iteration_scalars(norms, lr=2e-4, global_batch_size=8, seq_length=64, config=TensorBoardConfig(log_dir="x"))
+    assert scalars["params-norm"] == 30.5 and scalars["num-zeros"] == 640
 
 
 BASE = ["--hetero-cluster", CLUSTER, "--hetero-plan", "auto", "--hetero-model", MODEL, "--micro-batch-size", "2",

@@ -106,3 +106,26 @@ def device_check_worker(rank, world_size, argv, plan):
     except ConfigError as e:
         return str(e)
     return None
+
+
+def evaluate_twice_worker(rank, world_size, plan, common_argv, cluster_file):
+    """A fresh trainer with dropout 0.5 evaluates one validation batch twice and trains one step: the
+    two validation losses (equal only if dropout is off while validating) and the step's loss."""
+    from megatron_het.cli.pretrain import batch_fns
+    from megatron_het.platform import enable_cpu_backend
+    from megatron_het.runtime.arguments import parse_args
+    from megatron_het.runtime.hetero_trainer import HeteroTrainer
+
+    enable_cpu_backend()
+    args = parse_args([*common_argv, "--hetero-cluster", cluster_file, "--hetero-plan", "unused",
+                       "--hidden-dropout", "0.5", "--attention-dropout", "0.5", "--eval-iters", "1"])
+    train_fn, valid_fn = batch_fns(args)
+    trainer = HeteroTrainer(model=args.model, plan=_reconciled(plan, args)[0], train=args.train, batch_fn=train_fn,
+                            slowdown=1.0)
+    try:
+        first, second = trainer.evaluate(valid_fn, 0), trainer.evaluate(valid_fn, 0)
+        training = all(m.training for m in trainer.strategy.modules)
+        step = trainer.run(1).iterations[0].lm_loss
+    finally:
+        trainer.close()
+    return first, second, training, step

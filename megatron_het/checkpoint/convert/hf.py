@@ -49,7 +49,7 @@ def hf_config(model: ModelSpec) -> dict:
         field, value = next(iter(off.items()))
         arch = "Llama" if model.swiglu else "GPT-2"
         raise ConvertError(f"{field}: Hugging Face's {arch} layout has {recipe_of(model.swiglu)[field]!r} (got "
-                           f"{value!r}). Fix: convert to Megatron's format (tools/convert.py --to megatron), which "
+                           f"{value!r}). Fix: convert to Megatron's format (tools/checkpoint/convert.py --output-format megatron), which "
                            f"holds any architecture, or train the {arch} recipe")
     if not model.swiglu:
         if model.num_query_groups != model.num_attention_heads:

@@ -97,7 +97,7 @@ def megatron_args(model: ModelSpec, *, tp: int, pp: int, padded_vocab: int, iter
         padded_vocab_size=padded_vocab, make_vocab_size_divisible_by=128,
         swiglu=model.swiglu, untie_embeddings_and_output_weights=model.untie_embeddings_and_output_weights,
         normalization=model.normalization, position_embedding_type=model.position_embedding_type,
-        add_position_embedding=model.position_embedding_type == "learned_absolute",
+        add_position_embedding=True,  # Megatron's default; False (--no-position-embedding) fails its validate_args
         add_bias_linear=model.add_bias_linear, add_qkv_bias=model.add_qkv_bias, qk_layernorm=model.qk_layernorm,
         apply_layernorm_1p=model.layernorm_zero_centered_gamma, squared_relu=model.squared_relu,
         rotary_interleaved=model.rotary_interleaved,

@@ -72,6 +72,20 @@ def test_tp_grid_refuses_gated_mlps():
     assert "replicas[0].stages[0].tp_grid" in msg and "SwiGLU" in msg and 'remove "tp_grid"' in msg
 
 
+@pytest.mark.parametrize("model_kw, needle", [
+    (dict(normalization="RMSNorm"), "GPT-2's architecture only (got normalization='RMSNorm')"),
+    (dict(position_embedding_type="rope"), "(got position_embedding_type='rope')"),
+    (dict(qk_layernorm=True), "(got qk_layernorm=True)"),
+    (dict(layernorm_zero_centered_gamma=True), "(got layernorm_zero_centered_gamma=True)"),
+    (dict(hidden_dropout=0.1), "the 3D layers run without dropout"),
+])
+def test_tp_grid_refuses_what_the_3d_layers_do_not_build(model_kw, needle):
+    """model/tp3d.py builds GPT-2's layer (LayerNorm, learned positions, biases) without dropout: any other
+    architecture is refused when the plan is checked, not built silently as another model."""
+    msg = _err(_plan((2, 2, 1)), _model(**model_kw))
+    assert "replicas[0].stages[0].tp_grid" in msg and needle in msg, msg
+
+
 def test_tp_grid_excludes_the_1d_overlap_flag():
     msg = _err(_plan((2, 2, 1), tp_comm_overlap=True))
     assert "replicas[0].stages[0].tp_comm_overlap" in msg and 'remove "tp_comm_overlap"' in msg
