@@ -337,8 +337,21 @@ def enable_cpu_backend(*, force: bool = False) -> CpuBackendReport:
         for other in s.also_bound_in:
             setattr(importlib.import_module(other), s.name, fn)
         shimmed.append(f"{s.module}.{s.owner + '.' if s.owner else ''}{s.name}")
+    rng_logger = logging.getLogger("megatron.core.tensor_parallel.random")
+    if _SAME_GENERATOR not in rng_logger.filters:
+        rng_logger.addFilter(_SAME_GENERATOR)
     report = CpuBackendReport(active=True, redirected_modules=tuple(redirected),
                               replaced_functions=tuple(replaced), scoped_shims=tuple(shimmed),
                               triton_guard=guard)
     logger.info(report.describe())
     return report
+
+
+def _same_generator(record: logging.LogRecord) -> bool:
+    """On the host the tracker's "GPU" generator is the CPU one (``_cpu_get_rng_state``), so every
+    attention-dropout fork changes the CPU state megatron-core watches and warns, once per layer and
+    micro-batch; the fork restores that state on exit, so nothing is wrong: drop that one warning."""
+    return "CPU RNG state changed within GPU RNG context" not in record.getMessage()
+
+
+_SAME_GENERATOR = _same_generator

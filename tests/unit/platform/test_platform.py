@@ -85,3 +85,18 @@ def test_each_patched_function_exists_upstream(patch):
     src = inspect.getsource(getattr(fn, "__wrapped__", fn)) if not hasattr(patch, "replacement") else ""
     if src:
         assert "cuda" in src, f"{patch.name} no longer uses CUDA; remove its shim"
+
+
+def test_the_host_drops_megatrons_same_generator_warning(caplog):
+    """On CPU the RNG tracker's "GPU" generator is the CPU one: megatron-core's warning that the CPU state
+    changed inside a fork would fire for every attention dropout; only that warning is dropped."""
+    import logging
+
+    from megatron_het.platform import enable_cpu_backend
+
+    enable_cpu_backend()
+    log = logging.getLogger("megatron.core.tensor_parallel.random")
+    with caplog.at_level(logging.WARNING):
+        log.warning("CPU RNG state changed within GPU RNG context")
+        log.warning("another warning")
+    assert [r.getMessage() for r in caplog.records if r.name == log.name] == ["another warning"]
