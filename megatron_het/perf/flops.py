@@ -120,8 +120,13 @@ def _norm_params(model: ModelSpec, width: int | None = None) -> int:
 def replicated_layer_parameters(model: ModelSpec) -> int:
     """Parameters of one layer every TP rank holds whole: the norms (q/k norms too) and the
     row-parallel biases (attention output and fc2)."""
+    return (2 * model.hidden_size if model.add_bias_linear else 0) + _layer_norm_params(model)
+
+
+def _layer_norm_params(model: ModelSpec) -> int:
+    """One layer's norms: the two before attention and MLP, and the q/k norms (head-wide) if any."""
     qk_norms = 2 * _norm_params(model, model.kv_channels) if model.qk_layernorm else 0
-    return (2 * model.hidden_size if model.add_bias_linear else 0) + 2 * _norm_params(model) + qk_norms
+    return 2 * _norm_params(model) + qk_norms
 
 
 def _learned_positions(model: ModelSpec) -> bool:
@@ -220,8 +225,7 @@ def layer_parameters_per_rank(model: ModelSpec, *, tp: int = 1) -> int:
     fc2_in = model.ffn_hidden_size // tp
     weights = h * qkv_out + proj_in * h + h * fc1_out + fc2_in * h
     biases = (qkv_out + h + fc1_out + h) if model.add_bias_linear else (qkv_out if model.add_qkv_bias else 0)
-    qk_norms = 2 * _norm_params(model, model.kv_channels) if model.qk_layernorm else 0  # replicated per rank
-    return weights + biases + 2 * _norm_params(model) + qk_norms
+    return weights + biases + _layer_norm_params(model)  # norms are replicated: whole on every rank
 
 
 def layer_parameters(model: ModelSpec) -> int:
