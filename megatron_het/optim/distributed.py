@@ -10,16 +10,18 @@ uneven in proportion to free memory; the arithmetic is the sharded strategy's ``
 Per iteration, for every bucket (one group of holders):
 
 1. reduce-scatter: each member writes its fp32 gradient block (a replicated parameter once per
-   stage, all TP ranks for a sequence-parallel one) into a zero buffer of the bucket's span,
-   reorders it so each owner's pieces are contiguous and calls the comm layer's uneven
+   stage, all TP ranks for a sequence-parallel one) straight into one zero buffer of the bucket,
+   laid out so each owner's pieces are contiguous, and calls the comm layer's uneven
    reduce-scatter (``comm/uneven.py``: gloo has none), getting the summed gradient of its pieces;
+   buckets close at ``--ddp-bucket-size`` elements, so that buffer is one bucket's, not a stage's;
 2. norm and clipping on the pieces (every element is owned once, so the squared norm is the sum
    of the owners' pieces over the world);
 3. AdamW on the pieces (``ShardedAdamW``); fp32 main values are kept as pieces in mixed precision
    only (in fp32 the model parameters are the main values, taken for the step and dropped, as
    Megatron's fp32 distributed optimizer keeps ``8 + 8/d`` bytes per parameter);
-4. all-gather: the owners' updated fp32 values are gathered (uneven all-gather) and every holder
-   writes its block into its model parameter (cast to bf16/fp16 in mixed precision).
+4. all-gather: the owners' updated values are gathered (uneven all-gather) in the parameters' dtype
+   (bf16 in mixed precision, as megatron-core gathers its bf16 parameter buffer) and every holder
+   writes its block into its model parameter.
 
 The object plays the parts of both the runtime's gradient synchronizer and its torch optimizer
 (``reduce``, ``grad_norm_sq_local``, ``scale_grads``, ``owned``, ``local``;
@@ -34,10 +36,11 @@ import torch
 import torch.distributed as dist
 
 from megatron_het.comm.uneven import uneven_all_gather, uneven_all_gather_start, uneven_reduce_scatter
-from megatron_het.optim.adamw import ShardedAdamW, decays
+from megatron_het.optim.adamw import Run, ShardedAdamW, decays
 from megatron_het.optim.holders import ShardBucket, block, canonical_flat, plan_shard_buckets, write_canonical
 from megatron_het.optim.layout import ShardLayout
 from megatron_het.optim.norms import sum_of_squares_f64
+from megatron_het.platform import HOST_DEVICE
 from megatron_het.train.lr_schedule import is_decoupled
 
 __all__ = ["DistributedOptimizer"]
@@ -59,12 +62,13 @@ class DistributedOptimizer:
                  new_group: Callable[[tuple[int, ...]], object | None], owned: Callable[[list], set] | None = None,
                  main_grads: Mapping[str, torch.Tensor] | None = None, weights: Mapping[int, float] | None = None,
                  device: torch.device, overlap_param_gather_in: torch.nn.Module | None = None,
-                 gather_method: str = "padded", reduce_scatter_method: str = "native", reducer=None) -> None:
+                 gather_method: str = "padded", reduce_scatter_method: str = "native", reducer=None,
+                 bucket_numel: int | None = None) -> None:
         """``local``: this rank's holdings (``runtime.grad_sync.Holding``); ``params``: the model's
         parameters by global name; ``new_group(ranks)``: creates a group over ``ranks`` (collective
         over the world, None on non-members; runtime.comm_routing routes it natively or through the
-        bridge); ``owned(all_holdings)``: the (name, rank) pairs that count once (the checkpoint's
-        main replicas); ``main_grads``: fp32 gradient buffers in mixed precision (None: the
+        bridge); ``owned(all_holdings)``: the (name, rank) pairs that count once (in the global norms);
+        ``main_grads``: fp32 gradient buffers in mixed precision (None: the
         parameters' own ``.grad``); ``weights``: rank -> free memory (None: equal shares);
         ``overlap_param_gather_in``: the stage's module: ``step()`` then only starts each bucket's
         all-gather, and a forward pre-hook on every sub-module that owns parameters finishes the
@@ -73,7 +77,10 @@ class DistributedOptimizer:
         (``comm/uneven.py``); ``reducer``: a gradient synchronizer over the same gradients
         (``runtime/overlap_grad.OverlappedGradientSynchronizer``, ``--overlap-grad-reduce``) that
         all-reduces them in buckets during the last backward; ``reduce()`` then takes this rank's
-        pieces of the summed gradients instead of reduce-scattering after the backward."""
+        pieces of the summed gradients instead of reduce-scattering after the backward;
+        ``bucket_numel``: a bucket closes once it carries that many elements (``--ddp-bucket-size``; None:
+        one bucket per group of holders). The collectives' buffers are one bucket's, so this bounds
+        the temporary memory of a reduce and of a gather."""
         self._methods = {"gather": gather_method, "reduce_scatter": reduce_scatter_method}
         # --overlap-grad-reduce: gradients all-reduced in buckets as the last backward produces them (an
         # all-reduce, not megatron-core's bucketed reduce-scatter: the runtime's overlapped buckets are
@@ -88,7 +95,7 @@ class DistributedOptimizer:
         self.local = {h.name: h for h in local}
         self.params = dict(params)
         self.main_grads = dict(main_grads) if main_grads is not None else None
-        self.buckets: list[ShardBucket] = plan_shard_buckets(self.all_holdings, weights=weights)
+        self.buckets: list[ShardBucket] = plan_shard_buckets(self.all_holdings, weights=weights, bucket_numel=bucket_numel)
         self.owned = owned(self.all_holdings) if owned is not None else set()
         self._groups: list = []
         self.routes: list[tuple[tuple[int, ...], str]] = []
@@ -98,6 +105,13 @@ class DistributedOptimizer:
             if g is not None:
                 self.routes.append((b.ranks, g.kind))
         self._mine = [i for i, b in enumerate(self.buckets) if self.rank in b.ranks]
+        # per bucket: where this rank's blocks sit in the owner-ordered buffer of the collectives
+        self._segments = {i: self.buckets[i].local_segments({n: self._block(n) for n in self.local})
+                          for i in self._mine}
+        # the dtype the updated values are gathered in: the parameters' (bf16 in mixed precision: half
+        # the bytes of fp32, and the same values, since every holder casts to it anyway), as megatron-core
+        # all-gathers its bf16 parameter buffer
+        self._gather_dtype = {i: self._common_dtype(self.buckets[i].names) for i in self._mine}
         # this rank's pieces, in (bucket, owner order) order: the layout of its flat shard
         self._pieces = {i: self.buckets[i].pieces_of(self.rank) for i in self._mine}
         self._start = {}  # bucket index -> offset of its pieces in the flat shard
@@ -106,18 +120,15 @@ class DistributedOptimizer:
             self._start[i] = pos
             pos += sum(p.stop - p.start for p in self._pieces[i])
         self.shard_numel = pos
-        mask = torch.zeros(pos, device=device)
-        decoupled = torch.zeros(pos, device=device) if train.decoupled_lr is not None else None
+        runs = []  # Megatron's groups over the flat shard: decay, and --decoupled-lr on the embedding/output
         for i in self._mine:
             at = self._start[i]
             for p in self._pieces[i]:
-                if decays(p.name, tuple(self.local[p.name].full_shape)):
-                    mask[at:at + p.stop - p.start] = 1.0
-                if decoupled is not None and is_decoupled(p.name):
-                    decoupled[at:at + p.stop - p.start] = 1.0
+                runs.append(Run(start=at, stop=at + p.stop - p.start,
+                                decays=decays(p.name, tuple(self.local[p.name].full_shape)),
+                                decoupled=train.decoupled_lr is not None and is_decoupled(p.name)))
                 at += p.stop - p.start
-        self.adam = ShardedAdamW(master=self._my_pieces(lambda n: self.params[n].detach()), mask=mask, train=train,
-                                 decoupled=decoupled)
+        self.adam = ShardedAdamW(master=self._my_pieces(lambda n: self.params[n].detach()), runs=runs, train=train)
         # fp32: the model parameters are the main values (as in Megatron's fp32 distributed optimizer),
         # so the fp32 pieces exist only during a step; mixed precision keeps them (the only fp32 copy)
         self.keeps_master = self.main_grads is not None
@@ -192,23 +203,26 @@ class DistributedOptimizer:
         return h.partition_dim is not None or h.tp_rank == 0 or h.sequence_parallel
 
     # ---- collectives --------------------------------------------------------------------------
+    def _common_dtype(self, names) -> torch.dtype:
+        dtypes = {self.params[n].dtype for n in names if n in self.local}
+        return dtypes.pop() if len(dtypes) == 1 else torch.float32
+
     def _reduce_scatter(self, source: Callable[[str], torch.Tensor | None]) -> torch.Tensor:
-        """Summed ``source`` over holders, for this rank's pieces (flat, shard layout)."""
+        """Summed ``source`` over holders, for this rank's pieces (flat, shard layout). Per bucket one
+        buffer, written straight in owner order (zeros where this rank holds nothing or does not
+        contribute), one parameter's canonical copy at a time."""
         out = torch.empty(self.shard_numel, dtype=torch.float32, device=self.device)
         for i in self._mine:
             b, group = self.buckets[i], self._groups[i]
-            buf = torch.zeros(b.numel, dtype=torch.float32, device=self.device)
-            offsets = b.buffer_offsets()
-            for name, (lo, _hi) in zip(b.names, b.spans):
+            inp = torch.zeros(b.numel, dtype=torch.float32, device=self.device)
+            for name, segments in self._segments[i].items():
                 t = source(name)
                 if t is None:
                     continue
-                bs, be = self._block(name)
-                at = offsets[name] + bs - lo
-                buf[at:at + be - bs] = self._canonical(name, t)
-            order = b.owner_order()
-            inp = torch.cat([buf[a:z] for a, z, _ in order]) if order else buf[:0]
-            del buf
+                flat = self._canonical(name, t)
+                for pos, off, n in segments:
+                    inp[pos:pos + n] = flat[off:off + n]
+                del flat
             n = sum(p.stop - p.start for p in self._pieces[i])
             if group is None:
                 mine = inp
@@ -216,22 +230,26 @@ class DistributedOptimizer:
                 kw = ({"bridge": group.het, "method": _bridge_method(group.het, "reduce")} if group.kind != "native"
                       else {"group": group.group, "method": self._methods["reduce_scatter"]})
                 mine = uneven_reduce_scatter(inp, ShardLayout(sizes=b.sizes()), **kw)
+            del inp
             out[self._start[i]:self._start[i] + n] = mine
         return out
 
-    def _all_gather_into(self, shard: torch.Tensor, sink: Callable[[str, torch.Tensor], None]) -> None:
-        """Every owner's ``shard`` pieces gathered; ``sink(name, canonical block)`` per local parameter."""
+    def _all_gather_into(self, shard: torch.Tensor, sink: Callable[[str, torch.Tensor], None], *,
+                         dtype: torch.dtype | None = None, names: set[str] | None = None) -> None:
+        """Every owner's ``shard`` pieces gathered in ``dtype`` (None: the parameters'); ``sink(name,
+        canonical block)`` per local parameter (of ``names`` only, when given)."""
         for i in self._mine:
             b, group = self.buckets[i], self._groups[i]
             n = sum(p.stop - p.start for p in self._pieces[i])
-            piece = shard[self._start[i]:self._start[i] + n]
+            piece = shard[self._start[i]:self._start[i] + n].to(dtype or self._gather_dtype[i])
             if group is None:
                 gathered = piece
             else:
                 kw = ({"bridge": group.het, "method": _bridge_method(group.het, "padded")} if group.kind != "native"
                       else {"group": group.group, "method": self._methods["gather"]})
                 gathered = uneven_all_gather(piece.contiguous(), ShardLayout(sizes=b.sizes()), **kw)
-            self._scatter_gathered(i, gathered, sink)
+            del piece
+            self._scatter_gathered(i, gathered, sink, names)
 
     def _finish_hook(self, buckets: list[int]):
         def hook(_module, _args) -> None:
@@ -256,7 +274,7 @@ class DistributedOptimizer:
         for i in self._mine:
             b, group = self.buckets[i], self._groups[i]
             n = sum(p.stop - p.start for p in self._pieces[i])
-            piece = shard[self._start[i]:self._start[i] + n].clone()
+            piece = shard[self._start[i]:self._start[i] + n].to(self._gather_dtype[i], copy=True)
             if group is None:
                 self._scatter_gathered(i, piece, self._write_params)
                 continue
@@ -264,18 +282,19 @@ class DistributedOptimizer:
                   if group.kind != "native" else {"group": group.group})
             self._pending[i] = uneven_all_gather_start(piece, ShardLayout(sizes=b.sizes()), **kw)
 
-    def _scatter_gathered(self, i: int, gathered: torch.Tensor, sink: Callable[[str, torch.Tensor], None]) -> None:
-        b = self.buckets[i]
-        buf = torch.empty(b.numel, dtype=torch.float32, device=self.device)
-        pos = 0
-        for a, z, _ in b.owner_order():
-            buf[a:z] = gathered[pos:pos + z - a]
-            pos += z - a
-        offsets = b.buffer_offsets()
-        for name, (lo, _hi) in zip(b.names, b.spans):
+    def _scatter_gathered(self, i: int, gathered: torch.Tensor, sink: Callable[[str, torch.Tensor], None],
+                          names: set[str] | None = None) -> None:
+        """``sink(name, block)`` for each of this rank's parameters in bucket ``i`` (of ``names`` only,
+        when given), its canonical block read from the owner-ordered ``gathered`` (one parameter's
+        block at a time)."""
+        for name, segments in self._segments[i].items():
+            if names is not None and name not in names:
+                continue
             bs, be = self._block(name)
-            at = offsets[name] + bs - lo
-            sink(name, buf[at:at + be - bs])
+            flat = torch.empty(be - bs, dtype=gathered.dtype, device=self.device)
+            for pos, off, n in segments:
+                flat[off:off + n] = gathered[pos:pos + n]
+            sink(name, flat)
 
     def _write_params(self, name: str, flat: torch.Tensor) -> None:
         h = self.local[name]
@@ -355,17 +374,21 @@ class DistributedOptimizer:
 
     # ---- checkpoints: layout-independent local form --------------------------------------------
     @torch.no_grad()
-    def local_state(self) -> tuple[dict[str, torch.Tensor], dict[str, dict[str, torch.Tensor]]]:
-        """fp32 main values and Adam moments as full local blocks (the parameters' shapes): the form
-        the checkpoint writes, identical to what a run without the distributed optimizer holds."""
+    def local_state(self, only: set[str] | None = None
+                    ) -> tuple[dict[str, torch.Tensor], dict[str, dict[str, torch.Tensor]]]:
+        """fp32 main values and Adam moments as full local blocks (the parameters' shapes), on the
+        host: the form the checkpoint writes, identical to what a run without the distributed
+        optimizer holds. ``only``: the parameters wanted (the ones this rank writes; None: all); every
+        rank still joins every bucket's gathers. The device holds one bucket's gather at a time."""
         self.finish_param_gather()
+        wanted = set(self.local) if only is None else set(only) & set(self.local)
         values: dict[str, torch.Tensor] = {}
-        moments: dict[str, dict[str, torch.Tensor]] = {n: {} for n in self.local}
+        moments: dict[str, dict[str, torch.Tensor]] = {n: {} for n in wanted}
 
         def into(target: dict, key: str | None):
             def sink(name: str, flat: torch.Tensor) -> None:
                 h = self.local[name]
-                t = torch.empty(self.params[name].shape, dtype=torch.float32, device=self.device)
+                t = torch.empty(self.params[name].shape, dtype=torch.float32, device=HOST_DEVICE)
                 write_canonical(t, flat, h.partition_dim, h.glu)
                 if key is None:
                     target[name] = t
@@ -374,11 +397,11 @@ class DistributedOptimizer:
             return sink
 
         if self.keeps_master:
-            self._all_gather_into(self.adam.master, into(values, None))
+            self._all_gather_into(self.adam.master, into(values, None), dtype=torch.float32, names=wanted)
         else:  # fp32: every holder's parameters are the main values
-            values = {n: self.params[n].detach().float().clone() for n in self.local}
-        self._all_gather_into(self.adam.exp_avg, into(moments, "exp_avg"))
-        self._all_gather_into(self.adam.exp_avg_sq, into(moments, "exp_avg_sq"))
+            values = {n: self.params[n].detach().to(HOST_DEVICE, torch.float32, copy=True) for n in wanted}
+        self._all_gather_into(self.adam.exp_avg, into(moments, "exp_avg"), dtype=torch.float32, names=wanted)
+        self._all_gather_into(self.adam.exp_avg_sq, into(moments, "exp_avg_sq"), dtype=torch.float32, names=wanted)
         return values, moments
 
     @torch.no_grad()

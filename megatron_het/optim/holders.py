@@ -64,24 +64,33 @@ class ShardBucket:
         """Elements of the bucket's buffer (sum of the spans)."""
         return sum(stop - start for start, stop in self.spans)
 
-    def buffer_offsets(self) -> dict[str, int]:
-        """Where each name's span starts in the buffer."""
-        out, pos = {}, 0
-        for name, (start, stop) in zip(self.names, self.spans):
-            out[name] = pos
-            pos += stop - start
+    def owner_layout(self) -> list[tuple[Piece, int]]:
+        """Every piece with its position in the owner-ordered buffer (each owner's pieces contiguous,
+        owners in ``ranks`` order): the uneven reduce-scatter's input and all-gather's output layout."""
+        by_owner: dict[int, list[Piece]] = {r: [] for r in self.ranks}
+        for p in self.pieces:
+            by_owner[p.owner].append(p)
+        out, pos = [], 0
+        for r in self.ranks:
+            for p in by_owner[r]:
+                out.append((p, pos))
+                pos += p.stop - p.start
         return out
 
-    def owner_order(self) -> list[tuple[int, int, int]]:
-        """(buffer start, buffer stop, owner) of every piece, grouped by owner in ``ranks`` order:
-        the reduce-scatter's input order (each owner's elements contiguous)."""
-        offsets = self.buffer_offsets()
-        span_start = dict(zip(self.names, (s for s, _ in self.spans)))
-        by_owner: dict[int, list[tuple[int, int, int]]] = {r: [] for r in self.ranks}
-        for p in self.pieces:
-            lo = offsets[p.name] + p.start - span_start[p.name]
-            by_owner[p.owner].append((lo, lo + p.stop - p.start, p.owner))
-        return [seg for r in self.ranks for seg in by_owner[r]]
+    def local_segments(self, blocks: Mapping[str, tuple[int, int]]) -> dict[str, list[tuple[int, int, int]]]:
+        """Where a member's own blocks sit in the owner-ordered buffer: for each of its names (``blocks``:
+        name -> canonical block it holds), (buffer position, offset in the block, elements) runs that
+        cover the block. The reduce-scatter's input is written from them and the all-gather's output
+        read through them, with no buffer in canonical order beside the owner-ordered one."""
+        out: dict[str, list[tuple[int, int, int]]] = {n: [] for n in self.names if n in blocks}
+        for p, pos in self.owner_layout():
+            if p.name not in out:
+                continue
+            bs, be = blocks[p.name]
+            a, z = max(p.start, bs), min(p.stop, be)
+            if a < z:
+                out[p.name].append((pos + a - p.start, a - bs, z - a))
+        return out
 
     def sizes(self) -> tuple[int, ...]:
         """Elements each group rank owns (the uneven collectives' layout)."""

@@ -86,9 +86,11 @@ def test_bad_weight_is_refused_naming_the_rank():
         plan_shard_buckets(_holdings("w", (4, 4), 0, [(0, 2)]), weights={0: 1.0, 1: -2.0})
 
 
-def test_owner_order_puts_each_owners_pieces_together():
+def test_owner_layout_puts_each_owners_pieces_together():
     hs = _holdings("a", (8,), 0, [(0, 2), (2, 4)]) + _holdings("b", (8, 2), 0, [(0, 2), (2, 4)])
     (bucket,) = [b for b in plan_shard_buckets(hs) if len(b.ranks) == 6]
-    order = bucket.owner_order()
-    assert [o for *_, o in order] == sorted(o for *_, o in order)
-    assert sum(z - a for a, z, _ in order) == bucket.numel == sum(bucket.sizes())
+    layout = bucket.owner_layout()
+    owners = [p.owner for p, _ in layout]
+    assert owners == sorted(owners)
+    assert [pos for _, pos in layout] == [sum(p.stop - p.start for p, _ in layout[:k]) for k in range(len(layout))]
+    assert sum(p.stop - p.start for p, _ in layout) == bucket.numel == sum(bucket.sizes())

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from megatron_het.sharding import FlatIndex, RankShare, ShardedPlan, ShardLayout, sample_ranges, shard_sizes
-from megatron_het.sharding.optimizer import ShardedAdamW, decay_mask
+from megatron_het.sharding.optimizer import ShardedAdamW, decay_runs
 from megatron_het.train.config import TrainConfig
 
 
@@ -77,9 +77,10 @@ def test_flat_shard_adamw_equals_torch_adamw_across_a_shard_boundary():
     shapes = {"x.weight": (2, 4), "x.bias": (4,)}
     layout = ShardLayout.from_fractions(12, (0.25, 0.75))
     flat = torch.cat([w.reshape(-1), b])
-    opts = [ShardedAdamW(master=flat[lo:hi].clone(), mask=decay_mask(index, shapes, lo, hi), train=train)
+    opts = [ShardedAdamW(master=flat[lo:hi].clone(), runs=decay_runs(index, shapes, lo, hi), train=train)
             for lo, hi in (layout.range(0), layout.range(1))]
-    assert opts[0].mask.tolist() == [1.0, 1.0, 1.0] and opts[1].mask.tolist() == [1.0] * 5 + [0.0] * 4
+    assert [(r.start, r.stop, r.decays) for r in opts[0].runs] == [(0, 3, True)]
+    assert [(r.start, r.stop, r.decays) for r in opts[1].runs] == [(0, 5, True), (5, 9, False)]
     for step in range(3):
         gw, gb = torch.randn(2, 4), torch.randn(4)
         ref_w.grad, ref_b.grad = gw.clone(), gb.clone()
