@@ -31,6 +31,7 @@ from megatron_het.checkpoint.errors import CheckpointError
 from megatron_het.checkpoint.safe_read import load_common_state, load_sharded
 from megatron_het.checkpoint.tp_layout import local_pieces
 from megatron_het.cluster import ModelSpec
+from megatron_het.platform import HOST_DEVICE
 from megatron_het.utils.atomic import write_bytes_atomic
 
 TRACKER = "latest_checkpointed_iteration.txt"
@@ -234,10 +235,14 @@ def load_checkpoint(path: str, *, params: Mapping[str, TensorSlot], model: Model
     common = read_common(path)
     check_model_matches(common, model, path)
     request = {}
-    request.update(_sharded(params, "model.", lambda _n, s: torch.empty_like(s.tensor)))
+
+    def host_buffer(_name, slot):  # read into host memory: the caller takes its pieces to the device
+        return torch.empty(slot.tensor.shape, dtype=slot.tensor.dtype, device=HOST_DEVICE)
+
+    request.update(_sharded(params, "model.", host_buffer))
     if with_optimizer:
         for key in ("exp_avg", "exp_avg_sq"):
-            request.update(_sharded(params, f"optimizer.{key}.", lambda _n, s: torch.empty_like(s.tensor)))
+            request.update(_sharded(params, f"optimizer.{key}.", host_buffer))
     # Each rank reads the slices of its own layout (load_sharded names the directory on a mismatch).
     loaded = load_sharded(request, path)
     values = {name: _local(loaded, f"model.{name}", slot) for name, slot in params.items()}

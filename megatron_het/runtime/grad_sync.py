@@ -29,6 +29,7 @@ buckets of about that many elements in backward order, so an overlapped reductio
 from __future__ import annotations
 
 import datetime
+import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
@@ -169,16 +170,41 @@ def owned_norm_holdings(holdings: Iterable[Holding]) -> set[tuple[str, int]]:
     only: the stage with the smallest key; within it every TP rank for a partitioned parameter,
     TP rank 0 for a replicated one.
     """
+    by_name = _by_name(holdings)
+    return {(name, h.rank) for name, hs in by_name.items() for h in hs
+            if h.stage_key == min(x.stage_key for x in hs) and _owns(h)}
+
+
+def checkpoint_writers(holdings: Iterable[Holding]) -> set[tuple[str, int]]:
+    """(name, rank) pairs that write each parameter (and its optimizer moments) into a checkpoint:
+    one stage per parameter, within it the ranks ``owned_norm_holdings`` would take, but the stage is
+    chosen to even out the elements each rank writes (largest parameters first, each to the holding
+    stage whose ranks then write the least; ties to the smaller stage key), not always the first
+    replica: a save then builds on each rank only its share of the full-precision values, and the
+    writing is spread over the replicas as Megatron's fully parallel save spreads it."""
+    by_name = _by_name(holdings)
+    load: dict[tuple[int, int], int] = {}  # stage key -> elements each of its writing ranks writes
+
+    def share(h: Holding) -> int:
+        numel = math.prod(h.full_shape)
+        return numel // h.tp_size if h.partition_dim is not None or h.grid is not None else numel
+
+    writers = set()
+    for name in sorted(by_name, key=lambda n: (-math.prod(by_name[n][0].full_shape), n)):
+        stages: dict[tuple[int, int], list[Holding]] = {}
+        for h in by_name[name]:
+            stages.setdefault(h.stage_key, []).append(h)
+        key = min(stages, key=lambda k: (load.get(k, 0) + share(stages[k][0]), k))
+        load[key] = load.get(key, 0) + share(stages[key][0])
+        writers.update((name, h.rank) for h in stages[key] if _owns(h))
+    return writers
+
+
+def _by_name(holdings: Iterable[Holding]) -> dict[str, list[Holding]]:
     by_name: dict[str, list[Holding]] = {}
     for h in holdings:
         by_name.setdefault(h.name, []).append(h)
-    owned = set()
-    for name, hs in by_name.items():
-        first_stage = min(h.stage_key for h in hs)
-        for h in hs:
-            if h.stage_key == first_stage and _owns(h):
-                owned.add((name, h.rank))
-    return owned
+    return by_name
 
 
 def _slice(full: torch.Tensor, h: Holding) -> torch.Tensor:
@@ -264,8 +290,8 @@ class GradientSynchronizer:
             if group is not None:
                 self._groups.append((bucket, group))
                 self.routes.append((bucket.ranks, group.kind))
-        # (name, rank) pairs that count each full element once: the gradient norm and the
-        # checkpoint's main replicas use the same owners.
+        # (name, rank) pairs that count each full element once in the gradient and parameter norms
+        # (a checkpoint's writers are spread over the holders instead: checkpoint_writers)
         self.owned = owned_norm_holdings(self.all_holdings)
         self.norm_names = [n for n in self.local if (n, self.rank) in self.owned]
 

@@ -40,6 +40,7 @@ from megatron_het.model.tp3d_stage import build_tp3d_gpt_stage
 from megatron_het.plan import Plan, chunk_layers
 from megatron_het.plan.validate import check_runtime_tp_grid, check_schedule, check_tp_comm_overlap
 from megatron_het.platform import Accelerator, detect_accelerator
+from megatron_het.platform.allocation_peak import phase
 from megatron_het.runtime.boundary import BoundaryLink, Neighbour, order_mismatches
 from megatron_het.runtime.boundary_groups import (
     create_direction_groups,
@@ -175,8 +176,10 @@ class PipelineStrategy:
                         self.overlap_report.describe())
         self.total_micro_batches = sum(r.num_micro_batches for r in plan.replicas)
 
-        # mixed precision: fp32 main parameters/gradients the synchronizer, norm and optimizer use
-        self.main = MainParams(self.params) if train.precision != "fp32" else None
+        # mixed precision: fp32 main parameters/gradients the synchronizer, norm and optimizer use (the
+        # distributed optimizer's fp32 gradients only, made with it: no full fp32 copy, not even briefly)
+        mixed = train.precision != "fp32"
+        self.main = MainParams(self.params) if mixed and not plan.use_distributed_optimizer else None
         self.scaler = LossScaler(train, self.device) if train.fp16 else None
         self.plan_rank = role.rank  # this rank in ``plan`` (role.rank changes when the world is rebuilt)
         self.plan_placement = self.placement = placement
@@ -333,8 +336,7 @@ class PipelineStrategy:
         from megatron_het.runtime.mixed_precision import MainGrads
 
         train = self.train
-        if self.main is not None:  # no full fp32 copy: the optimizer keeps main values as shards
-            self.main.remove_hooks()
+        if train.precision != "fp32":  # no full fp32 copy: the optimizer keeps main values as shards
             self.main = MainGrads(self.params)
         # --overlap-grad-reduce (or a plan recording it, which perf.predict prices with the updated
         # weights' gather hidden in the next forward, hence --overlap-param-gather too)
@@ -350,7 +352,8 @@ class PipelineStrategy:
             main_grads=self.main.grads if self.main is not None else None, weights=weights,
             # every model chunk's sub-modules finish their gathers (interleaved: several chunks)
             overlap_param_gather_in=torch.nn.ModuleList(self.gpts) if gather_overlap else None,
-            new_group=groups, reducer=reducer)
+            new_group=groups, reducer=reducer,
+            bucket_numel=self._bucket_numel())
 
     def _optimizer(self) -> torch.optim.AdamW:
         """AdamW with Megatron-LM's groups: no weight decay on biases and 1-D parameters (with the
@@ -397,7 +400,10 @@ class PipelineStrategy:
                               field="--overlap-param-gather", value=True,
                               fix="add --use-distributed-optimizer (or set the plan's use_distributed_optimizer)")
         if not (self.train.overlap_grad_reduce or self.plan.overlap_grad_reduce):  # the plan may record it
-            return GradientSynchronizer(self.holdings(), self.opt_params, accelerator=self.accelerator, groups=groups)
+            # bucketed as the overlapped one: each bucket is packed into one flat buffer for its all-reduce,
+            # so the temporary is a bucket's, not the stage's (megatron-core reduces its buffer in place)
+            return GradientSynchronizer(self.holdings(), self.opt_params, accelerator=self.accelerator, groups=groups,
+                                        bucket_numel=self._bucket_numel())
         # mixed precision: the fp32 main gradients are reduced, bucket by bucket as the half-precision
         # parameters' gradients arrive (MainParams' hooks, registered before these, fill them first)
         return self._overlapped_synchronizer(self.opt_params, groups)
@@ -406,15 +412,19 @@ class PipelineStrategy:
         """Bucketed all-reduce launched from the backward's hooks on this stage's parameters, of
         ``params``' gradients (or ``grads``), in buckets of ``ddp_bucket_size`` parameters (megatron-core's
         default size when None)."""
-        from megatron_het.perf.predict import bucket_parameters
         from megatron_het.runtime.overlap_grad import OverlappedGradientSynchronizer
 
-        size = self.train.ddp_bucket_size or bucket_parameters(len(self.plan.replicas))
         chunk_by_id = {id(p): c for c, gpt in enumerate(self.gpts) for p in gpt.parameters()}
         chunk_of = {name: chunk_by_id[id(p)] for name, p in self.params.items()}  # executor arms per chunk
         return OverlappedGradientSynchronizer(self.holdings(), params, hook_params=self.params, grads=grads,
-                                              bucket_numel=size, accelerator=self.accelerator, groups=groups,
+                                              bucket_numel=self._bucket_numel(), accelerator=self.accelerator, groups=groups,
                                               chunk_of=chunk_of)
+
+    def _bucket_numel(self) -> int:
+        """Elements per gradient bucket: ``--ddp-bucket-size``, else megatron-core's default."""
+        from megatron_het.perf.predict import bucket_parameters
+
+        return self.train.ddp_bucket_size or bucket_parameters(len(self.plan.replicas))
 
     def holdings(self) -> list[Holding]:
         """What this rank holds of each full parameter (the gradient synchronizer's input;
@@ -444,9 +454,11 @@ class PipelineStrategy:
                     p.grad = torch.zeros_like(p)
         self.executor.grad_scale = self.scaler.scale if self.scaler is not None else None
         batch_fn = positioned_batches(self.batch_fn, self.data_position, self.train.global_batch_size)
-        loss_sum = self.executor.run(iteration=iteration, batch_fn=batch_fn, forward=self._forward,
-                                     params=list(self.params.values()), timer=timer, on_action=on_action)
-        self.sync.reduce()
+        with phase("forward_backward"):
+            loss_sum = self.executor.run(iteration=iteration, batch_fn=batch_fn, forward=self._forward,
+                                         params=list(self.params.values()), timer=timer, on_action=on_action)
+        with phase("reduce"):
+            self.sync.reduce()
         # the loss scale of this step, read at the log interval (the scaler replaces its tensor on update)
         scale = self.scaler.scale.clone() if self.scaler is not None else None
         # fp16: one host read per step (the agreed overflow flag decides whether to step), as Megatron's found_inf
@@ -483,6 +495,7 @@ class PipelineStrategy:
             return [self.sync.shard_grad]
         return [m.grad for m in self.opt_params.values()]
 
+    @phase("optimizer_step")
     def _optimizer_step(self, timer: EmulationTimer) -> None:
         """A slower device steps its optimizer slower too (priced so: perf.predict's optimizer_step_s x
         slowdown); the distributed optimizer's all-gather of the updated values is communication,
@@ -577,11 +590,16 @@ class PipelineStrategy:
         self.executor = self._executor(actions, links, split_backward=split_backward)
 
     # ---- checkpoints ------------------------------------------------------------------------
-    def _slots(self, values: Mapping[str, torch.Tensor] | None = None):
+    def _slots(self, values: Mapping[str, torch.Tensor] | None = None, writers: set | None = None):
         """Checkpoint slots of this rank's parameters: ``values`` (fp32 main values in local form from
-        the distributed optimizer), else the optimizer's parameters (fp32 main values in mixed
-        precision). The form is the same with and without the distributed optimizer."""
+        the distributed optimizer, of the parameters this rank writes), else the optimizer's parameters
+        (fp32 main values in mixed precision). The form is the same with and without the distributed
+        optimizer; ``main``: this rank writes the parameter (``writers``: ``grad_sync.checkpoint_writers``,
+        computed when not given)."""
         from megatron_het.checkpoint.dist_ckpt import TensorSlot
+        from megatron_het.runtime.grad_sync import checkpoint_writers
+
+        writers = checkpoint_writers(self.sync.all_holdings) if writers is None else writers
 
         if self.grid_groups is not None and values is None:  # a 3D stage's blocks at their grid offsets
             values = {n: p.detach() for n, p in self.opt_params.items()}
@@ -590,26 +608,29 @@ class PipelineStrategy:
 
             grid = self.stage_plan.tp_grid
             return {name: TensorSlot(tensor=t, partition_dim=self.sync.local[name].partition_dim, tp_rank=self.role.tp_rank,
-                                     tp_size=self.role.tp_size, main=(name, self.role.rank) in self.sync.owned,
+                                     tp_size=self.role.tp_size, main=(name, self.role.rank) in writers,
                                      offsets=grid_rank_offsets(name, grid, self.role.tp_rank,
                                                                self.sync.local[name].partition_dim))
                     for name, t in values.items()}
-        if values is None:
-            values = ({n: p.detach().float() for n, p in self.params.items()} if self.plan.use_distributed_optimizer
-                      else {n: p.detach() for n, p in self.opt_params.items()})
+        if values is None:  # loading: the slots give shapes; the distributed optimizer's are fp32
+            values = ({n: torch.empty(p.shape, dtype=torch.float32, device="meta") for n, p in self.params.items()}
+                      if self.plan.use_distributed_optimizer else {n: p.detach() for n, p in self.opt_params.items()})
         return {name: TensorSlot(tensor=t, partition_dim=self.sync.local[name].partition_dim,
                                  tp_rank=self.role.tp_rank, tp_size=self.role.tp_size,
-                                 main=(name, self.role.rank) in self.sync.owned,
+                                 main=(name, self.role.rank) in writers,
                                  glu=is_glu(name, self.model_spec.swiglu))
                 for name, t in values.items()}
 
+    @phase("save")
     def save_checkpoint(self, save: str, iteration: int, *, tokenizer_model: str | None = None) -> str:
         """Write model, optimizer, iteration and data position under ``save`` (collective)."""
         from megatron_het.checkpoint.dist_ckpt import model_common_state, save_checkpoint
+        from megatron_het.runtime.grad_sync import checkpoint_writers
 
         values = None
-        if self.plan.use_distributed_optimizer:  # shards gathered into the plain run's local form
-            values, moments = self.sync.local_state()
+        writers = checkpoint_writers(self.sync.all_holdings)
+        if self.plan.use_distributed_optimizer:  # shards gathered into the plain run's local form, on the host
+            values, moments = self.sync.local_state(only={n for n in self.params if (n, self.role.rank) in writers})
         else:
             moments = {}
             for name, p in self.opt_params.items():
@@ -618,10 +639,11 @@ class PipelineStrategy:
         common = {"model": model_common_state(self.model_spec), "padded_vocab": self.stage.vocab_size,
                   "consumed_samples": self.data_position.consumed_at(iteration, self.train.global_batch_size),
                   "plan": self.plan.to_dict(), "seed": self.train.seed}
-        return save_checkpoint(save, iteration, params=self._slots(values), optimizer_state=moments, common=common,
+        return save_checkpoint(save, iteration, params=self._slots(values, writers), optimizer_state=moments, common=common,
                                tokenizer_model=tokenizer_model)
 
     @torch.no_grad()
+    @phase("load")
     def load_checkpoint(self, path: str, *, with_optimizer: bool = True) -> int:
         """Load a checkpoint written under any plan; returns its iteration (collective)."""
         from megatron_het.checkpoint.dist_ckpt import CheckpointError, load_checkpoint
@@ -642,8 +664,8 @@ class PipelineStrategy:
             p.copy_(values[name])
             if with_optimizer:
                 self.optimizer.state[p] = {"step": torch.tensor(float(iteration)),  # host scalar, as torch's Adam keeps it
-                                           "exp_avg": moments[name]["exp_avg"].clone(),
-                                           "exp_avg_sq": moments[name]["exp_avg_sq"].clone()}
+                                           "exp_avg": moments[name]["exp_avg"].to(p.device, copy=True),
+                                           "exp_avg_sq": moments[name]["exp_avg_sq"].to(p.device, copy=True)}
         if self.main is not None:
             self.main.copy_to_model()
         return iteration
@@ -684,8 +706,9 @@ def HeteroTrainer(*, model: ModelSpec, plan: Plan, train: TrainConfig, batch_fn:
                   accelerator: Accelerator | None = None) -> Trainer:
     """The trainer over this rank's stage of ``plan`` (call on every rank). ``slowdown`` overrides the
     cluster's emulation factor of the rank's island; ``clock`` is the timer's (None: wall time)."""
-    strategy = PipelineStrategy(model=model, plan=plan, train=train, batch_fn=batch_fn, cluster=cluster,
-                                init_full_state=init_full_state, padded_vocab=padded_vocab, accelerator=accelerator)
+    with phase("construction"):
+        strategy = PipelineStrategy(model=model, plan=plan, train=train, batch_fn=batch_fn, cluster=cluster,
+                                    init_full_state=init_full_state, padded_vocab=padded_vocab, accelerator=accelerator)
     timer = emulation_timer(cluster, strategy.role.island, slowdown=slowdown, clock=clock,
                             accelerator=strategy.accelerator)
     if timer.slowdown != 1.0:

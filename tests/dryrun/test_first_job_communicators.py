@@ -64,12 +64,13 @@ def _view(gathered):
         local = gathered[rank]
         params = {h.name: torch.nn.Parameter(torch.empty(h.full_shape, device="meta")) for h in local}
         groups = ReductionGroups(None, accelerator=FAKE_ACCELERATOR, timeout=TIMEOUT)
-        reducer = (OverlappedGradientSynchronizer(local, params, bucket_numel=bucket_parameters(len(plan.replicas)),
-                                                  accelerator=FAKE_ACCELERATOR, groups=groups)
+        bucket = bucket_parameters(len(plan.replicas))  # the trainer's default --ddp-bucket-size
+        reducer = (OverlappedGradientSynchronizer(local, params, bucket_numel=bucket, accelerator=FAKE_ACCELERATOR,
+                                                  groups=groups)
                    if plan.overlap_grad_reduce else None)
         train = TrainConfig(micro_batch_size=1, global_batch_size=plan.global_batch_size, train_iters=1)
         DistributedOptimizer(local, params, train=train, device=torch.device("meta"), owned=owned_norm_holdings,
-                             new_group=groups, reducer=reducer)
+                             new_group=groups, reducer=reducer, bucket_numel=bucket)
         return {"holder_sets": len({b.ranks for b in plan_buckets([h for hs in gathered for h in hs])
                                     if rank in b.ranks and len(b.ranks) > 1}),
                 "boundaries": sum(1 for up, down in plan_directions(plan) if rank in (*up, *down)) // 2}

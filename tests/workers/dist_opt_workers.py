@@ -55,3 +55,24 @@ def dist_opt_checkpoint_worker(rank, world_size, model: ModelSpec, steps, train:
             trainer.save_checkpoint(save_dir)
         out.append([log.lm_loss for log in res.iterations])
     return out
+
+
+def phase_bytes_worker(rank, world_size, model: ModelSpec, plan, train: TrainConfig, save_dir: str, padded_vocab=None):
+    """Trains ``plan`` for ``train.train_iters``, saves and loads, all under the allocation timeline:
+    ({phase: (start bytes, peak bytes, bytes one range added)}, this rank's parameter elements)."""
+    import torch
+
+    from megatron_het.checkpoint.dist_ckpt import iteration_dir
+    from megatron_het.platform import enable_cpu_backend
+    from megatron_het.platform.allocation_peak import allocation_timeline
+    from megatron_het.runtime.hetero_trainer import HeteroTrainer
+
+    enable_cpu_backend()
+    with allocation_timeline(torch.device("cpu")) as timeline:
+        trainer = HeteroTrainer(model=model, plan=plan, train=train, batch_fn=batch_fn(model, train.seed),
+                                padded_vocab=padded_vocab)
+        trainer.run()
+        trainer.strategy.save_checkpoint(save_dir, train.train_iters)
+        trainer.strategy.load_checkpoint(iteration_dir(save_dir, train.train_iters))
+    params = sum(p.numel() for p in trainer.strategy.params.values())
+    return {k: (v.start_bytes, v.peak_bytes, v.added_bytes) for k, v in timeline.phases.items()}, params

@@ -75,3 +75,45 @@ def test_non_contiguous_stage_ranks_are_refused_with_the_fix():
                 micro_batch_size=2, global_batch_size=8)
     with pytest.raises(ValueError, match=r"replicas\[0\]\.stages\[0\]\.ranks.*consecutive.*\[0, 1\]"):
         check_contiguous_stages(plan)
+
+
+def _written(writers, hs):
+    """name -> elements written, and rank -> elements it writes (partitioned: its TP block)."""
+    import math
+
+    per_name, per_rank = {}, {}
+    for x in hs:
+        if (x.name, x.rank) in writers:
+            n = math.prod(x.full_shape) // (x.tp_size if x.partition_dim is not None else 1)
+            per_name[x.name] = per_name.get(x.name, 0) + n
+            per_rank[x.rank] = per_rank.get(x.rank, 0) + n
+    return per_name, per_rank
+
+
+def test_checkpoint_writers_write_every_element_once_spread_over_replicas():
+    """Each parameter is written by one stage (all its TP ranks for a partitioned tensor, TP rank 0
+    for a replicated one), so every element once; the stages are chosen to spread the bytes: over
+    four replicas (TP1, TP2, TP1, TP4) no rank writes more than a third of the model, where the norm's
+    ownership (the first replica) would make rank 0 write all of it."""
+    import math
+
+    from megatron_het.runtime.grad_sync import checkpoint_writers
+    from megatron_het.runtime.holdings import plan_holdings
+
+    model = ModelSpec(num_layers=4, hidden_size=64, num_attention_heads=4, seq_length=16, vocab_size=256)
+    plan = Plan(replicas=(ReplicaPlan(stages=(_stage([0], (0, 4)),), num_micro_batches=1),
+                          ReplicaPlan(stages=(_stage([1, 2], (0, 4)),), num_micro_batches=1),
+                          ReplicaPlan(stages=(_stage([3], (0, 4)),), num_micro_batches=1),
+                          ReplicaPlan(stages=(_stage([4, 5, 6, 7], (0, 4)),), num_micro_batches=1)),
+                micro_batch_size=1, global_batch_size=4)
+    hs = plan_holdings(plan, model)
+    writers = checkpoint_writers(hs)
+    per_name, per_rank = _written(writers, hs)
+    full = {x.name: math.prod(x.full_shape) for x in hs}
+    assert per_name == full  # every parameter, every element once
+    for name in full:  # one stage per parameter
+        assert len({x.stage_key for x in hs if (x.name, x.rank) in writers and x.name == name}) == 1, name
+    total = sum(full.values())
+    assert max(per_rank.values()) <= total / 3, (per_rank, total)
+    _, norm_rank = _written(owned_norm_holdings(hs), hs)
+    assert norm_rank == {0: total}  # what the checkpoint used to write on rank 0 alone
