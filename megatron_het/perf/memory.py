@@ -48,6 +48,7 @@ __all__ = [
     "stage_memory",
     "device_capacity_bytes",
     "optimizer_shard_weights",
+    "runtime_attention",
     "runtime_state_bytes",
     "rank_memory",
 ]
@@ -342,13 +343,25 @@ def optimizer_shard_weights(model: ModelSpec, plan, *, precision: str | None = N
                                tp=st.tp, sequence_parallel=plan.sequence_parallel,
                                recompute="full" if st.recompute else "none", distributed_optimizer=False,
                                virtual_stages=v, precision=precision, recompute_num_layers=st.recompute_num_layers,
-                               dropout=False, fused_softmax=not CATALOG[st.device_type].is_host,  # as rank_memory
+                               dropout=False, **runtime_attention(plan, st),  # as rank_memory
                                chunk_sizes=plan_chunk_sizes(plan, replica, i))
             copies = mem.gradients_bytes if plan.overlap_grad_reduce else 0  # runtime/overlap_grad.py's packed buckets
             free = capacity - (mem.total_bytes - mem.optimizer_bytes) - copies
             for r in st.ranks:
                 out[r] = float(max(free, capacity // 100))
     return out
+
+
+def runtime_attention(plan, stage) -> dict[str, bool]:
+    """The attention the pipeline runtime builds for ``stage`` of ``plan``, as ``stage_memory``'s
+    arguments: the plan's kernel (``Plan.attention``; without it fused on GPUs, unfused on hosts, as the
+    runtime chooses), and on a host megatron-core's unfused softmax."""
+    from megatron_het.cluster.catalog import CATALOG
+    from megatron_het.plan.types import fused_attention
+
+    host = stage.device_type in CATALOG and CATALOG[stage.device_type].is_host
+    fused = fused_attention(plan.attention)
+    return {"fused_softmax": not host, "flash_attention": not host if fused is None else fused}
 
 
 def runtime_state_bytes(precision: str, *, distributed_optimizer: bool) -> tuple[int, int, int]:
@@ -417,11 +430,11 @@ def rank_memory(model: ModelSpec, plan, rank: int, *, precision: str | None = No
     in-flight micro-batches of the schedule the runtime executes (``Schedule.peak_in_flight``: GPipe
     all of the replica's, 1F1B ``min(p - i, m)``, interleaved and zero-bubble from their action lists)
     and the stage's recompute setting; ``dropout`` False is what the runtime builds; a host device type (CPU)
-    runs megatron-core's unfused softmax. No overhead term.
+    runs megatron-core's unfused softmax; the attention kernel is the plan's (``Plan.attention``; without
+    the field fused on GPUs, unfused on hosts, as the runtime builds it). No overhead term.
     """
     import dataclasses as _dc
 
-    from megatron_het.cluster.catalog import CATALOG
     from megatron_het.perf.flops import (
         _learned_positions,
         _norm_params,
@@ -465,7 +478,7 @@ def rank_memory(model: ModelSpec, plan, rank: int, *, precision: str | None = No
                        micro_batch_size=plan.micro_batch_size, microbatches_in_flight=in_flight, tp=tp,
                        sequence_parallel=plan.sequence_parallel, recompute="full" if st.recompute else "none",
                        virtual_stages=plan.virtual_pipeline_size, precision=precision, overhead_bytes=0,
-                       dropout=dropout, fused_softmax=not (st.device_type in CATALOG and CATALOG[st.device_type].is_host),
+                       dropout=dropout, **runtime_attention(plan, st),
                        recompute_num_layers=st.recompute_num_layers,
                        chunk_sizes=plan_chunk_sizes(plan, replica, i)).activations_bytes
     return StageMemory(parameters_bytes=weight_b * params, gradients_bytes=grad_b * params,
