@@ -9,16 +9,20 @@ runtime's, so they are priced from its code:
   the main gradients and the optimizer state are made; the fp32 distributed optimizer takes its
   fp32 pieces from the parameters once (kept only during a step afterwards); the plain optimizer's
   Adam moments appear at the first step, not here;
+  a direct bucket's fp32 gradients (every holder at one TP size: ``runtime/grad_sync.py``) are made
+  here (where the plain fp32 path would make them at the first step) and moved into the bucket's
+  buffer, the buffer and the bucket's gradients alive together for a moment;
 - forward/backward: the held state and the activations;
-- with ``--overlap-grad-reduce`` (the plan's ``overlap_grad_reduce``): each bucket is packed into a
-  flat fp32 copy when the last backward completes it and all-reduced asynchronously; the copies live
-  until ``reduce()`` waits for them, so the end of the forward/backward and the reduction hold one
-  fp32 copy of the rank's gradients more (counted whole: most buckets complete before the wait);
+- with ``--overlap-grad-reduce`` (the plan's ``overlap_grad_reduce``): a direct bucket is all-reduced
+  in place in its buffer; a reshard bucket (holders at several TP sizes) is packed into a zero-padded
+  flat copy when the last backward completes it, which lives until ``reduce()`` waits for it, so the
+  end of the forward/backward and the reduction hold one fp32 copy of the rank's gradients more
+  (counted whole: most buckets complete before the wait);
 - gradient reduction: the distributed optimizer's reduced pieces (fp32, kept until the step) and,
   per bucket, its owner-ordered fp32 buffer and the collective's pieces (gloo reduces per owner:
   this rank's piece and one other owner's; NCCL reduce-scatters from the buffer); the plain
-  synchronizer packs each bucket into one flat buffer (zero-padded full tensors where holders'
-  layouts differ);
+  synchronizer reduces a direct bucket in place and packs a reshard bucket's zero-padded full
+  tensors into one flat buffer;
 - optimizer step: the reduced pieces and, per bucket, the all-gather's buffers in the parameters'
   dtype (this rank's piece cast, its padded copy, every owner's padded piece, their concatenation)
   and one parameter's block; fp32 takes its fp32 pieces from the parameters for the step; the plain
@@ -93,7 +97,19 @@ def rank_phase_peaks(model: ModelSpec, plan, rank: int, *, bucket_numel: int, pr
     bucket = min(n, max(bucket_numel, largest))
     written = n // max(1, len(plan.replicas)) if written_elements is None else written_elements
     staged = 12 * written if host_is_device else 0  # fp32 values + 2 moments of what it writes
-    in_flight = 4 * n if plan.overlap_grad_reduce else 0  # packed bucket copies, launch to reduce()
+    # direct buckets only when every holder has one TP size (else the tied embedding and the layers reshard)
+    reshaped = len({s.tp for r in plan.replicas for s in r.stages}) > 1
+    if len(plan.replicas) > 1:  # reduced elements: every one across replicas
+        shared = n
+    else:  # in one replica the tied word embedding (first and last stage) and, under TP, replicated ones
+        from megatron_het.perf.flops import replicated_layer_parameters
+
+        embedding = vmodel.vocab_size // st.tp * model.hidden_size
+        shared = (embedding if tied and len(replica.stages) > 1 and (is_first or is_last) else 0) + (
+            st.num_layers * replicated_layer_parameters(model) if st.tp > 1 else 0)
+    # a direct bucket's buffer beside its gradients while they move in; fp32 .grad are made for it first
+    adopting = 0 if reshaped else 4 * min(bucket, shared) + (0 if mixed else 4 * shared)
+    in_flight = 4 * n if plan.overlap_grad_reduce and reshaped else 0  # packed copies, launch to reduce()
     out = {"forward_backward": steady + held.activations_bytes + in_flight,
            "load": steady + (12 * n if host_is_device else 0)}
     if plan.use_distributed_optimizer:
@@ -103,27 +119,17 @@ def rank_phase_peaks(model: ModelSpec, plan, rank: int, *, bucket_numel: int, pr
         if mixed:
             out["construction"] = max(6 * n, w * n + g * n + o * s)
         else:  # the fp32 pieces are taken from the parameters once while the optimizer is built
-            out["construction"] = w * n + o * s + 4 * s
+            out["construction"] = w * n + o * s + max(4 * s, adopting if plan.overlap_grad_reduce else 0)
         collective = 4 * bucket * (2 * share if gloo else share)  # this rank's piece (+ one other owner's)
-        # with the overlapped reducer: its all-reduced copies, then this rank's pieces taken from the sums
-        out["reduce"] = steady + pieces + (in_flight if in_flight else 4 * bucket + int(collective))
+        # with the overlapped reducer: its reshard copies, then this rank's pieces taken from the sums
+        out["reduce"] = steady + pieces + (in_flight if plan.overlap_grad_reduce else 4 * bucket + int(collective))
         gather = int(w * bucket * (2 + 2 * share)) + w * largest  # piece, padded, owners' padded, joined; a block
         out["optimizer_step"] = steady + pieces + (0 if mixed else 4 * s) + gather
         out["save"] = steady + staged + int(4 * bucket * (2 + 2 * share)) + 4 * largest
     else:
-        out["construction"] = (w + (8 if mixed else 0)) * n  # MainParams: fp32 values and gradients
-        # only parameters with several holders are reduced: every one across replicas; in one replica the
-        # tied word embedding (first and last stage) and, under TP, each layer's replicated parameters
-        if len(plan.replicas) > 1:
-            shared = n
-        else:
-            from megatron_het.perf.flops import replicated_layer_parameters
-
-            embedding = vmodel.vocab_size // st.tp * model.hidden_size
-            shared = (embedding if tied and len(replica.stages) > 1 and (is_first or is_last) else 0) + (
-                st.num_layers * replicated_layer_parameters(model) if st.tp > 1 else 0)
-        reshaped = any(s.tp != st.tp for r in plan.replicas for s in r.stages)  # zero-padded full tensors
-        out["reduce"] = steady + (in_flight or 4 * min(bucket, shared) * (2 if reshaped else 1))
+        out["construction"] = (w + (8 if mixed else 0)) * n + adopting  # MainParams: fp32 values, gradients
+        # a reshard bucket's zero-padded full tensors and their concatenation; direct buckets in place
+        out["reduce"] = steady + (in_flight or (8 * min(bucket, shared) if reshaped else 0))
         out["optimizer_step"] = steady + 2 * 4 * largest
         out["save"] = steady
     return {p: int(out[p]) for p in PHASES}

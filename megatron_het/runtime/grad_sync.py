@@ -24,6 +24,11 @@ every rank holds (``plan_buckets``), tested without processes; creating the grou
 collective step (``GradientSynchronizer``). ``bucket_numel`` splits a group's parameters into
 buckets of about that many elements in backward order, so an overlapped reduction
 (``runtime/overlap_grad.py``) can start the first buckets while the backward still runs.
+
+A direct bucket's gradients live in one contiguous buffer, each gradient a view of it, in bucket
+order (megatron-core DDP's grad buffer): the bucket's all-reduce runs on that buffer in place, with no
+packed copy (an overlapped reduction holds every launched bucket until ``reduce()``: packed copies
+were one more fp32 copy of the rank's gradients). A reshard bucket packs its zero-padded full tensors.
 """
 
 from __future__ import annotations
@@ -200,6 +205,14 @@ def checkpoint_writers(holdings: Iterable[Holding]) -> set[tuple[str, int]]:
     return writers
 
 
+def _contiguous_strides(shape: Sequence[int]) -> tuple[int, ...]:
+    strides, step = [], 1
+    for size in reversed(shape):
+        strides.append(step)
+        step *= size
+    return tuple(reversed(strides))
+
+
 def _by_name(holdings: Iterable[Holding]) -> dict[str, list[Holding]]:
     by_name: dict[str, list[Holding]] = {}
     for h in holdings:
@@ -294,6 +307,34 @@ class GradientSynchronizer:
         # (a checkpoint's writers are spread over the holders instead: checkpoint_writers)
         self.owned = owned_norm_holdings(self.all_holdings)
         self.norm_names = [n for n in self.local if (n, self.rank) in self.owned]
+        self._flat: dict[int, torch.Tensor] = {}  # id(bucket) -> the buffer its gradients are views of
+        self._contiguous_grads()
+
+    def _contiguous_grads(self) -> None:
+        """One buffer per direct bucket, its gradients moved into it (``_adopt``)."""
+        for bucket, _ in self._groups:
+            if not bucket.direct:
+                continue
+            grads = [self._grad(n) for n in bucket.names]
+            if len({g.dtype for g in grads}) != 1:
+                continue  # one buffer holds one dtype
+            flat = torch.empty(sum(g.numel() for g in grads), dtype=grads[0].dtype, device=self.device)
+            self._adopt(bucket, flat)
+            self._flat[id(bucket)] = flat
+
+    @torch.no_grad()
+    def _adopt(self, bucket: Bucket, flat: torch.Tensor) -> None:
+        """Make every gradient of ``bucket`` a view of its slice of ``flat``, in bucket order: one not
+        there yet (at construction, or a ``.grad`` something assigned anew since) is copied in and
+        re-pointed with ``set_``, so every holder of the tensor object (the main-gradient hooks, the
+        optimizer) sees the buffer."""
+        storage, at = flat.untyped_storage(), 0
+        for name in bucket.names:
+            g = self._grad(name)
+            if g.untyped_storage().data_ptr() != storage.data_ptr() or g.storage_offset() != at:
+                flat[at:at + g.numel()].copy_(g.reshape(-1))
+                g.set_(storage, at, g.shape, _contiguous_strides(g.shape))
+            at += g.numel()
 
     def reduce(self) -> None:
         """Sum every parameter's gradient over all its holders (grads must exist)."""
@@ -303,7 +344,12 @@ class GradientSynchronizer:
             self._unpack(bucket, flat)
 
     def _pack(self, bucket: Bucket) -> torch.Tensor:
-        """The bucket's gradients as one flat buffer: shards (direct) or zero-padded full tensors."""
+        """The bucket's gradients as one flat buffer: the buffer they live in (direct), or a copy of
+        the shards, or zero-padded full tensors."""
+        flat = self._flat.get(id(bucket))
+        if flat is not None:
+            self._adopt(bucket, flat)  # normally a no-op: the gradients are views of it
+            return flat
         grads = [self._grad(n) for n in bucket.names]
         if bucket.direct:
             return torch.cat([g.reshape(-1) for g in grads])
@@ -317,7 +363,10 @@ class GradientSynchronizer:
         return torch.cat(pieces)
 
     def _unpack(self, bucket: Bucket, flat: torch.Tensor) -> None:
-        """Copy each parameter's part of the reduced buffer back into its gradient."""
+        """Copy each parameter's part of the reduced buffer back into its gradient (nothing to copy
+        where the gradients are views of it)."""
+        if flat is self._flat.get(id(bucket)):
+            return
         offset = 0
         for name in bucket.names:
             g, h = self._grad(name), self.local[name]

@@ -34,7 +34,7 @@ from megatron_het.runtime.overlap_grad import OverlappedGradientSynchronizer
 from megatron_het.runtime.stage_groups import build_stage_groups
 from megatron_het.train.config import TrainConfig
 
-from support.fake_grad_sync import FAKE_ACCELERATOR, answer_gather_with, by_rank
+from support.fake_grad_sync import FAKE_ACCELERATOR, META_ACCELERATOR, answer_gather_with, by_rank
 from support.fake_world import TIMEOUT, creation_order_mismatch, simulate_ranks
 
 ROOT = Path(__file__).parents[2]
@@ -65,7 +65,7 @@ def _view(gathered):
         params = {h.name: torch.nn.Parameter(torch.empty(h.full_shape, device="meta")) for h in local}
         groups = ReductionGroups(None, accelerator=FAKE_ACCELERATOR, timeout=TIMEOUT)
         bucket = bucket_parameters(len(plan.replicas))  # the trainer's default --ddp-bucket-size
-        reducer = (OverlappedGradientSynchronizer(local, params, bucket_numel=bucket, accelerator=FAKE_ACCELERATOR,
+        reducer = (OverlappedGradientSynchronizer(local, params, bucket_numel=bucket, accelerator=META_ACCELERATOR,
                                                   groups=groups)
                    if plan.overlap_grad_reduce else None)
         train = TrainConfig(micro_batch_size=1, global_batch_size=plan.global_batch_size, train_iters=1)

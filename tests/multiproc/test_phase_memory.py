@@ -9,6 +9,11 @@ must stay under one full-size copy of what it works on: construction never holds
 of the parameters (it did: 14 bytes/parameter), the reduce-scatter adds less than one fp32 gradient
 copy (4; it added 10), the step less than one bf16 parameter copy (2; it added 6), a save less
 than one rank's full fp32 state (12; it added 18).
+
+The same ranks without the distributed optimizer (bf16 main parameters, Megatron's default bucket:
+the whole model in one) reduce each bucket in place in the buffer their gradients live in: the
+reduction adds no packed copy (it added 4 bytes/parameter), and with --overlap-grad-reduce the
+backward holds none until the reduction waits (it held 4 more).
 """
 
 from __future__ import annotations
@@ -28,12 +33,13 @@ MODEL = ModelSpec(num_layers=4, hidden_size=256, num_attention_heads=4, seq_leng
 BUCKET = 200_000  # --ddp-bucket-size: about 15 buckets
 
 
-def _plan() -> Plan:
+def _plan(distributed_optimizer: bool = True) -> Plan:
     def stage(r):
         return StagePlan(island="cpu", device_type="CPU", ranks=(r,), layers=(0, 4))
 
     return Plan(replicas=tuple(ReplicaPlan(stages=(stage(r),), num_micro_batches=2) for r in (0, 1)),
-                micro_batch_size=2, global_batch_size=8, precision="bf16", use_distributed_optimizer=True)
+                micro_batch_size=2, global_batch_size=8, precision="bf16",
+                use_distributed_optimizer=distributed_optimizer)
 
 
 @pytest.fixture(scope="module")
@@ -60,3 +66,26 @@ def test_construction_holds_no_full_fp32_copy(phases):
         _, peak, _ = bytes_of["construction"]
         print(f"rank {rank} construction peak: {peak / params:.2f} bytes/parameter")
         assert peak / params <= 12.0 * 1.01, f"rank {rank}: {peak / params:.2f} bytes/parameter > 12"
+
+
+@pytest.fixture(scope="module")
+def plain(tmp_path_factory):
+    """Without the distributed optimizer, one bucket: {overlap: per-rank phases}."""
+    out = {}
+    for overlap in (False, True):
+        train = TrainConfig(micro_batch_size=2, global_batch_size=8, train_iters=2, lr=1e-3, bf16=True,
+                            overlap_grad_reduce=overlap)
+        save = str(tmp_path_factory.mktemp("ckpt"))
+        out[overlap] = run_local(2, phase_bytes_worker, (MODEL, _plan(False), train, save, 1024))
+    return out
+
+
+@pytest.mark.multiproc
+def test_gradients_are_reduced_in_their_buffer(plain):
+    for rank in range(2):
+        (off, params), (on, _) = plain[False][rank], plain[True][rank]
+        reduce = off["reduce"][2] / params
+        held_longer = (on["forward_backward"][2] - off["forward_backward"][2]) / params
+        print(f"rank {rank}: reduce +{reduce:.2f} bytes/parameter; overlapped backward {held_longer:+.2f}")
+        assert reduce < 1.0, f"rank {rank}: the reduction added {reduce:.2f} bytes/parameter"
+        assert held_longer < 1.0, f"rank {rank}: the overlapped backward held {held_longer:.2f} bytes/parameter more"

@@ -17,8 +17,10 @@ of the buckets' groups are checked, the bridge's own sub-groups are not.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 
+import torch
 import torch.distributed as dist
 
 from megatron_het.cluster import CATALOG
@@ -28,6 +30,8 @@ from megatron_het.runtime.comm_routing import RankPlacement
 from megatron_het.runtime.grad_sync import Bucket, GradientSynchronizer, Holding
 
 FAKE_ACCELERATOR = Accelerator(kind="cpu", device_count=0, torch_backend="fake", device_name="cpu")
+# the same, its tensors on the meta device: synchronizers over meta parameters lay out meta buffers
+META_ACCELERATOR = dataclasses.replace(FAKE_ACCELERATOR, device=torch.device("meta"))
 
 
 def by_rank(holdings: Sequence[Holding], world_size: int) -> list[list[Holding]]:
@@ -58,10 +62,19 @@ def grad_sync_view(gathered: Sequence[Sequence[Holding]], *, timeout, bucket_num
     holdings (the gather answered by ``answer_gather_with``), reduced to plain data: its buckets, and
     per group it kept (the buckets this rank reduces) the bucket and the group's members."""
 
+    def local_shape(h: Holding) -> list[int]:  # a TP shard's shape (3D blocks: the full shape stands in)
+        shape = list(h.full_shape)
+        if h.partition_dim is not None and h.grid is None:
+            shape[h.partition_dim] //= h.tp_size
+        return shape
+
     def build(plan: Plan) -> dict:
         del plan
-        sync = GradientSynchronizer(gathered[dist.get_rank()], {}, placement=None, bucket_numel=bucket_numel,
-                                    timeout=timeout, accelerator=FAKE_ACCELERATOR)
+        local = gathered[dist.get_rank()]
+        # meta parameters: the synchronizer lays each direct bucket's gradients out in one buffer
+        params = {h.name: torch.nn.Parameter(torch.empty(local_shape(h), device="meta")) for h in local}
+        sync = GradientSynchronizer(local, params, placement=None, bucket_numel=bucket_numel, timeout=timeout,
+                                    accelerator=META_ACCELERATOR)
         return {"buckets": sync.buckets, "local": tuple(sync.local),
                 "groups": [(b, tuple(dist.get_process_group_ranks(g.group))) for b, g in sync._groups]}
 

@@ -60,12 +60,23 @@ def test_a_gpu_rank_stages_its_checkpoint_on_the_host():
     assert gpu["load"] == _held(MODEL, plan)[0]
 
 
-def test_overlapped_reduction_holds_a_gradient_copy_until_reduce():
-    plan, overlapped = _dp(2), _dp(2, overlap=True)
-    _, n = _held(MODEL, plan)
-    a = rank_phase_peaks(MODEL, plan, 0, bucket_numel=50_000)
-    b = rank_phase_peaks(MODEL, overlapped, 0, bucket_numel=50_000)
-    assert b["forward_backward"] - a["forward_backward"] == 4 * n
+def test_overlapped_reduction_copies_only_reshard_buckets():
+    """Replicas at one TP size reduce each bucket in place in its gradient buffer; replicas at two TP
+    sizes pack zero-padded copies that live from their launch in the last backward to reduce()."""
+    def plan(tps, overlap):
+        stages = [StagePlan(island="x", device_type="CPU", ranks=tuple(range(2 * i, 2 * i + tp)), layers=(0, 4))
+                  for i, tp in enumerate(tps)]
+        return Plan(replicas=tuple(ReplicaPlan(stages=(st,), num_micro_batches=1) for st in stages),
+                    micro_batch_size=1, global_batch_size=len(tps), precision="bf16", use_distributed_optimizer=True,
+                    overlap_grad_reduce=overlap)
+
+    for tps, copies in (((2, 2), False), ((2, 1), True)):
+        for overlap in (False, True):
+            p = plan(tps, overlap)
+            steady, n = _held(MODEL, p)
+            extra = rank_phase_peaks(MODEL, p, 0, bucket_numel=50_000)["forward_backward"] - steady \
+                - rank_memory(MODEL, p, 0).activations_bytes
+            assert extra == (4 * n if copies and overlap else 0), (tps, overlap)
 
 
 def _mi250x_first_job() -> Plan:
