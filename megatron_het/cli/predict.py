@@ -13,7 +13,10 @@ before precision was recorded were. A plan carries its own precision. After the 
 tool prints where the iteration goes (GEMMs by kind, fixed per-kernel costs, exposed communication,
 bubble, optimizer; megatron_het/perf/breakdown.py). ``--trace`` then draws each distinct replica's
 simulated timeline, one row per stage: the action lists the runtime executes for the plan's schedule
-(F/B/W per micro-batch, ``.c`` for model chunk c), timed by the model. Errors are one line on stderr
+(F/B/W per micro-batch, ``.c`` for model chunk c), timed by the model. ``--phases`` prints each
+stage's allocation peak in every phase of a run (construction, forward/backward, gradient reduction,
+optimizer step, save, load; ``perf/phase_memory.py``) with ``--ddp-bucket-size`` buckets, against the
+device's memory: the phase a first GPU job would run out of memory in. Errors are one line on stderr
 with exit code 2.
 """
 
@@ -22,6 +25,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import sys
 from dataclasses import replace
 
@@ -94,6 +98,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument("--trace", action="store_true",
                         help="also draw each replica's simulated schedule (the runtime's action lists) as a grid")
+    parser.add_argument("--phases", action="store_true",
+                        help="also print each stage's allocation peak in every phase of a run (construction, "
+                             "forward/backward, reduce, step, save, load) against the device's memory")
+    parser.add_argument("--ddp-bucket-size", type=int, default=None, metavar="N",
+                        help="gradient bucket for --phases, as pretrain_gpt.py's flag (default: megatron-core's "
+                             "max(40M, 1M x replicas))")
     args = parser.parse_args(argv)
     homog = ("tp", "pp", "dp", "micro_batch_size", "global_batch_size")
     if args.plan is None and any(getattr(args, k) is None for k in homog):
@@ -167,7 +177,41 @@ def main(argv: list[str] | None = None) -> int:
             print(f"  {PART_LABELS.get(name, name):52s} {sec:10.4g} s  {100 * sec / total:5.1f}%")
     if args.trace:
         _print_trace(plan, model, cluster, pred)
+    if args.phases:
+        _print_phases(plan, model, cluster, args.ddp_bucket_size)
     return 0
+
+
+def _print_phases(plan: Plan, model, cluster, bucket_numel: int | None) -> None:
+    """Per distinct stage (its first rank): perf.phase_memory's peak of each phase, plus the fixed
+    framework overhead, against the device's memory."""
+    from megatron_het.perf.flops import padded_vocab_size
+    from megatron_het.perf.memory import DEFAULT_OVERHEAD_BYTES
+    from megatron_het.perf.phase_memory import PHASES, rank_phase_peaks
+    from megatron_het.perf.predict import bucket_parameters
+
+    bucket = bucket_numel or bucket_parameters(len(plan.replicas))
+    # the runtime pads the vocabulary for every TP size of the plan (runtime/holdings.plan_padded_vocab)
+    vocab = padded_vocab_size(model.vocab_size, tp=math.lcm(*(st.tp for r in plan.replicas for st in r.stages)))
+    gib = 2.0**30
+    print(f"allocation peak of each phase, GiB with {DEFAULT_OVERHEAD_BYTES / gib:g} GiB framework overhead "
+          f"(perf/phase_memory.py; buckets of {bucket} parameters):")
+    print("replica stage rank  " + " ".join(f"{p[:12]:>12}" for p in PHASES) + "   capacity")
+    seen = set()
+    for ri, r in enumerate(plan.replicas):
+        for si, st in enumerate(r.stages):
+            key = (st.island, st.tp, st.layers, si == 0, si == len(r.stages) - 1, r.num_micro_batches)
+            if key in seen:
+                continue
+            seen.add(key)
+            device = cluster.island(st.island).device
+            peaks = rank_phase_peaks(model, plan, st.ranks[0], bucket_numel=bucket, padded_vocab=vocab,
+                                     host_is_device=device.is_host, gloo=device.is_host)
+            capacity = device.memory_gib * gib
+            cells = " ".join(f"{(v + DEFAULT_OVERHEAD_BYTES) / gib:>12.2f}" for v in (peaks[p] for p in PHASES))
+            over = [p for p in PHASES if peaks[p] + DEFAULT_OVERHEAD_BYTES > capacity]
+            print(f"{ri:<7} {si:<5} {st.ranks[0]:<5} {cells}   {device.memory_gib:g}"
+                  + (f"  DOES NOT FIT in: {', '.join(over)}" if over else ""))
 
 
 def _print_trace(plan: Plan, model, cluster, pred) -> None:
