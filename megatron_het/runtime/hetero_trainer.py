@@ -400,8 +400,8 @@ class PipelineStrategy:
                               field="--overlap-param-gather", value=True,
                               fix="add --use-distributed-optimizer (or set the plan's use_distributed_optimizer)")
         if not (self.train.overlap_grad_reduce or self.plan.overlap_grad_reduce):  # the plan may record it
-            # bucketed as the overlapped one: each bucket is packed into one flat buffer for its all-reduce,
-            # so the temporary is a bucket's, not the stage's (megatron-core reduces its buffer in place)
+            # bucketed as the overlapped one: a direct bucket is reduced in place in its gradient buffer,
+            # a reshard bucket packed into one flat buffer, so that temporary is a bucket's, not the stage's
             return GradientSynchronizer(self.holdings(), self.opt_params, accelerator=self.accelerator, groups=groups,
                                         bucket_numel=self._bucket_numel())
         # mixed precision: the fp32 main gradients are reduced, bucket by bucket as the half-precision
