@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import math
 import sys
 from dataclasses import replace
 
@@ -185,14 +184,13 @@ def main(argv: list[str] | None = None) -> int:
 def _print_phases(plan: Plan, model, cluster, bucket_numel: int | None) -> None:
     """Per distinct stage (its first rank): perf.phase_memory's peak of each phase, plus the fixed
     framework overhead, against the device's memory."""
-    from megatron_het.perf.flops import padded_vocab_size
     from megatron_het.perf.memory import DEFAULT_OVERHEAD_BYTES
     from megatron_het.perf.phase_memory import PHASES, rank_phase_peaks
     from megatron_het.perf.predict import bucket_parameters
+    from megatron_het.runtime.holdings import plan_padded_vocab
 
     bucket = bucket_numel or bucket_parameters(len(plan.replicas))
-    # the runtime pads the vocabulary for every TP size of the plan (runtime/holdings.plan_padded_vocab)
-    vocab = padded_vocab_size(model.vocab_size, tp=math.lcm(*(st.tp for r in plan.replicas for st in r.stages)))
+    vocab = plan_padded_vocab(model, plan)  # what the runtime builds
     gib = 2.0**30
     print(f"allocation peak of each phase, GiB with {DEFAULT_OVERHEAD_BYTES / gib:g} GiB framework overhead "
           f"(perf/phase_memory.py; buckets of {bucket} parameters):")

@@ -115,10 +115,12 @@ class DistributedOptimizer:
         # this rank's pieces, in (bucket, owner order) order: the layout of its flat shard
         self._pieces = {i: self.buckets[i].pieces_of(self.rank) for i in self._mine}
         self._start = {}  # bucket index -> offset of its pieces in the flat shard
+        self._span = {}  # bucket index -> its pieces' slice of the flat shard
         pos = 0
         for i in self._mine:
             self._start[i] = pos
             pos += sum(p.stop - p.start for p in self._pieces[i])
+            self._span[i] = slice(self._start[i], pos)
         self.shard_numel = pos
         runs = []  # Megatron's groups over the flat shard: decay, and --decoupled-lr on the embedding/output
         for i in self._mine:
@@ -223,7 +225,6 @@ class DistributedOptimizer:
                 for pos, off, n in segments:
                     inp[pos:pos + n] = flat[off:off + n]
                 del flat
-            n = sum(p.stop - p.start for p in self._pieces[i])
             if group is None:
                 mine = inp
             else:
@@ -231,7 +232,7 @@ class DistributedOptimizer:
                       else {"group": group.group, "method": self._methods["reduce_scatter"]})
                 mine = uneven_reduce_scatter(inp, ShardLayout(sizes=b.sizes()), **kw)
             del inp
-            out[self._start[i]:self._start[i] + n] = mine
+            out[self._span[i]] = mine
         return out
 
     def _all_gather_into(self, shard: torch.Tensor, sink: Callable[[str, torch.Tensor], None], *,
@@ -240,8 +241,7 @@ class DistributedOptimizer:
         canonical block)`` per local parameter (of ``names`` only, when given)."""
         for i in self._mine:
             b, group = self.buckets[i], self._groups[i]
-            n = sum(p.stop - p.start for p in self._pieces[i])
-            piece = shard[self._start[i]:self._start[i] + n].to(dtype or self._gather_dtype[i])
+            piece = shard[self._span[i]].to(dtype or self._gather_dtype[i])
             if group is None:
                 gathered = piece
             else:
@@ -273,8 +273,7 @@ class DistributedOptimizer:
     def _start_gathers(self, shard: torch.Tensor) -> None:
         for i in self._mine:
             b, group = self.buckets[i], self._groups[i]
-            n = sum(p.stop - p.start for p in self._pieces[i])
-            piece = shard[self._start[i]:self._start[i] + n].to(self._gather_dtype[i], copy=True)
+            piece = shard[self._span[i]].to(self._gather_dtype[i], copy=True)
             if group is None:
                 self._scatter_gathered(i, piece, self._write_params)
                 continue
