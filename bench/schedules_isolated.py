@@ -149,22 +149,15 @@ def _executor_runs(rank, world_size, iters, conditions, pipe=None):
             except (EOFError, BrokenPipeError, ConnectionResetError):
                 pass  # the other process has finished
 
-    class FakeLink:
-        def send_forward(self, t, g):
-            pass
+    class FakeLink:  # neighbours that answer at once: receives are fresh tensors, sends go nowhere
+        prev, next = "upstream", "downstream"
 
-        send_backward = send_forward
+        def send_ops(self, t, *, downstream, message):
+            return []
 
-        def recv_forward(self, shape, dtype, g):
+        def recv_ops(self, shape, dtype, *, downstream, message):
             between()
-            return torch.randn(shape, dtype=dtype)
-
-        recv_backward = recv_forward
-
-        def drain(self):
-            pass
-
-        abandon = drain
+            return torch.randn(shape, dtype=dtype), []
 
     class CallTimer(EmulationTimer):
         def __init__(self):

@@ -32,9 +32,10 @@ from megatron_het.platform import detect_accelerator
 from megatron_het.resilience.agreement import Heartbeat, StoreAddress, agree_on_failures
 from megatron_het.resilience.policy import Decision, PolicyConfig, decide
 from megatron_het.resilience.routed_schedule import routed_schedule
+from megatron_het.resilience.routed_transfers import routed_transfer_steps
 from megatron_het.resilience.routing import InstanceKey, Routing, describe, reroute
 from megatron_het.runtime.boundary import BoundaryLink, Neighbour
-from megatron_het.runtime.boundary_groups import Direction, create_direction_groups, groups_with, pair_directions
+from megatron_het.runtime.boundary_groups import BoundaryKey, create_boundary_groups, group_with, pair_boundaries
 from megatron_het.runtime.comm_routing import RankPlacement
 from megatron_het.runtime.hetero_trainer import PipelineStrategy
 from megatron_het.train.trainer import Trainer, TrainerHooks
@@ -144,22 +145,22 @@ def routed_bridges(routing: Routing, placement: RankPlacement, *, accelerator, t
             for ranks in routed_boundary_ranks(routing) if placement.spans_libraries(ranks)}
 
 
-def routed_directions(routing: Routing) -> list[Direction]:
-    """Both directions of every routed boundary, in new ranks (the same list on every survivor)."""
+def routed_boundary_keys(routing: Routing) -> list[BoundaryKey]:
+    """Every routed boundary, in new ranks (the same list on every survivor)."""
     def ranks(hop: InstanceKey) -> tuple[int, ...]:
         return tuple(routing.new_rank(r) for r in routing.instance(hop).ranks)
 
-    return pair_directions((ranks(a), ranks(b)) for pipe in routing.pipelines for a, b in zip(pipe.hops, pipe.hops[1:]))
+    return pair_boundaries((ranks(a), ranks(b)) for pipe in routing.pipelines for a, b in zip(pipe.hops, pipe.hops[1:]))
 
 
 def routed_links(routing: Routing, key: InstanceKey, plan: Plan, *, tp_rank: int,
                  device=None, bridges: Mapping[tuple[int, ...], object] | None = None,
-                 directions: Mapping[Direction, object] | None = None) -> dict[int, BoundaryLink]:
+                 groups: Mapping[BoundaryKey, object] | None = None) -> dict[int, BoundaryLink]:
     """Per global micro-batch of instance ``key``: the link to its neighbours on that micro-batch's
     pipeline (received tensors on ``device``, the accelerator's; None: the host). ``bridges``
     (``routed_bridges``): a neighbour across collective libraries is reached through its bridge;
-    ``directions`` (``create_direction_groups`` over ``routed_directions``): the group of each
-    direction of a native boundary (None: the default group)."""
+    ``groups`` (``create_boundary_groups`` over ``routed_boundary_keys``): the group of each native
+    boundary (None: the default group)."""
     links: dict[int, BoundaryLink] = {}
     mine = routing.instance(key)
     mine_new = tuple(routing.new_rank(r) for r in mine.ranks)
@@ -169,7 +170,7 @@ def routed_links(routing: Routing, key: InstanceKey, plan: Plan, *, tp_rank: int
         ranks = tuple(routing.new_rank(r) for r in routing.instance(hop).ranks)
         pair = tuple(sorted((*ranks, *mine_new)))
         return Neighbour(ranks=ranks, island=plan.replicas[hop[0]].stages[hop[1]].island, stage=hop[1],
-                         bridge=bridges.get(pair), **groups_with(ranks, mine_new, directions or {}))
+                         bridge=bridges.get(pair), **group_with(ranks, mine_new, groups or {}))
 
     for pipe in routing.pipelines:
         if key not in pipe.hops:
@@ -198,13 +199,13 @@ def rebind(strategy: PipelineStrategy, routing: Routing, rank: int, *, split_bac
     schedule = routed_schedule(routing, split_backward=split_backward)
     placement = routed_placement(routing, strategy.plan_placement)
     bridges = routed_bridges(routing, placement, accelerator=acc, timeout=strategy.train.group_timeout)
-    directions = create_direction_groups(routed_directions(routing), spans_libraries=placement.spans_libraries,
-                                         backend=acc.torch_backend, timeout=strategy.train.group_timeout,
-                                         device_id=acc.eager_device)
+    groups = create_boundary_groups(routed_boundary_keys(routing), spans_libraries=placement.spans_libraries,
+                                    backend=acc.torch_backend, timeout=strategy.train.group_timeout,
+                                    device_id=acc.eager_device)
     links = routed_links(routing, key, strategy.plan, tp_rank=strategy.role.tp_rank, device=strategy.device,
-                         bridges=bridges, directions=directions)
+                         bridges=bridges, groups=groups)
     strategy.rebind(pgc=pgc, ranks={r: routing.new_rank(r) for r in routing.survivors}, actions=schedule.actions[key],
-                    links=links, split_backward=split_backward)
+                    links=links, split_backward=split_backward, steps=routed_transfer_steps(routing, schedule, key))
     strategy.boundary_bridges = {ranks: g for ranks, g in bridges.items() if g is not None}  # counters, logs
     if bridges and routing.new_rank(rank) == 0:
         logger.info("routed pipeline boundaries: %d native (%s), %d het-bridge",

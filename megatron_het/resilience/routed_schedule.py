@@ -37,6 +37,8 @@ class RoutedSchedule:
     iteration_time: float  # simulated end of the last action (same unit as the durations)
     busy: dict[InstanceKey, float]  # per instance, summed compute time
     finish: dict[InstanceKey, float] = field(default_factory=dict)  # per instance, end of its last action
+    # (instance, kind, global micro-batch) -> simulated (start, end) of that action
+    times: dict[tuple[InstanceKey, str, int], tuple[float, float]] = field(default_factory=dict)
 
     def bubble_fraction(self) -> float:
         """Idle share of all instances' time."""
@@ -81,6 +83,7 @@ def routed_schedule(routing: Routing, *, split_backward: bool = True, duration: 
     waiting_b: dict[InstanceKey, list[int]] = {k: [] for k in keys}  # F done, B not yet
     waiting_w: dict[InstanceKey, list[int]] = {k: [] for k in keys}  # B done, W not yet
     order: dict[InstanceKey, list[Action]] = {k: [] for k in keys}
+    times: dict[tuple[InstanceKey, str, int], tuple[float, float]] = {}
     total = sum(len(f) * (3 if split_backward else 2) for f in forwards.values())
 
     def dep_time(key: InstanceKey, kind: str, g: int) -> float | None:
@@ -124,6 +127,7 @@ def routed_schedule(routing: Routing, *, split_backward: bool = True, duration: 
         start, _, _, g, _, k, kind = best
         dt = float(duration(k, kind, split_backward)) * share[(k, g)]
         done[(k, kind, g)] = start + dt
+        times[(k, kind, g)] = (start, start + dt)
         free[k] = start + dt
         busy[k] += dt
         order[k].append(Action(kind=kind, micro_batch=g))
@@ -141,4 +145,4 @@ def routed_schedule(routing: Routing, *, split_backward: bool = True, duration: 
             waiting_w[k].remove(g)
     end = max(free.values(), default=0.0)
     return RoutedSchedule(actions={k: tuple(a) for k, a in order.items()}, split_backward=split_backward,
-                          iteration_time=end, busy=busy, finish=dict(free))
+                          iteration_time=end, busy=busy, finish=dict(free), times=times)

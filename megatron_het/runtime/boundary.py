@@ -20,9 +20,12 @@ each row once, and receiver j of the other side is sent its rows by copy ``j % r
 
 megatron-core's ``BridgeCommunicator`` does leader-to-leader then a broadcast inside the TP group
 and creates its groups with ``backend='nccl'`` (bridge_communicator.py ~199/209); it also needs
-``variable_seq_lengths`` (only valid with the alltoall MoE dispatcher). Our schedule executor sends
-point-to-point with tags per micro-batch instead (no broadcast), on one group per direction of each
-boundary (``boundary_groups.py``: NCCL and RCCL deadlock with both directions on one).
+``variable_seq_lengths`` (only valid with the alltoall MoE dispatcher). Here each rank sends its
+pieces point to point instead (no broadcast): ``send_ops``/``recv_ops`` list them, and the schedule
+executor posts a step's pieces with one neighbour in one ``batch_isend_irecv`` on that boundary's
+group (``boundary_groups.py``) and waits for them before the next step (``schedule/transfers.py``).
+Tags name the micro-batch and direction; gloo matches by them, NCCL and RCCL by order, which the
+start-up check compares (``schedule/stream_model.py``).
 """
 
 from __future__ import annotations
@@ -104,10 +107,9 @@ class Neighbour:
     bridge: object | None = field(default=None, compare=False)
     # every rank of that stage holds the whole sequence under the plan's sequence parallelism (a 3D stage)
     full_sequence: bool = False
-    # this rank's group for sends to / receives from that stage: one per direction of the boundary
-    # (runtime/boundary_groups.py: NCCL would deadlock with both directions on one); None: the default group
-    send_group: object | None = field(default=None, compare=False)
-    recv_group: object | None = field(default=None, compare=False)
+    # the group of this boundary (runtime/boundary_groups.py: one per pair of neighbour stages, both
+    # directions); None: the default group
+    group: object | None = field(default=None, compare=False)
 
     def describe(self, rank: int) -> str:
         """``rank N (island X, stage S)`` for error messages (what is known of the peer)."""
@@ -125,25 +127,58 @@ class BoundaryError(RuntimeError):
     """A pipeline transfer with a neighbouring stage failed or timed out; names the peer."""
 
 
-def _failed(what: str, peer: Neighbour, rank: int, micro_batch: int, err: BaseException) -> BoundaryError:
+@dataclass(frozen=True, kw_only=True)
+class PeerOp:
+    """One point-to-point piece of a boundary transfer, ready to post."""
+
+    send: bool  # a send (else a receive into ``tensor``)
+    tensor: torch.Tensor  # what is sent, or the (contiguous) buffer received into
+    peer: Neighbour  # the stage on the other end
+    rank: int  # that stage's rank this piece goes to or comes from (global)
+    tag: int  # ``tag(message, direction)``: gloo matches by it; NCCL/RCCL by order
+
+
+def _failed(ops, err: BaseException) -> BoundaryError:
     first = str(err).strip().splitlines()[0] if str(err).strip() else err.__class__.__name__
-    return BoundaryError(f"pipeline {what} of micro-batch {micro_batch} with {peer.describe(rank)} failed: {first}. "
+    what = ", ".join(f"{'send' if op.send else 'receive'} of micro-batch {op.tag // 2}" for op in ops)
+    return BoundaryError(f"pipeline {what} with {ops[0].peer.describe(ops[0].rank)} failed: {first}. "
                          "Fix: look at that rank's log: it died, or is stuck (waits are bounded by "
                          "--distributed-timeout-minutes)")
 
 
-def _finish_send(work, peer: Neighbour, dst: int, t: int) -> None:
-    try:
-        work.wait()
-    except RuntimeError as err:
-        raise _failed("send", peer, dst, t // 2, err) from err
+def start_ops(ops) -> list[tuple[object, tuple[PeerOp, ...]]]:
+    """Post ``ops`` (all with one neighbour stage) as one batch; (work, the ops it covers) to wait for.
+    Native: one ``batch_isend_irecv`` on the boundary's group (NCCL/RCCL: one grouped kernel, which
+    the communicator created eagerly at start-up lets span a subset of its ranks); across collective
+    libraries: each piece through the het bridge."""
+    if not ops:
+        return []
+    bridge = ops[0].peer.bridge
+    if bridge is not None:
+        return [((bridge.isend if op.send else bridge.irecv)(op.tensor, op.rank, tag=op.tag), (op,)) for op in ops]
+    works = dist.batch_isend_irecv([dist.P2POp(dist.isend if op.send else dist.irecv, op.tensor, op.rank,
+                                               group=op.peer.group, tag=op.tag) for op in ops])
+    if len(works) == len(ops):  # gloo: one work per piece
+        return [(w, (op,)) for w, op in zip(works, ops)]
+    return [(w, tuple(ops)) for w in works]  # NCCL/RCCL: the batch's coalesced work
+
+
+def finish_ops(started) -> None:
+    """Wait for posted batches (``start_ops``); a failure names the pieces and the peer."""
+    for work, ops in started:
+        try:
+            work.wait()
+        except RuntimeError as err:  # gloo names no peer: say which rank, island and stage
+            raise _failed(ops, err) from err
 
 
 class BoundaryLink:
-    """Point-to-point transfers of one rank with its previous and next stage.
+    """Point-to-point pieces of one rank's transfers with its previous and next stage.
 
     ``shape`` arguments are always the full ``[s, b, h]`` activation shape; with
     ``sequence_parallel`` the tensors sent and returned are this rank's ``[s/tp, b, h]`` shard.
+    ``downstream``: the transfer is with the next stage (a forward's activation out, a backward's
+    gradient in); ``message``: the schedule's message id (micro-batch and chunk), tagged per direction.
     """
 
     def __init__(self, *, tp_rank: int, tp: int, prev: Neighbour | None, next: Neighbour | None,
@@ -156,61 +191,37 @@ class BoundaryLink:
         # the plan's flag: a stage of TP > 1 holds a sequence shard; TP = 1 holds the whole sequence
         self.sequence_parallel = sequence_parallel
         self.full_sequence = full_sequence  # this stage holds the whole sequence on every rank (a 3D stage)
-        self._pending: list[tuple[dist.Work, Neighbour, int, int]] = []  # (send, peer stage, its rank, tag)
 
-    def send_forward(self, tensor: torch.Tensor, micro_batch: int) -> None:
-        self._send(tensor, self.next, tag(micro_batch, FORWARD))
-
-    def recv_forward(self, shape, dtype, micro_batch: int) -> torch.Tensor:
-        return self._recv(shape, dtype, self.prev, tag(micro_batch, FORWARD))
-
-    def send_backward(self, tensor: torch.Tensor, micro_batch: int) -> None:
-        self._send(tensor, self.prev, tag(micro_batch, BACKWARD))
-
-    def recv_backward(self, shape, dtype, micro_batch: int) -> torch.Tensor:
-        return self._recv(shape, dtype, self.next, tag(micro_batch, BACKWARD))
-
-    @staticmethod
-    def _isend(tensor: torch.Tensor, peer: Neighbour, dst: int, t: int):
-        if peer.bridge is not None:  # across collective libraries: the bridge stages through the host
-            return peer.bridge.isend(tensor, dst, tag=t)
-        return dist.isend(tensor, dst, tag=t, group=peer.send_group)
-
-    @staticmethod
-    def _irecv(buf: torch.Tensor, peer: Neighbour, src: int, t: int):
-        if peer.bridge is not None:
-            return peer.bridge.irecv(buf, src, tag=t)
-        return dist.irecv(buf, src, tag=t, group=peer.recv_group)
-
-    def _send(self, tensor: torch.Tensor, peer: Neighbour, t: int) -> None:
+    def send_ops(self, tensor: torch.Tensor, *, downstream: bool, message: int) -> list[PeerOp]:
+        """The pieces of ``tensor`` this rank sends (possibly none: a receiving stage of smaller TP)."""
+        peer = self.next if downstream else self.prev
+        t = tag(message, FORWARD if downstream else BACKWARD)
         if not self.sequence_parallel:
-            for j in receivers_of(self.tp_rank, self.tp, peer.tp):
-                self._pending.append((self._isend(tensor.contiguous(), peer, peer.ranks[j], t), peer, peer.ranks[j], t))
-            return
+            tensor = tensor.contiguous()
+            return [PeerOp(send=True, tensor=tensor, peer=peer, rank=peer.ranks[j], tag=t)
+                    for j in receivers_of(self.tp_rank, self.tp, peer.tp)]
         mine, peer_rows = _row_blocks(self.tp, self.full_sequence), _row_blocks(peer.tp, peer.full_sequence)
         block = 0 if self.full_sequence else self.tp_rank
         seq = tensor.shape[0] * mine
         start = shard_rows(seq, mine, block)[0]
+        out = []
         for tr in sequence_transfers(seq, mine, peer_rows):
             # a full-sequence peer: every rank receives the rows; a full-sequence self: copy j % tp sends to j
             for j in range(peer.tp) if peer.full_sequence else (tr.receiver,):
                 if (j % self.tp if self.full_sequence else tr.sender) != self.tp_rank:
                     continue
                 piece = tensor[tr.rows[0] - start:tr.rows[1] - start].contiguous()
-                self._pending.append((self._isend(piece, peer, peer.ranks[j], t), peer, peer.ranks[j], t))
+                out.append(PeerOp(send=True, tensor=piece, peer=peer, rank=peer.ranks[j], tag=t))
+        return out
 
-    def _recv(self, shape, dtype, peer: Neighbour, t: int) -> torch.Tensor:
+    def recv_ops(self, shape, dtype, *, downstream: bool, message: int) -> tuple[torch.Tensor, list[PeerOp]]:
+        """The buffer this rank receives into and the pieces that fill it."""
+        peer = self.next if downstream else self.prev
+        t = tag(message, BACKWARD if downstream else FORWARD)
         if not self.sequence_parallel:
             buf = torch.empty(shape, dtype=dtype, device=self.device)
-            src = peer.ranks[sender_for(self.tp_rank, peer.tp)]
-            try:
-                if peer.bridge is not None:  # across collective libraries: through the bridge
-                    peer.bridge.recv(buf, src, tag=t)
-                else:
-                    dist.recv(buf, src, tag=t, group=peer.recv_group)
-            except RuntimeError as err:  # gloo names no peer: say which rank, island and stage
-                raise _failed("receive", peer, src, t // 2, err) from err
-            return buf
+            return buf, [PeerOp(send=False, tensor=buf, peer=peer, rank=peer.ranks[sender_for(self.tp_rank, peer.tp)],
+                                tag=t)]
         seq = shape[0]
         mine, peer_rows = _row_blocks(self.tp, self.full_sequence), _row_blocks(peer.tp, peer.full_sequence)
         block = 0 if self.full_sequence else self.tp_rank
@@ -220,59 +231,6 @@ class BoundaryLink:
         def src(tr: Transfer) -> int:  # a full-sequence peer: its copy tp_rank % peer.tp serves this rank
             return peer.ranks[self.tp_rank % peer.tp if peer.full_sequence else tr.sender]
 
-        works = [(self._irecv(buf[tr.rows[0] - start:tr.rows[1] - start], peer, src(tr), t), src(tr))
-                 for tr in sequence_transfers(seq, peer_rows, mine) if tr.receiver == block]
-        for w, rank in works:  # dim-0 slices of a contiguous buffer are contiguous: received in place
-            try:
-                w.wait()
-            except RuntimeError as err:
-                raise _failed("receive", peer, rank, t // 2, err) from err
-        return buf
-
-    def drain(self) -> None:
-        """Wait for every posted send (end of an iteration)."""
-        for entry in self._pending:
-            _finish_send(*entry)
-        self._pending.clear()
-
-    def release_completed(self) -> int:
-        """Forget the sends that have completed (never waits), so their buffers are freed as the
-        schedule goes rather than held to the end of the iteration; the number still in flight.
-        NCCL/RCCL and the het backend report completion; torch's gloo send reports it only after
-        ``wait()``, so on the host every send is still released at ``drain()``."""
-        still = []
-        for entry in self._pending:
-            if entry[0].is_completed():
-                _finish_send(*entry)  # done: raises here if it failed
-            else:
-                still.append(entry)
-        self._pending = still
-        return len(still)
-
-    def abandon(self) -> None:
-        """Forget every posted send without waiting (a failed iteration's group is being torn down)."""
-        self._pending.clear()
-
-
-def order_mismatches(actions_per_stage) -> list[str]:
-    """Where neighbour stages would post boundary transfers in different micro-batch orders (pure).
-
-    On backends without p2p tags (NCCL, RCCL) the n-th send between two ranks meets the n-th receive,
-    so stage s must send forward activations in the order stage s+1 receives them, and stage s+1
-    must send input gradients in the order stage s receives them. ``actions_per_stage``: one
-    replica's action lists (``schedule.Action``), stage order. Empty: matching by order is correct.
-    """
-    out = []
-
-    def order(actions, kinds):
-        return [a.micro_batch for a in actions if a.kind in kinds]
-
-    for s in range(len(actions_per_stage) - 1):
-        up, down = actions_per_stage[s], actions_per_stage[s + 1]
-        if order(up, ("F",)) != order(down, ("F",)):
-            out.append(f"stage {s} sends activations in order {order(up, ('F',))}, stage {s + 1} receives "
-                       f"{order(down, ('F',))}")
-        if order(down, ("B", "BW")) != order(up, ("B", "BW")):
-            out.append(f"stage {s + 1} sends gradients in order {order(down, ('B', 'BW'))}, stage {s} receives "
-                       f"{order(up, ('B', 'BW'))}")
-    return out
+        # dim-0 slices of a contiguous buffer are contiguous: received in place
+        return buf, [PeerOp(send=False, tensor=buf[tr.rows[0] - start:tr.rows[1] - start], peer=peer, rank=src(tr),
+                            tag=t) for tr in sequence_transfers(seq, peer_rows, mine) if tr.receiver == block]

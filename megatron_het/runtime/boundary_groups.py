@@ -1,18 +1,16 @@
-"""One process group per direction of every pipeline boundary (NCCL/RCCL would deadlock on one).
+"""One process group per pipeline boundary, both directions on it (what its batches are posted on).
 
-NCCL and RCCL run every send and receive between two ranks of one group on one stream, in issue
-order, and a send completes only as its receiver drains it (beyond the library's small buffer: any
-real activation). In 1F1B both sides of a boundary reach a send at once: stage s sends micro-batch
-k+1's activation while stage s+1 sends micro-batch k's gradient, each queued ahead of the receive
-that would match the other's, so neither completes. Megatron avoids this by batching each send with
-the next receive (``batch_isend_irecv``); the schedule executor here posts each send as soon as its
-tensor exists, so every direction of every boundary gets a group of its own instead: a one-way queue
-per direction, whose order ``boundary.order_mismatches`` checks against the schedule. gloo matches
-messages by tag, but the same groups are used there, so CPU tests run the GPU's code path.
+The schedule executor posts each step's transfers with one neighbour as one ``batch_isend_irecv``
+(``schedule/transfers.py``), as megatron-core does: a send and the receive that crosses it are one
+grouped NCCL/RCCL kernel, so both directions of a boundary can share its communicator. (Before the
+transfers were batched every direction needed a group of its own: two unbatched sends crossing on
+one NCCL group deadlock in 1F1B.) Whether every device's batches can complete under NCCL's weakest
+promise, one resident kernel per device, is checked by ``schedule/stream_model.py`` at start-up.
 
-Directions are keyed by the ordered pair (sender stage's ranks, receiver stage's ranks); a boundary
-whose two stages use different collective libraries goes through the het bridge and gets none.
-Enumerating the pairs is pure (the same list on every rank); creating the groups is collective.
+A boundary is keyed by the sorted ranks of its two stages; the wrap boundary of a two-stage
+interleaved pipeline is the same pair of stages, so it shares their group. A boundary whose two
+stages use different collective libraries goes through the het bridge and gets none. Enumerating
+the boundaries is pure (the same list on every rank); creating the groups is collective.
 """
 
 from __future__ import annotations
@@ -25,11 +23,15 @@ import torch.distributed as dist
 from megatron_het.model.groups import group_options
 from megatron_het.plan import Plan
 
-__all__ = ["Direction", "create_direction_groups", "groups_with", "pair_directions", "plan_boundaries",
-           "plan_directions"]
+__all__ = ["BoundaryKey", "boundary_key", "create_boundary_groups", "group_with", "pair_boundaries",
+           "plan_boundaries", "plan_boundary_keys"]
 
-# (sender stage's ranks, receiver stage's ranks), each in TP order
-Direction = tuple[tuple[int, ...], tuple[int, ...]]
+BoundaryKey = tuple[int, ...]  # the sorted ranks of a boundary's two stages
+
+
+def boundary_key(a: Sequence[int], b: Sequence[int]) -> BoundaryKey:
+    """The key of the boundary between stages of ranks ``a`` and ``b`` (either order)."""
+    return tuple(sorted({*a, *b}))
 
 
 def plan_boundaries(plan: Plan) -> list[tuple[int, int, tuple[int, ...], tuple[int, ...]]]:
@@ -44,46 +46,39 @@ def plan_boundaries(plan: Plan) -> list[tuple[int, int, tuple[int, ...], tuple[i
     return out
 
 
-def pair_directions(pairs: Iterable[tuple[Sequence[int], Sequence[int]]]) -> list[Direction]:
-    """Both directions of each (upstream ranks, downstream ranks) boundary, first seen first (pure)."""
-    out: dict[Direction, None] = {}  # ordered and de-duplicated in one pass (thousands at scale)
+def pair_boundaries(pairs: Iterable[tuple[Sequence[int], Sequence[int]]]) -> list[BoundaryKey]:
+    """The boundary of each (upstream ranks, downstream ranks) pair, first seen first (pure)."""
+    out: dict[BoundaryKey, None] = {}  # ordered and de-duplicated in one pass (thousands at scale)
     for a, b in pairs:
-        out.setdefault((tuple(a), tuple(b)))
-        out.setdefault((tuple(b), tuple(a)))
+        out.setdefault(boundary_key(a, b))
     return list(out)
 
 
-def plan_directions(plan: Plan) -> list[Direction]:
-    """Every direction of every boundary of ``plan`` (``plan_boundaries``), in plan order."""
-    return pair_directions((up, down) for _, _, up, down in plan_boundaries(plan))
+def plan_boundary_keys(plan: Plan) -> list[BoundaryKey]:
+    """Every boundary of ``plan`` (``plan_boundaries``), in plan order."""
+    return pair_boundaries((up, down) for _, _, up, down in plan_boundaries(plan))
 
 
-def create_direction_groups(directions: Sequence[Direction], *, spans_libraries, backend: str | None,
-                            timeout: datetime.timedelta | None = None, device_id=None) -> dict[Direction, object]:
-    """Direction -> its group, for the directions this rank sends or receives on. Collective over the
-    world: every rank calls it with the same ``directions`` and creates every group in that order.
+def create_boundary_groups(boundaries: Sequence[BoundaryKey], *, spans_libraries, backend: str | None,
+                           timeout: datetime.timedelta | None = None, device_id=None) -> dict[BoundaryKey, object]:
+    """Boundary -> its group, for the boundaries this rank is part of. Collective over the world: every
+    rank calls it with the same ``boundaries`` and creates every group in that order.
     ``spans_libraries(ranks)``: the boundary goes through the het bridge (no group); ``backend``: the
     accelerator's torch backend for device tensors (None: the world's default); ``device_id``:
-    ``Accelerator.eager_device`` (GPU groups created at once)."""
+    ``Accelerator.eager_device`` (GPU groups created at once, so a batch may span part of one)."""
     rank = dist.get_rank()
-    out: dict[Direction, object] = {}
-    for d in directions:
-        ranks = sorted({*d[0], *d[1]})
-        if spans_libraries(ranks):
+    out: dict[BoundaryKey, object] = {}
+    for ranks in boundaries:
+        if spans_libraries(list(ranks)):
             continue
-        group = dist.new_group(ranks, **group_options(timeout, backend, device_id))
+        group = dist.new_group(list(ranks), **group_options(timeout, backend, device_id))
         if rank in ranks:
-            out[d] = group
+            out[ranks] = group
     return out
 
 
-def groups_with(peer: Sequence[int], mine: Sequence[int], groups: Mapping[Direction, object]) -> dict[str, object]:
-    """``Neighbour`` keyword arguments: the group this rank sends to ``peer`` on and the one it receives
-    from ``peer`` on (absent: the default group, e.g. a bridged boundary or a test without groups)."""
-    out = {}
-    send, recv = groups.get((tuple(mine), tuple(peer))), groups.get((tuple(peer), tuple(mine)))
-    if send is not None:
-        out["send_group"] = send
-    if recv is not None:
-        out["recv_group"] = recv
-    return out
+def group_with(peer: Sequence[int], mine: Sequence[int], groups: Mapping[BoundaryKey, object]) -> dict[str, object]:
+    """``Neighbour`` keyword arguments: the group of this rank's boundary with ``peer`` (absent: the
+    default group, e.g. a bridged boundary or a test without groups)."""
+    group = groups.get(boundary_key(peer, mine))
+    return {"group": group} if group is not None else {}

@@ -13,9 +13,14 @@ g*V + (chunk of its upstream side), so the chunks' messages between one pair of 
 the wrong receive.
 
 With split backward (a schedule with W actions: zero-bubble, resilience's routed schedules) B runs
-the stage's backward once, computing input gradients (sent upstream at once) while the linears'
+the stage's backward once, computing input gradients (sent upstream at its step) while the linears'
 weight gradients wait in the stage's ``WeightGradStore`` (``split_backward.py``); W computes them.
 Nothing is traversed twice, the last stage included. Without W actions B computes both.
+
+Transfers follow ``steps`` (``schedule/transfers.py``): the actions in order with batches of
+transfers between them, each batch one ``batch_isend_irecv`` with one neighbour. All batches posted
+between two actions are waited for before the next one computes, so sends are released step by step
+and the executor runs exactly what the stream model checked (``schedule/stream_model.py``).
 """
 
 from __future__ import annotations
@@ -24,9 +29,10 @@ from collections.abc import Callable, Mapping, Sequence
 
 import torch
 
-from megatron_het.runtime.boundary import BoundaryLink
+from megatron_het.runtime.boundary import BoundaryLink, Neighbour, finish_ops, start_ops
 from megatron_het.runtime.split_backward import WeightGradStore
 from megatron_het.schedule import Action
+from megatron_het.schedule.transfers import Post, Step, forward_only, transfer_steps
 from megatron_het.train.strategy import ActionHook, BatchFn
 from megatron_het.train.timer import EmulationTimer
 
@@ -67,7 +73,8 @@ class ActionExecutor:
                  is_last: bool, act_shape: tuple[int, int, int], dtype: torch.dtype, micro_batch_size: int,
                  loss_scale: float, split_backward: bool = False, arm: Callable[[], None] | None = None,
                  device: torch.device | None = None, store: WeightGradStore | None = None, num_chunks: int = 1,
-                 chunk_links: Mapping[int, BoundaryLink] | None = None) -> None:
+                 chunk_links: Mapping[int, BoundaryLink] | None = None, steps: Sequence[Step] | None = None,
+                 odd: bool = False) -> None:
         self.actions = tuple(actions)  # this rank's actions, execution order, global micro-batches
         self.links = dict(links)  # global micro-batch -> the link of chunk 0 to its neighbours
         self.num_chunks = num_chunks  # model chunks of this stage (virtual pipeline size)
@@ -91,6 +98,12 @@ class ActionExecutor:
         self.samples: list[int] = []  # sample indices this rank read in the last run (accounting)
         self.device = device  # the accelerator's device: the loss accumulator lives there (None: host)
         self.grad_scale: torch.Tensor | None = None  # fp16 loss scale a last stage multiplies its loss by
+        # the actions with their batches of transfers (schedule/transfers.py); default: one step per
+        # action, peers from the links, ``odd`` the stage's parity in its pipeline
+        self.steps = tuple(steps) if steps is not None else transfer_steps(
+            self.actions, recv_from=lambda i: self._peer(i, sent=False), send_to=lambda i: self._peer(i, sent=True),
+            odd=odd)
+        self.forward_steps = forward_only(self.steps, self.actions)  # what an evaluation runs
 
     def micro_batches(self) -> list[int]:
         """Global micro-batches this rank runs per iteration."""
@@ -117,37 +130,72 @@ class ActionExecutor:
             self.samples += list(rng)
         return batch_fn(iteration, rng)
 
+    def _peer(self, i: int, *, sent: bool) -> Neighbour | None:
+        """The neighbour action ``i`` sends its result to (``sent``) or receives its input from."""
+        a = self.actions[i]
+        if a.kind == "W":
+            return None
+        first, last = self._ends(a.chunk)
+        link = self._link(a.micro_batch, a.chunk)
+        if (a.kind == "F") == sent:  # downstream: a forward's activation out, a backward's gradient in
+            return None if last else link.next
+        return None if first else link.prev
+
+    def _post(self, step: Post, inbox: dict[int, torch.Tensor], outbox: dict[int, torch.Tensor]):
+        """Start one batch: the results of ``step.sends`` out, buffers for ``step.recvs`` into ``inbox``."""
+        ops = []
+        for i in step.sends:
+            a = self.actions[i]
+            downstream = a.kind == "F"
+            ops += self._link(a.micro_batch, a.chunk).send_ops(
+                outbox.pop(i), downstream=downstream, message=self._msg(a.micro_batch, a.chunk,
+                                                                        upstream_of_me=not downstream))
+        for i in step.recvs:
+            a = self.actions[i]
+            downstream = a.kind != "F"
+            inbox[i], more = self._link(a.micro_batch, a.chunk).recv_ops(
+                self.act_shape, self.dtype, downstream=downstream,
+                message=self._msg(a.micro_batch, a.chunk, upstream_of_me=not downstream))
+            ops += more
+        return start_ops(ops)
+
     def run(self, *, iteration: int, batch_fn: BatchFn, forward: ForwardFn, params: Sequence[torch.Tensor],
             timer: EmulationTimer, on_action: ActionHook | None = None) -> torch.Tensor:
         """One iteration's actions; returns the local loss sum (last stages: sum of micro-batch means)."""
         saved: dict[tuple[int, int], tuple[torch.Tensor | None, torch.Tensor]] = {}  # (chunk, g) -> (input, output)
+        inbox: dict[int, torch.Tensor] = {}  # action index -> its received input (activation or gradient)
+        outbox: dict[int, torch.Tensor] = {}  # action index -> its result, until its batch is posted
         # accumulated on the device: no host sync per micro-batch (read once per iteration)
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
         self.samples = []
-        links = {*self.links.values(), *self.chunk_links.values()}
         if self.store is not None:
             self.store.enabled = self.split
+        started: list = []
         try:
-            for index, action in enumerate(self.actions):
+            for step in self.steps:
+                if isinstance(step, Post):
+                    started += self._post(step, inbox, outbox)
+                    continue
+                finish_ops(started)  # this point's batches complete (their sends released) before computing
+                started = []
+                index, action = step, self.actions[step]
                 if on_action is not None:
                     on_action(index, action)
                 g, c = action.micro_batch, action.chunk
-                link, key = self._link(g, c), (c, g)
+                key = (c, g)
                 first, last = self._ends(c)
                 if action.kind == "F":
                     tokens = self._tokens(batch_fn, iteration, g, c, record=True)
-                    inp = None if first else link.recv_forward(
-                        self.act_shape, self.dtype, self._msg(g, c, upstream_of_me=True)).requires_grad_()
+                    inp = None if first else inbox.pop(index).requires_grad_()
                     out = timer.compute(lambda: forward(c, tokens, inp))
                     if last:
                         loss_sum += out.detach().double() * self.loss_scale
                     else:
-                        link.send_forward(out.detach(), self._msg(g, c, upstream_of_me=False))
+                        outbox[index] = out.detach()
                     saved[key] = (inp, out)
                 elif action.kind in ("B", "BW"):
                     inp, out = saved.pop(key)
-                    grad = None if last else link.recv_backward(self.act_shape, out.dtype,
-                                                                self._msg(g, c, upstream_of_me=False))
+                    grad = None if last else inbox.pop(index)
                     if last and self.grad_scale is not None:
                         out = out * self.grad_scale  # the backward of the scaled loss (fp16)
                     if index in self.triggers:  # buckets start reducing as this backward completes them
@@ -158,7 +206,7 @@ class ActionExecutor:
                     else:
                         timer.compute(lambda: torch.autograd.backward(out, grad_tensors=grad))
                     if not first:
-                        link.send_backward(inp.grad, self._msg(g, c, upstream_of_me=True))
+                        outbox[index] = inp.grad
                 elif action.kind == "W":
                     if not self.split:
                         continue  # fused into B: autograd computed both gradients together
@@ -167,35 +215,35 @@ class ActionExecutor:
                     timer.compute(lambda: self.store.flush(key))
                 else:
                     raise ValueError(f"unknown schedule action {action}")
-                for each in links:  # a completed send's buffer is freed now, not at the iteration's end
-                    each.release_completed()
-            for link in links:
-                link.drain()
+            finish_ops(started)
         except BaseException:
             if self.store is not None:
                 self.store.discard()
-            for link in links:
-                link.abandon()  # a failed iteration's sends are abandoned with the group
             raise
         return loss_sum
 
     @torch.no_grad()
     def evaluate(self, *, iteration: int, batch_fn: BatchFn, forward: ForwardFn) -> torch.Tensor:
-        """Forward-only loss sum of one global batch: the plan's forward order (no deadlock for any schedule)."""
+        """Forward-only loss sum of one global batch: the plan's forwards in order, their transfers in the
+        same batches as in training (``transfers.forward_only``)."""
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
-        for action in self.actions:
-            if action.kind != "F":
+        inbox: dict[int, torch.Tensor] = {}
+        outbox: dict[int, torch.Tensor] = {}
+        started: list = []
+        for step in self.forward_steps:
+            if isinstance(step, Post):
+                started += self._post(step, inbox, outbox)
                 continue
+            finish_ops(started)
+            started = []
+            action = self.actions[step]
             g, c = action.micro_batch, action.chunk
-            link = self._link(g, c)
             first, last = self._ends(c)
             tokens = self._tokens(batch_fn, iteration, g, c, record=False)
-            inp = None if first else link.recv_forward(self.act_shape, self.dtype, self._msg(g, c, upstream_of_me=True))
-            out = forward(c, tokens, inp)
+            out = forward(c, tokens, None if first else inbox.pop(step))
             if last:
                 loss_sum += out.double() * self.loss_scale
             else:
-                link.send_forward(out, self._msg(g, c, upstream_of_me=False))
-        for link in {*self.links.values(), *self.chunk_links.values()}:
-            link.drain()
+                outbox[step] = out
+        finish_ops(started)
         return loss_sum

@@ -41,12 +41,12 @@ from megatron_het.plan import Plan, chunk_layers
 from megatron_het.plan.validate import check_runtime_tp_grid, check_schedule, check_tp_comm_overlap
 from megatron_het.platform import Accelerator, detect_accelerator
 from megatron_het.platform.allocation_peak import phase
-from megatron_het.runtime.boundary import BoundaryLink, Neighbour, order_mismatches
+from megatron_het.runtime.boundary import BoundaryLink, Neighbour
 from megatron_het.runtime.boundary_groups import (
-    create_direction_groups,
-    groups_with,
+    create_boundary_groups,
+    group_with,
     plan_boundaries,
-    plan_directions,
+    plan_boundary_keys,
 )
 from megatron_het.runtime.comm_routing import (
     RankPlacement,
@@ -71,6 +71,8 @@ from megatron_het.runtime.mixed_precision import LossScaler, MainParams, params_
 from megatron_het.runtime.split_backward import WeightGradStore, install_split_linears, unsplit_linears
 from megatron_het.runtime.stage_groups import build_stage_groups
 from megatron_het.schedule import Action, build_schedule
+from megatron_het.schedule.stream_model import check_transfer_streams
+from megatron_het.schedule.transfers import Step, stage_transfer_steps
 from megatron_het.train.config import TrainConfig
 from megatron_het.train.data_position import DataPosition, position_from_checkpoint, positioned_batches
 from megatron_het.train.lr_schedule import decoupled_lr_at, is_decoupled
@@ -192,9 +194,10 @@ class PipelineStrategy:
 
         stages = self.replica.stages
         bridges = self._boundary_bridges()
-        directions = create_direction_groups(plan_directions(plan), spans_libraries=self.plan_placement.spans_libraries,
-                                             backend=acc.torch_backend, timeout=self.train.group_timeout,
-                                             device_id=acc.eager_device)
+        boundary_groups = create_boundary_groups(plan_boundary_keys(plan),
+                                                 spans_libraries=self.plan_placement.spans_libraries,
+                                                 backend=acc.torch_backend, timeout=self.train.group_timeout,
+                                                 device_id=acc.eager_device)
         mine = tuple(self.stage_plan.ranks)
         self.paths = self._communication_paths()
         if role.rank == 0:
@@ -208,7 +211,7 @@ class PipelineStrategy:
             return Neighbour(ranks=tuple(stages[s].ranks), island=stages[s].island, stage=s,
                              bridge=bridges.get((role.replica, min(s, role.stage))),
                              full_sequence=stages[s].tp_grid is not None,
-                             **groups_with(stages[s].ranks, mine, directions))
+                             **group_with(stages[s].ranks, mine, boundary_groups))
 
         p, v = len(stages), self.num_chunks
 
@@ -223,18 +226,12 @@ class PipelineStrategy:
 
         def wrap(s: int) -> Neighbour:  # the last stage <-> stage 0 boundary of interleaving
             return Neighbour(ranks=tuple(stages[s].ranks), island=stages[s].island, stage=s,
-                             bridge=bridges.get((role.replica, p - 1)), **groups_with(stages[s].ranks, mine, directions))
+                             bridge=bridges.get((role.replica, p - 1)), **group_with(stages[s].ranks, mine, boundary_groups))
 
         link = chunk_link(0)
         schedule = build_schedule(plan.schedule, len(stages), self.replica.num_micro_batches,
                                   plan.virtual_pipeline_size)
-        mismatches = order_mismatches(schedule.actions)
-        if v > 1 and not acc.p2p_tags:
-            mismatches = [f"interleaved chunks share rank pairs in both directions (virtual_pipeline_size={v})"]
-        if mismatches and not acc.p2p_tags:
-            raise ConfigError(f"{mismatches[0]}; {acc.torch_backend} matches pipeline messages by order, not tags",
-                              field="schedule", value=plan.schedule, fix="use a schedule whose neighbour stages "
-                              "post transfers in the same micro-batch order (1f1b, gpipe, zb-h1)")
+        check_transfer_streams(schedule, tags=acc.p2p_tags, backend=acc.torch_backend)
         if schedule.split_backward and self.unsplit_linears:
             logger.warning("rank %d: %s defers the weight gradients of megatron-core's local linears only; %d "
                            "linears of this stage (e.g. %s: transformer-engine's, or TP-overlap ones) keep theirs "
@@ -245,7 +242,8 @@ class PipelineStrategy:
         self.executor = self._executor(globalise(schedule.actions[role.stage], first),
                                        dict.fromkeys(range(first, first + self.replica.num_micro_batches), link),
                                        split_backward=schedule.split_backward,
-                                       chunk_links={c: chunk_link(c) for c in range(1, v)})
+                                       chunk_links={c: chunk_link(c) for c in range(1, v)},
+                                       steps=stage_transfer_steps(schedule, role.stage))
         self.groups.seal()
 
     @property
@@ -371,13 +369,14 @@ class PipelineStrategy:
             lr=train.lr, betas=(train.adam_beta1, train.adam_beta2), eps=train.adam_eps)
 
     def _executor(self, actions: Sequence[Action], links: Mapping[int, BoundaryLink], *,
-                  split_backward: bool, chunk_links: Mapping[int, BoundaryLink] | None = None) -> ActionExecutor:
+                  split_backward: bool, chunk_links: Mapping[int, BoundaryLink] | None = None,
+                  steps: Sequence[Step]) -> ActionExecutor:
         mbs, seq, h = self.train.micro_batch_size, self.model_spec.seq_length, self.model_spec.hidden_size
         return ActionExecutor(actions=actions, links=links, is_first=self.is_first, is_last=self.is_last,
                               act_shape=(seq, mbs, h), dtype=self.config.params_dtype, micro_batch_size=mbs,
                               loss_scale=self.total_micro_batches, split_backward=split_backward,
                               arm=getattr(self.sync, "arm", None), device=self.device, store=self.wgrad_store,
-                              num_chunks=self.num_chunks, chunk_links=chunk_links)
+                              num_chunks=self.num_chunks, chunk_links=chunk_links, steps=steps)
 
     def named_global_params(self) -> dict[str, torch.nn.Parameter]:
         """This stage's parameters by global name (the last stage's tied output is the word embedding)."""
@@ -557,14 +556,15 @@ class PipelineStrategy:
 
     # ---- after a group change (resilience) -----------------------------------------------------
     def rebind(self, *, pgc, ranks: Mapping[int, int], actions: Sequence[Action],
-               links: Mapping[int, BoundaryLink], split_backward: bool) -> None:
+               links: Mapping[int, BoundaryLink], split_backward: bool, steps: Sequence[Step]) -> None:
         """Move this stage onto rebuilt process groups (collective over the new world).
 
         ``pgc``: this rank's groups in the new world; ``ranks``: rank in the plan -> rank in the new
         world, of every survivor. The stage model is rebuilt on ``pgc`` (with TP overlap when the plan chose it) with
         the same parameter values and optimizer state; gradient synchronisation is rebuilt as at
         construction (overlapped buckets, collective-library placement) over the new ranks; from
-        then on ``actions`` (global micro-batches, each sent through ``links[g]``) run each iteration.
+        then on ``actions`` (global micro-batches, each sent through ``links[g]``) run each iteration,
+        their transfers posted as ``steps`` say (``resilience.routed_transfers``).
         """
         if self.grid_groups is not None:  # the grid groups would have to be rebuilt too
             raise ConfigError("a 3D tensor-parallel stage (tp_grid) cannot be moved onto rebuilt groups yet (#20)",
@@ -587,7 +587,7 @@ class PipelineStrategy:
         self.optimizer = self._optimizer()
         self.optimizer.load_state_dict(opt_state)  # same parameter order: state moves by position
         self.sync = self._gradient_synchronizer()
-        self.executor = self._executor(actions, links, split_backward=split_backward)
+        self.executor = self._executor(actions, links, split_backward=split_backward, steps=steps)
 
     # ---- checkpoints ------------------------------------------------------------------------
     def _slots(self, values: Mapping[str, torch.Tensor] | None = None, writers: set | None = None):

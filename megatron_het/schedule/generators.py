@@ -100,7 +100,7 @@ def interleaved_1f1b(
     def bwd(k: int) -> Action:
         return _b(table[k][0], num_chunks - 1 - table[k][1])
 
-    per_stage = []
+    per_stage, steps = [], []
     for s in range(p):
         warmup = min((p - s - 1) * 2 + (num_chunks - 1) * group, total)
         acts = [fwd(k) for k in range(warmup)]
@@ -108,8 +108,11 @@ def interleaved_1f1b(
             acts += [fwd(warmup + k), bwd(k)]
         acts += [bwd(k) for k in range(total - warmup, total)]
         per_stage.append(tuple(acts))
+        # megatron-core communicates once per steady F/B pair (send_forward_backward_recv_forward_backward)
+        steps.append((1,) * warmup + (2,) * (total - warmup) + (1,) * warmup)
     return Schedule(name="interleaved", num_stages=p, num_micro_batches=m, num_chunks=num_chunks,
-                    actions=tuple(per_stage), split_backward=False)
+                    actions=tuple(per_stage), split_backward=False,
+                    steps=tuple(steps) if any(n > 1 for st in steps for n in st) else None)
 
 
 def zero_bubble_h1(num_stages: int, num_micro_batches: int) -> Schedule:

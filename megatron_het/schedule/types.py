@@ -54,6 +54,10 @@ class Schedule:
     num_chunks: int = 1  # model chunks per stage (virtual pipeline size)
     actions: tuple[tuple[Action, ...], ...]  # per stage, in execution order
     split_backward: bool = False  # True when B and W are separate actions
+    # per stage, how many consecutive actions form each communication step (None: one each): the
+    # executor posts one batch of transfers per neighbour between steps (schedule/transfers.py);
+    # interleaved 1F1B's steady F/B pairs are one step each, as in megatron-core
+    steps: tuple[tuple[int, ...], ...] | None = None
 
     def __post_init__(self) -> None:
         for name in ("num_stages", "num_micro_batches", "num_chunks"):
@@ -67,12 +71,28 @@ class Schedule:
                 problem=f"expected one action list per stage ({self.num_stages}), found {len(self.actions)}",
                 fix="give exactly one action list per stage",
             )
+        for s, sizes in enumerate(self.steps or ()):
+            if len(self.steps) != self.num_stages or sum(sizes) != len(self.actions[s]) or min(sizes, default=1) < 1:
+                raise ScheduleError(
+                    field="steps", value=list(sizes),
+                    problem=f"stage {s}'s steps must be positive and add up to its {len(self.actions[s])} actions, "
+                    f"one list per stage ({self.num_stages}); they add up to {sum(sizes)}, {len(self.steps)} lists",
+                    fix="give the size of every communication step of every stage, or steps=None (one action each)",
+                )
+
+    def step_sizes(self, stage: int) -> tuple[int, ...]:
+        """Actions per communication step of ``stage`` (one each unless ``steps`` says otherwise)."""
+        return self.steps[stage] if self.steps is not None else (1,) * len(self.actions[stage])
 
     def to_text(self) -> str:
-        """One line per stage: ``stage 0: F0 F1 B0 ...``."""
-        return "\n".join(
-            f"stage {s}: " + " ".join(str(a) for a in acts) for s, acts in enumerate(self.actions)
-        ) + "\n"
+        """One line per stage: ``stage 0: F0 F1 B0 ...``; a communication step of several actions is
+        joined by ``+`` (``F3+B0``)."""
+        lines = []
+        for s, acts in enumerate(self.actions):
+            bounds = [sum(self.step_sizes(s)[:k]) for k in range(len(self.step_sizes(s)) + 1)]
+            lines.append(f"stage {s}: " + " ".join("+".join(str(a) for a in acts[i:j])
+                                                   for i, j in zip(bounds, bounds[1:])))
+        return "\n".join(lines) + "\n"
 
     @classmethod
     def from_text(
@@ -85,6 +105,7 @@ class Schedule:
     ) -> Schedule:
         """Parse :meth:`to_text` output; counts default to what the actions mention."""
         per_stage: list[tuple[Action, ...]] = []
+        sizes: list[tuple[int, ...]] = []
         for lineno, line in enumerate(text.splitlines(), 1):
             line = line.strip()
             if not line or line.startswith("#"):
@@ -94,7 +115,9 @@ class Schedule:
                 raise ScheduleError(field=f"line {lineno}", value=line,
                                     problem=f"expected 'stage {len(per_stage)}: ...'",
                                     fix="write one 'stage N: A A A' line per stage, stages in order")
-            per_stage.append(tuple(Action.parse(tok) for tok in body.split()))
+            steps = [tok.split("+") for tok in body.split()]
+            per_stage.append(tuple(Action.parse(a) for step in steps for a in step))
+            sizes.append(tuple(len(step) for step in steps))
         every = [a for acts in per_stage for a in acts]
         return cls(
             name=name,
@@ -103,6 +126,7 @@ class Schedule:
             num_chunks=num_chunks or 1 + max((a.chunk for a in every), default=0),
             actions=tuple(per_stage),
             split_backward=any(a.kind == "W" for a in every),
+            steps=tuple(sizes) if any(n > 1 for st in sizes for n in st) else None,
         )
 
     def peak_in_flight(self) -> tuple[int, ...]:

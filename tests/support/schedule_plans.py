@@ -38,6 +38,12 @@ SCHEDULE_CASES = {
                                          _stage((2,), (4, 6), "slow", chunks=((2, 3), (5, 6)))], 4),
                                        ([_stage((3,), (0, 2), "slow"), _stage((4, 5), (2, 6))], 2)],
                                       "interleaved", 2),
+    # interleaved v=2 over three stages TP1 -> TP1 -> TP4: an odd ring, whose wrap (TP4 -> TP1) is a
+    # boundary of its own; each step's transfers batched per neighbour (schedule/transfers.py)
+    "interleaved_three_stages": _plan([([_stage((0,), (0, 2), chunks=((0, 1), (3, 4))),
+                                         _stage((1,), (2, 4), "slow", chunks=((1, 2), (4, 5))),
+                                         _stage(range(2, 6), (4, 6), chunks=((2, 3), (5, 6)))], 6)],
+                                      "interleaved", 2),
     # ZB-H1 over three stages TP1 -> TP4 -> TP1, layers 2/3/1
     "zbh1_tp1_tp4_tp1": _plan([([_stage((0,), (0, 2)), _stage(range(1, 5), (2, 5), "slow"),
                                  _stage((5,), (5, 6))], 6)], "zb-h1", 1),

@@ -6,9 +6,9 @@ from megatron_het.train.config import TrainConfig
 
 
 def boundary_groups_worker(rank, world_size, model, plan, train: TrainConfig):
-    """Build the trainer's stage (no step); per neighbour side ("prev"/"next") of this rank's link:
-    (name and ranks of the group it sends on, of the group it receives on); then train one step so
-    the transfers run on those groups. Returns (sides, loss)."""
+    """Build the trainer's stage (no step); per neighbour side ("prev"/"next") of this rank's link: name
+    and ranks of the boundary's group; then train one step so the transfers run on those groups.
+    Returns (sides, loss)."""
     import torch.distributed as dist
 
     from megatron_het.platform import enable_cpu_backend
@@ -23,8 +23,7 @@ def boundary_groups_worker(rank, world_size, model, plan, train: TrainConfig):
     def describe(group):
         return None if group is None else (group.group_name, tuple(dist.get_process_group_ranks(group)))
 
-    sides = {side: (describe(peer.send_group), describe(peer.recv_group))
-             for side, peer in (("prev", link.prev), ("next", link.next)) if peer is not None}
+    sides = {side: describe(peer.group) for side, peer in (("prev", link.prev), ("next", link.next)) if peer is not None}
     res = trainer.run(1, return_shards=False)
     trainer.strategy.close()
     return sides, [log.lm_loss for log in res.iterations]

@@ -4,17 +4,11 @@ from __future__ import annotations
 
 import pytest
 
-from megatron_het.plan import Plan, ReplicaPlan, StagePlan
 from megatron_het.resilience.routed_schedule import routed_schedule
 from megatron_het.resilience.routing import reroute
 from megatron_het.resilience.staggered import StepAction, sharing, steady_period, step_actions
 
-
-def grid(replicas=3, stages=2, micro=4) -> Plan:
-    layers = [(s * 4 // stages, (s + 1) * 4 // stages) for s in range(stages)]
-    return Plan(replicas=tuple(ReplicaPlan(stages=tuple(
-        StagePlan(island="cpu", device_type="CPU", ranks=(r * stages + s,), layers=layers[s]) for s in range(stages)),
-        num_micro_batches=micro) for r in range(replicas)), micro_batch_size=2, global_batch_size=2 * micro * replicas)
+from support.resilience_grid import grid
 
 
 def test_step_actions_are_data_sync_waits_for_all_staggered_for_its_own():

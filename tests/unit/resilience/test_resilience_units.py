@@ -8,23 +8,13 @@ import threading
 import pytest
 import torch.distributed as dist
 
-from megatron_het.plan import Plan, ReplicaPlan, StagePlan
 from megatron_het.platform.local_launch import free_port
 from megatron_het.resilience.agreement import AgreementError, agree_on_failures
 from megatron_het.resilience.policy import PolicyConfig, decide, predicted_fraction
 from megatron_het.resilience.routed_schedule import routed_schedule
 from megatron_het.resilience.routing import ReroutingError, describe, reroute
 
-
-def grid(replicas=3, stages=2, micro=4, tp=1) -> Plan:
-    per = stages * tp
-    layers = [(s * 4 // stages, (s + 1) * 4 // stages) for s in range(stages)]
-    return Plan(replicas=tuple(
-        ReplicaPlan(stages=tuple(StagePlan(island="cpu", device_type="CPU",
-                                           ranks=tuple(range(r * per + s * tp, r * per + (s + 1) * tp)),
-                                           layers=layers[s]) for s in range(stages)),
-                    num_micro_batches=micro) for r in range(replicas)),
-        micro_batch_size=2, global_batch_size=2 * micro * replicas)
+from support.resilience_grid import grid
 
 
 # ---- routing ---------------------------------------------------------------------------------

@@ -13,11 +13,6 @@ from megatron_het.runtime.boundary import BoundaryLink, Neighbour, shard_rows
 SEQ, B, H = 12, 2, 3
 
 
-class _Done:
-    def wait(self):
-        return None
-
-
 def _rows(first: int, stop: int) -> torch.Tensor:
     """Rows [first, stop) of the full activation, each row's entries = its row index."""
     return torch.arange(first, stop, dtype=torch.float32)[:, None, None].expand(-1, B, H).contiguous()
@@ -32,30 +27,22 @@ def _rows(first: int, stop: int) -> torch.Tensor:
     (1, False, 4, True),  # TP=1 (whole sequence, one rank) -> 3D
     (2, False, 3, False),  # unchanged: sequence-parallel both sides
 ])
-def test_each_receiver_gets_its_rows_exactly_once(monkeypatch, send_tp, send_full, recv_tp, recv_full):
+def test_each_receiver_gets_its_rows_exactly_once(send_tp, send_full, recv_tp, recv_full):
     senders, receivers = tuple(range(send_tp)), tuple(range(100, 100 + recv_tp))
     sent: dict[tuple[int, int], list[torch.Tensor]] = {}
     for i in range(send_tp):
-        def isend(tensor, peer, dst, t, src=senders[i]):
-            sent.setdefault((src, dst), []).append(tensor.clone())
-            return _Done()
-
-        monkeypatch.setattr(BoundaryLink, "_isend", staticmethod(isend))
         link = BoundaryLink(tp_rank=i, tp=send_tp, prev=None, sequence_parallel=True, full_sequence=send_full,
                             next=Neighbour(ranks=receivers, full_sequence=recv_full))
         held = (0, SEQ) if send_full else shard_rows(SEQ, send_tp, i)
-        link.send_forward(_rows(*held), micro_batch=0)
+        for op in link.send_ops(_rows(*held), downstream=True, message=0):
+            sent.setdefault((senders[i], op.rank), []).append(op.tensor.clone())
     got = {}
     for j in range(recv_tp):
-        def irecv(buf, peer, src, t, dst=receivers[j]):
-            piece = sent[(src, dst)].pop(0)
-            buf.copy_(piece)  # a shape mismatch fails here
-            return _Done()
-
-        monkeypatch.setattr(BoundaryLink, "_irecv", staticmethod(irecv))
         link = BoundaryLink(tp_rank=j, tp=recv_tp, next=None, sequence_parallel=True, full_sequence=recv_full,
                             prev=Neighbour(ranks=senders, full_sequence=send_full))
-        got[j] = link.recv_forward((SEQ, B, H), torch.float32, micro_batch=0)
+        got[j], ops = link.recv_ops((SEQ, B, H), torch.float32, downstream=False, message=0)
+        for op in ops:
+            op.tensor.copy_(sent[(op.rank, receivers[j])].pop(0))  # a shape mismatch fails here
     for j, buf in got.items():
         want = (0, SEQ) if recv_full else shard_rows(SEQ, recv_tp, j)
         assert torch.equal(buf, _rows(*want)), (j, buf[:, 0, 0])
