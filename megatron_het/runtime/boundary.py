@@ -172,6 +172,30 @@ def finish_ops(started) -> None:
             raise _failed(ops, err) from err
 
 
+def split_receives(started) -> tuple[list, list]:
+    """(works a computation must wait for: any receive among their pieces; works of sends only).
+    Nothing computed next reads a send's buffer, so only its memory waits for it (``release_completed``);
+    under NCCL's weakest promise the device still runs every batch in issue order, so the stream
+    model's verdict holds either way."""
+    needed, sends = [], []
+    for entry in started:
+        (needed if any(not op.send for op in entry[1]) else sends).append(entry)
+    return needed, sends
+
+
+def release_completed(pending) -> list:
+    """The sends of ``pending`` still in flight; the completed ones are forgotten (their buffers freed)
+    without waiting. NCCL/RCCL and the het bridge report completion; torch's gloo send reports it only
+    after ``wait()``, so on the host a send is released at the end of the iteration (``finish_ops``)."""
+    still = []
+    for entry in pending:
+        if entry[0].is_completed():
+            finish_ops([entry])  # done: raises here if it failed
+        else:
+            still.append(entry)
+    return still
+
+
 class BoundaryLink:
     """Point-to-point pieces of one rank's transfers with its previous and next stage.
 

@@ -18,9 +18,11 @@ weight gradients wait in the stage's ``WeightGradStore`` (``split_backward.py``)
 Nothing is traversed twice, the last stage included. Without W actions B computes both.
 
 Transfers follow ``steps`` (``schedule/transfers.py``): the actions in order with batches of
-transfers between them, each batch one ``batch_isend_irecv`` with one neighbour. All batches posted
-between two actions are waited for before the next one computes, so sends are released step by step
-and the executor runs exactly what the stream model checked (``schedule/stream_model.py``).
+transfers between them, each batch one ``batch_isend_irecv`` with one neighbour, in the order the
+stream model checked (``schedule/stream_model.py``). Before an action computes, the batches posted
+since the last one that receive anything are waited for; a batch of sends only is not (nothing
+computed next reads it: the device runs its communication in issue order anyway) and is released
+once complete, at the latest at the end of the iteration.
 """
 
 from __future__ import annotations
@@ -29,7 +31,14 @@ from collections.abc import Callable, Mapping, Sequence
 
 import torch
 
-from megatron_het.runtime.boundary import BoundaryLink, Neighbour, finish_ops, start_ops
+from megatron_het.runtime.boundary import (
+    BoundaryLink,
+    Neighbour,
+    finish_ops,
+    release_completed,
+    split_receives,
+    start_ops,
+)
 from megatron_het.runtime.split_backward import WeightGradStore
 from megatron_het.schedule import Action
 from megatron_het.schedule.transfers import Post, Step, forward_only, transfer_steps
@@ -59,6 +68,14 @@ def grad_reduce_triggers(actions: Sequence[Action], *, split_backward: bool = Fa
         if a.kind in kinds:
             last[a.chunk] = i
     return {i: c for c, i in last.items()}
+
+
+def _before_compute(started: list, sending: list) -> list:
+    """Wait for the batches just posted that receive (the next action's inputs); return the sends
+    still in flight, the completed ones released."""
+    needed, sends = split_receives(started)
+    finish_ops(needed)
+    return release_completed(sending + sends)
 
 
 def globalise(actions: Sequence[Action], first_micro_batch: int) -> tuple[Action, ...]:
@@ -170,14 +187,14 @@ class ActionExecutor:
         self.samples = []
         if self.store is not None:
             self.store.enabled = self.split
-        started: list = []
+        started: list = []  # batches posted since the last action
+        sending: list = []  # batches of sends only, in flight
         try:
             for step in self.steps:
                 if isinstance(step, Post):
                     started += self._post(step, inbox, outbox)
                     continue
-                finish_ops(started)  # this point's batches complete (their sends released) before computing
-                started = []
+                sending, started = _before_compute(started, sending), []
                 index, action = step, self.actions[step]
                 if on_action is not None:
                     on_action(index, action)
@@ -215,7 +232,7 @@ class ActionExecutor:
                     timer.compute(lambda: self.store.flush(key))
                 else:
                     raise ValueError(f"unknown schedule action {action}")
-            finish_ops(started)
+            finish_ops(started + sending)
         except BaseException:
             if self.store is not None:
                 self.store.discard()
@@ -230,12 +247,12 @@ class ActionExecutor:
         inbox: dict[int, torch.Tensor] = {}
         outbox: dict[int, torch.Tensor] = {}
         started: list = []
+        sending: list = []
         for step in self.forward_steps:
             if isinstance(step, Post):
                 started += self._post(step, inbox, outbox)
                 continue
-            finish_ops(started)
-            started = []
+            sending, started = _before_compute(started, sending), []
             action = self.actions[step]
             g, c = action.micro_batch, action.chunk
             first, last = self._ends(c)
@@ -245,5 +262,5 @@ class ActionExecutor:
                 loss_sum += out.double() * self.loss_scale
             else:
                 outbox[step] = out
-        finish_ops(started)
+        finish_ops(started + sending)
         return loss_sum

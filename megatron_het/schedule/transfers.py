@@ -7,8 +7,7 @@ after a forward, the activation's send with the receive of the gradient the next
 sends with both receives of the next pair. ``transfer_steps`` does the same for any action list cut
 into steps (``Schedule.steps``): after each step, one batch per neighbour holding the sends of the
 step's actions and the receives of the next step's actions; before the first step, its receives.
-Every batch is waited for before the next step computes, so a send's buffer is released at its
-step, not at the end of the iteration.
+The executor waits for the batches that receive before the next step computes (``runtime/executor.py``).
 
 With one communicator per boundary (``runtime/boundary_groups.py``) a middle stage's two neighbours
 get two batches. Their order alternates with the stage (megatron-core's ``_p2p_ops`` rule): an even

@@ -8,7 +8,15 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from megatron_het.runtime.boundary import BoundaryError, BoundaryLink, Neighbour, finish_ops, start_ops
+from megatron_het.runtime.boundary import (
+    BoundaryError,
+    BoundaryLink,
+    Neighbour,
+    finish_ops,
+    release_completed,
+    split_receives,
+    start_ops,
+)
 
 GLOO = "[../third_party/gloo/gloo/transport/tcp/pair.cc:534] Connection closed by peer [127.0.0.1]:4242\nmore"
 
@@ -100,3 +108,29 @@ def test_a_bridged_neighbour_gets_each_piece_through_its_bridge(monkeypatch):
         (2,), torch.float32, downstream=True, message=1)[1]
     finish_ops(start_ops(ops))
     assert calls == [("isend", 6, 6), ("irecv", 6, 3)]
+
+
+class _Flight(_Work):
+    def __init__(self, done: bool, error: str | None = None) -> None:
+        super().__init__(error)
+        self.done = done
+
+    def is_completed(self) -> bool:
+        return self.done
+
+
+def test_only_receiving_batches_gate_the_next_action_and_finished_sends_are_released():
+    """Sends no longer live to the end of the iteration (#36): a batch that receives is waited for
+    before the next action; a batch of sends only is released once complete, one in flight is kept,
+    a failed one names its peer."""
+    link = _link(island="fast", stage=3)
+    send = link.send_ops(torch.zeros(4, 1, 8), downstream=True, message=1)
+    recv = link.recv_ops((4, 1, 8), torch.float32, downstream=True, message=0)[1]
+    gloo = [(_Flight(False), (op,)) for op in send + recv]  # one work per piece
+    nccl = [(_Flight(False), tuple(send + recv))]  # one coalesced work for the batch
+    assert split_receives(gloo) == ([gloo[1]], [gloo[0]])
+    assert split_receives(nccl) == (nccl, [])
+    done, flying = (_Flight(True), tuple(send)), (_Flight(False), tuple(send))
+    assert release_completed([done, flying]) == [flying]
+    with pytest.raises(BoundaryError, match=r"pipeline send of micro-batch 1 with rank 6 \(island fast, stage 3\)"):
+        release_completed([(_Flight(True, GLOO), tuple(send))])
