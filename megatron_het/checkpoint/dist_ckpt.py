@@ -20,7 +20,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import shutil
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -226,14 +226,20 @@ def resolve_iteration_dir(path: str) -> str:
     return path
 
 
-def load_checkpoint(path: str, *, params: Mapping[str, TensorSlot], model: ModelSpec,
-                    with_optimizer: bool = True) -> tuple[dict, dict[str, torch.Tensor], dict[str, dict[str, torch.Tensor]]]:
-    """Collective. Returns (common state, parameter values, optimizer moments) for this rank's slots."""
+def open_checkpoint(path: str, *, model: ModelSpec) -> tuple[str, dict]:
+    """The iteration directory ``path`` resolves to and its common state, checked against ``model``."""
     path = resolve_iteration_dir(path)
     if not os.path.isdir(path):
         raise CheckpointError(f"{path}: no such checkpoint directory. Fix: check --load and the tracker file")
     common = read_common(path)
     check_model_matches(common, model, path)
+    return path, common
+
+
+def read_slots(path: str, params: Mapping[str, TensorSlot], *, with_optimizer: bool = True
+               ) -> tuple[dict[str, torch.Tensor], dict[str, dict[str, torch.Tensor]]]:
+    """Collective (one dist_checkpointing load; ``params`` may be empty on some ranks). This rank's
+    slots of an opened checkpoint ``path``, read into host memory: (values, optimizer moments)."""
     request = {}
 
     def host_buffer(_name, slot):  # read into host memory: the caller takes its pieces to the device
@@ -248,4 +254,50 @@ def load_checkpoint(path: str, *, params: Mapping[str, TensorSlot], model: Model
     values = {name: _local(loaded, f"model.{name}", slot) for name, slot in params.items()}
     moments = ({name: {k: _local(loaded, f"optimizer.{k}.{name}", slot) for k in ("exp_avg", "exp_avg_sq")}
                 for name, slot in params.items()} if with_optimizer else {})
-    return common, values, moments
+    return values, moments
+
+
+def load_checkpoint(path: str, *, params: Mapping[str, TensorSlot], model: ModelSpec,
+                    with_optimizer: bool = True) -> tuple[dict, dict[str, torch.Tensor], dict[str, dict[str, torch.Tensor]]]:
+    """Collective. Returns (common state, parameter values, optimizer moments) for this rank's slots."""
+    path, common = open_checkpoint(path, model=model)
+    return (common, *read_slots(path, params, with_optimizer=with_optimizer))
+
+
+def read_groups(params: Mapping[str, TensorSlot], *, with_optimizer: bool, budget: int) -> list[list[str]]:
+    """``params`` in order, cut into groups whose host buffers (fp32 value, and both moments with
+    ``with_optimizer``) stay within ``budget`` bytes; a tensor larger than that is a group alone (pure)."""
+    per_element = 4 * (3 if with_optimizer else 1)
+    groups: list[list[str]] = []
+    filled = budget
+    for name, slot in params.items():
+        size = slot.tensor.numel() * per_element
+        if filled + size > budget:
+            groups.append([])
+            filled = 0
+        groups[-1].append(name)
+        filled += size
+    return groups
+
+
+def load_in_groups(path: str, *, params: Mapping[str, TensorSlot], with_optimizer: bool,
+                   take: Callable[[dict[str, torch.Tensor], dict[str, dict[str, torch.Tensor]]], None],
+                   budget: int | None = None) -> int:
+    """Collective over the world. Read this rank's slots of the opened checkpoint ``path`` group by
+    group (``read_groups``), handing each group's (values, moments) to ``take`` before the next is
+    read, so host memory holds one group (``budget`` bytes; None: ``read_budget.READ_GROUP_BYTES``).
+    Every rank joins as many reads as the rank with the most groups (an empty request when it has none
+    left). Returns the number of reads."""
+    from megatron_het.checkpoint import read_budget
+
+    budget = read_budget.READ_GROUP_BYTES if budget is None else budget
+    groups = read_groups(params, with_optimizer=with_optimizer, budget=budget)
+    count = torch.tensor([len(groups)], dtype=torch.int64, device=HOST_DEVICE)  # the world's host backend
+    dist.all_reduce(count, op=dist.ReduceOp.MAX)
+    count = int(count.item())
+    for k in range(count):
+        names = groups[k] if k < len(groups) else []
+        values, moments = read_slots(path, {n: params[n] for n in names}, with_optimizer=with_optimizer)
+        take(values, moments)
+        del values, moments  # before the next group is read
+    return count

@@ -30,7 +30,7 @@ The object plays the parts of both the runtime's gradient synchronizer and its t
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Container, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
@@ -172,25 +172,32 @@ class DistributedOptimizer:
         return canonical_flat(t, h.partition_dim, h.glu)
 
     def _my_pieces(self, source: Callable[[str], torch.Tensor]) -> torch.Tensor:
-        """This rank's flat shard taken from local full-block tensors ``source(name)`` (fp32).
+        """This rank's flat shard taken from local full-block tensors ``source(name)`` (fp32)."""
+        out = torch.empty(self.shard_numel, dtype=torch.float32, device=self.device)
+        self._take_pieces(out, source)
+        return out
+
+    def _take_pieces(self, out: torch.Tensor, source: Callable[[str], torch.Tensor],
+                     names: Container[str] | None = None) -> None:
+        """Write into this rank's flat shard ``out`` its pieces of the parameters ``names`` (None: all),
+        taken from local full-block tensors ``source(name)``.
 
         A tensor's canonical fp32 form (a copy for bf16 values, GLU or partition_dim > 0 layouts) is
         kept only until its last piece is taken: one parameter's copy at a time, not the whole stage's."""
-        out = torch.empty(self.shard_numel, dtype=torch.float32, device=self.device)
         order = [(i, p) for i in self._mine for p in self._pieces[i]]
         last = {p.name: k for k, (_, p) in enumerate(order)}
         cache: dict[str, torch.Tensor] = {}
         at = dict(self._start)
         for k, (i, p) in enumerate(order):
-            if p.name not in cache:
-                cache[p.name] = self._canonical(p.name, source(p.name)).float()
-            lo = self._block(p.name)[0]
             n = p.stop - p.start
-            out[at[i]:at[i] + n] = cache[p.name][p.start - lo:p.stop - lo]
+            if names is None or p.name in names:
+                if p.name not in cache:
+                    cache[p.name] = self._canonical(p.name, source(p.name)).float()
+                lo = self._block(p.name)[0]
+                out[at[i]:at[i] + n] = cache[p.name][p.start - lo:p.stop - lo]
+                if last[p.name] == k:
+                    del cache[p.name]
             at[i] += n
-            if last[p.name] == k:
-                del cache[p.name]
-        return out
 
     def _grad(self, name: str) -> torch.Tensor:
         if self.main_grads is not None:
@@ -406,15 +413,18 @@ class DistributedOptimizer:
     @torch.no_grad()
     def load_local_state(self, values: Mapping[str, torch.Tensor],
                          moments: Mapping[str, Mapping[str, torch.Tensor]] | None, *, step: int) -> None:
-        """Take this rank's pieces of local-form values (and moments) and write the model."""
+        """Take this rank's pieces of local-form values (and moments) of the parameters in ``values``
+        (all of this rank's, or one group of a streamed load: ``dist_ckpt.load_in_groups``) and write
+        them into the model."""
         self.finish_param_gather()
+        names = set(values)
         if self.keeps_master:
-            self.adam.master = self._my_pieces(lambda n: values[n])
+            self._take_pieces(self.adam.master, lambda n: values[n], names)
         if moments is not None:
-            self.adam.exp_avg.copy_(self._my_pieces(lambda n: moments[n]["exp_avg"]))
-            self.adam.exp_avg_sq.copy_(self._my_pieces(lambda n: moments[n]["exp_avg_sq"]))
+            self._take_pieces(self.adam.exp_avg, lambda n: moments[n]["exp_avg"], names)
+            self._take_pieces(self.adam.exp_avg_sq, lambda n: moments[n]["exp_avg_sq"], names)
             self.adam.step_count = int(step)
-        for name in self.local:
+        for name in names & self.local.keys():
             self.params[name].data.copy_(values[name])
 
     def state_bytes(self) -> int:

@@ -29,7 +29,8 @@ runtime's, so they are priced from its code:
   optimizer (torch's single-tensor AdamW) makes two temporaries of its largest parameter;
 - save: the parameters this rank writes, fp32 values and both moments, staged on the host (device
   memory on a GPU only for the gathers: ``host_is_device`` False), and the gathers in fp32;
-- load: fp32 values and both moments of every local parameter read into host buffers.
+- load: fp32 values and both moments of the local parameters read into host buffers, one group of
+  ``checkpoint.read_budget.READ_GROUP_BYTES`` at a time (a parameter larger than that alone).
 
 The buckets are ``bucket_numel`` elements (``--ddp-bucket-size``; closed at the first parameter
 that reaches it), so the largest is taken as ``max(bucket_numel, largest parameter)``, at most the
@@ -43,6 +44,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from megatron_het.checkpoint.read_budget import READ_GROUP_BYTES
 from megatron_het.cluster import ModelSpec
 from megatron_het.perf.memory import rank_memory, runtime_state_bytes
 
@@ -111,7 +113,7 @@ def rank_phase_peaks(model: ModelSpec, plan, rank: int, *, bucket_numel: int, pr
     adopting = 0 if reshaped else 4 * min(bucket, shared) + (0 if mixed else 4 * shared)
     in_flight = 4 * n if plan.overlap_grad_reduce and reshaped else 0  # packed copies, launch to reduce()
     out = {"forward_backward": steady + held.activations_bytes + in_flight,
-           "load": steady + (12 * n if host_is_device else 0)}
+           "load": steady + (min(12 * n, max(READ_GROUP_BYTES, 12 * largest)) if host_is_device else 0)}
     if plan.use_distributed_optimizer:
         s = held.optimizer_bytes // o  # elements of this rank's pieces
         share = s / n if n else 0.0  # its share of each bucket

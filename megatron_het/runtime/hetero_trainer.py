@@ -645,11 +645,12 @@ class PipelineStrategy:
     @torch.no_grad()
     @phase("load")
     def load_checkpoint(self, path: str, *, with_optimizer: bool = True) -> int:
-        """Load a checkpoint written under any plan; returns its iteration (collective)."""
-        from megatron_het.checkpoint.dist_ckpt import CheckpointError, load_checkpoint
+        """Load a checkpoint written under any plan; returns its iteration (collective). The stage's
+        slots are read a group at a time (``dist_ckpt.load_in_groups``): host memory holds one group's
+        fp32 values and moments, not the stage's."""
+        from megatron_het.checkpoint.dist_ckpt import CheckpointError, load_in_groups, open_checkpoint
 
-        common, values, moments = load_checkpoint(path, params=self._slots(), model=self.model_spec,
-                                                  with_optimizer=with_optimizer)
+        path, common = open_checkpoint(path, model=self.model_spec)
         if common.get("padded_vocab") != self.stage.vocab_size:
             raise CheckpointError(
                 f"{path}: padded_vocab: the checkpoint has {common.get('padded_vocab')} embedding rows, this plan "
@@ -657,16 +658,23 @@ class PipelineStrategy:
                 f"{common.get('padded_vocab')} (pretrain_gpt.py does this when --load is given)")
         iteration = int(common["iteration"])
         self.data_position = position_from_checkpoint(common, self.train.global_batch_size)
-        if self.plan.use_distributed_optimizer:  # this rank's pieces of the plan-independent form
-            self.sync.load_local_state(values, moments if with_optimizer else None, step=iteration)
-            return iteration
-        for name, p in self.opt_params.items():
-            p.copy_(values[name])
-            if with_optimizer:
-                self.optimizer.state[p] = {"step": torch.tensor(float(iteration)),  # host scalar, as torch's Adam keeps it
-                                           "exp_avg": moments[name]["exp_avg"].to(p.device, copy=True),
-                                           "exp_avg_sq": moments[name]["exp_avg_sq"].to(p.device, copy=True)}
-        if self.main is not None:
+        distributed = self.plan.use_distributed_optimizer
+        opt_params = self.opt_params
+
+        def take(values, moments):
+            if distributed:  # this rank's pieces of the plan-independent form
+                self.sync.load_local_state(values, moments if with_optimizer else None, step=iteration)
+                return
+            for name, value in values.items():
+                p = opt_params[name]
+                p.copy_(value)
+                if with_optimizer:
+                    self.optimizer.state[p] = {"step": torch.tensor(float(iteration)),  # host scalar, as torch's Adam
+                                               "exp_avg": moments[name]["exp_avg"].to(p.device, copy=True),
+                                               "exp_avg_sq": moments[name]["exp_avg_sq"].to(p.device, copy=True)}
+
+        load_in_groups(path, params=self._slots(), with_optimizer=with_optimizer, take=take)
+        if self.main is not None and not distributed:
             self.main.copy_to_model()
         return iteration
 

@@ -57,22 +57,56 @@ def dist_opt_checkpoint_worker(rank, world_size, model: ModelSpec, steps, train:
     return out
 
 
-def phase_bytes_worker(rank, world_size, model: ModelSpec, plan, train: TrainConfig, save_dir: str, padded_vocab=None):
-    """Trains ``plan`` for ``train.train_iters``, saves and loads, all under the allocation timeline:
-    ({phase: (start bytes, peak bytes, bytes one range added)}, this rank's parameter elements)."""
+def _state_digest(strategy) -> str:
+    """sha256 of a stage's parameters and optimizer state (the distributed optimizer's shards, or
+    torch's per-parameter state), in a fixed order."""
+    import hashlib
+
     import torch
 
-    from megatron_het.checkpoint.dist_ckpt import iteration_dir
+    h = hashlib.sha256()
+
+    def add(t):
+        h.update(t.detach().contiguous().view(torch.uint8).numpy().tobytes())
+
+    for name in sorted(strategy.params):
+        add(strategy.params[name].float())
+    adam = getattr(strategy.sync, "adam", None)
+    if adam is not None:
+        for t in (adam.master, adam.exp_avg, adam.exp_avg_sq):
+            add(t)
+    else:
+        for name, p in sorted(strategy.opt_params.items()):
+            add(p.float())
+            for key in ("exp_avg", "exp_avg_sq"):
+                add(strategy.optimizer.state[p][key])
+    return h.hexdigest()
+
+
+def phase_bytes_worker(rank, world_size, model: ModelSpec, plan, train: TrainConfig, save_dir: str, padded_vocab=None,
+                       budget: int | None = None):
+    """Trains ``plan`` for ``train.train_iters``, saves and loads (``budget``: a streamed load's
+    bytes per read, None: the default), all under the allocation timeline: ({phase: (start bytes, peak
+    bytes, bytes one range added)}, this rank's parameter elements, digest of the state before the
+    save, digest after the load)."""
+    import torch
+
+    import megatron_het.checkpoint.dist_ckpt as dist_ckpt
+    import megatron_het.checkpoint.read_budget as read_budget
     from megatron_het.platform import enable_cpu_backend
     from megatron_het.platform.allocation_peak import allocation_timeline
     from megatron_het.runtime.hetero_trainer import HeteroTrainer
 
     enable_cpu_backend()
+    if budget is not None:
+        read_budget.READ_GROUP_BYTES = budget
     with allocation_timeline(torch.device("cpu")) as timeline:
         trainer = HeteroTrainer(model=model, plan=plan, train=train, batch_fn=batch_fn(model, train.seed),
                                 padded_vocab=padded_vocab)
         trainer.run()
+        before = _state_digest(trainer.strategy)
         trainer.strategy.save_checkpoint(save_dir, train.train_iters)
-        trainer.strategy.load_checkpoint(iteration_dir(save_dir, train.train_iters))
+        trainer.strategy.load_checkpoint(dist_ckpt.iteration_dir(save_dir, train.train_iters))
     params = sum(p.numel() for p in trainer.strategy.params.values())
-    return {k: (v.start_bytes, v.peak_bytes, v.added_bytes) for k, v in timeline.phases.items()}, params
+    return ({k: (v.start_bytes, v.peak_bytes, v.added_bytes) for k, v in timeline.phases.items()}, params, before,
+            _state_digest(trainer.strategy))
