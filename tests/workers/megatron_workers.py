@@ -145,3 +145,21 @@ def checkpoint_worker(rank, world_size, model: ModelSpec, steps, train: TrainCon
             trainer.save_checkpoint(save_dir)
         out.append(res)
     return out
+
+
+def decoder_outputs_worker(rank, world_size, models, plan, train: TrainConfig):
+    """Per model of ``models`` ({name: ModelSpec}): train ``plan`` one iteration and return the decoder's
+    output of every forward on this rank (train mode: dropout on)."""
+    from megatron_het.platform import enable_cpu_backend
+    from megatron_het.runtime.hetero_trainer import HeteroTrainer
+
+    enable_cpu_backend()
+    out = {}
+    for name, model in models.items():
+        trainer = HeteroTrainer(model=model, plan=plan, train=train, batch_fn=batch_fn(model, train.seed))
+        captured = []
+        trainer.strategy.gpt.decoder.register_forward_hook(lambda m, i, o: captured.append(o.detach().clone()))
+        trainer.run(return_shards=False)
+        trainer.strategy.close()
+        out[name] = captured
+    return out
