@@ -201,7 +201,7 @@ def _split_overhead(rank, world_size, reps):
         return ActionExecutor(actions=acts, links=st.executor.links, is_first=True, is_last=True,
                               act_shape=(model.seq_length, MICRO_BATCH, model.hidden_size), dtype=torch.float32,
                               micro_batch_size=MICRO_BATCH, loss_scale=1.0, split_backward="W" in kinds,
-                              store=st.wgrad_store)
+                              store=st.wgrad_store, steps=range(len(acts)))  # one stage: no transfers
 
     fused, split = executor("FB"), executor("FBW")
     params = list(st.params.values())

@@ -126,6 +126,7 @@ def _executor_runs(rank, world_size, iters, conditions, pipe=None):
 
     from megatron_het.runtime.executor import ActionExecutor
     from megatron_het.schedule import build_schedule
+    from megatron_het.schedule.transfers import stage_transfer_steps
     from megatron_het.train.timer import EmulationTimer
 
     if pipe is not None:
@@ -150,7 +151,6 @@ def _executor_runs(rank, world_size, iters, conditions, pipe=None):
                 pass  # the other process has finished
 
     class FakeLink:  # neighbours that answer at once: receives are fresh tensors, sends go nowhere
-        prev, next = "upstream", "downstream"
 
         def send_ops(self, t, *, downstream, message):
             return []
@@ -174,10 +174,12 @@ def _executor_runs(rank, world_size, iters, conditions, pipe=None):
     for name, stage, chunk_layers in CASES:
         v = len(chunk_layers)
         gpts = [_chunk(pgc, n) for n in chunk_layers]
-        actions = build_schedule(name, 4, MICRO_BATCHES, v).actions[stage]
+        schedule = build_schedule(name, 4, MICRO_BATCHES, v)
+        actions = schedule.actions[stage]
         ex = ActionExecutor(actions=actions, links={g: FakeLink() for g in range(MICRO_BATCHES)}, is_first=False,
                             is_last=False, act_shape=(s, b, h), dtype=torch.float32, micro_batch_size=b,
-                            loss_scale=1.0, num_chunks=v, chunk_links={c: FakeLink() for c in range(1, v)})
+                            loss_scale=1.0, num_chunks=v, chunk_links={c: FakeLink() for c in range(1, v)},
+                            steps=stage_transfer_steps(schedule, stage))
         params = [p for g in gpts for p in g.parameters()]
 
         def forward(c, tokens, inp, gpts=gpts):

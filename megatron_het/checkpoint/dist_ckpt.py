@@ -250,7 +250,7 @@ def read_slots(path: str, params: Mapping[str, TensorSlot], *, with_optimizer: b
         for key in ("exp_avg", "exp_avg_sq"):
             request.update(_sharded(params, f"optimizer.{key}.", host_buffer))
     # Each rank reads the slices of its own layout (load_sharded names the directory on a mismatch).
-    loaded = load_sharded(request, path)
+    loaded = load_sharded(request, path, verified=True)  # open_checkpoint verified the directory
     values = {name: _local(loaded, f"model.{name}", slot) for name, slot in params.items()}
     moments = ({name: {k: _local(loaded, f"optimizer.{k}.{name}", slot) for k in ("exp_avg", "exp_avg_sq")}
                 for name, slot in params.items()} if with_optimizer else {})
@@ -269,10 +269,10 @@ def read_groups(params: Mapping[str, TensorSlot], *, with_optimizer: bool, budge
     ``with_optimizer``) stay within ``budget`` bytes; a tensor larger than that is a group alone (pure)."""
     per_element = 4 * (3 if with_optimizer else 1)
     groups: list[list[str]] = []
-    filled = budget
+    filled = 0
     for name, slot in params.items():
         size = slot.tensor.numel() * per_element
-        if filled + size > budget:
+        if not groups or filled + size > budget:
             groups.append([])
             filled = 0
         groups[-1].append(name)

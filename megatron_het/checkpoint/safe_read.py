@@ -199,12 +199,14 @@ def load_tensor_metadata(path: str) -> dict:
         raise _failed(path, "the tensor index", e) from e
 
 
-def load_sharded(request: Mapping, path: str) -> dict:
+def load_sharded(request: Mapping, path: str, *, verified: bool = False) -> dict:
     """``dist_checkpointing.load`` of a verified checkpoint (access-integrity check off: ranks of
-    different TP sizes read the same key with different grids)."""
+    different TP sizes read the same key with different grids). ``verified``: the caller verified
+    ``path`` already (a streamed load reads it many times)."""
     from megatron.core import dist_checkpointing
 
-    verify_checkpoint(path)
+    if not verified:
+        verify_checkpoint(path)
     try:
         return dist_checkpointing.load(dict(request), path, validate_access_integrity=False)
     except Exception as e:  # shape mismatches and damage: name the directory

@@ -23,7 +23,8 @@ and creates its groups with ``backend='nccl'`` (bridge_communicator.py ~199/209)
 ``variable_seq_lengths`` (only valid with the alltoall MoE dispatcher). Here each rank sends its
 pieces point to point instead (no broadcast): ``send_ops``/``recv_ops`` list them, and the schedule
 executor posts a step's pieces with one neighbour in one ``batch_isend_irecv`` on that boundary's
-group (``boundary_groups.py``) and waits for them before the next step (``schedule/transfers.py``).
+group (``boundary_groups.py``, ``schedule/transfers.py``), waits for the batches that receive before
+the next step computes and for those of sends only a step later (``runtime/executor.py``).
 Tags name the micro-batch and direction; gloo matches by them, NCCL and RCCL by order, which the
 start-up check compares (``schedule/stream_model.py``).
 """
@@ -151,16 +152,18 @@ def start_ops(ops) -> list[tuple[object, tuple[PeerOp, ...]]]:
     Native: one ``batch_isend_irecv`` on the boundary's group (NCCL/RCCL: one grouped kernel, which
     the communicator created eagerly at start-up lets span a subset of its ranks); across collective
     libraries: each piece through the het bridge."""
-    if not ops:
-        return []
-    bridge = ops[0].peer.bridge
-    if bridge is not None:
-        return [((bridge.isend if op.send else bridge.irecv)(op.tensor, op.rank, tag=op.tag), (op,)) for op in ops]
+    # each piece through its own link's bridge: a two-stage interleaved pipeline's boundary and wrap
+    # boundary join the same two stages (one batch) but have a bridge group each
+    out = [((op.peer.bridge.isend if op.send else op.peer.bridge.irecv)(op.tensor, op.rank, tag=op.tag), (op,))
+           for op in ops if op.peer.bridge is not None]
+    native = [op for op in ops if op.peer.bridge is None]
+    if not native:
+        return out
     works = dist.batch_isend_irecv([dist.P2POp(dist.isend if op.send else dist.irecv, op.tensor, op.rank,
-                                               group=op.peer.group, tag=op.tag) for op in ops])
-    if len(works) == len(ops):  # gloo: one work per piece
-        return [(w, (op,)) for w, op in zip(works, ops)]
-    return [(w, tuple(ops)) for w in works]  # NCCL/RCCL: the batch's coalesced work
+                                               group=op.peer.group, tag=op.tag) for op in native])
+    if len(works) == len(native):  # gloo: one work per piece
+        return out + [(w, (op,)) for w, op in zip(works, native)]
+    return out + [(w, tuple(native)) for w in works]  # NCCL/RCCL: the batch's coalesced work
 
 
 def finish_ops(started) -> None:
@@ -174,26 +177,13 @@ def finish_ops(started) -> None:
 
 def split_receives(started) -> tuple[list, list]:
     """(works a computation must wait for: any receive among their pieces; works of sends only).
-    Nothing computed next reads a send's buffer, so only its memory waits for it (``release_completed``);
-    under NCCL's weakest promise the device still runs every batch in issue order, so the stream
-    model's verdict holds either way."""
+    Nothing computed next reads a send's buffer, so the executor waits for a send only one step
+    later; under NCCL's weakest promise the device runs every batch in issue order anyway, so the
+    stream model's verdict holds either way."""
     needed, sends = [], []
     for entry in started:
         (needed if any(not op.send for op in entry[1]) else sends).append(entry)
     return needed, sends
-
-
-def release_completed(pending) -> list:
-    """The sends of ``pending`` still in flight; the completed ones are forgotten (their buffers freed)
-    without waiting. NCCL/RCCL and the het bridge report completion; torch's gloo send reports it only
-    after ``wait()``, so on the host a send is released at the end of the iteration (``finish_ops``)."""
-    still = []
-    for entry in pending:
-        if entry[0].is_completed():
-            finish_ops([entry])  # done: raises here if it failed
-        else:
-            still.append(entry)
-    return still
 
 
 class BoundaryLink:

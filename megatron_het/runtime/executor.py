@@ -20,9 +20,9 @@ Nothing is traversed twice, the last stage included. Without W actions B compute
 Transfers follow ``steps`` (``schedule/transfers.py``): the actions in order with batches of
 transfers between them, each batch one ``batch_isend_irecv`` with one neighbour, in the order the
 stream model checked (``schedule/stream_model.py``). Before an action computes, the batches posted
-since the last one that receive anything are waited for; a batch of sends only is not (nothing
-computed next reads it: the device runs its communication in issue order anyway) and is released
-once complete, at the latest at the end of the iteration.
+since the last one that receive anything are waited for; a batch of sends only is waited for one
+step later (nothing computed next reads it; the device runs its communication in issue order anyway),
+so every send's buffer is released within a step.
 """
 
 from __future__ import annotations
@@ -33,15 +33,13 @@ import torch
 
 from megatron_het.runtime.boundary import (
     BoundaryLink,
-    Neighbour,
     finish_ops,
-    release_completed,
     split_receives,
     start_ops,
 )
 from megatron_het.runtime.split_backward import WeightGradStore
 from megatron_het.schedule import Action
-from megatron_het.schedule.transfers import Post, Step, forward_only, transfer_steps
+from megatron_het.schedule.transfers import Post, Step, forward_only
 from megatron_het.train.strategy import ActionHook, BatchFn
 from megatron_het.train.timer import EmulationTimer
 
@@ -71,11 +69,13 @@ def grad_reduce_triggers(actions: Sequence[Action], *, split_backward: bool = Fa
 
 
 def _before_compute(started: list, sending: list) -> list:
-    """Wait for the batches just posted that receive (the next action's inputs); return the sends
-    still in flight, the completed ones released."""
+    """Wait for the batches just posted that receive (the next action's inputs) and for the sends-only
+    batches of the previous step (``sending``): every send is released within a step, on every
+    backend (gloo reports a send complete only once waited for). Returns this step's sends-only
+    batches."""
     needed, sends = split_receives(started)
-    finish_ops(needed)
-    return release_completed(sending + sends)
+    finish_ops(needed + sending)
+    return sends
 
 
 def globalise(actions: Sequence[Action], first_micro_batch: int) -> tuple[Action, ...]:
@@ -90,8 +90,7 @@ class ActionExecutor:
                  is_last: bool, act_shape: tuple[int, int, int], dtype: torch.dtype, micro_batch_size: int,
                  loss_scale: float, split_backward: bool = False, arm: Callable[[], None] | None = None,
                  device: torch.device | None = None, store: WeightGradStore | None = None, num_chunks: int = 1,
-                 chunk_links: Mapping[int, BoundaryLink] | None = None, steps: Sequence[Step] | None = None,
-                 odd: bool = False) -> None:
+                 chunk_links: Mapping[int, BoundaryLink] | None = None, steps: Sequence[Step]) -> None:
         self.actions = tuple(actions)  # this rank's actions, execution order, global micro-batches
         self.links = dict(links)  # global micro-batch -> the link of chunk 0 to its neighbours
         self.num_chunks = num_chunks  # model chunks of this stage (virtual pipeline size)
@@ -115,11 +114,13 @@ class ActionExecutor:
         self.samples: list[int] = []  # sample indices this rank read in the last run (accounting)
         self.device = device  # the accelerator's device: the loss accumulator lives there (None: host)
         self.grad_scale: torch.Tensor | None = None  # fp16 loss scale a last stage multiplies its loss by
-        # the actions with their batches of transfers (schedule/transfers.py); default: one step per
-        # action, peers from the links, ``odd`` the stage's parity in its pipeline
-        self.steps = tuple(steps) if steps is not None else transfer_steps(
-            self.actions, recv_from=lambda i: self._peer(i, sent=False), send_to=lambda i: self._peer(i, sent=True),
-            odd=odd)
+        # the actions with their batches of transfers: schedule/transfers.stage_transfer_steps for a
+        # plan's schedule, resilience/routed_transfers.routed_transfer_steps for a routed one
+        self.steps = tuple(steps)
+        if [s for s in self.steps if not isinstance(s, Post)] != list(range(len(self.actions))):
+            raise ValueError(f"steps: the {len(self.actions)} actions must each be computed once, in order, between "
+                             "the batches. Fix: build them with schedule.transfers.stage_transfer_steps or "
+                             "resilience.routed_transfers.routed_transfer_steps for these actions")
         self.forward_steps = forward_only(self.steps, self.actions)  # what an evaluation runs
 
     def micro_batches(self) -> list[int]:
@@ -146,17 +147,6 @@ class ActionExecutor:
         if record:
             self.samples += list(rng)
         return batch_fn(iteration, rng)
-
-    def _peer(self, i: int, *, sent: bool) -> Neighbour | None:
-        """The neighbour action ``i`` sends its result to (``sent``) or receives its input from."""
-        a = self.actions[i]
-        if a.kind == "W":
-            return None
-        first, last = self._ends(a.chunk)
-        link = self._link(a.micro_batch, a.chunk)
-        if (a.kind == "F") == sent:  # downstream: a forward's activation out, a backward's gradient in
-            return None if last else link.next
-        return None if first else link.prev
 
     def _post(self, step: Post, inbox: dict[int, torch.Tensor], outbox: dict[int, torch.Tensor]):
         """Start one batch: the results of ``step.sends`` out, buffers for ``step.recvs`` into ``inbox``."""

@@ -26,3 +26,7 @@ def test_everything_fits_one_group_and_nothing_makes_no_group():
     slots = _slots(10, 20, 30)
     assert read_groups(slots, with_optimizer=True, budget=2**30) == [["p0", "p1", "p2"]]
     assert read_groups({}, with_optimizer=True, budget=2**30) == []
+
+
+def test_an_empty_first_tensor_opens_a_group():
+    assert read_groups(_slots(0, 10), with_optimizer=True, budget=480) == [["p0", "p1"]]
