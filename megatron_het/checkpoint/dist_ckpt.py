@@ -288,7 +288,7 @@ def load_in_groups(path: str, *, params: Mapping[str, TensorSlot], with_optimize
     read, so host memory holds one group (``budget`` bytes; None: ``read_budget.READ_GROUP_BYTES``).
     Every rank joins as many reads as the rank with the most groups (an empty request when it has none
     left). Returns the number of reads."""
-    from megatron_het.checkpoint import read_budget
+    from megatron_het.utils import read_budget
 
     budget = read_budget.READ_GROUP_BYTES if budget is None else budget
     groups = read_groups(params, with_optimizer=with_optimizer, budget=budget)

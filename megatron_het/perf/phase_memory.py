@@ -30,7 +30,7 @@ runtime's, so they are priced from its code:
 - save: the parameters this rank writes, fp32 values and both moments, staged on the host (device
   memory on a GPU only for the gathers: ``host_is_device`` False), and the gathers in fp32;
 - load: fp32 values and both moments of the local parameters read into host buffers, one group of
-  ``checkpoint.read_budget.READ_GROUP_BYTES`` at a time (a parameter larger than that alone).
+  ``utils.read_budget.READ_GROUP_BYTES`` at a time (a parameter larger than that alone).
 
 The buckets are ``bucket_numel`` elements (``--ddp-bucket-size``; closed at the first parameter
 that reaches it), so the largest is taken as ``max(bucket_numel, largest parameter)``, at most the
@@ -44,7 +44,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from megatron_het.checkpoint.read_budget import READ_GROUP_BYTES
+from megatron_het.utils.read_budget import READ_GROUP_BYTES
 from megatron_het.cluster import ModelSpec
 from megatron_het.perf.memory import rank_memory, runtime_state_bytes
 

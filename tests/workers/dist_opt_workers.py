@@ -92,7 +92,7 @@ def phase_bytes_worker(rank, world_size, model: ModelSpec, plan, train: TrainCon
     import torch
 
     import megatron_het.checkpoint.dist_ckpt as dist_ckpt
-    import megatron_het.checkpoint.read_budget as read_budget
+    import megatron_het.utils.read_budget as read_budget
     from megatron_het.platform import enable_cpu_backend
     from megatron_het.platform.allocation_peak import allocation_timeline
     from megatron_het.runtime.hetero_trainer import HeteroTrainer

@@ -25,10 +25,12 @@ def _stub(pieces: dict[int, list[tuple[str, int, int]]], blocks: dict[str, tuple
         live.append(weakref.ref(out))
         return out
 
-    return SimpleNamespace(shard_numel=pos, device=torch.device("cpu"), _mine=list(pieces), _start=start,
+    stub = SimpleNamespace(shard_numel=pos, device=torch.device("cpu"), _mine=list(pieces), _start=start,
                            _pieces={i: [SimpleNamespace(name=n, start=a, stop=b) for n, a, b in ps]
                                     for i, ps in pieces.items()},
                            _block=lambda name: blocks[name], _canonical=canonical)
+    stub._take_pieces = lambda out, source, names=None: DistributedOptimizer._take_pieces(stub, out, source, names)
+    return stub
 
 
 def _values(blocks):
@@ -63,3 +65,17 @@ def test_a_parameter_split_across_buckets_is_kept_until_its_last_piece():
     out = DistributedOptimizer._my_pieces(_stub(pieces, blocks, live), source)
     assert out.tolist() == [0, 1, 2, 8, 9, 5, 6, 7]
     assert sources == ["a", "b"]  # "a" is read once, not rebuilt for its second bucket
+
+
+def test_a_group_of_names_writes_only_its_pieces_at_their_offsets():
+    """A streamed load (dist_ckpt.load_in_groups) hands one group of parameters at a time: only their
+    pieces are written, each at its place in the shard; the others keep what they held."""
+    blocks = {"a": (0, 6), "b": (6, 10), "c": (10, 16)}
+    pieces = {0: [("a", 2, 6), ("b", 6, 8)], 1: [("c", 10, 13)]}
+    values, live = _values(blocks), []
+    stub = _stub(pieces, blocks, live)
+    out = torch.full((stub.shard_numel,), -1.0)
+    DistributedOptimizer._take_pieces(stub, out, lambda n: values[n], {"b", "c"})
+    assert out.tolist() == [-1, -1, -1, -1, 6, 7, 10, 11, 12]
+    DistributedOptimizer._take_pieces(stub, out, lambda n: values[n], {"a"})
+    assert out.tolist() == [2, 3, 4, 5, 6, 7, 10, 11, 12]
