@@ -24,6 +24,7 @@ from megatron_het.data.tokenizer import SENTENCEPIECE_TYPES
 from megatron_het.errors import UserError
 from megatron_het.plan import AnyPlan, Plan, ShardedPlan, load_any_plan
 from megatron_het.platform import detect_accelerator, detect_optional_accelerators, enable_cpu_backend
+from megatron_het.platform.determinism import apply_deterministic_mode
 from megatron_het.platform.matmul_precision import apply_fp32_matmul
 from megatron_het.runtime.arguments import PretrainArgs, parse_args
 from megatron_het.runtime.communicators import gathered_communicators_line
@@ -158,6 +159,8 @@ def main(argv: list[str] | None = None) -> int:
     try:  # bad arguments and plan files fail here, before any rendezvous
         args = parse_args(argv)
         plan = resolve_plan(args)
+        if args.train.deterministic_mode:  # the libraries read their settings when they start: before them
+            apply_deterministic_mode(tp_comm_overlap=args.tp_comm_overlap)
     except UserError as e:
         print(f"pretrain_gpt.py: error: {e}", file=sys.stderr)
         return 2
@@ -220,6 +223,8 @@ def run(args: PretrainArgs, acc, *, plan: AnyPlan | None = None,
     check_rank_devices(args.cluster, plan, acc,
                        stand_in=(args.cluster.emulated and not args.no_emulation) or args.device_stand_in)
     print_rank0(apply_fp32_matmul(plan.precision, is_gpu=acc.is_gpu))
+    if args.train.deterministic_mode:  # main() applied it before the rendezvous; tests call run() directly
+        print_rank0(apply_deterministic_mode(tp_comm_overlap=args.tp_comm_overlap))
     train = args.train
     if train.precision != "fp32":
         scaling = ("" if not train.fp16 else f"; loss scale {train.loss_scale}" if train.loss_scale is not None

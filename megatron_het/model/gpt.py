@@ -44,6 +44,7 @@ class StageModelSpec:
     # the local spec's core attention through torch SDPA (Plan.attention "fused") or megatron-core's
     # unfused module ("unfused"); None: SDPA on GPUs, unfused on the host (layer_spec)
     fused_attention: bool | None = None
+    deterministic: bool = False  # megatron-core's deterministic_mode (--deterministic-mode)
 
 
 def transformer_config(spec: StageModelSpec, *, pp: int = 1, cpu_initialization: bool = True,
@@ -85,6 +86,7 @@ def transformer_config(spec: StageModelSpec, *, pp: int = 1, cpu_initialization:
         bf16=spec.params_dtype == torch.bfloat16,
         fp16=spec.params_dtype == torch.float16,
         perform_initialization=initialize,
+        deterministic_mode=spec.deterministic,
     )
     if m.swiglu:
         kwargs.update(gated_linear_unit=True, activation_func=F.silu)

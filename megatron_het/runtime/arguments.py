@@ -90,6 +90,8 @@ FLAGS = (
     *(Flag(f"--{f.replace('_', '-')}", f"train.{f}", int) for f in ("lr_warmup_iters", "seed", "log_interval")),
     Flag("--log-params-norm", "train.log_params_norm", bool),
     Flag("--log-num-zeros-in-grad", "train.log_num_zeros_in_grad", bool),
+    Flag("--deterministic-mode", "train.deterministic_mode", bool, "bit-reproducible kernels and collectives "
+         "(NCCL_ALGO=Ring, CUBLAS_WORKSPACE_CONFIG, torch.use_deterministic_algorithms)"),
     Flag("--bf16", "train.bf16", bool, "bf16 parameters and activations, fp32 main parameters and gradients"),
     Flag("--fp16", "train.fp16", bool, "fp16 parameters and activations with loss scaling, fp32 main parameters"),
     Flag("--loss-scale", "train.loss_scale", float, "constant fp16 loss scale (default: dynamic)"),

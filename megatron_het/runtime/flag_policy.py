@@ -64,8 +64,6 @@ IGNORED: dict[str, str] = {
     "use_checkpoint_opt_param_scheduler": "the learning rate is recomputed from the flags at every iteration "
                                           "(Megatron-LM's --override-opt_param-scheduler): resume with the saved "
                                           "run's schedule flags",
-    "deterministic_mode": "not switched on: megatron-het does not put torch or NCCL into deterministic algorithms "
-                          "(CPU runs are reproducible from the seed regardless)",
     "test_mode": "Megatron-LM's own CI switch",
     "calculate_per_token_loss": "every token counts here (no --eod-mask-loss), so the loss is already the mean over "
                                 "the global batch's tokens: the same loss and gradients",

@@ -146,7 +146,8 @@ class PipelineStrategy:
         # whole sequence (full_sequence)
         self.stage = stage_model_spec(model, plan, self.stage_plan, is_first=self.is_first, is_last=self.is_last,
                                       vocab_size=padded_vocab or plan_padded_vocab(model, plan),
-                                      params_dtype=params_dtype(train.precision), transformer_impl=train.transformer_impl)
+                                      params_dtype=params_dtype(train.precision), transformer_impl=train.transformer_impl,
+                                      deterministic=train.deterministic_mode)
         # no values drawn at construction: every one comes from init_values below (or a checkpoint's)
         self.config = transformer_config(self.stage, cpu_initialization=not acc.is_gpu, initialize=False)
         self.tied = not model.untie_embeddings_and_output_weights

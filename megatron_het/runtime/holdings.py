@@ -46,14 +46,14 @@ def plan_padded_vocab(model: ModelSpec, plan: Plan) -> int:
 
 def stage_model_spec(model: ModelSpec, plan: Plan, stage: StagePlan, *, is_first: bool, is_last: bool,
                      vocab_size: int, params_dtype: torch.dtype = torch.float32,
-                     transformer_impl: str | None = None) -> StageModelSpec:
+                     transformer_impl: str | None = None, deterministic: bool = False) -> StageModelSpec:
     """What a stage of ``plan`` builds. A 3D stage (``tp_grid``) runs megatron-core at TP = gy without
     sequence parallelism (z splits the batch, model/tp3d_stage.py)."""
     spec = StageModelSpec(model=model, num_layers=stage.layers[1] - stage.layers[0], layer_offset=stage.layers[0],
                           tp=stage.tp, pre_process=is_first, post_process=is_last, vocab_size=vocab_size,
                           recompute=stage.recompute, recompute_num_layers=stage.recompute_num_layers,
                           sequence_parallel=plan.sequence_parallel, params_dtype=params_dtype,
-                          transformer_impl=transformer_impl,
+                          transformer_impl=transformer_impl, deterministic=deterministic,
                           fused_attention=fused_attention(plan.attention))
     if stage.tp_grid is not None:
         spec = dataclasses.replace(spec, tp=stage.tp_grid[1], sequence_parallel=False)

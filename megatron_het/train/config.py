@@ -82,6 +82,9 @@ class TrainConfig:
     # Megatron's --transformer-impl: "transformer_engine" or "local"; None: transformer-engine's layer
     # spec where it is importable on a GPU, else megatron-core's local spec (model/gpt.py)
     transformer_impl: str | None = None
+    # Megatron's --deterministic-mode: torch's deterministic algorithms, the libraries' deterministic
+    # settings and megatron-core's deterministic_mode (platform/determinism.py)
+    deterministic_mode: bool = False
 
     def __post_init__(self) -> None:
         for name in ("micro_batch_size", "global_batch_size", "train_iters", "log_interval"):

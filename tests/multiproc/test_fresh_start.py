@@ -81,7 +81,9 @@ TWO_RANKS = {"tp2": (_plan(([_s((0, 1), (0, 6))], 8)), ()),
              # a tf32 plan: fp32 storage, TF32 matmuls asked of torch (the host has none: fp32 here)
              "tp2_tf32": (_plan(([_s((0, 1), (0, 6))], 8), precision="tf32"), ()),
              # a plan recording fused attention: torch SDPA in the local spec (its math kernel here)
-             "tp2_sdpa": (dataclasses.replace(_plan(([_s((0, 1), (0, 6))], 8)), attention="fused"), ())}
+             "tp2_sdpa": (dataclasses.replace(_plan(([_s((0, 1), (0, 6))], 8)), attention="fused"), ()),
+             # --deterministic-mode (last: torch's deterministic switch is process-wide and stays on)
+             "tp2_deterministic": (_plan(([_s((0, 1), (0, 6))], 8)), ("--deterministic-mode",))}
 BRIDGED_CLUSTER = """islands:
   - {name: nv, device: A100-80GB, nodes: 1, gpus_per_node: 2}
   - {name: amd, device: MI250X, nodes: 1, gpus_per_node: 2}
@@ -176,6 +178,8 @@ def test_every_plan_kind_trains_the_single_process_model_from_the_seed(common, s
     assert "fp32 matmuls: TF32 (plan precision tf32" in two[0]["tp2_tf32"]["log"]
     assert two[0]["tp2_sdpa"]["attention"] == ["SdpaAttention"] and two[0]["tp2"]["attention"] == ["DotProductAttention"]
     assert "fp32 matmuls: torch's default" in two[0]["tp2"]["log"]
+    assert ("deterministic mode: torch deterministic algorithms on; NCCL_ALGO=Ring"
+            in two[0]["tp2_deterministic"]["log"]) and "deterministic mode" not in two[0]["tp2"]["log"]
     _check_run(four, "tp2pp2_bf16", ref_bf16, seeded, BF16_RTOL)
 
 
