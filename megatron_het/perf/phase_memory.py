@@ -44,9 +44,9 @@ from __future__ import annotations
 
 import dataclasses
 
-from megatron_het.utils.read_budget import READ_GROUP_BYTES
 from megatron_het.cluster import ModelSpec
 from megatron_het.perf.memory import rank_memory, runtime_state_bytes
+from megatron_het.utils.read_budget import READ_GROUP_BYTES
 
 __all__ = ["PHASES", "largest_local_parameter", "rank_phase_peaks"]
 
