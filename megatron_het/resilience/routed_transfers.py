@@ -12,17 +12,12 @@ waits forever. Computes sit between the transfers at their simulated start times
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 from megatron_het.resilience.routed_schedule import RoutedSchedule
 from megatron_het.resilience.routing import InstanceKey, Routing
 from megatron_het.schedule import ScheduleError
 from megatron_het.schedule.transfers import Post, Step
 
 __all__ = ["routed_peers", "routed_transfer_steps"]
-
-Peer = Callable[[int], InstanceKey | None]
-
 
 def routed_peers(routing: Routing, schedule: RoutedSchedule, key: InstanceKey):
     """(recv_from, send_to, message) of instance ``key``'s actions: neighbour instances on each action's
@@ -69,14 +64,17 @@ def routed_transfer_steps(routing: Routing, schedule: RoutedSchedule, key: Insta
                         if recv_from(i) is not None] +
                        [((produced(i, True), message(i, True)), True, i) for i in range(len(acts))
                         if send_to(i) is not None])
+    def post(sent: bool, j: int) -> Post:
+        return Post(peer=send_to(j), sends=(j,)) if sent else Post(peer=recv_from(j), recvs=(j,))
+
     steps: list[Step] = []
     received: set[int] = set()
     t = 0
     for i, a in enumerate(acts):
         start = schedule.times[(key, a.kind, a.micro_batch)][0]
         while t < len(transfers) and transfers[t][0][0] <= start and (not transfers[t][1] or transfers[t][2] < i):
-            (_, _), sent, j = transfers[t]
-            steps.append(Post(peer=send_to(j), sends=(j,)) if sent else Post(peer=recv_from(j), recvs=(j,)))
+            _, sent, j = transfers[t]
+            steps.append(post(sent, j))
             received.update(() if sent else (j,))
             t += 1
         if recv_from(i) is not None and i not in received:
@@ -84,6 +82,5 @@ def routed_transfer_steps(routing: Routing, schedule: RoutedSchedule, key: Insta
                                 "receiving its input (the simulated times are not in dependency order)",
                                 fix="report this routing")
         steps.append(i)
-    steps += [Post(peer=send_to(j), sends=(j,)) if sent else Post(peer=recv_from(j), recvs=(j,))
-              for _, sent, j in transfers[t:]]
+    steps += [post(sent, j) for _, sent, j in transfers[t:]]
     return tuple(steps)

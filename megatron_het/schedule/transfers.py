@@ -19,6 +19,7 @@ batch this one gates. ``stream_model`` finds both deadlocks; the tests keep them
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 
@@ -51,24 +52,20 @@ def transfer_steps(actions: Sequence[Action], *, recv_from: Callable[[int], Hash
     """Steps of ``actions``: ``recv_from(i)``/``send_to(i)`` is the neighbour action ``i`` receives
     its input from / sends its result to (None: none, e.g. the first stage's forward); ``odd``: the
     stage's index in its pipeline is odd; ``sizes``: actions per step (None: one each)."""
-    sizes = tuple(sizes) if sizes is not None else (1,) * len(actions)
-    bounds = [sum(sizes[:k]) for k in range(len(sizes) + 1)]
-    groups = [range(bounds[k], bounds[k + 1]) for k in range(len(sizes))]
+    bounds = [0, *itertools.accumulate(sizes if sizes is not None else (1,) * len(actions))]
+    groups = [range(a, b) for a, b in zip(bounds, bounds[1:])]
 
     def posts(sends: Sequence[int], recvs: Sequence[int]) -> list[Post]:
-        by_peer: dict[Hashable, tuple[list[int], list[int], list[bool]]] = {}
-        for i in sends:
-            if (peer := send_to(i)) is not None:
-                entry = by_peer.setdefault(peer, ([], [], []))
-                entry[0].append(i)
-                entry[2].append(_downstream(actions[i], True))
-        for i in recvs:
-            if (peer := recv_from(i)) is not None:
-                entry = by_peer.setdefault(peer, ([], [], []))
-                entry[1].append(i)
-                entry[2].append(_downstream(actions[i], False))
+        by_peer: dict[Hashable, tuple[list[int], list[int]]] = {}  # peer -> (sends, receives), first seen first
+        downstream: set[Hashable] = set()  # peers that are the next stage (for one action at least)
+        for sent, indices, peer_of in ((True, sends, send_to), (False, recvs, recv_from)):
+            for i in indices:
+                if (peer := peer_of(i)) is not None:
+                    by_peer.setdefault(peer, ([], []))[0 if sent else 1].append(i)
+                    if _downstream(actions[i], sent):
+                        downstream.add(peer)
         # even stages: the downstream neighbour's batch first; odd stages: the upstream one's
-        order = sorted(by_peer, key=lambda peer: any(by_peer[peer][2]) == odd)
+        order = sorted(by_peer, key=lambda peer: (peer in downstream) == odd)
         return [Post(peer=peer, sends=tuple(by_peer[peer][0]), recvs=tuple(by_peer[peer][1])) for peer in order]
 
     steps: list[Step] = list(posts((), groups[0])) if groups else []

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import re
 from dataclasses import dataclass
 
@@ -89,7 +90,7 @@ class Schedule:
         joined by ``+`` (``F3+B0``)."""
         lines = []
         for s, acts in enumerate(self.actions):
-            bounds = [sum(self.step_sizes(s)[:k]) for k in range(len(self.step_sizes(s)) + 1)]
+            bounds = [0, *itertools.accumulate(self.step_sizes(s))]
             lines.append(f"stage {s}: " + " ".join("+".join(str(a) for a in acts[i:j])
                                                    for i, j in zip(bounds, bounds[1:])))
         return "\n".join(lines) + "\n"
