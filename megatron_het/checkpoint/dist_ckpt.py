@@ -113,9 +113,11 @@ def check_model_matches(common: Mapping, model: ModelSpec, path: str, *,
     """``fix``: what the caller's user should do (pretrain_gpt.py has --load, convert.py --model).
     A checkpoint written before a setting existed was trained with that setting's value of its
     ``swiglu`` recipe (``recipe_of``): compared as such."""
-    from megatron_het.cluster.model_spec import recipe_of
+    from megatron_het.cluster.model_spec import ModelSpec, recipe_of
 
-    saved = {**recipe_of(bool(common.get("model", {}).get("swiglu", False))), **common.get("model", {})}
+    # a checkpoint written before MoE existed holds a dense model: its MoE fields are the defaults
+    dense = {f.name: f.default for f in dataclasses.fields(ModelSpec) if f.name == "num_experts" or f.name.startswith("moe_")}
+    saved = {**dense, **recipe_of(bool(common.get("model", {}).get("swiglu", False))), **common.get("model", {})}
     for key, value in model_common_state(model).items():
         if key in NOT_COMPARED:
             continue

@@ -9,12 +9,16 @@ for any pair of TP sizes.
 
 from __future__ import annotations
 
+import re
+
 import torch
 
 from megatron_het.tp.grid import Grid4D
 from megatron_het.tp.linear3d import weight_block
 
-GLU_MARK = ".mlp.linear_fc1."
+# A gated MLP's fused [gate; up] projection: the dense MLP's, each MoE expert's and the shared expert's
+# (megatron-core builds all three as transformer/mlp.MLP, fc1 with stride 2: [gate_r; up_r] per TP rank)
+GLU_FC1 = re.compile(r"\.mlp\.(?:experts\.local_experts\.\d+\.|shared_experts\.)?linear_fc1\.(?:weight|bias)$")
 # A 3D tensor-parallel stage (plan tp_grid, AxoNN's layout): the transformer layer's four linear
 # weights, by name suffix, and whether each runs transposed (input features over y, output over x).
 GRID_LINEARS = {".self_attention.linear_qkv.weight": False, ".self_attention.linear_proj.weight": True,
@@ -23,7 +27,7 @@ GRID_LINEARS = {".self_attention.linear_qkv.weight": False, ".self_attention.lin
 
 def is_glu(name: str, gated: bool) -> bool:
     """True for the fused gate/up projection of a gated MLP."""
-    return gated and GLU_MARK in name
+    return gated and GLU_FC1.search(name) is not None
 
 
 def full_views(full: torch.Tensor, dim: int, tp_rank: int, tp_size: int, glu: bool) -> list[torch.Tensor]:

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from megatron_het.cluster.errors import ConfigError
 from megatron_het.cluster.fields import as_bool, as_float, as_int, as_str
+from megatron_het.cluster.model_moe import MOE_FIELDS, check_moe, moe_layer_pattern
 
 __all__ = ["MAX_SIZES", "NORMALIZATIONS", "POSITION_EMBEDDING_TYPES", "ModelSpec", "default_ffn_hidden_size",
            "recipe_of", "off_recipe"]
@@ -83,6 +85,23 @@ class ModelSpec:
     # model file takes Megatron-LM's --hidden-dropout/--attention-dropout defaults (0.1) instead
     hidden_dropout: float = 0.0  # --hidden-dropout: after attention and MLP outputs and the embedding
     attention_dropout: float = 0.0  # --attention-dropout: on the attention probabilities
+    # Mixture of experts (Megatron-LM's flags of the same names; defaults are Megatron-LM's;
+    # cluster/model_moe.py checks them). None: a dense model, and every moe_* field keeps its default
+    num_experts: int | None = None  # routed experts per MoE layer (--num-experts)
+    moe_ffn_hidden_size: int | None = None  # each expert's MLP width; None -> ffn_hidden_size (Megatron-LM's)
+    moe_router_topk: int = 2  # experts each token is routed to
+    moe_router_load_balancing_type: str = "aux_loss"  # aux_loss, seq_aux_loss, sinkhorn or none
+    moe_aux_loss_coeff: float = 0.0  # weight of the load-balancing loss
+    moe_z_loss_coeff: float | None = None  # weight of the router z-loss (None: off)
+    moe_token_dispatcher_type: str = "allgather"  # how tokens reach their experts: allgather or alltoall
+    moe_layer_freq: int = 1  # every N-th layer (from layer 0) has experts, the others a dense MLP
+    moe_shared_expert_intermediate_size: int | None = None  # width of the shared expert every token runs
+    moe_expert_capacity_factor: float | None = None  # token dropping: each expert takes at most this x its share
+    moe_pad_expert_input_to_capacity: bool = False  # with a capacity: pad every expert's input to it
+    moe_token_drop_policy: str = "probs"  # which tokens an over-capacity expert drops: lowest probs or last
+    moe_router_pre_softmax: bool = False  # softmax over all experts before top-k (Mixtral: after)
+    moe_router_score_function: str = "softmax"  # softmax or sigmoid scores
+    moe_router_topk_scaling_factor: float | None = None  # scale of the top-k routing probabilities
 
     def __post_init__(self) -> None:
         for f in ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "vocab_size"):
@@ -107,6 +126,9 @@ class ModelSpec:
             value = getattr(self, f)
             object.__setattr__(self, f, default if value is None else as_int(value, f, maximum=MAX_SIZES[f]))
 
+        if self.num_experts is not None and self.moe_ffn_hidden_size is None:
+            object.__setattr__(self, "moe_ffn_hidden_size", self.ffn_hidden_size)  # Megatron-LM's default
+        check_moe(self, {f.name: f.default for f in dataclasses.fields(self) if f.name in MOE_FIELDS})
         h, heads, groups = self.hidden_size, self.num_attention_heads, self.num_query_groups
         if self.kv_channels is not None:
             object.__setattr__(self, "kv_channels", as_int(self.kv_channels, "kv_channels",
@@ -126,6 +148,17 @@ class ModelSpec:
                               value=self.max_position_embeddings,
                               fix=f"raise it to at least {self.seq_length} or lower seq_length")
 
+
+    @property
+    def is_moe(self) -> bool:
+        """The model has mixture-of-experts layers."""
+        return self.num_experts is not None
+
+    def moe_layers(self) -> tuple[bool, ...]:
+        """Per global layer: True where the MLP is megatron-core's MoE layer (all False for a dense model)."""
+        if self.num_experts is None:
+            return (False,) * self.num_layers
+        return moe_layer_pattern(self.num_layers, self.moe_layer_freq)
 
     def _resolve_architecture(self) -> None:
         """The recipe of ``swiglu`` for architecture fields left None; every choice validated."""

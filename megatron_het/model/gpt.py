@@ -88,6 +88,8 @@ def transformer_config(spec: StageModelSpec, *, pp: int = 1, cpu_initialization:
         perform_initialization=initialize,
         deterministic_mode=spec.deterministic,
     )
+    if m.is_moe:
+        kwargs.update(moe_kwargs(m))
     if m.swiglu:
         kwargs.update(gated_linear_unit=True, activation_func=F.silu)
     elif m.squared_relu:
@@ -105,6 +107,14 @@ def transformer_config(spec: StageModelSpec, *, pp: int = 1, cpu_initialization:
     return config
 
 
+def moe_kwargs(m: ModelSpec) -> dict[str, object]:
+    """megatron-core TransformerConfig fields of an MoE model (its MoE flags, Megatron-LM's names without
+    the ``moe_`` renames). Experts are tensor-parallel like the dense MLP (expert-TP = the stage's TP)."""
+    from megatron_het.cluster.model_moe import MOE_FIELDS
+
+    return {"num_moe_experts": m.num_experts, **{f: getattr(m, f) for f in MOE_FIELDS}}
+
+
 TRANSFORMER_IMPLS = ("local", "transformer_engine")
 
 
@@ -112,44 +122,68 @@ class TransformerImplError(UserError):
     """--transformer-impl names a layer implementation this process cannot build."""
 
 
-def layer_spec(model: ModelSpec, *, sequence_parallel: bool = False, num_layers: int = 0,
+def layer_spec(model: ModelSpec, *, sequence_parallel: bool = False, num_layers: int = 0, layer_offset: int = 0,
                transformer_impl: str | None = None, fused_attention: bool | None = None):
     """transformer-engine spec (``transformer_impl`` "transformer_engine", or None where TE is
     importable on a GPU), else megatron-core's local spec; with ``sequence_parallel`` (the config's
     flag: TP > 1) the local spec with norms that accept it, as a block spec of ``num_layers`` layers.
     The local spec's core attention is torch's SDPA (``model/sdpa_attention.py``) where
     ``fused_attention`` (None: on GPUs, where the planner prices fused attention; the host keeps
-    megatron-core's unfused attention, which the CPU parity suites were measured with)."""
+    megatron-core's unfused attention, which the CPU parity suites were measured with).
+    An MoE model gets a block spec of the stage's ``num_layers`` layers from global layer
+    ``layer_offset``: megatron-core's MoE layer where ``ModelSpec.moe_layers`` says so (experts as its
+    SequentialMLP, one weight pair per expert, so checkpoints name each expert alike on every
+    platform), its dense MLP elsewhere."""
     from megatron.core.models.gpt import gpt_layer_specs
+    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 
     te = detect_optional_accelerators().transformer_engine
     if transformer_impl == "transformer_engine" and not te:
         raise TransformerImplError("--transformer-impl transformer_engine: transformer-engine is not importable on "
                                    "a GPU in this process (got transformer_engine). Fix: pass --transformer-impl "
                                    "local, or install transformer-engine on the GPU nodes")
+    pattern = model.moe_layers()[layer_offset:layer_offset + num_layers]
     if transformer_impl == "transformer_engine" or (transformer_impl is None and te):
-        return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=model.qk_layernorm)
+        def te_layer(experts: bool):
+            return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(
+                num_experts=model.num_experts if experts else None, moe_grouped_gemm=False,
+                qk_layernorm=model.qk_layernorm)
+
+        if not model.is_moe:
+            return te_layer(False)
+        from megatron.core.extensions.transformer_engine import TENorm
+
+        return TransformerBlockSubmodules(layer_specs=[te_layer(e) for e in pattern], layer_norm=TENorm)
     if model.layernorm_zero_centered_gamma:  # megatron-core's torch norms assert it away (torch_norm.py:45)
         raise TransformerImplError("--apply-layernorm-1p: megatron-core's local layer spec has no zero-centred norm "
                                    "(its torch norms refuse layernorm_zero_centered_gamma). Fix: run with "
                                    "transformer-engine (--transformer-impl transformer_engine on GPUs), or drop "
                                    "--apply-layernorm-1p")
-    if sequence_parallel:
-        from megatron_het.tp.spec import sequence_parallel_block_spec
-
-        local = sequence_parallel_block_spec(model.normalization, num_layers, qk_layernorm=model.qk_layernorm)
-    else:
-        local = gpt_layer_specs.get_gpt_layer_local_spec(normalization=model.normalization,
-                                                         qk_layernorm=model.qk_layernorm)
     if fused_attention is None:
         from megatron_het.platform import detect_accelerator
 
         fused_attention = detect_accelerator().is_gpu
-    if fused_attention:
-        from megatron_het.model.sdpa_attention import with_sdpa
 
-        return with_sdpa(local)
-    return local
+    def local_layer(experts: bool):
+        spec = gpt_layer_specs.get_gpt_layer_local_spec(num_experts=model.num_experts if experts else None,
+                                                        normalization=model.normalization,
+                                                        qk_layernorm=model.qk_layernorm)
+        if fused_attention:
+            from megatron_het.model.sdpa_attention import with_sdpa
+
+            spec = with_sdpa(spec)
+        return spec
+
+    if sequence_parallel:
+        from megatron_het.tp.spec import sequence_parallel_block_spec
+
+        return sequence_parallel_block_spec([local_layer(e) for e in pattern] if model.is_moe
+                                            else [local_layer(False)] * num_layers)
+    if not model.is_moe:
+        return local_layer(False)
+    from megatron.core.transformer.transformer_block import LayerNormImpl  # the dense block's final norm
+
+    return TransformerBlockSubmodules(layer_specs=[local_layer(e) for e in pattern], layer_norm=LayerNormImpl)
 
 
 def build_gpt_stage(spec: StageModelSpec, config, pg_collection, *, device=None):
@@ -161,7 +195,8 @@ def build_gpt_stage(spec: StageModelSpec, config, pg_collection, *, device=None)
     gpt = GPTModel(
         config=config,
         transformer_layer_spec=layer_spec(m, sequence_parallel=config.sequence_parallel,
-                                          num_layers=spec.num_layers, transformer_impl=spec.transformer_impl,
+                                          num_layers=spec.num_layers, layer_offset=spec.layer_offset,
+                                          transformer_impl=spec.transformer_impl,
                                           fused_attention=spec.fused_attention),
         vocab_size=spec.vocab_size,
         max_sequence_length=m.max_position_embeddings or m.seq_length,

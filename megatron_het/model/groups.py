@@ -118,6 +118,7 @@ def block_process_groups(shape: BlockShape, *, timeout: datetime.timedelta | Non
     # Dense models: expert groups are the dense ones (no expert parallelism).
     pgc.expt_dp = pgs["dp"]
     pgc.expt_tp = pgs["tp"]
+    pgc.tp_ep = pgs["tp"]
     pgc.tp_ep_pp = pgs["mp"]
     ensure_global_memory_buffer()
     return grid, pgc

@@ -45,6 +45,7 @@ from megatron_het.perf.flops import (
     check_tp,
     layer_gemms,
     logits_gemm,
+    mlp_widths,
     padded_vocab_size,
 )
 from megatron_het.perf.kernels import PRECISION_CLASSES, TILE_SHAPES, ComputeParams, precision_class
@@ -222,7 +223,7 @@ def layer_elementwise_bytes(model: ModelSpec, *, micro_batch_size: int, seq_leng
     b = micro_batch_size
     s = model.seq_length if seq_length is None else seq_length
     s_local = s // tp if sequence_parallel else s
-    h, f, heads = model.hidden_size, model.ffn_hidden_size // tp, model.num_attention_heads // tp
+    h, f, heads = model.hidden_size, mlp_widths(model)[0] // tp, model.num_attention_heads // tp
     norms_and_residuals = (2 * 4 + 2 * 7) * s_local * b * h
     activation = (6 if model.swiglu else 4) * s * b * f
     core = 0 if flash_attention else _attention_core_elementwise_bytes(heads, s, b)

@@ -34,6 +34,8 @@ __all__ = [
     "check_recompute",
     "check_tp",
     "layer_gemms",
+    "mlp_widths",
+    "router_parameters",
     "logits_gemm",
     "layer_forward_flops",
     "logits_forward_flops",
@@ -93,7 +95,9 @@ def check_tp(model: ModelSpec, tp: int) -> None:
     if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
         raise ConfigError("must be an integer >= 1", field="tp", value=tp,
                           fix="use a tensor-parallel size of 1 or more")
-    for field in ("num_attention_heads", "num_query_groups", "ffn_hidden_size"):
+    moe = ("moe_ffn_hidden_size",) if model.is_moe else ()
+    shared = ("moe_shared_expert_intermediate_size",) if model.moe_shared_expert_intermediate_size else ()
+    for field in ("num_attention_heads", "num_query_groups", "ffn_hidden_size", *moe, *shared):
         size = getattr(model, field)
         if size % tp:
             raise ConfigError(f"{field}={size} is not divisible by tp={tp}", field="tp", value=tp,
@@ -120,13 +124,32 @@ def _norm_params(model: ModelSpec, width: int | None = None) -> int:
 def replicated_layer_parameters(model: ModelSpec) -> int:
     """Parameters of one layer every TP rank holds whole: the norms (q/k norms too) and the
     row-parallel biases (attention output and fc2)."""
-    return (2 * model.hidden_size if model.add_bias_linear else 0) + _layer_norm_params(model)
+    return ((2 * model.hidden_size if model.add_bias_linear else 0) + _layer_norm_params(model)
+            + router_parameters(model))
 
 
 def _layer_norm_params(model: ModelSpec) -> int:
     """One layer's norms: the two before attention and MLP, and the q/k norms (head-wide) if any."""
     qk_norms = 2 * _norm_params(model, model.kv_channels) if model.qk_layernorm else 0
     return 2 * _norm_params(model) + qk_norms
+
+
+def mlp_widths(model: ModelSpec) -> tuple[int, int]:
+    """(width each token runs through, width held) of a layer's MLP. Dense: ``ffn_hidden_size`` both.
+    MoE: a token runs ``moe_router_topk`` experts and the shared expert; the layer holds every expert.
+    Every layer of an MoE model is priced as an MoE layer (an upper bound with ``moe_layer_freq`` > 1),
+    and routing as balanced (each expert gets ``topk / num_experts`` of the tokens): imbalance is the
+    load-balancing loss's to bound, not the model's."""
+    if not model.is_moe:
+        return model.ffn_hidden_size, model.ffn_hidden_size
+    shared = model.moe_shared_expert_intermediate_size or 0
+    return (model.moe_router_topk * model.moe_ffn_hidden_size + shared,
+            model.num_experts * model.moe_ffn_hidden_size + shared)
+
+
+def router_parameters(model: ModelSpec) -> int:
+    """An MoE layer's router weight, ``num_experts x h``, whole on every TP rank (0 for a dense model)."""
+    return model.num_experts * model.hidden_size if model.is_moe else 0
 
 
 def _learned_positions(model: ModelSpec) -> bool:
@@ -141,10 +164,11 @@ def layer_gemms(model: ModelSpec, *, micro_batch_size: int, seq_length: int | No
     b, s, h, d = micro_batch_size, _seq(model, seq_length), model.hidden_size, model.kv_channels
     heads = model.num_attention_heads // tp
     groups = model.num_query_groups // tp
-    f = model.ffn_hidden_size // tp
+    f = mlp_widths(model)[0] // tp  # MoE: the routed experts' widths a token runs through
     tokens = b * s
     fc1_width = 2 * f if model.swiglu else f  # swiglu's fc1 produces gate and up halves
-    return (
+    router = (Gemm(name="router", m=tokens, n=model.num_experts, k=h),) if model.is_moe else ()
+    return router + (
         Gemm(name="qkv", m=tokens, n=(heads + 2 * groups) * d, k=h),
         Gemm(name="attention_scores", m=s, n=s, k=d, batch=b * heads),  # Q @ K^T per head
         Gemm(name="attention_context", m=s, n=d, k=s, batch=b * heads),  # softmax(QK^T) @ V
@@ -220,12 +244,14 @@ def layer_parameters_per_rank(model: ModelSpec, *, tp: int = 1) -> int:
     check_tp(model, tp)
     h, d = model.hidden_size, model.kv_channels
     qkv_out = (model.num_attention_heads + 2 * model.num_query_groups) * d // tp
-    fc1_out = (2 if model.swiglu else 1) * model.ffn_hidden_size // tp
+    held = mlp_widths(model)[1]  # MoE: every expert (and the shared one)
+    fc1_out = (2 if model.swiglu else 1) * held // tp
     proj_in = model.num_attention_heads * d // tp
-    fc2_in = model.ffn_hidden_size // tp
+    fc2_in = held // tp
     weights = h * qkv_out + proj_in * h + h * fc1_out + fc2_in * h
     biases = (qkv_out + h + fc1_out + h) if model.add_bias_linear else (qkv_out if model.add_qkv_bias else 0)
-    return weights + biases + _layer_norm_params(model)  # norms are replicated: whole on every rank
+    # norms and an MoE router are replicated: whole on every rank
+    return weights + biases + _layer_norm_params(model) + router_parameters(model)
 
 
 def layer_parameters(model: ModelSpec) -> int:

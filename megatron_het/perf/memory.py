@@ -30,7 +30,7 @@ import math
 from dataclasses import dataclass
 
 from megatron_het.cluster import ConfigError, DeviceType, ModelSpec
-from megatron_het.perf.flops import Recompute, check_recompute, check_tp, stage_parameters
+from megatron_het.perf.flops import Recompute, check_recompute, check_tp, mlp_widths, stage_parameters
 
 __all__ = [
     "STATE_BYTES",
@@ -159,11 +159,13 @@ def activation_bytes_per_layer(model: ModelSpec, *, micro_batch_size: int, seq_l
         return e * s_local * b * h  # only the layer input survives the forward
     heads = model.num_attention_heads // tp
     groups = model.num_query_groups // tp
-    f = model.ffn_hidden_size // tp
+    f = mlp_widths(model)[0] // tp  # MoE: the routed experts' widths each token runs through
     masks = 2 if dropout else 0
     outside = (4 * e + masks) * s_local * b * h  # 4 tensors (2 norm inputs, QKV and fc1 inputs) + 2 masks
     attention = e * s * b * (2 * heads * d + 2 * groups * d)  # Q and projection input; K and V
     mlp = e * s * b * (f * (2 if model.swiglu else 1) + f)  # activation input; fc2 input
+    if model.is_moe:  # the dispatcher's permuted copy of the tokens, one per routed expert (the experts' fc1 input)
+        mlp += e * s_local * b * h * model.moe_router_topk
     if recompute == "selective":
         core = 0
     elif flash_attention:

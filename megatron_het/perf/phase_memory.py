@@ -56,7 +56,8 @@ PHASES = ("construction", "forward_backward", "reduce", "optimizer_step", "save"
 def largest_local_parameter(model: ModelSpec, *, tp: int, has_embedding: bool, has_output: bool,
                             num_layers: int) -> int:
     """Elements of the largest tensor one TP rank of a stage holds."""
-    h, f, d = model.hidden_size, model.ffn_hidden_size, model.kv_channels
+    # an MoE layer holds each expert as its own tensors (one expert's width; a dense layer's beside it)
+    h, f, d = model.hidden_size, max(model.ffn_hidden_size, model.moe_ffn_hidden_size or 0), model.kv_channels
     sizes = [0]
     if num_layers:
         sizes += [h * f * (2 if model.swiglu else 1) // tp, f * h // tp,

@@ -205,6 +205,10 @@ def _check_tp(replicas: Replicas, model: ModelSpec, sequence_parallel: bool) -> 
         ("num_attention_heads", model.num_attention_heads),
         ("num_query_groups", model.num_query_groups),
         ("ffn_hidden_size", model.ffn_hidden_size),
+        # experts are tensor-parallel over the stage's ranks like the dense MLP
+        *((("moe_ffn_hidden_size", model.moe_ffn_hidden_size),) if model.is_moe else ()),
+        *((("moe_shared_expert_intermediate_size", model.moe_shared_expert_intermediate_size),)
+          if model.moe_shared_expert_intermediate_size else ()),
     )
     for ri, r in enumerate(replicas):
         for si, s in enumerate(r.stages):
@@ -226,6 +230,14 @@ def _check_tp(replicas: Replicas, model: ModelSpec, sequence_parallel: bool) -> 
                         f"{name}={size}",
                         fix=f"use a TP size that divides {size}: one of {_divisors(size)[:12]}",
                     )
+            if model.is_moe and s.tp > 1 and not sequence_parallel:
+                # megatron-core's MoELayer raises at the first training forward (moe_layer.py:629)
+                raise PlanError(
+                    field="sequence_parallel", value=False,
+                    problem=f"replicas[{ri}].stages[{si}] runs MoE layers with tensor parallelism ({s.tp} ranks); "
+                    "megatron-core's MoE layers train under TP only with sequence parallelism",
+                    fix='set "sequence_parallel": true (--sequence-parallel), or use TP 1 on this stage',
+                )
             if sequence_parallel and model.seq_length % s.tp:
                 raise PlanError(
                     field=f"replicas[{ri}].stages[{si}].ranks", value=list(s.ranks),
@@ -255,6 +267,8 @@ def tp3d_unsupported(model: ModelSpec) -> str | None:
     (LayerNorm, learned positions, biases, GeLU) without dropout."""
     if model.swiglu:
         return "the gated (SwiGLU) MLP's fused [gate; up] weight has no 3D tensor-parallel layout yet"
+    if model.is_moe:
+        return "mixture-of-experts layers have no 3D tensor-parallel layout"
     from megatron_het.cluster.model_spec import off_recipe
 
     off = off_recipe(model)

@@ -40,7 +40,7 @@ from megatron_het.planner.idle import explain_idle
 from megatron_het.planner.parallelizer import Parallelizer
 from megatron_het.planner.refine import hill_climb
 from megatron_het.planner.schedule_choice import choose_schedule
-from megatron_het.planner.space import Segment, Template, build_plan
+from megatron_het.planner.space import Segment, Template, build_plan, moe_sequence_parallel
 
 __all__ = ["PlannerResult", "plan_cluster", "with_seq_length"]
 
@@ -403,7 +403,7 @@ def plan_cluster(model: ModelSpec, cluster: ClusterSpec, *, global_batch_size: i
         plan = build_plan(cluster, e.templates, e.layer_counts, e.micro_batches, micro_batch_size=e.micro_batch_size,
                           global_batch_size=global_batch_size, recompute=e.recompute,
                           distributed_optimizer=distributed_optimizer, stage_recompute=e.stage_recompute,
-                          precision=precision, attention=attention)
+                          precision=precision, attention=attention, sequence_parallel=moe_sequence_parallel(model))
         key = plan  # frozen and hashable (nothing predicted yet): far cheaper than its JSON at 1,024 ranks
         if key in seen:
             return
@@ -464,7 +464,7 @@ def plan_cluster(model: ModelSpec, cluster: ClusterSpec, *, global_batch_size: i
         plan = build_plan(cluster, e.templates, e.layer_counts, e.micro_batches, micro_batch_size=e.micro_batch_size,
                           global_batch_size=global_batch_size, recompute=e.recompute,
                           distributed_optimizer=distributed_optimizer, stage_recompute=e.stage_recompute,
-                          precision=precision, attention=attention)
+                          precision=precision, attention=attention, sequence_parallel=moe_sequence_parallel(model))
         try:
             validate_plan(plan, model, cluster)
         except PlanError:

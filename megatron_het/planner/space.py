@@ -51,11 +51,16 @@ class Template:
 
 def tp_options(model: ModelSpec, island: IslandSpec, *, max_tp: int) -> tuple[int, ...]:
     """Powers of two <= max_tp, <= gpus_per_node and <= the island's GPUs that divide the heads,
-    the query groups and the MLP width (Megatron's divisibility rules; TP stays inside a node)."""
+    the query groups and the MLP width (Megatron's divisibility rules; TP stays inside a node). An MoE
+    model's experts split over TP too, under sequence parallelism (``moe_sequence_parallel``): the
+    expert widths and the sequence length must divide as well."""
     limit = min(max_tp, island.gpus_per_node, island.num_gpus)
+    widths = [model.num_attention_heads, model.num_query_groups, model.ffn_hidden_size]
+    if model.is_moe:
+        widths += [model.moe_ffn_hidden_size, model.moe_shared_expert_intermediate_size or 0, model.seq_length]
     out, t = [], 1
     while t <= limit:
-        if not (model.num_attention_heads % t or model.num_query_groups % t or model.ffn_hidden_size % t):
+        if not any(w % t for w in widths):
             out.append(t)
         t *= 2
     return tuple(out)
@@ -179,7 +184,7 @@ def build_plan(cluster: ClusterSpec, templates: Sequence[Template], layer_counts
                micro_batches: Sequence[tuple[int, int]], *, micro_batch_size: int, global_batch_size: int,
                recompute: bool, distributed_optimizer: bool,
                stage_recompute: Sequence[Sequence[bool]] | None = None, precision: str = "bf16",
-               attention: str | None = None) -> Plan:
+               attention: str | None = None, sequence_parallel: bool = False) -> Plan:
     """Turn a search point into a Plan.
 
     ``stage_recompute`` (per template, per stage) overrides ``recompute`` stage by stage; ``precision``
@@ -208,4 +213,9 @@ def build_plan(cluster: ClusterSpec, templates: Sequence[Template], layer_counts
             replicas.append(ReplicaPlan(stages=tuple(stages), num_micro_batches=m if copy < high else m - 1))
     return Plan(replicas=tuple(replicas), micro_batch_size=micro_batch_size, global_batch_size=global_batch_size,
                 use_distributed_optimizer=distributed_optimizer and len(replicas) > 1, precision=precision,
-                attention=attention)
+                attention=attention, sequence_parallel=sequence_parallel)
+
+
+def moe_sequence_parallel(model: ModelSpec) -> bool:
+    """megatron-core trains MoE layers under TP only with sequence parallelism: the planner's MoE plans have it."""
+    return model.is_moe

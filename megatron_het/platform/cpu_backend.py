@@ -68,7 +68,23 @@ class _CpuStream:
         pass
 
     def record_event(self, *_args, **_kwargs):
-        return None
+        return _CpuEvent()
+
+    def wait_event(self, _event) -> None:
+        pass
+
+
+class _CpuEvent:
+    """Stand-in for the torch.cuda.Event a stream records (MoE's token dispatcher synchronises on it)."""
+
+    def synchronize(self) -> None:
+        pass
+
+    def wait(self, *_args) -> None:
+        pass
+
+    def query(self) -> bool:
+        return True
 
 
 def _cpu_cuda_namespace() -> types.SimpleNamespace:
@@ -165,6 +181,14 @@ DEVICE_REDIRECTS: tuple[DeviceRedirect, ...] = (
                    upstream="pipeline_parallel/bridge_communicator.py:420-597 receive buffers current_device()"),
     DeviceRedirect(module="megatron.core.models.common.embeddings.rotary_pos_embedding",
                    upstream="models/common/embeddings/rotary_pos_embedding.py:162 inv_freq.to(current_device())"),
+    DeviceRedirect(module="megatron.core.transformer.moe.token_dispatcher",
+                   upstream="transformer/moe/token_dispatcher.py:469 torch.cuda.Stream; 922-946 dtoh stream"),
+    DeviceRedirect(module="megatron.core.transformer.moe.router",
+                   upstream="transformer/moe/router.py:98-100,184-247 current_device()"),
+    DeviceRedirect(module="megatron.core.transformer.moe.moe_utils",
+                   upstream="transformer/moe/moe_utils.py aux-loss tracker tensors current_device()"),
+    DeviceRedirect(module="megatron.core.transformer.moe.moe_logging",
+                   upstream="transformer/moe/moe_logging.py:234 current_device() for the logged losses"),
     DeviceRedirect(module="megatron.core.dist_checkpointing.strategies.filesystem_async",
                    upstream="dist_checkpointing/strategies/filesystem_async.py:248 synchronize() before writing"),
     DeviceRedirect(module="megatron.core.dist_checkpointing.strategies.state_dict_saver",
@@ -187,6 +211,14 @@ def _cpu_set_rng_state(new_state: torch.Tensor, device: int = -1, graph_safe: bo
     torch.set_rng_state(new_state)
 
 
+def _cpu_move_to_host(tensor: Any, as_numpy: bool = False, record_stream: bool = False) -> Any:
+    """megatron-core's ``maybe_move_tensor_to_cpu`` converts to numpy only what it copied from a GPU;
+    on the host the MoE dispatcher's split sizes stay tensors, which ``all_to_all_single`` refuses."""
+    if as_numpy and torch.is_tensor(tensor):
+        return tensor.detach().numpy()
+    return tensor
+
+
 @dataclass(frozen=True, kw_only=True)
 class FunctionPatch:
     """Replace ``module.name`` by ``replacement``."""
@@ -204,6 +236,9 @@ FUNCTION_PATCHES: tuple[FunctionPatch, ...] = (
     FunctionPatch(module="megatron.core.tensor_parallel.random", name="_set_cuda_rng_state",
                   replacement=_cpu_set_rng_state,
                   upstream="tensor_parallel/random.py:135-174 calls _C._cuda_setRNGState"),
+    FunctionPatch(module="megatron.core.transformer.moe.token_dispatcher", name="maybe_move_tensor_to_cpu",
+                  replacement=_cpu_move_to_host,
+                  upstream="transformer/moe/moe_utils.py:1184 numpy only for CUDA tensors (alltoall split sizes)"),
 )
 
 

@@ -64,6 +64,17 @@ FLAGS = (
     Flag("--squared-relu", "model.squared_relu", bool),
     Flag("--hidden-dropout", "model.hidden_dropout", float),
     Flag("--attention-dropout", "model.attention_dropout", float),
+    # mixture of experts (ModelSpec's fields of the same names; cluster/model_moe.py checks them)
+    Flag("--num-experts", "model.num_experts", int),
+    *(Flag(f"--{f.replace('_', '-')}", f"model.{f}", int) for f in (
+        "moe_ffn_hidden_size", "moe_router_topk", "moe_layer_freq", "moe_shared_expert_intermediate_size")),
+    *(Flag(f"--{f.replace('_', '-')}", f"model.{f}", float) for f in (
+        "moe_aux_loss_coeff", "moe_z_loss_coeff", "moe_expert_capacity_factor", "moe_router_topk_scaling_factor")),
+    *(Flag(f"--{f.replace('_', '-')}", f"model.{f}") for f in (
+        "moe_router_load_balancing_type", "moe_token_dispatcher_type", "moe_token_drop_policy",
+        "moe_router_score_function")),
+    Flag("--moe-pad-expert-input-to-capacity", "model.moe_pad_expert_input_to_capacity", bool),
+    Flag("--moe-router-pre-softmax", "model.moe_router_pre_softmax", bool),
     Flag("--group-query-attention", "run.group_query_attention", bool),  # --num-query-groups counts only with it
     # Megatron's layout flags: without --hetero-plan they build the plan (plan/megatron_layout.py); with
     # one, TP/PP must be its layout and the others are refused (the plan decides them)
@@ -237,6 +248,13 @@ def _sections(ns: argparse.Namespace, parser: argparse.ArgumentParser,
         value = getattr(ns, dest) if section != "model" or dest in given else None
         if section == "run" and field in LAYOUT_FIELDS:
             value = value if dest in given else None  # not given: the plan decides
+        if section == "model" and isinstance(value, list):
+            # Megatron-LM takes several load-balancing types (and coefficients) at once; one is its
+            # usual form, which arguments.py unwraps as here
+            if len(value) != 1:
+                raise ConfigError("one value is supported (several load-balancing losses at once are not built)",
+                                  field=flag.name, value=value, fix=f"pass one value to {flag.name}")
+            value = value[0]
         out.setdefault(section, {})[field] = tuple(value or ()) if flag.type is tuple else value
     return out
 
@@ -442,7 +460,10 @@ def parse_args(argv: list[str] | None = None) -> PretrainArgs:
     parser = build_parser()
     ns = parser.parse_args(argv)
     given = given_dests(parser, argv)
-    values = _sections(ns, parser, given)
+    try:
+        values = _sections(ns, parser, given)
+    except ConfigError as e:
+        parser.error(str(e))
     data, run, train = values["data"], values["run"], values["train"]
     notes = _from_megatron(values, given, ns)
     if not data["mock_data"] and not data["data_path"]:

@@ -71,6 +71,9 @@ IGNORED: dict[str, str] = {
                    "masks after a resume differ from an uninterrupted run's)",
     "grad_reduce_in_bf16": "gradients are always reduced in fp32 (twice the bytes, no rounding)",
     "overlap_param_gather_with_optimizer_step": PERF + " (--overlap-param-gather overlaps the next forward)",
+    "moe_grouped_gemm": "experts run as megatron-core's SequentialMLP, one GEMM pair per expert (the same math and "
+                        "checkpoint names on every platform; grouped GEMM is a kernel choice)",
+    **{d: PERF for d in ("moe_permute_fusion", "moe_router_fusion")},
 }
 
 # model flags: dest -> the value this runtime builds for a ModelSpec (model/gpt.py)
@@ -83,7 +86,10 @@ WHY_BUILT = ("this runtime builds megatron-core's exact GeLU and pads the vocabu
 
 # dest -> the fix a refusal names, where there is a better one than "drop it"
 REFUSED_FIX: dict[str, str] = {
-    "num_experts": "mixture-of-experts lands with #37; use a dense model for now",
+    "expert_model_parallel_size": "expert parallelism is not built yet (#37): experts are held whole by every "
+                                  "data-parallel replica, tensor-parallel over its stage's ranks; drop it",
+    "expert_tensor_parallel_size": "experts are tensor-parallel over their stage's TP ranks (megatron-core's default);"
+                                   " drop it",
     "context_parallel_size": "context parallelism lands with #38; drop it or shorten --seq-length",
 }
 

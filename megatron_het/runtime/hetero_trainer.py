@@ -68,6 +68,8 @@ from megatron_het.runtime.holdings import (
 from megatron_het.runtime.initial_values import SeededFullState, load_seeded
 from megatron_het.runtime.megatron_trainer import split_tokens
 from megatron_het.runtime.mixed_precision import LossScaler, MainParams, params_dtype, wrap_float16
+from megatron_het.runtime.moe_aux_loss import set_aux_loss_scale
+from megatron_het.runtime.moe_metrics import MoEMetrics
 from megatron_het.runtime.split_backward import WeightGradStore, install_split_linears, unsplit_linears
 from megatron_het.runtime.stage_groups import build_stage_groups
 from megatron_het.schedule import Action, build_schedule
@@ -104,6 +106,25 @@ def replica_first_micro_batch(plan: Plan, replica: int) -> int:
     return sum(r.num_micro_batches for r in plan.replicas[:replica])
 
 
+def check_uneven_gather(model: ModelSpec, tp: int, tp_group) -> None:
+    """megatron-core's alltoall dispatcher with token dropping (no padding to capacity) gathers each TP
+    rank's surviving tokens, uneven counts, with ``all_gather`` of a list of sizes: NCCL and RCCL take it,
+    gloo refuses at the first forward. Refused here, on every rank, before any step."""
+    if not (model.is_moe and tp > 1 and model.moe_token_dispatcher_type == "alltoall"
+            and model.moe_expert_capacity_factor is not None and not model.moe_pad_expert_input_to_capacity):
+        return
+    import torch.distributed as dist
+
+    from megatron_het.platform import HOST_BACKEND
+
+    if dist.get_backend(tp_group) == HOST_BACKEND:
+        raise ConfigError("token dropping with the alltoall dispatcher under TP gathers uneven token counts, which "
+                          "gloo (host ranks) cannot", field="--moe-expert-capacity-factor",
+                          value=model.moe_expert_capacity_factor,
+                          fix="add --moe-pad-expert-input-to-capacity, or use --moe-token-dispatcher-type allgather, "
+                              "or TP 1 on host stages")
+
+
 class PipelineStrategy:
     """This rank's stage of a plan: model, groups, gradient synchronizer, optimizer, schedule executor."""
 
@@ -134,6 +155,7 @@ class PipelineStrategy:
         self.pgc, self.role = build_stage_groups(plan, timeout=train.group_timeout, device_id=acc.eager_device,
                                                  backend_of=lambda island: acc.backend_for(island_library[island]))
         role = self.role
+        check_uneven_gather(model, role.tp_size, self.pgc.tp)
         self.grid_groups = self._grid_groups()  # 3D tensor-parallel stage (plan tp_grid), else None
         self.replica = plan.replicas[role.replica]
         self.stage_plan = self.replica.stages[role.stage]
@@ -178,6 +200,9 @@ class PipelineStrategy:
             logger.info("rank %d (replica %d stage %d): %s", role.rank, role.replica, role.stage,
                         self.overlap_report.describe())
         self.total_micro_batches = sum(r.num_micro_batches for r in plan.replicas)
+        # MoE routers' losses for the log line (renumbered with their global layers)
+        self.moe_metrics = (MoEMetrics(model, list(zip(self.gpts, (first for first, _ in self.chunk_ranges))),
+                                       tp_size=role.tp_size, device=self.device) if model.is_moe else None)
 
         # mixed precision: fp32 main parameters/gradients the synchronizer, norm and optimizer use (the
         # distributed optimizer's fp32 gradients only, made with it: no full fp32 copy, not even briefly)
@@ -453,6 +478,9 @@ class PipelineStrategy:
                 if p.grad is None:
                     p.grad = torch.zeros_like(p)
         self.executor.grad_scale = self.scaler.scale if self.scaler is not None else None
+        if self.model_spec.is_moe:
+            set_aux_loss_scale(grad_scale=self.executor.grad_scale, total_micro_batches=self.total_micro_batches,
+                               device=self.device)
         batch_fn = positioned_batches(self.batch_fn, self.data_position, self.train.global_batch_size)
         with phase("forward_backward"):
             loss_sum = self.executor.run(iteration=iteration, batch_fn=batch_fn, forward=self._forward,
@@ -472,15 +500,18 @@ class PipelineStrategy:
         # Global norm and global mean loss in one world all-reduce, kept on the device (read at the log
         # interval). Before the step, so that a failure in any collective leaves every survivor un-stepped
         # (a staggered step is taken before it: the resilience hooks then undo it on a failure).
-        norm, report = self._world_norm_and_loss(loss_sum)
+        norm, report, moe_sums = self._world_norm_and_loss(loss_sum)
         if not skipped:
             self._clip(norm)
         zeros = self._world_sum(self.sync.grad_zeros_local()) if self.train.log_num_zeros_in_grad else None
         if not skipped and not staggered:
             self._optimizer_step(timer)
         params_norm = self._world_sum(self.sync.param_norm_sq_local()).sqrt() if self.train.log_params_norm else None
+        moe_losses = (self.moe_metrics.report(moe_sums, self.total_micro_batches)
+                      if self.moe_metrics is not None else None)
         return StepResult(lm_loss=report / self.total_micro_batches, grad_norm=norm if not skipped else math.nan,
-                          skipped=skipped, loss_scale=scale, params_norm=params_norm, num_zeros=zeros)
+                          skipped=skipped, loss_scale=scale, params_norm=params_norm, num_zeros=zeros,
+                          moe_losses=moe_losses)
 
     def _world_sum(self, local: torch.Tensor) -> torch.Tensor:
         """A float64 sum over the world, on the device (read at the log interval)."""
@@ -523,11 +554,14 @@ class PipelineStrategy:
         mine = self.is_last and self.role.tp_rank == 0
         return loss_sum.reshape(1) if mine else torch.zeros(1, dtype=loss_sum.dtype, device=self.device)
 
-    def _world_norm_and_loss(self, loss_sum: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(global gradient norm, global loss sum) as device tensors, from one world all-reduce."""
-        both = torch.cat([self.sync.grad_norm_sq_local().reshape(1).double(), self._my_loss(loss_sum).double()])
+    def _world_norm_and_loss(self, loss_sum: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(global gradient norm, global loss sum, the MoE routers' loss sums) as device tensors, from one
+        world all-reduce."""
+        moe = self.moe_metrics.take_local().to(loss_sum.device) if self.moe_metrics is not None else None
+        parts = [self.sync.grad_norm_sq_local().reshape(1).double(), self._my_loss(loss_sum).double()]
+        both = torch.cat(parts + ([moe] if moe is not None else []))
         all_reduce_world(both)
-        return both[0].sqrt(), both[1]
+        return both[0].sqrt(), both[1], both[2:]
 
     def _forward(self, chunk: int, tokens: torch.Tensor | None, inp: torch.Tensor | None) -> torch.Tensor:
         module, gpt = self.modules[chunk], self.gpts[chunk]

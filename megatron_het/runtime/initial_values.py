@@ -43,7 +43,7 @@ def init_kind(name: str) -> str:
     bias), ``ones`` (norm weights; zero with a zero-centred gamma), ``embedding`` (word and position
     embeddings: ``embedding_init_method``), ``output`` (the projections back into the residual
     stream, ``linear_proj`` and ``linear_fc2``: ``output_layer_init_method``), ``weight`` (the
-    other linears and an untied output layer: ``init_method``). A name none of these covers is
+    other linears, an MoE router and an untied output layer: ``init_method``). A name none of these covers is
     refused: a new parameter kind needs its rule here, never a silent guess."""
     if name.endswith(".bias"):
         return "zeros"
@@ -53,7 +53,8 @@ def init_kind(name: str) -> str:
         return "embedding"
     if name.endswith((".linear_proj.weight", ".linear_fc2.weight")):
         return "output"
-    if name.endswith((".linear_qkv.weight", ".linear_fc1.weight")) or name == TIED_OUTPUT:
+    # an MoE layer's router is drawn with init_method too (megatron-core transformer/moe/router.py:77)
+    if name.endswith((".linear_qkv.weight", ".linear_fc1.weight", ".mlp.router.weight")) or name == TIED_OUTPUT:
         return "weight"
     raise ValueError(f"{name}: no plan-independent initialisation rule for this parameter. Fix: add its "
                      "megatron-core init method to runtime/initial_values.init_kind")

@@ -78,6 +78,7 @@ def build_stage_groups(plan: Plan, *, timeout: datetime.timedelta | None = None,
     pgc = ProcessGroupCollection(**mine)
     pgc.embd = mine["pp"]  # size 1: tied embeddings are synchronised by grad_sync, not megatron
     pgc.pos_embd = mine["pp"]
-    pgc.expt_dp, pgc.expt_tp, pgc.tp_ep_pp = mine["dp"], mine["tp"], mine["mp"]
+    # no expert parallelism yet: experts are tensor-parallel over the stage's TP ranks like the dense MLP
+    pgc.expt_dp, pgc.expt_tp, pgc.tp_ep, pgc.tp_ep_pp = mine["dp"], mine["tp"], mine["tp"], mine["mp"]
     ensure_global_memory_buffer()
     return pgc, rank_roles(plan)[rank]

@@ -49,14 +49,12 @@ def swap_module_class(spec: Any, old: type, new: type) -> Any:
     return spec
 
 
-def sequence_parallel_block_spec(normalization: str, num_layers: int, *, qk_layernorm: bool = False):
+def sequence_parallel_block_spec(layer_specs: list):
     """``TransformerBlockSubmodules`` for ``GPTModel(transformer_layer_spec=...)``: megatron-core's
-    local layer spec with sequence-parallel-capable torch norms in the layers and the final norm."""
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    local layer specs (one per layer of the stage: dense, or MoE) with sequence-parallel-capable torch
+    norms in the layers and the final norm."""
     from megatron.core.transformer.torch_norm import WrappedTorchNorm
     from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 
-    layer = swap_module_class(get_gpt_layer_local_spec(normalization=normalization, qk_layernorm=qk_layernorm),
-                              WrappedTorchNorm,
-                        SequenceParallelTorchNorm)
-    return TransformerBlockSubmodules(layer_specs=[layer] * num_layers, layer_norm=SequenceParallelTorchNorm)
+    layers = [swap_module_class(spec, WrappedTorchNorm, SequenceParallelTorchNorm) for spec in layer_specs]
+    return TransformerBlockSubmodules(layer_specs=layers, layer_norm=SequenceParallelTorchNorm)

@@ -10,7 +10,7 @@ import math
 import os
 import shutil
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -32,7 +32,8 @@ def print_rank0(msg: str) -> None:
 def iteration_line(*, iteration: int, train_iters: int, global_batch_size: int, elapsed_s: float, lr: float,
                    loss: float, grad_norm: float, tokens_per_s: float, loss_scale: float | None = None,
                    skipped: int | None = None, consumed_samples: int | None = None,
-                   num_zeros: float | None = None, params_norm: float | None = None) -> str:
+                   num_zeros: float | None = None, params_norm: float | None = None,
+                   moe_losses: Mapping[str, float] | None = None) -> str:
     """Megatron-LM's per-iteration log line (``elapsed_s``: mean per iteration over the log window);
     with fp16 loss scaling also the scale and the skipped iterations of the window, as Megatron.
     ``consumed_samples``: the run's data position (train/data_position.py; None: a fresh run's
@@ -42,6 +43,8 @@ def iteration_line(*, iteration: int, train_iters: int, global_batch_size: int, 
     line = (f" iteration {iteration:8d}/{train_iters:8d} | consumed samples: {consumed_samples:10d} "
             f"| elapsed time per iteration (ms): {elapsed_s * 1000:.1f} | learning rate: {lr:.3E} "
             f"| global batch size: {global_batch_size:5d} | lm loss: {loss:.6E} ")
+    for name, value in (moe_losses or {}).items():  # MoE: the routers' losses, as Megatron-LM logs them
+        line += f"| {name}: {value:.6E} "
     if loss_scale is not None:
         line += f"| loss scale: {loss_scale:.1f} "
     line += f"| grad norm: {grad_norm:.3f} "
@@ -106,7 +109,7 @@ def train_loop(trainer: Trainer, *, loop: LoopConfig, seq_length: int, valid_fn:
                                        loss_scale=entry.loss_scale,
                                        skipped=skipped if entry.loss_scale is not None else None,
                                        consumed_samples=entry.consumed_samples, num_zeros=entry.num_zeros,
-                                       params_norm=entry.params_norm))
+                                       params_norm=entry.params_norm, moe_losses=entry.moe_losses))
             skipped = 0
             if not memory_reported and entry.memory is not None:  # once, every rank's line, as Megatron
                 gathered = [None] * dist.get_world_size() if dist.get_rank() == 0 else None

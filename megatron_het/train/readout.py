@@ -23,6 +23,10 @@ class Readout:
         self._pending = {k: v.detach() for k, v in values.items() if isinstance(v, torch.Tensor)}
         self._values = {k: v for k, v in values.items() if not isinstance(v, torch.Tensor)}
 
+    def keys(self) -> list[str]:
+        """Every name given, read or pending."""
+        return [*self._values, *self._pending]
+
     @property
     def pending(self) -> bool:
         """True while some value still lives on the device (not read yet)."""

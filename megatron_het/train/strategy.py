@@ -30,6 +30,9 @@ BatchFn = Callable[[int, range], torch.Tensor]
 ActionHook = Callable[[int, object], None]
 
 
+MOE_KEY = "moe:"  # prefix of the MoE losses' names in a Readout
+
+
 @dataclass(frozen=True, kw_only=True)
 class StepResult:
     """What a strategy's step reports; the trainer adds the timing common to every strategy."""
@@ -44,6 +47,8 @@ class StepResult:
     loss_scale: float | torch.Tensor | None = None  # fp16: the loss scale the step ran with (None: no scaling)
     params_norm: float | torch.Tensor | None = None  # --log-params-norm: global parameter norm after the step
     num_zeros: float | torch.Tensor | None = None  # --log-num-zeros-in-grad: zero gradient elements, world-wide
+    # MoE models: each router loss the model records (runtime/moe_metrics.py), mean per MoE layer and micro-batch
+    moe_losses: Mapping[str, float | torch.Tensor] | None = None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -84,6 +89,11 @@ class IterationLog:
     @property
     def num_zeros(self) -> float | None:
         return self.readout.get("num_zeros")
+
+    @property
+    def moe_losses(self) -> dict[str, float]:
+        """The MoE routers' losses of the step (StepResult.moe_losses; empty for a dense model)."""
+        return {k.removeprefix(MOE_KEY): self.readout.get(k) for k in self.readout.keys() if k.startswith(MOE_KEY)}
 
     @property
     def idle_s(self) -> float:

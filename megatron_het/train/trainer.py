@@ -16,7 +16,7 @@ from megatron_het.train.config import TrainConfig
 from megatron_het.train.data_position import check_resumed_data, consumed_samples
 from megatron_het.train.lr_schedule import lr_at
 from megatron_het.train.readout import Readout, read_all
-from megatron_het.train.strategy import BatchFn, IterationLog, RunResult, Strategy
+from megatron_het.train.strategy import MOE_KEY, BatchFn, IterationLog, RunResult, Strategy
 from megatron_het.train.timer import EmulationTimer
 
 
@@ -107,8 +107,9 @@ class Trainer:
         elapsed = time.perf_counter() - start
         self.iteration = it + 1
         tokens = self.train.global_batch_size * self.strategy.model_spec.seq_length
+        moe = {f"{MOE_KEY}{name}": value for name, value in (result.moe_losses or {}).items()}
         readout = Readout(lm_loss=result.lm_loss, grad_norm=result.grad_norm, loss_scale=result.loss_scale,
-                          params_norm=result.params_norm, num_zeros=result.num_zeros)
+                          params_norm=result.params_norm, num_zeros=result.num_zeros, **moe)
         consumed = consumed_samples(self.strategy, self.iteration, self.train.global_batch_size)
         return IterationLog(iteration=self.iteration, consumed_samples=consumed, readout=readout, elapsed_s=elapsed,
                             compute_s=self.timer.compute_s, emulated_s=self.timer.emulated_s, comm_s=result.comm_s, optimizer_s=result.optimizer_s, tokens_per_s=tokens / elapsed,

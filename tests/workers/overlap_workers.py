@@ -220,6 +220,7 @@ def megatron_parity_cases(rank: int, world: int) -> dict:
 
     enable_cpu_backend()
     from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
     from megatron_het.cluster import ModelSpec
@@ -243,7 +244,8 @@ def megatron_parity_cases(rank: int, world: int) -> dict:
             # build_gpt_stage's arguments, with the sequence-parallel-capable local spec
             return GPTModel(config=transformer_config(spec), vocab_size=spec.vocab_size,
                             transformer_layer_spec=sequence_parallel_block_spec(
-                                "RMSNorm" if swiglu else "LayerNorm", spec.num_layers),
+                                [get_gpt_layer_local_spec(normalization="RMSNorm" if swiglu else "LayerNorm")]
+                                * spec.num_layers),
                             max_sequence_length=16, pre_process=True, post_process=True,
                             share_embeddings_and_output_weights=True,
                             position_embedding_type="learned_absolute",  # rope: not CPU-ready upstream

@@ -40,3 +40,9 @@ def test_only_gated_fc1_is_glu():
     assert is_glu("decoder.layers.3.mlp.linear_fc1.weight", gated=True)
     assert not is_glu("decoder.layers.3.mlp.linear_fc1.weight", gated=False)
     assert not is_glu("decoder.layers.3.mlp.linear_fc2.weight", gated=True)
+    # MoE: each expert's fc1 and the shared expert's are gated MLPs too; the router is not
+    assert is_glu("decoder.layers.3.mlp.experts.local_experts.11.linear_fc1.weight", gated=True)
+    assert is_glu("decoder.layers.3.mlp.shared_experts.linear_fc1.weight", gated=True)
+    assert not is_glu("decoder.layers.3.mlp.experts.local_experts.11.linear_fc2.weight", gated=True)
+    assert not is_glu("decoder.layers.3.mlp.router.weight", gated=True)
+    assert not is_glu("decoder.layers.3.mlp.linear_fc1.layer_norm_weight", gated=True)

@@ -136,7 +136,12 @@ def test_the_runs_defaults_are_megatrons(megatron_only):
 
 
 @pytest.mark.parametrize("extra,names", [
-    (["--num-experts", "8"], ["--num-experts 8", "#37"]),
+    (["--expert-model-parallel-size", "2"], ["--expert-model-parallel-size 2", "#37"]),
+    (["--num-experts", "8"], ["add_bias_linear", "--disable-bias-linear"]),  # megatron-core's experts fail with biases
+    (["--num-experts", "4", "--disable-bias-linear", "--moe-router-topk", "6"], ["moe_router_topk", "at most num_experts 4"]),
+    (["--moe-router-topk", "1"], ["moe_router_topk", "the model has no experts"]),
+    (["--num-experts", "4", "--disable-bias-linear", "--moe-aux-loss-coeff", "0.01", "0.02"],
+     ["--moe-aux-loss-coeff", "one value is supported"]),
     (["--context-parallel-size", "2"], ["--context-parallel-size 2", "#38"]),
     (["--openai-gelu"], ["--openai-gelu True", "exact GeLU"]),
     (["--swiglu", "--squared-relu"], ["squared_relu", "keep one of swiglu and squared_relu"]),
@@ -163,9 +168,9 @@ def test_refused_flags_exit_2_naming_each(extra, names, capsys):
 
 def test_several_refusals_are_listed_together(capsys):
     with pytest.raises(SystemExit):
-        parse_args(BASE + ["--num-experts", "8", "--fp8-format", "hybrid"])
+        parse_args(BASE + ["--expert-model-parallel-size", "8", "--fp8-format", "hybrid"])
     err = capsys.readouterr().err
-    assert "--num-experts 8" in err and "--fp8-format hybrid" in err
+    assert "--expert-model-parallel-size 8" in err and "--fp8-format hybrid" in err
 
 
 def test_announced_flags_and_defaults_are_said_once():
@@ -175,6 +180,20 @@ def test_announced_flags_and_defaults_are_said_once():
     assert sum("--make-vocab-size-divisible-by" in n for n in notes) == 0  # Megatron's 128 is what is built
     nsys = parse_args(BASE + ["--profile"]).notes  # the host has no GPU: no nsys capture range
     assert any("--profile without --use-pytorch-profiler" in n and "nothing is captured" in n for n in nsys), nsys
+
+
+def test_moe_flags_build_the_model():
+    """Megatron-LM's MoE flags (Mixtral's example script's) land in the model description megatron-core builds
+    from; the defaults are Megatron-LM's; --moe-grouped-gemm is a kernel choice, announced as such."""
+    args = parse_args(BASE + ["--num-experts", "8", "--disable-bias-linear", "--moe-router-load-balancing-type",
+                              "aux_loss", "--moe-aux-loss-coeff", "1e-2", "--moe-token-dispatcher-type", "alltoall",
+                              "--moe-grouped-gemm", "--moe-z-loss-coeff", "1e-3"])
+    m = args.model
+    assert (m.num_experts, m.moe_router_topk, m.moe_aux_loss_coeff, m.moe_z_loss_coeff) == (8, 2, 0.01, 0.001)
+    assert m.moe_token_dispatcher_type == "alltoall" and m.moe_ffn_hidden_size == m.ffn_hidden_size
+    assert any("--moe-grouped-gemm True is ignored" in n and "SequentialMLP" in n for n in args.notes)
+    dense = parse_args(BASE).model
+    assert not dense.is_moe and dense.moe_token_dispatcher_type == "allgather"  # Megatron-LM's default
 
 
 def test_query_groups_count_only_with_group_query_attention():
@@ -205,8 +224,8 @@ def test_missing_lr_is_megatrons_requirement(capsys):
 def test_refusal_comes_before_any_rendezvous():
     """Plain python, no torchrun variables: the refusal, not the how-to-launch line, and no traceback."""
     proc = subprocess.run([sys.executable, os.path.join(REPO, "pretrain_scripts/pretrain_gpt.py"), *BASE,
-                           "--num-experts", "4"], capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 2 and "--num-experts 4" in proc.stderr and "Traceback" not in proc.stderr
+                           "--expert-model-parallel-size", "4"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "--expert-model-parallel-size 4" in proc.stderr and "Traceback" not in proc.stderr
     assert "torchrun" not in proc.stderr
 
 

@@ -90,8 +90,12 @@ def test_seed_is_stable_across_processes_and_names_differ():
 
 
 def test_an_unknown_parameter_is_refused_by_name():
-    with pytest.raises(ValueError, match="decoder.layers.0.mlp.router.weight: no plan-independent"):
-        init_kind("decoder.layers.0.mlp.router.weight")
+    with pytest.raises(ValueError, match="decoder.layers.0.mlp.router.expert_bias: no plan-independent"):
+        init_kind("decoder.layers.0.mlp.router.expert_bias")
+    # an MoE layer's router and experts are drawn as megatron-core draws them
+    assert init_kind("decoder.layers.0.mlp.router.weight") == "weight"
+    assert init_kind("decoder.layers.0.mlp.experts.local_experts.3.linear_fc1.weight") == "weight"
+    assert init_kind("decoder.layers.0.mlp.experts.local_experts.3.linear_fc2.weight") == "output"
 
 
 def test_a_stage_scales_its_output_projections_by_the_models_layers():
