@@ -105,7 +105,10 @@ def model_common_state(model: ModelSpec) -> dict:
 
 # Settings a loaded model need not share with the run that saved it: the initial draw's (a loaded
 # model has its values already) and dropout (a training choice; Megatron-LM fine-tunes with another)
-NOT_COMPARED = ("init_method_std", "hidden_dropout", "attention_dropout")
+NOT_COMPARED = ("init_method_std", "hidden_dropout", "attention_dropout",
+                # MoE training choices that leave the weights' meaning alone (a resume may switch them)
+                "moe_aux_loss_coeff", "moe_z_loss_coeff", "moe_token_dispatcher_type", "moe_expert_capacity_factor",
+                "moe_pad_expert_input_to_capacity", "moe_token_drop_policy")
 
 
 def check_model_matches(common: Mapping, model: ModelSpec, path: str, *,

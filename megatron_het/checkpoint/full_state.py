@@ -27,6 +27,7 @@ import torch
 from megatron_het.checkpoint.tp_layout import grid_full_shape, grid_index, grid_view, is_glu, join_shards, slice_full
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
+_LOCAL_EXPERT = re.compile(r"^(mlp\.experts\.local_experts\.)(\d+)(\..+)$")
 # transformer-engine spec's fused layer-norm parameters -> the local spec's layer norms
 _TE_LAYER_NORMS = {
     "self_attention.linear_qkv.layer_norm_weight": "input_layernorm.weight",
@@ -38,14 +39,26 @@ TIED_OUTPUT = "output_layer.weight"
 WORD_EMBEDDING = "embedding.word_embeddings.weight"
 
 
-def global_name(local_name: str, layer_offset: int) -> str:
+def global_name(local_name: str, layer_offset: int, first_expert: int = 0) -> str:
     """``decoder.layers.<i>.x`` of a stage whose first layer is global ``layer_offset`` -> global
-    (transformer-engine's fused layer-norm names -> the local spec's)."""
+    (transformer-engine's fused layer-norm names -> the local spec's). A routed expert megatron-core
+    numbers locally (``mlp.experts.local_experts.<j>``) is named by its global index, ``first_expert + j``
+    (``plan/experts.ExpertLayout.first_expert``: the rank's share under expert parallelism)."""
     m = _LAYER.match(local_name)
     if m is None:
         return local_name
     rest = _TE_LAYER_NORMS.get(m.group(2), m.group(2))
+    if first_expert:
+        e = _LOCAL_EXPERT.match(rest)
+        if e is not None:
+            rest = f"{e.group(1)}{int(e.group(2)) + first_expert}{e.group(3)}"
     return f"decoder.layers.{int(m.group(1)) + layer_offset}.{rest}"
+
+
+def _tp_of(gname: str, tp_rank: int, tp_size: int, experts) -> tuple[int, int]:
+    """(rank, size) of a parameter's tensor-parallel split: expert-TP for a routed expert's under
+    ``experts`` (plan/experts.ExpertLayout), the stage's TP otherwise."""
+    return (tp_rank, tp_size) if experts is None else experts.tp_coordinates(gname, tp_rank, tp_size)
 
 
 def _partition_dim(param: torch.Tensor) -> int | None:
@@ -76,15 +89,18 @@ class Shard:
 
 
 def local_shards(model: torch.nn.Module, *, layer_offset: int, tp_rank: int, tp_size: int,
-                 tied: bool, gated: bool = False) -> dict[str, Shard]:
-    """This stage's parameters as global-named shards (``output_layer.weight`` dropped if tied)."""
+                 tied: bool, gated: bool = False, experts=None) -> dict[str, Shard]:
+    """This stage's parameters as global-named shards (``output_layer.weight`` dropped if tied);
+    ``experts``: the rank's ``plan/experts.ExpertLayout`` under expert parallelism (None: experts
+    whole on every replica, split over the stage's TP)."""
     out: dict[str, Shard] = {}
     for name, param in model.named_parameters():
-        gname = global_name(name, layer_offset)
+        gname = global_name(name, layer_offset, 0 if experts is None else experts.first_expert)
         if tied and gname == TIED_OUTPUT:
             continue  # a copy of the word embedding kept in sync by megatron's embedding group
+        rank, size = _tp_of(gname, tp_rank, tp_size, experts)
         out[gname] = Shard(tensor=param.detach().cpu().clone(), partition_dim=_partition_dim(param),
-                           tp_rank=tp_rank, tp_size=tp_size, glu=is_glu(gname, gated))
+                           tp_rank=rank, tp_size=size, glu=is_glu(gname, gated))
     return out
 
 
@@ -112,18 +128,21 @@ def assemble_full_state(shard_sets: list[Mapping[str, Shard]]) -> dict[str, torc
 
 @torch.no_grad()
 def load_full_state(model: torch.nn.Module, full: Mapping[str, torch.Tensor], *, layer_offset: int,
-                    tp_rank: int, tp_size: int, tied: bool, gated: bool = False) -> None:
-    """Copy the matching slice of every full tensor into this stage's parameters."""
+                    tp_rank: int, tp_size: int, tied: bool, gated: bool = False, experts=None) -> None:
+    """Copy the matching slice of every full tensor into this stage's parameters (``experts``: as
+    ``local_shards``)."""
     for name, param in model.named_parameters():
-        gname = _source_name(global_name(name, layer_offset), full, tied)
+        gname = _source_name(global_name(name, layer_offset, 0 if experts is None else experts.first_expert),
+                             full, tied)
         if gname not in full:
             raise KeyError(f"full state has no tensor {gname!r} for parameter {name!r}")
         src = full[gname]
         dim = _partition_dim(param)
+        rank, size = _tp_of(gname, tp_rank, tp_size, experts)
         if dim is not None:
-            if src.shape[dim] % tp_size:
-                raise ValueError(f"{gname}: dim {dim} of size {src.shape[dim]} is not divisible by TP={tp_size}")
-            src = slice_full(src, dim, tp_rank, tp_size, is_glu(gname, gated))
+            if src.shape[dim] % size:
+                raise ValueError(f"{gname}: dim {dim} of size {src.shape[dim]} is not divisible by TP={size}")
+            src = slice_full(src, dim, rank, size, is_glu(gname, gated))
         if tuple(src.shape) != tuple(param.shape):
             raise ValueError(f"{gname}: full-state slice has shape {tuple(src.shape)}, "
                              f"parameter {name!r} has {tuple(param.shape)}")

@@ -89,7 +89,9 @@ def resolve_plan(args: PretrainArgs) -> AnyPlan:
             raise ConfigError("the plan is a sharded data-parallel plan (no tensor parallelism)",
                               field="--sequence-parallel / --tp-comm-overlap", value=args.plan_source,
                               fix="drop the flags or use a pipeline/TP plan")
-        for flag, given in (("--log-params-norm", args.train.log_params_norm),
+        for flag, given in (("--expert-model-parallel-size", args.expert_model_parallel_size != 1),
+                            ("--expert-tensor-parallel-size", args.expert_tensor_parallel_size is not None),
+                            ("--log-params-norm", args.train.log_params_norm),
                             ("--log-num-zeros-in-grad", args.train.log_num_zeros_in_grad),
                             ("--decoupled-lr", args.train.decoupled_lr is not None)):
             if given:  # built in the pipeline strategy only
@@ -99,6 +101,15 @@ def resolve_plan(args: PretrainArgs) -> AnyPlan:
         plan = apply_overlap_flags(plan, args)
         if args.use_distributed_optimizer:
             plan = dataclasses.replace(plan, use_distributed_optimizer=True)
+        if args.expert_model_parallel_size != 1 or args.expert_tensor_parallel_size is not None:
+            plan = dataclasses.replace(plan, expert_parallel=args.expert_model_parallel_size,
+                                       expert_tensor_parallel=args.expert_tensor_parallel_size)
+        if args.resilience is not None and (plan.expert_parallel != 1 or plan.expert_tensor_parallel is not None):
+            # a re-route gives a survivor more micro-batches than its expert-domain peers: their MoE
+            # all-to-alls would no longer meet
+            raise ConfigError("rank-failure recovery cannot keep expert-parallel replicas in step yet",
+                              field="--hetero-resilience", value=True,
+                              fix="drop --hetero-resilience, or train with --expert-model-parallel-size 1")
     plan.validate(args.model, args.cluster)
     check_layout_flags(plan, args)
     return plan

@@ -55,6 +55,14 @@ def check_moe(m: Any, defaults: dict[str, object]) -> None:
             raise ConfigError(f"must be one of {', '.join(choices)}", field=f, value=getattr(m, f),
                               fix=f"use {choices[0]} (Megatron-LM's default)")
     as_float(m.moe_aux_loss_coeff, "moe_aux_loss_coeff", inclusive=True)
+    if m.moe_router_load_balancing_type == "sinkhorn" and m.moe_aux_loss_coeff:
+        raise ConfigError("sinkhorn routing balances without an auxiliary loss (megatron-core asserts, router.py:295)",
+                          field="moe_aux_loss_coeff", value=m.moe_aux_loss_coeff, fix="use 0 with sinkhorn")
+    if (m.moe_router_topk == 1 and m.moe_router_score_function == "softmax" and not m.moe_router_pre_softmax
+            and m.moe_router_load_balancing_type != "sinkhorn"):
+        raise ConfigError("a softmax over one selected expert has a zero gradient (megatron-core refuses it, "
+                          "transformer_config.py:2336)", field="moe_router_pre_softmax", value=False,
+                          fix="add --moe-router-pre-softmax (moe_router_pre_softmax: true), or route to 2+ experts")
     if m.moe_z_loss_coeff is not None:
         as_float(m.moe_z_loss_coeff, "moe_z_loss_coeff", inclusive=True)
     if m.moe_router_topk_scaling_factor is not None:
@@ -77,12 +85,3 @@ def check_moe(m: Any, defaults: dict[str, object]) -> None:
         raise ConfigError("pads to a capacity, but moe_expert_capacity_factor is not set",
                           field="moe_pad_expert_input_to_capacity", value=True,
                           fix="set moe_expert_capacity_factor (--moe-expert-capacity-factor), or drop it")
-    if m.add_bias_linear:
-        # megatron-core 0.19 takes expert biases only at expert-TP 1 (transformer_config.py:2279), and
-        # there, without expert parallelism, its SequentialMLP adds the bias in place on a view of a
-        # tensor-parallel region's output (transformer/mlp.py:354), which autograd refuses
-        raise ConfigError("experts with linear biases: megatron-core takes them only at expert-TP 1, where without "
-                          "expert parallelism (not built yet, #37) its SequentialMLP fails (an in-place add on a "
-                          "view, transformer/mlp.py:354)", field="add_bias_linear", value=True,
-                          fix="add --disable-bias-linear (add_bias_linear: false), as Mixtral and every Megatron-LM "
-                              "MoE example do")

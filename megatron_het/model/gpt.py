@@ -45,6 +45,10 @@ class StageModelSpec:
     # unfused module ("unfused"); None: SDPA on GPUs, unfused on the host (layer_spec)
     fused_attention: bool | None = None
     deterministic: bool = False  # megatron-core's deterministic_mode (--deterministic-mode)
+    # MoE: routed experts spread over ``ep`` ranks, each expert's weights over ``etp`` (None: ``tp``)
+    # (plan/experts.py: the plan's expert grid)
+    ep: int = 1
+    etp: int | None = None
 
 
 def transformer_config(spec: StageModelSpec, *, pp: int = 1, cpu_initialization: bool = True,
@@ -89,7 +93,8 @@ def transformer_config(spec: StageModelSpec, *, pp: int = 1, cpu_initialization:
         deterministic_mode=spec.deterministic,
     )
     if m.is_moe:
-        kwargs.update(moe_kwargs(m))
+        kwargs.update(moe_kwargs(m), expert_model_parallel_size=spec.ep,
+                      expert_tensor_parallel_size=spec.etp or spec.tp)
     if m.swiglu:
         kwargs.update(gated_linear_unit=True, activation_func=F.silu)
     elif m.squared_relu:

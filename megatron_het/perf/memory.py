@@ -164,8 +164,8 @@ def activation_bytes_per_layer(model: ModelSpec, *, micro_batch_size: int, seq_l
     outside = (4 * e + masks) * s_local * b * h  # 4 tensors (2 norm inputs, QKV and fc1 inputs) + 2 masks
     attention = e * s * b * (2 * heads * d + 2 * groups * d)  # Q and projection input; K and V
     mlp = e * s * b * (f * (2 if model.swiglu else 1) + f)  # activation input; fc2 input
-    if model.is_moe:  # the dispatcher's permuted copy of the tokens, one per routed expert (the experts' fc1 input)
-        mlp += e * s_local * b * h * model.moe_router_topk
+    if model.is_moe:  # the dispatcher's permuted copy of the tokens (gathered over TP), one per routed expert
+        mlp += e * s * b * h * model.moe_router_topk
     if recompute == "selective":
         core = 0
     elif flash_attention:

@@ -200,13 +200,13 @@ def _check_layers(replicas: Replicas, num_layers: int) -> None:
             )
 
 
-def _check_tp(replicas: Replicas, model: ModelSpec, sequence_parallel: bool) -> None:
+def _check_tp(replicas: Replicas, model: ModelSpec, sequence_parallel: bool,
+              expert_tensor_parallel: int | None = None) -> None:
     sizes = (
         ("num_attention_heads", model.num_attention_heads),
         ("num_query_groups", model.num_query_groups),
         ("ffn_hidden_size", model.ffn_hidden_size),
-        # experts are tensor-parallel over the stage's ranks like the dense MLP
-        *((("moe_ffn_hidden_size", model.moe_ffn_hidden_size),) if model.is_moe else ()),
+        # the shared expert is tensor-parallel over the stage's ranks like the dense MLP
         *((("moe_shared_expert_intermediate_size", model.moe_shared_expert_intermediate_size),)
           if model.moe_shared_expert_intermediate_size else ()),
     )
@@ -230,6 +230,15 @@ def _check_tp(replicas: Replicas, model: ModelSpec, sequence_parallel: bool) -> 
                         f"{name}={size}",
                         fix=f"use a TP size that divides {size}: one of {_divisors(size)[:12]}",
                     )
+            etp = expert_tensor_parallel or s.tp  # routed experts split over expert-TP (default: the stage's TP)
+            if model.is_moe and model.moe_ffn_hidden_size % etp:
+                raise PlanError(
+                    field=f"replicas[{ri}].stages[{si}].ranks", value=list(s.ranks),
+                    problem=f"expert tensor-parallel size {etp} does not divide moe_ffn_hidden_size="
+                    f"{model.moe_ffn_hidden_size}",
+                    fix=f"use an expert-TP size that divides {model.moe_ffn_hidden_size}: one of "
+                        f"{_divisors(model.moe_ffn_hidden_size)[:12]}",
+                )
             if model.is_moe and s.tp > 1 and not sequence_parallel:
                 # megatron-core's MoELayer raises at the first training forward (moe_layer.py:629)
                 raise PlanError(
@@ -244,6 +253,50 @@ def _check_tp(replicas: Replicas, model: ModelSpec, sequence_parallel: bool) -> 
                     problem=f"sequence_parallel needs TP size {s.tp} to divide seq_length={model.seq_length}",
                     fix="use a TP size that divides seq_length, or turn sequence_parallel off",
                 )
+
+
+def check_experts(replicas: Replicas, model: ModelSpec, ep: int, etp: int | None) -> None:
+    """Expert parallelism (plan/experts.py): an MoE model, experts dividing over EP, expert domains of
+    identical replicas (their MoE layers meet in the same order: same stages, layers, TP sizes,
+    model chunks and micro-batches)."""
+    from megatron_het.plan.experts import expert_domains
+
+    if ep < 1 or (etp is not None and etp < 1):
+        raise PlanError(field="expert_parallel", value=(ep, etp), problem="sizes must be >= 1",
+                        fix="use expert_parallel >= 1 and expert_tensor_parallel >= 1 (or leave it out)")
+    if model.is_moe and model.add_bias_linear:
+        # megatron-core takes expert biases only at expert-TP 1 (transformer_config.py:2279), and there
+        # without expert parallelism its SequentialMLP adds the bias in place on a view (mlp.py:354)
+        tps = sorted({etp or s.tp for r in replicas for s in r.stages})
+        if ep == 1 or tps != [1]:
+            raise PlanError(field="expert_parallel", value=ep,
+                            problem=f"the model's experts have linear biases (add_bias_linear), which megatron-core "
+                            f"trains only with expert parallelism and expert-TP 1 (got EP {ep}, expert-TP {tps})",
+                            fix="add --disable-bias-linear (as Mixtral and Megatron-LM's MoE examples), or use EP > 1 "
+                                "with --expert-tensor-parallel-size 1")
+    if ep == 1 and etp is None:
+        return
+    if not model.is_moe:
+        raise PlanError(field="expert_parallel", value=ep, problem="the model has no experts (num_experts unset)",
+                        fix="remove expert_parallel / expert_tensor_parallel, or plan an MoE model")
+    if model.num_experts % ep:
+        raise PlanError(field="expert_parallel", value=ep,
+                        problem=f"does not divide num_experts={model.num_experts}",
+                        fix=f"use one of {_divisors(model.num_experts)}")
+    k = expert_domains(len(replicas), [[s.tp for s in r.stages] for r in replicas], ep=ep, etp=etp)
+    for first in range(0, len(replicas), k):
+        shape = None
+        for ri in range(first, first + k):
+            r = replicas[ri]
+            this = (r.num_micro_batches, [(s.layers, s.tp, s.chunk_layers, s.tp_grid) for s in r.stages])
+            if shape is not None and this != shape:
+                raise PlanError(
+                    field=f"replicas[{ri}]", value=f"{r.num_micro_batches} micro-batches, {len(r.stages)} stages",
+                    problem=f"replicas {first}..{first + k - 1} share their experts (expert_parallel {ep}) but differ "
+                    "in stages, layers, TP sizes or micro-batches (their MoE layers must meet in the same order)",
+                    fix=f"give replicas {first}..{first + k - 1} the same structure and micro-batches, or a smaller "
+                        "expert_parallel")
+            shape = this
 
 
 def tp_grid_divisors(grid: Sequence[int], model: ModelSpec) -> list[tuple[str, int, str, int]]:
@@ -368,7 +421,8 @@ def _check_recompute(replicas: Replicas) -> None:
 
 def check_pipeline(*, replicas: Replicas, micro_batch_size: int, global_batch_size: int, schedule: str,
                    virtual_pipeline_size: int, sequence_parallel: bool, model: ModelSpec,
-                   cluster: ClusterSpec | None) -> None:
+                   cluster: ClusterSpec | None, expert_parallel: int = 1,
+                   expert_tensor_parallel: int | None = None) -> None:
     """Raise PlanError for the first problem found (the cluster checks only when one is given)."""
     if not replicas:
         raise PlanError(field="replicas", value=[], problem="a plan needs >= 1 replica", fix="add a replica")
@@ -376,7 +430,8 @@ def check_pipeline(*, replicas: Replicas, micro_batch_size: int, global_batch_si
     _check_layers(replicas, model.num_layers)
     _check_batch(replicas, micro_batch_size, global_batch_size)
     check_schedule(replicas, schedule, virtual_pipeline_size, model.num_layers)
-    _check_tp(replicas, model, sequence_parallel)
+    _check_tp(replicas, model, sequence_parallel, expert_tensor_parallel)
+    check_experts(replicas, model, expert_parallel, expert_tensor_parallel)
     _check_recompute(replicas)
     check_tp_comm_overlap(replicas, sequence_parallel)
     if cluster is not None:

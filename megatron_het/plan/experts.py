@@ -20,7 +20,8 @@ from dataclasses import dataclass
 
 from megatron_het.plan.errors import PlanError
 
-__all__ = ["ExpertLayout", "domain_of", "expert_domains", "expert_groups", "is_expert_param", "rank_expert_layout"]
+__all__ = ["ExpertLayout", "domain_of", "expert_domains", "expert_groups", "is_expert_param", "plan_expert_layouts",
+           "rank_expert_layout", "stage_expert_grids"]
 
 EXPERT_MARK = ".mlp.experts."  # routed experts' parameters (the router and shared experts are not)
 
@@ -104,3 +105,35 @@ def expert_groups(domain_ranks: Sequence[int], *, ep: int, etp: int) -> tuple[li
 def rank_expert_layout(position: int, *, num_experts: int, ep: int, etp: int) -> ExpertLayout:
     """The layout of the rank at ``position`` in its stage's expert grid (``expert_groups`` order)."""
     return ExpertLayout(num_experts=num_experts, ep=ep, ep_rank=position // etp, etp=etp, etp_rank=position % etp)
+
+
+def stage_expert_grids(replica_stage_ranks: Sequence[Sequence[Sequence[int]]], *, ep: int,
+                       etp: int | None) -> list[tuple[tuple[int, ...], int]]:
+    """Every stage's expert grid: (the domain's ranks of that stage in grid order, expert-TP size), one
+    per (expert domain, stage index), in plan order. ``replica_stage_ranks``: each replica's stages'
+    ranks (``Plan.replicas[r].stages[s].ranks``)."""
+    k = expert_domains(len(replica_stage_ranks), [[len(s) for s in r] for r in replica_stage_ranks],
+                       ep=ep, etp=etp)
+    out = []
+    for first in range(0, len(replica_stage_ranks), k):
+        for s, stage_ranks in enumerate(replica_stage_ranks[first]):
+            ranks = tuple(r for rep in replica_stage_ranks[first:first + k] for r in rep[s])
+            out.append((ranks, etp or len(stage_ranks)))
+    return out
+
+
+def plan_expert_layouts(replica_stage_ranks: Sequence[Sequence[Sequence[int]]], *, num_experts: int, ep: int,
+                        etp: int | None) -> dict[int, ExpertLayout]:
+    """Rank -> its ExpertLayout, for every rank of a plan (``stage_expert_grids``). A rank's EP and
+    expert-TP indices are its places in those groups by global rank, as torch numbers a group's
+    members (``new_group`` sorts them) and megatron-core reads them (``ep_group.rank()``), which is the
+    grid order only where the domain's replicas have ascending ranks."""
+    out = {}
+    for ranks, e in stage_expert_grids(replica_stage_ranks, ep=ep, etp=etp):
+        ep_groups, etp_groups = expert_groups(ranks, ep=ep, etp=e)
+        ep_rank = {r: sorted(g).index(r) for g in ep_groups for r in g}
+        etp_rank = {r: sorted(g).index(r) for g in etp_groups for r in g}
+        for rank in ranks:
+            out[rank] = ExpertLayout(num_experts=num_experts, ep=ep, ep_rank=ep_rank[rank], etp=e,
+                                     etp_rank=etp_rank[rank])
+    return out

@@ -31,7 +31,7 @@ PLAN_FORMAT_VERSION = 1  # value of the "version" key this code reads and writes
 
 _PLAN_KEYS = ("format", "version", "micro_batch_size", "global_batch_size", "schedule", "virtual_pipeline_size",
               "sequence_parallel", "use_distributed_optimizer", "overlap_grad_reduce", "precision", "attention",
-              "replicas", "predicted")
+              "expert_parallel", "expert_tensor_parallel", "replicas", "predicted")
 # Attention kernels a plan may record: "fused" (flash / memory-efficient: transformer-engine, or torch's
 # SDPA in the local spec; no s x s scores held) or "unfused" (megatron-core's DotProductAttention).
 PLAN_ATTENTIONS = ("fused", "unfused")
@@ -77,6 +77,11 @@ class Plan:
     # The attention kernel the plan was priced with and runs (PLAN_ATTENTIONS); None: fused on GPU
     # device types, unfused on host ones (what every plan written before the field was priced with)
     attention: str | None = None
+    # MoE models: routed experts spread over EP ranks, each expert's weights over expert-TP ranks
+    # (None: each stage's TP size), megatron-core's expert grid over an expert domain of
+    # EP x ETP / TP identical replicas (plan/experts.py). Written only when set
+    expert_parallel: int = 1
+    expert_tensor_parallel: int | None = None
     predicted: Mapping[str, object] | None = None  # performance-model output attached by the planner
     version: int = PLAN_FORMAT_VERSION  # JSON format version
 
@@ -100,7 +105,8 @@ class Plan:
         check_pipeline(replicas=self.replicas, micro_batch_size=self.micro_batch_size,
                        global_batch_size=self.global_batch_size, schedule=self.schedule,
                        virtual_pipeline_size=self.virtual_pipeline_size, sequence_parallel=self.sequence_parallel,
-                       model=model, cluster=cluster)
+                       model=model, cluster=cluster, expert_parallel=self.expert_parallel,
+                       expert_tensor_parallel=self.expert_tensor_parallel)
         if memory_check is not None:
             memory_check(self, model, cluster)
 
@@ -132,6 +138,9 @@ class Plan:
             # written only when on, so plans without it keep their files byte for byte
             **({"overlap_grad_reduce": True} if self.overlap_grad_reduce else {}), "precision": self.precision,
             **({"attention": self.attention} if self.attention is not None else {}),
+            **({"expert_parallel": self.expert_parallel} if self.expert_parallel != 1 else {}),
+            **({"expert_tensor_parallel": self.expert_tensor_parallel} if self.expert_tensor_parallel is not None
+               else {}),
             "replicas": [r.to_dict() for r in self.replicas], "predicted": predicted,
         }
 
@@ -185,6 +194,9 @@ class Plan:
             overlap_grad_reduce=as_bool(d.get("overlap_grad_reduce", False), "overlap_grad_reduce", source),
             precision=precision,
             attention=attention,
+            expert_parallel=as_int(d.get("expert_parallel", 1), "expert_parallel", source),
+            expert_tensor_parallel=(None if d.get("expert_tensor_parallel") is None
+                                    else as_int(d["expert_tensor_parallel"], "expert_tensor_parallel", source)),
             predicted=dict(predicted) if predicted is not None else None,
             version=version,
         )

@@ -241,6 +241,10 @@ def plan_sharded(model: ModelSpec, cluster: ClusterSpec, *, global_batch_size: i
     ``capacity_bytes`` (one per GPU, island by island) overrides the catalog's device memory, e.g.
     for an emulated cluster. Raises InfeasibleError naming the failed constraint with numbers.
     """
+    if model.is_moe:
+        raise InfeasibleError("the sharded data-parallel strategy does not build mixture-of-experts layers yet "
+                              f"({model.num_experts} experts); MoE models run in the pipeline runtime (docs/moe.md). "
+                              "Fix: use --mode pipeline")
     if isinstance(global_batch_size, bool) or not isinstance(global_batch_size, int) or global_batch_size < 1:
         raise InfeasibleError(f"global_batch_size: must be an integer >= 1 (got {global_batch_size!r}). "
                               "Fix: pass a positive global batch size in sequences")

@@ -219,6 +219,48 @@ def _cpu_move_to_host(tensor: Any, as_numpy: bool = False, record_stream: bool =
     return tensor
 
 
+_ORIGINALS: dict[tuple[str, str], Callable] = {}  # megatron-core functions a FunctionPatch replaced
+
+
+def _original(module: str, name: str) -> Callable:
+    return _ORIGINALS[(module, name)]
+
+
+_MAPPINGS = "megatron.core.tensor_parallel.mappings"
+
+
+def _host_gather_along_first_dim(input_, group, output_split_sizes=None, use_global_buffer=False):
+    """megatron-core's gather of uneven pieces (the MoE dispatcher's tokens over expert-TP) is a list
+    ``all_gather``, which NCCL takes and gloo refuses: on the host each piece is padded to the largest,
+    gathered evenly and cut back (the same values)."""
+    if output_split_sizes is None or group.size() == 1:
+        return _original(_MAPPINGS, "_gather_along_first_dim")(input_, group, output_split_sizes, use_global_buffer)
+    import torch.distributed as dist
+
+    sizes = [int(n) for n in output_split_sizes]
+    longest = max(sizes)
+    padded = input_.new_zeros((longest, *input_.shape[1:]))
+    padded[:input_.shape[0]] = input_
+    gathered = input_.new_empty((longest * len(sizes), *input_.shape[1:]))
+    dist.all_gather_into_tensor(gathered, padded.contiguous(), group=group)
+    return torch.cat([gathered[i * longest:i * longest + n] for i, n in enumerate(sizes)])
+
+
+def _host_reduce_scatter_along_first_dim(input_, group, input_split_sizes=None, use_global_buffer=False):
+    """megatron-core's reduce-scatter of uneven pieces (a list ``reduce_scatter``, which gloo refuses):
+    on the host the whole input is summed over the group and each rank keeps its piece."""
+    if input_split_sizes is None or group.size() == 1:
+        return _original(_MAPPINGS, "_reduce_scatter_along_first_dim")(input_, group, input_split_sizes,
+                                                                         use_global_buffer)
+    import torch.distributed as dist
+
+    total = input_.contiguous().clone()
+    dist.all_reduce(total, group=group)
+    sizes = [int(n) for n in input_split_sizes]
+    first = sum(sizes[:group.rank()])
+    return total[first:first + sizes[group.rank()]].clone()
+
+
 @dataclass(frozen=True, kw_only=True)
 class FunctionPatch:
     """Replace ``module.name`` by ``replacement``."""
@@ -239,6 +281,11 @@ FUNCTION_PATCHES: tuple[FunctionPatch, ...] = (
     FunctionPatch(module="megatron.core.transformer.moe.token_dispatcher", name="maybe_move_tensor_to_cpu",
                   replacement=_cpu_move_to_host,
                   upstream="transformer/moe/moe_utils.py:1184 numpy only for CUDA tensors (alltoall split sizes)"),
+    FunctionPatch(module=_MAPPINGS, name="_gather_along_first_dim", replacement=_host_gather_along_first_dim,
+                  upstream="tensor_parallel/mappings.py:148-153 list all_gather of uneven pieces (gloo refuses)"),
+    FunctionPatch(module=_MAPPINGS, name="_reduce_scatter_along_first_dim",
+                  replacement=_host_reduce_scatter_along_first_dim,
+                  upstream="tensor_parallel/mappings.py:185-196 list reduce_scatter of uneven pieces (gloo refuses)"),
 )
 
 
@@ -359,6 +406,9 @@ def enable_cpu_backend(*, force: bool = False) -> CpuBackendReport:
     replaced = []
     for p in FUNCTION_PATCHES:
         mod = importlib.import_module(p.module)
+        current = getattr(mod, p.name)
+        if current is not p.replacement:
+            _ORIGINALS.setdefault((p.module, p.name), current)
         setattr(mod, p.name, p.replacement)
         replaced.append(f"{p.module}.{p.name}")
     shimmed = []

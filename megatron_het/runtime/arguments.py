@@ -152,6 +152,10 @@ FLAGS = (
     Flag("--overlap-grad-reduce", "train.overlap_grad_reduce", bool, "reduce gradient buckets during the backward"),
     Flag("--ddp-bucket-size", "train.ddp_bucket_size", int, "parameters per gradient bucket (default: "
          "megatron-core's max(40M, 1M x replicas))"),
+    Flag("--expert-model-parallel-size", "run.expert_model_parallel_size", int, "MoE: spread the experts over this "
+         "many ranks (the plan's expert_parallel; docs/moe.md)"),
+    Flag("--expert-tensor-parallel-size", "run.expert_tensor_parallel_size", int, "MoE: split each expert's weights "
+         "over this many ranks (default: each stage's TP size)"),
     Flag("--use-distributed-optimizer", "run.use_distributed_optimizer", bool, "shard fp32 main parameters and "
          "Adam moments over every holder of each parameter (the plan records it)"),
     Flag("--overlap-param-gather", "train.overlap_param_gather", bool, "with the distributed optimizer: all-gather "
@@ -225,6 +229,9 @@ class PretrainArgs:
     tp_comm_overlap: bool  # overlap TP communication on every stage with TP > 1
     tensorboard: TensorBoardConfig | None  # None: no --tensorboard-dir
     use_distributed_optimizer: bool = False  # turn on the plan's distributed optimizer (runtime/plan_record.py)
+    # MoE: the plan's expert_parallel / expert_tensor_parallel (plan/experts.py); 1 / None: the plan's own
+    expert_model_parallel_size: int = 1
+    expert_tensor_parallel_size: int | None = None
     resilience: ResilienceOptions | None = None  # None: no --hetero-resilience
     device_stand_in: bool = False  # ranks may run islands of another vendor (runtime/device_check.py)
     staggered_step: bool = False  # --hetero-staggered-step
@@ -249,6 +256,9 @@ def _sections(ns: argparse.Namespace, parser: argparse.ArgumentParser,
         if section == "run" and field in LAYOUT_FIELDS:
             value = value if dest in given else None  # not given: the plan decides
         if section == "model" and isinstance(value, list):
+            if field == "moe_layer_freq":  # Megatron's moe_freq_type: a pattern string becomes a list
+                raise ConfigError("a per-layer pattern is not supported yet", field=flag.name, value=value,
+                                  fix="pass an integer N (every N-th layer from layer 0 has experts)")
             # Megatron-LM takes several load-balancing types (and coefficients) at once; one is its
             # usual form, which arguments.py unwraps as here
             if len(value) != 1:
@@ -506,6 +516,13 @@ def parse_args(argv: list[str] | None = None) -> PretrainArgs:
             raise ValueError("--transformer-impl transformer_engine: transformer-engine is not importable on a GPU "
                              "in this process. Fix: pass --transformer-impl local, or install transformer-engine "
                              "on the GPU nodes")  # here, not in every rank's model build after rendezvous
+        if model.is_moe and model.add_bias_linear and (run["expert_model_parallel_size"] == 1
+                                                       or run["expert_tensor_parallel_size"] != 1):
+            raise ValueError("--num-experts with linear biases: megatron-core trains expert biases only with expert "
+                             "parallelism and expert-TP 1 (got --expert-model-parallel-size "
+                             f"{run['expert_model_parallel_size']}, --expert-tensor-parallel-size "
+                             f"{run['expert_tensor_parallel_size']}). Fix: add --disable-bias-linear, or "
+                             "--expert-tensor-parallel-size 1 with --expert-model-parallel-size > 1")
         if model.layernorm_zero_centered_gamma and not _transformer_engine_builds(train["transformer_impl"]):
             raise ValueError("--apply-layernorm-1p: megatron-core's local layers (no transformer-engine in this "
                              "process) have no zero-centred norm. Fix: run where transformer-engine is installed, "
@@ -526,6 +543,8 @@ def parse_args(argv: list[str] | None = None) -> PretrainArgs:
                         no_emulation=bool(run["no_emulation"]), sequence_parallel=bool(run["sequence_parallel"]),
                         tp_comm_overlap=bool(run["tp_comm_overlap"]), tensorboard=tensorboard,
                         use_distributed_optimizer=bool(run["use_distributed_optimizer"]), resilience=resilience,
+                        expert_model_parallel_size=run["expert_model_parallel_size"],
+                        expert_tensor_parallel_size=run["expert_tensor_parallel_size"],
                         staggered_step=bool(run["staggered_step"]), device_stand_in=bool(run["device_stand_in"]),
                         tensor_model_parallel_size=run["tensor_model_parallel_size"],
                         pipeline_model_parallel_size=run["pipeline_model_parallel_size"], notes=tuple(notes))

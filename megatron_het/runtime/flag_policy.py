@@ -86,10 +86,6 @@ WHY_BUILT = ("this runtime builds megatron-core's exact GeLU and pads the vocabu
 
 # dest -> the fix a refusal names, where there is a better one than "drop it"
 REFUSED_FIX: dict[str, str] = {
-    "expert_model_parallel_size": "expert parallelism is not built yet (#37): experts are held whole by every "
-                                  "data-parallel replica, tensor-parallel over its stage's ranks; drop it",
-    "expert_tensor_parallel_size": "experts are tensor-parallel over their stage's TP ranks (megatron-core's default);"
-                                   " drop it",
     "context_parallel_size": "context parallelism lands with #38; drop it or shorten --seq-length",
 }
 

@@ -71,7 +71,7 @@ from megatron_het.runtime.mixed_precision import LossScaler, MainParams, params_
 from megatron_het.runtime.moe_aux_loss import set_aux_loss_scale
 from megatron_het.runtime.moe_metrics import MoEMetrics
 from megatron_het.runtime.split_backward import WeightGradStore, install_split_linears, unsplit_linears
-from megatron_het.runtime.stage_groups import build_stage_groups
+from megatron_het.runtime.stage_groups import build_stage_groups, plan_expert_layouts_of
 from megatron_het.schedule import Action, build_schedule
 from megatron_het.schedule.stream_model import check_transfer_streams
 from megatron_het.schedule.transfers import Step, stage_transfer_steps
@@ -106,25 +106,6 @@ def replica_first_micro_batch(plan: Plan, replica: int) -> int:
     return sum(r.num_micro_batches for r in plan.replicas[:replica])
 
 
-def check_uneven_gather(model: ModelSpec, tp: int, tp_group) -> None:
-    """megatron-core's alltoall dispatcher with token dropping (no padding to capacity) gathers each TP
-    rank's surviving tokens, uneven counts, with ``all_gather`` of a list of sizes: NCCL and RCCL take it,
-    gloo refuses at the first forward. Refused here, on every rank, before any step."""
-    if not (model.is_moe and tp > 1 and model.moe_token_dispatcher_type == "alltoall"
-            and model.moe_expert_capacity_factor is not None and not model.moe_pad_expert_input_to_capacity):
-        return
-    import torch.distributed as dist
-
-    from megatron_het.platform import HOST_BACKEND
-
-    if dist.get_backend(tp_group) == HOST_BACKEND:
-        raise ConfigError("token dropping with the alltoall dispatcher under TP gathers uneven token counts, which "
-                          "gloo (host ranks) cannot", field="--moe-expert-capacity-factor",
-                          value=model.moe_expert_capacity_factor,
-                          fix="add --moe-pad-expert-input-to-capacity, or use --moe-token-dispatcher-type allgather, "
-                              "or TP 1 on host stages")
-
-
 class PipelineStrategy:
     """This rank's stage of a plan: model, groups, gradient synchronizer, optimizer, schedule executor."""
 
@@ -155,14 +136,17 @@ class PipelineStrategy:
         self.pgc, self.role = build_stage_groups(plan, timeout=train.group_timeout, device_id=acc.eager_device,
                                                  backend_of=lambda island: acc.backend_for(island_library[island]))
         role = self.role
-        check_uneven_gather(model, role.tp_size, self.pgc.tp)
         self.grid_groups = self._grid_groups()  # 3D tensor-parallel stage (plan tp_grid), else None
         self.replica = plan.replicas[role.replica]
         self.stage_plan = self.replica.stages[role.stage]
         self.is_first, self.is_last = role.is_first_stage, role.is_last_stage
 
         torch.manual_seed(train.seed + role.layers[0])
-        model_parallel_cuda_manual_seed(train.seed + role.layers[0], tp_rank=role.tp_rank, ep_rank=0, etp_rank=0,
+        # MoE: this rank's place in its stage's expert grid (plan/experts.py; None for a dense model)
+        self.experts = plan_expert_layouts_of(plan, model.num_experts)[role.rank] if model.is_moe else None
+        ex = self.experts
+        model_parallel_cuda_manual_seed(train.seed + role.layers[0], tp_rank=role.tp_rank,
+                                        ep_rank=ex.ep_rank if ex else 0, etp_rank=ex.etp_rank if ex else 0,
                                         force_reset_rng=True)
         # a 3D stage runs megatron-core at TP = gy without sequence parallelism: its boundaries hold the
         # whole sequence (full_sequence)
@@ -195,7 +179,7 @@ class PipelineStrategy:
         else:
             for gpt, (first, _) in zip(self.gpts, self.chunk_ranges):
                 load_full_state(gpt, init_full_state, layer_offset=first, tp_rank=role.tp_rank,
-                                tp_size=role.tp_size, tied=self.tied, gated=model.swiglu)
+                                tp_size=role.tp_size, tied=self.tied, gated=model.swiglu, experts=self.experts)
         if self.overlap_report is not None and role.tp_rank == 0:
             logger.info("rank %d (replica %d stage %d): %s", role.rank, role.replica, role.stage,
                         self.overlap_report.describe())
@@ -406,7 +390,8 @@ class PipelineStrategy:
 
     def named_global_params(self) -> dict[str, torch.nn.Parameter]:
         """This stage's parameters by global name (the last stage's tied output is the word embedding)."""
-        return global_params([(gpt, first) for gpt, (first, _) in zip(self.gpts, self.chunk_ranges)], tied=self.tied)
+        return global_params([(gpt, first) for gpt, (first, _) in zip(self.gpts, self.chunk_ranges)], tied=self.tied,
+                             first_expert=self.experts.first_expert if self.experts else 0)
 
     def _gradient_synchronizer(self) -> GradientSynchronizer:
         """The plain synchronizer, or with ``overlap_grad_reduce`` the hook-driven one in buckets of
@@ -456,7 +441,8 @@ class PipelineStrategy:
         ``runtime/holdings.plan_holdings`` gives every rank's without processes)."""
         role = self.role
         return stage_holdings(self.params, rank=role.rank, stage_key=(role.replica, role.stage), tp_rank=role.tp_rank,
-                              tp_size=role.tp_size, gated=self.model_spec.swiglu, grid=self.stage_plan.tp_grid)
+                              tp_size=role.tp_size, gated=self.model_spec.swiglu, grid=self.stage_plan.tp_grid,
+                              experts=self.experts)
 
     def check_weights(self, context: str) -> int:
         from megatron_het.runtime.consistency import check_holders_agree
@@ -481,6 +467,7 @@ class PipelineStrategy:
         if self.model_spec.is_moe:
             set_aux_loss_scale(grad_scale=self.executor.grad_scale, total_micro_batches=self.total_micro_batches,
                                device=self.device)
+            self.moe_metrics.reset()  # a redone iteration (resilience) must not count its failed attempt
         batch_fn = positioned_batches(self.batch_fn, self.data_position, self.train.global_batch_size)
         with phase("forward_backward"):
             loss_sum = self.executor.run(iteration=iteration, batch_fn=batch_fn, forward=self._forward,
@@ -611,6 +598,8 @@ class PipelineStrategy:
         self.gpt = self._build_model()
         for gpt, state in zip(self.gpts, states):
             gpt.load_state_dict(state)
+        if self.moe_metrics is not None:
+            self.moe_metrics.renumber(list(zip(self.gpts, (first for first, _ in self.chunk_ranges))))
         self.role = dataclasses.replace(self.role, rank=ranks[self.plan_rank])
         old = self.plan_placement
         self.placement = RankPlacement(island={ranks[r]: i for r, i in old.island.items() if r in ranks},
@@ -650,8 +639,9 @@ class PipelineStrategy:
         if values is None:  # loading: the slots give shapes; the distributed optimizer's are fp32
             values = ({n: torch.empty(p.shape, dtype=torch.float32, device="meta") for n, p in self.params.items()}
                       if self.plan.use_distributed_optimizer else {n: p.detach() for n, p in self.opt_params.items()})
+        # each piece at its holding's TP place (a routed expert's: its expert-TP place, plan/experts.py)
         return {name: TensorSlot(tensor=t, partition_dim=self.sync.local[name].partition_dim,
-                                 tp_rank=self.role.tp_rank, tp_size=self.role.tp_size,
+                                 tp_rank=self.sync.local[name].tp_rank, tp_size=self.sync.local[name].tp_size,
                                  main=(name, self.role.rank) in writers,
                                  glu=is_glu(name, self.model_spec.swiglu))
                 for name, t in values.items()}
@@ -722,7 +712,7 @@ class PipelineStrategy:
         out: dict[str, Shard] = {}
         for gpt, (first, _) in zip(self.gpts, self.chunk_ranges):
             out.update(local_shards(gpt, layer_offset=first, tp_rank=self.role.tp_rank, tp_size=self.role.tp_size,
-                                    tied=self.tied, gated=self.model_spec.swiglu))
+                                    tied=self.tied, gated=self.model_spec.swiglu, experts=self.experts))
         return out
 
     def summary_lines(self, logs: Sequence[IterationLog]) -> list[str]:

@@ -26,9 +26,10 @@ from megatron_het.cluster import ModelSpec
 from megatron_het.model.gpt import StageModelSpec
 from megatron_het.perf.flops import padded_vocab_size
 from megatron_het.plan import Plan, StagePlan, chunk_layers, rank_roles
+from megatron_het.plan.experts import ExpertLayout
 from megatron_het.plan.types import fused_attention
 from megatron_het.runtime.grad_sync import Holding
-from megatron_het.runtime.stage_groups import SELF_GROUPS, STAGE_WIDE_GROUPS
+from megatron_het.runtime.stage_groups import SELF_GROUPS, STAGE_WIDE_GROUPS, plan_expert_layouts_of
 from megatron_het.runtime.tp3d_groups import tp3d_holdings
 
 __all__ = ["chunk_model_specs", "global_params", "plan_holdings", "plan_padded_vocab", "stage_holdings",
@@ -54,7 +55,8 @@ def stage_model_spec(model: ModelSpec, plan: Plan, stage: StagePlan, *, is_first
                           recompute=stage.recompute, recompute_num_layers=stage.recompute_num_layers,
                           sequence_parallel=plan.sequence_parallel, params_dtype=params_dtype,
                           transformer_impl=transformer_impl, deterministic=deterministic,
-                          fused_attention=fused_attention(plan.attention))
+                          fused_attention=fused_attention(plan.attention), ep=plan.expert_parallel,
+                          etp=plan.expert_tensor_parallel)
     if stage.tp_grid is not None:
         spec = dataclasses.replace(spec, tp=stage.tp_grid[1], sequence_parallel=False)
     return spec
@@ -71,24 +73,28 @@ def chunk_model_specs(spec: StageModelSpec, chunk_ranges: Sequence[tuple[int, in
             for c, (first, stop) in enumerate(chunk_ranges)]
 
 
-def global_params(chunks: Sequence[tuple[torch.nn.Module, int]], *, tied: bool) -> dict[str, torch.nn.Parameter]:
+def global_params(chunks: Sequence[tuple[torch.nn.Module, int]], *, tied: bool,
+                  first_expert: int = 0) -> dict[str, torch.nn.Parameter]:
     """A stage's parameters by global name (checkpoint/full_state.py), from (chunk, its first global
-    layer) pairs in chunk order; a tied output layer is the word embedding (the last stage's copy)."""
+    layer) pairs in chunk order; a tied output layer is the word embedding (the last stage's copy).
+    ``first_expert``: global index of the rank's first routed expert (expert parallelism)."""
     out = {}
     for gpt, first in chunks:
         for name, p in gpt.named_parameters():
-            g = global_name(name, first)
+            g = global_name(name, first, first_expert)
             out[WORD_EMBEDDING if tied and g == TIED_OUTPUT else g] = p
     return out
 
 
 def stage_holdings(params: Mapping[str, torch.Tensor], *, rank: int, stage_key: tuple[int, int], tp_rank: int,
-                   tp_size: int, gated: bool, grid: tuple[int, int, int] | None = None) -> list[Holding]:
+                   tp_size: int, gated: bool, grid: tuple[int, int, int] | None = None,
+                   experts: ExpertLayout | None = None) -> list[Holding]:
     """What rank ``rank`` holds of each full parameter, from its stage's ``params`` (global name ->
     local tensor with megatron-core's TP attributes), in their order. A parameter marked
     ``sequence_parallel`` holds a TP-partial gradient (sequence-parallel norms and biases; q/k norms
     under TP, model/gpt.py) where TP > 1. ``grid``: a 3D stage's (gx, gy, gz);
-    ``tp_rank`` is then the rank's index in the grid (runtime/tp3d_groups.tp3d_holdings)."""
+    ``tp_rank`` is then the rank's index in the grid (runtime/tp3d_groups.tp3d_holdings). ``experts``:
+    the rank's expert grid place (a routed expert's weights split over expert-TP, not the stage's TP)."""
     dims = {n: int(p.partition_dim) if getattr(p, "tensor_model_parallel", False) else None
             for n, p in params.items()}
     if grid is not None:
@@ -96,10 +102,11 @@ def stage_holdings(params: Mapping[str, torch.Tensor], *, rank: int, stage_key: 
                              grid_rank=tp_rank, stage_key=stage_key, grid=grid, gated=gated)
     hs = []
     for name, p in params.items():
+        t_rank, t_size = (tp_rank, tp_size) if experts is None else experts.tp_coordinates(name, tp_rank, tp_size)
         full = list(p.shape)
         if dims[name] is not None:
-            full[dims[name]] *= tp_size
-        hs.append(Holding(name=name, rank=rank, stage_key=stage_key, tp_rank=tp_rank, tp_size=tp_size,
+            full[dims[name]] *= t_size
+        hs.append(Holding(name=name, rank=rank, stage_key=stage_key, tp_rank=t_rank, tp_size=t_size,
                           partition_dim=dims[name], full_shape=tuple(full), glu=is_glu(name, gated),
                           sequence_parallel=tp_size > 1 and bool(getattr(p, "sequence_parallel", False))))
     return hs
@@ -142,7 +149,7 @@ def _any_world() -> Iterator[None]:
 
 
 def _build_meta(specs: Sequence[StageModelSpec], *, tp_rank: int, grid: tuple[int, int, int] | None,
-                micro_batch_size: int) -> list[torch.nn.Module]:
+                micro_batch_size: int, experts: ExpertLayout | None = None) -> list[torch.nn.Module]:
     """The stage's chunks as the trainer builds them (``PipelineStrategy._build_model``), on meta."""
     from megatron.core.process_groups_config import ProcessGroupCollection
 
@@ -162,6 +169,11 @@ def _build_meta(specs: Sequence[StageModelSpec], *, tp_rank: int, grid: tuple[in
         tp = _Placeholder(specs[0].tp, tp_rank)
     one = _Placeholder(1, 0)
     pgc = ProcessGroupCollection(**dict.fromkeys(STAGE_WIDE_GROUPS, tp), **dict.fromkeys(SELF_GROUPS, one))
+    pgc.tp_ep = tp
+    if experts is not None and (experts.ep > 1 or experts.etp != specs[0].tp):  # the stage's expert grid
+        pgc.ep = _Placeholder(experts.ep, experts.ep_rank)
+        pgc.expt_tp = _Placeholder(experts.etp, experts.etp_rank)
+        pgc.tp_ep = pgc.tp_ep_pp = _Placeholder(experts.ep * experts.etp, experts.ep_rank * experts.etp + experts.etp_rank)
     out = []
     with _any_world(), torch.device("meta"):
         for spec in specs:
@@ -183,6 +195,7 @@ def plan_holdings(plan: Plan, model: ModelSpec, *, padded_vocab: int | None = No
     rank, 3D grid) is built once on the meta device."""
     vocab = padded_vocab or plan_padded_vocab(model, plan)
     tied = not model.untie_embeddings_and_output_weights
+    layouts = plan_expert_layouts_of(plan, model.num_experts) if model.is_moe else {}
     built: dict[tuple, list[Holding]] = {}  # per stage shape: the holdings of its first rank
     out = []
     for rank, role in sorted(rank_roles(plan).items()):
@@ -191,15 +204,17 @@ def plan_holdings(plan: Plan, model: ModelSpec, *, padded_vocab: int | None = No
         spec = stage_model_spec(model, plan, stage, is_first=role.is_first_stage, is_last=role.is_last_stage,
                                 vocab_size=vocab, transformer_impl=transformer_impl)
         ranges = chunk_layers(replica, plan.virtual_pipeline_size)[role.stage]
-        key = (spec, tuple(ranges), role.tp_rank, stage.tp_grid)
+        experts = layouts.get(rank)
+        key = (spec, tuple(ranges), role.tp_rank, stage.tp_grid, experts)
         stage_key = (role.replica, role.stage)
         if key not in built:
             chunks = _build_meta(chunk_model_specs(spec, ranges), tp_rank=role.tp_rank, grid=stage.tp_grid,
-                                     micro_batch_size=plan.micro_batch_size)
-            params = global_params(list(zip(chunks, (first for first, _ in ranges))), tied=tied)
+                                 micro_batch_size=plan.micro_batch_size, experts=experts)
+            params = global_params(list(zip(chunks, (first for first, _ in ranges))), tied=tied,
+                                   first_expert=experts.first_expert if experts else 0)
             built[key] = stage_holdings(params, rank=rank, stage_key=stage_key, tp_rank=role.tp_rank,
                                         tp_size=role.tp_size, gated=model.swiglu,
-                                        grid=stage.tp_grid)
+                                        grid=stage.tp_grid, experts=experts)
         # the same shape elsewhere holds the same pieces: only the rank and its stage differ (a copy of
         # the fields: dataclasses.replace costs 1 s more on 100,000 holdings)
         out += [Holding(**{**vars(h), "rank": rank, "stage_key": stage_key}) for h in built[key]]

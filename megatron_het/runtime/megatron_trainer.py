@@ -70,6 +70,11 @@ class MegatronStrategy:
         from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
         from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
+        if model.is_moe and (shape.tp > 1 or shape.pp > 1):
+            # an MoE stage is an explicit block of its layers (model/gpt.layer_spec) that megatron-core's
+            # pipeline does not slice, and MoE under TP needs sequence parallelism, which this block lacks
+            raise ValueError(f"the megatron-core reference block runs MoE models at TP = PP = 1 (got TP {shape.tp}, "
+                             f"PP {shape.pp}). Fix: use BlockShape(tp=1, pp=1, dp=...), or the pipeline runtime")
         self.model_spec, self.train, self.shape, self.batch_fn = model, train, shape, batch_fn
         self.rank = dist.get_rank()
         _, pgc = block_process_groups(shape, timeout=train.group_timeout)

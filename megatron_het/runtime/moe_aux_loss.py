@@ -20,6 +20,7 @@ def set_aux_loss_scale(*, grad_scale: torch.Tensor | None, total_micro_batches: 
     """Set megatron-core's auxiliary-loss gradient for the next iteration (before its first forward)."""
     from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
 
-    scale = (torch.ones((), dtype=torch.float32, device=device) if grad_scale is None
-             else grad_scale.detach().float().reshape(()))
+    # shape [1], as Megatron's schedule stores it: the first call fixes the shape later calls copy into
+    scale = (torch.ones(1, dtype=torch.float32, device=device) if grad_scale is None
+             else grad_scale.detach().float().reshape(1))
     MoEAuxLossAutoScaler.set_loss_scale(scale / total_micro_batches)

@@ -31,11 +31,13 @@ MOE_LOSS_NAMES = (*AUX_LOSS_NAMES.values(), "z_loss")  # every name the log line
 
 
 def recorded_names(model: ModelSpec) -> tuple[str, ...]:
-    """The losses ``model``'s routers record (a coefficient of 0 or None records nothing)."""
+    """The losses ``model``'s routers record, under megatron-core's conditions: a load-balancing loss
+    with a coefficient above 0 (``Router.is_aux_loss_enabled``), the z-loss with any coefficient set,
+    0 included (``Router.apply_z_loss``)."""
     names = []
-    if model.moe_aux_loss_coeff and model.moe_router_load_balancing_type in AUX_LOSS_NAMES:
+    if model.moe_aux_loss_coeff > 0 and model.moe_router_load_balancing_type in AUX_LOSS_NAMES:
         names.append(AUX_LOSS_NAMES[model.moe_router_load_balancing_type])
-    if model.moe_z_loss_coeff:
+    if model.moe_z_loss_coeff is not None:
         names.append("z_loss")
     return tuple(names)
 
@@ -51,15 +53,24 @@ class MoEMetrics:
         self.names = recorded_names(model)
         self.tp_size = tp_size
         self.moe_layers = sum(model.moe_layers())
-        for gpt, first in chunks:
-            for i, layer in enumerate(getattr(getattr(gpt, "decoder", None), "layers", ())):
-                router = getattr(layer.mlp, "router", None)
-                if router is not None:
-                    router.set_layer_number(first + i + 1)  # 1-based, as megatron-core numbers layers
+        self.renumber(chunks)
         self.tracker = get_moe_metrics_tracker()
         self.tracker.metrics.clear()
         for name in self.names:
             self.tracker.metrics[name] = MetricEntry(values=torch.zeros(model.num_layers, device=device))
+
+    @staticmethod
+    def renumber(chunks: Sequence[tuple[torch.nn.Module, int]]) -> None:
+        """Give each MoE layer (and its router) its global layer number (after a rebuild too)."""
+        for gpt, first in chunks:
+            for i, layer in enumerate(getattr(getattr(gpt, "decoder", None), "layers", ())):
+                if hasattr(layer.mlp, "router"):
+                    layer.mlp.set_layer_number(first + i + 1)  # 1-based, as megatron-core numbers layers
+
+    def reset(self) -> None:
+        """Forget what the routers recorded (an iteration redone after a failure starts from zero)."""
+        for name in self.names:
+            self.tracker.metrics[name].values.zero_()
 
     def take_local(self) -> torch.Tensor:
         """This rank's share of each loss's world sum (``names`` order, float64), the tracker emptied."""

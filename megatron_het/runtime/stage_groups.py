@@ -16,6 +16,7 @@ import torch.distributed as dist
 
 from megatron_het.model.groups import GRID_DIMS, ensure_global_memory_buffer, group_options
 from megatron_het.plan import Plan, rank_roles
+from megatron_het.plan.experts import ExpertLayout, expert_groups, plan_expert_layouts, stage_expert_grids
 
 # What each group of a stage's ProcessGroupCollection spans (build_stage_groups below): the stage's
 # TP ranks, or this rank alone.
@@ -36,6 +37,46 @@ def check_contiguous_stages(plan: Plan) -> None:
                     f"replicas[{r}].stages[{s}].ranks: the runtime needs consecutive ascending ranks per "
                     f"stage (got {list(stage.ranks)}). Fix: use {list(expected)}-style ranges; "
                     f"tools/plan.py writes plans this way")
+
+
+def plan_expert_layouts_of(plan: Plan, num_experts: int) -> dict[int, ExpertLayout]:
+    """Every rank's place in its stage's expert grid (``plan/experts.plan_expert_layouts``)."""
+    return plan_expert_layouts([[s.ranks for s in r.stages] for r in plan.replicas], num_experts=num_experts,
+                               ep=plan.expert_parallel, etp=plan.expert_tensor_parallel)
+
+
+def _expert_groups(plan: Plan, created: dict, rank: int, *, timeout, backend_of, device_id):
+    """Create every stage's expert-parallel, expert-TP and (expert-TP x EP) groups (collective over the
+    world, in plan order); return this rank's (ep, expt_tp, tp_ep), or None without expert parallelism.
+    A grid whose ranks sit on islands of different backends is refused: the MoE dispatcher's
+    all-to-all does not go through the host-staged bridge yet."""
+    if plan.expert_parallel == 1 and plan.expert_tensor_parallel is None:
+        return None
+    island_of = {r: s.island for rep in plan.replicas for s in rep.stages for r in s.ranks}
+    mine = None
+    for ranks, etp in stage_expert_grids([[s.ranks for s in r.stages] for r in plan.replicas],
+                                         ep=plan.expert_parallel, etp=plan.expert_tensor_parallel):
+        backends = {None if backend_of is None else backend_of(island_of[r]) for r in ranks}
+        if len(backends) > 1:
+            raise ValueError(f"expert parallelism over ranks {list(ranks)}: their islands "
+                             f"({sorted({island_of[r] for r in ranks})}) use different collective libraries "
+                             f"({sorted(map(str, backends))}), and the MoE all-to-all has no bridge between them yet. "
+                             "Fix: keep each expert domain's replicas on islands of one vendor, or use "
+                             "expert_parallel 1")
+        backend = backends.pop()
+        ep_groups, etp_groups = expert_groups(ranks, ep=plan.expert_parallel, etp=etp)
+        got = []
+        for group_list in (ep_groups, etp_groups, [list(ranks)]):
+            for g in group_list:
+                key = (tuple(sorted(g)), backend)
+                if key not in created:
+                    eager = device_id if len(g) > 1 else None
+                    created[key] = dist.new_group(list(key[0]), **group_options(timeout, backend, eager))
+                if rank in g:
+                    got.append(created[key])
+        if rank in ranks:
+            mine = tuple(got)
+    return mine
 
 
 def build_stage_groups(plan: Plan, *, timeout: datetime.timedelta | None = None,
@@ -72,13 +113,18 @@ def build_stage_groups(plan: Plan, *, timeout: datetime.timedelta | None = None,
                         pgs[name] = created[key]
             if rank in stage.ranks:
                 mine = pgs
+    experts = _expert_groups(plan, created, rank, timeout=timeout, backend_of=backend_of, device_id=device_id)
     if mine is None:
         raise ValueError(f"rank {rank} is not in the plan (world size {dist.get_world_size()}, plan uses "
                          f"{plan.world_size} ranks). Fix: launch exactly {plan.world_size} processes")
     pgc = ProcessGroupCollection(**mine)
     pgc.embd = mine["pp"]  # size 1: tied embeddings are synchronised by grad_sync, not megatron
     pgc.pos_embd = mine["pp"]
-    # no expert parallelism yet: experts are tensor-parallel over the stage's TP ranks like the dense MLP
+    # experts: without expert parallelism tensor-parallel over the stage's TP ranks like the dense MLP;
+    # with it, the stage's expert grid (plan/experts.py). Gradients are reduced here (expt_dp: this rank)
     pgc.expt_dp, pgc.expt_tp, pgc.tp_ep, pgc.tp_ep_pp = mine["dp"], mine["tp"], mine["tp"], mine["mp"]
+    if experts is not None:
+        pgc.ep, pgc.expt_tp, pgc.tp_ep = experts
+        pgc.tp_ep_pp = pgc.tp_ep
     ensure_global_memory_buffer()
     return pgc, rank_roles(plan)[rank]

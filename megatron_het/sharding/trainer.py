@@ -79,6 +79,10 @@ class ShardedStrategy:
 
         from megatron_het.model.groups import BlockShape, block_process_groups
 
+        if model.is_moe:  # the routers' auxiliary-loss scale and expert placement are the pipeline runtime's
+            raise ConfigError("the sharded data-parallel strategy does not train mixture-of-experts models yet",
+                              field="num_experts", value=model.num_experts,
+                              fix="use a pipeline plan (tools/plan.py --mode pipeline), which runs MoE (docs/moe.md)")
         world, rank = dist.get_world_size(), dist.get_rank()
         if plan.world_size != world:
             raise ValueError(f"plan.ranks: the plan has {plan.world_size} ranks, the world {world}. "

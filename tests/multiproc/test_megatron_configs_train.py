@@ -35,9 +35,12 @@ def data(tmp_path_factory):
 
 
 def _world(argv: list[str]) -> int:
-    def size(flag: str) -> int:
-        return int(argv[argv.index(flag) + 1]) if flag in argv else 1
-    return size("--tensor-model-parallel-size") * size("--pipeline-model-parallel-size")
+    """TP x PP, times the replicas an expert domain needs (EP x expert-TP / TP; expert-TP defaults to TP)."""
+    def size(flag: str, default: int = 1) -> int:
+        return int(argv[argv.index(flag) + 1]) if flag in argv else default
+    tp = size("--tensor-model-parallel-size")
+    replicas = max(1, size("--expert-model-parallel-size") * size("--expert-tensor-parallel-size", tp) // tp)
+    return tp * size("--pipeline-model-parallel-size") * replicas
 
 
 @pytest.mark.slow

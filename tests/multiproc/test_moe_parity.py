@@ -1,4 +1,5 @@
-"""Mixture-of-experts plans train exactly like one process (#37, experts replicated per replica).
+"""Mixture-of-experts plans train exactly like one process (#37): experts replicated per replica, and
+spread by expert parallelism over a stage's ranks, over replicas, or both.
 
 For each MoE model (tests/support/moe_plans.py) a single-process megatron-core reference (its own
 schedule, which sets the auxiliary losses' gradient scale itself) and one 4-process spawn running
@@ -87,9 +88,10 @@ def test_moe_losses_are_logged(model_name):
 
 @pytest.mark.multiproc
 def test_moe_checkpoint_resumes_under_other_plans(tmp_path):
-    """Saved under TP2 (sequence parallel) x PP2, resumed under two uneven PP2 replicas, saved, resumed under
-    TP2 -> TP1 beside a TP1 replica with the distributed optimizer: the 6 losses equal an uninterrupted
-    single-process run. Experts and routers are named by global layer, so any plan reads any other's."""
+    """Saved with experts spread over a stage's TP ranks (EP2 in TP2 stages), resumed with them over two
+    replicas (EP2 over PP2 replicas), saved, resumed with every expert on every replica (TP2 -> TP1 beside
+    a TP1 replica, distributed optimizer): the 6 losses equal an uninterrupted single-process run.
+    Experts are named by global layer and global expert index, so any placement reads any other's."""
     import dataclasses
 
     from megatron_het.checkpoint.dist_ckpt import CheckpointError, check_model_matches, model_common_state
@@ -98,7 +100,7 @@ def test_moe_checkpoint_resumes_under_other_plans(tmp_path):
     train = dataclasses.replace(TRAIN, train_iters=6)
     ref = run_local(1, megatron_block_worker, (model, train, BlockShape(tp=1, pp=1, dp=1), None, PADDED_VOCAB))[0]
     save = str(tmp_path / "ckpt")
-    steps = [(CASES["tp2sp_pp2"], 2, None, True), (CASES["pp2x3_pp2x1"], 2, 2, True),
+    steps = [(CASES["ep2_in_tp2_stages"], 2, None, True), (CASES["ep2_over_replicas"], 2, 2, True),
              (CASES["tp2_tp1_x3_tp1x1_distopt"], 2, 4, False)]
     per_rank = run_local(4, checkpoint_worker, (model, steps, train, None, PADDED_VOCAB, save))
     resumed = [log.lm_loss for seg in per_rank[-1] for log in seg.iterations]
@@ -110,3 +112,25 @@ def test_moe_checkpoint_resumes_under_other_plans(tmp_path):
     dense = {k: v for k, v in model_common_state(model).items() if k != "num_experts" and not k.startswith("moe_")}
     with pytest.raises(CheckpointError, match=r"model\.num_experts: .*num_experts=None.*num_experts=4"):
         check_model_matches({"model": dense}, model, "ckpt/iter_0000002")
+
+
+@pytest.mark.multiproc
+def test_expert_biases_train_alike_under_three_placements():
+    """Linear biases with experts: megatron-core trains them only with expert parallelism at expert-TP 1
+    (at EP 1 its SequentialMLP fails, so there is no single-process reference). Three placements (EP2
+    over replicas, EP4 over TP2 replicas, EP2 inside TP2 stages) train the same losses and weights."""
+    import dataclasses
+
+    model = dataclasses.replace(MODELS["mixtral_like"][0], add_bias_linear=True)
+    names = ("ep2_over_replicas", "ep4_over_tp2_replicas", "ep2_in_tp2_stages")
+    per_rank = run_local(4, hetero_cases_worker, (model, [(n, CASES[n]) for n in names], TRAIN, None, PADDED_VOCAB))
+    first = names[0]
+    want_losses = _losses(per_rank, first)
+    want = assemble_full_state([out[first][0].shards for out in per_rank if out[first][0].shards])
+    assert any(k.endswith("local_experts.3.linear_fc2.bias") for k in want)
+    for name in names[1:]:
+        assert _losses(per_rank, name) == pytest.approx(want_losses, rel=1e-5), name
+        got = assemble_full_state([out[name][0].shards for out in per_rank if out[name][0].shards])
+        assert set(got) == set(want)
+        worst = max(((got[k] - want[k]).abs().max().item(), k) for k in got)
+        assert worst[0] <= 1e-4, f"{name}: {worst[1]} differs by {worst[0]:.3e} from {first}"

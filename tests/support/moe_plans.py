@@ -6,6 +6,8 @@ with token dropping at capacity 1.0. megatron-core drops tokens per rank, over t
 routes: under sequence parallelism that is the rank's share of the sequence, so which tokens drop
 depends on the TP size (in Megatron-LM as here), and the dropping model is compared on TP-1 plans only.
 Four ranks, micro-batch 2, global batch 8 (4 micro-batches, uneven over replicas where a plan says so).
+Plans without expert parallelism hold every expert on every replica; the ``ep*`` plans spread them
+over a stage's TP ranks, over replicas, or both (docs/moe.md).
 """
 
 from __future__ import annotations
@@ -35,8 +37,19 @@ CASES = {
     "tp2_tp1_x3_tp1x1_distopt": replace(plan(([stage([0, 1], (0, 2)), stage([2], (2, 4))], 3),
                                              ([stage([3], (0, 4))], 1)),
                                         sequence_parallel=True, use_distributed_optimizer=True),
+    # expert parallelism (plan/experts.py): over two PP2 replicas (Megatron's EP over DP, expert-TP 1)
+    "ep2_over_replicas": replace(plan(([stage([0], (0, 3)), stage([1], (3, 4))], 2),
+                                      ([stage([2], (0, 3)), stage([3], (3, 4))], 2)), expert_parallel=2),
+    # inside a stage: TP2 attention, experts over EP2 x expert-TP 1 of the same two ranks
+    "ep2_in_tp2_stages": replace(plan(([stage([0, 1], (0, 1)), stage([2, 3], (1, 4))], 4)), sequence_parallel=True,
+                                 expert_parallel=2, expert_tensor_parallel=1),
+    # EP4 over two TP2 replicas (every rank holds one expert), and EP2 x expert-TP2 with the distributed optimizer
+    "ep4_over_tp2_replicas": replace(plan(([stage([0, 1], (0, 4))], 2), ([stage([2, 3], (0, 4))], 2)),
+                                     sequence_parallel=True, expert_parallel=4, expert_tensor_parallel=1),
+    "ep2_etp2_distopt": replace(plan(([stage([0, 1], (0, 4))], 2), ([stage([2, 3], (0, 4))], 2)),
+                                sequence_parallel=True, expert_parallel=2, use_distributed_optimizer=True),
 }
 
 # model name -> (model, the plans it is compared on)
 MODELS = {"mixtral_like": (MIXTRAL_LIKE, tuple(CASES)), "mixed_dense_moe": (MIXED, tuple(CASES)),
-          "token_dropping": (DROPPING, ("pp2x3_pp2x1",))}
+          "token_dropping": (DROPPING, ("pp2x3_pp2x1", "ep2_over_replicas"))}

@@ -81,6 +81,10 @@ def read_het(path: str, *, model: ModelSpec | None = None, progress: ProgressCal
             check_model_matches(common, model, src, fix="drop --model (a megatron-het checkpoint records its "
                                                         "model), or pass the model file it was trained with")
         model = model or saved
+        if model.is_moe:  # the formats' expert layouts (HF Mixtral, Megatron's grouped experts) are not mapped yet
+            raise ConvertError(f"{src}: a mixture-of-experts checkpoint ({model.num_experts} experts per MoE layer) "
+                               "cannot be converted yet (#37). Fix: resume it with pretrain_gpt.py --load, which "
+                               "reads it under any plan")
         meta = load_tensor_metadata(src)
         slots = _stored_slots(model, meta, converted=bool(common.get("converted")), src=src)
         request = _sharded(slots, PREFIX)  # the trainer's keys: a gated fc1 as its two halves

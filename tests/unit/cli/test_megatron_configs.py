@@ -1,7 +1,7 @@
 """#35 acceptance: real Megatron-LM GPT configurations (tests/data/megatron_configs/, flags as
 written upstream, sources named in each file), sizes shrunk, through pretrain_gpt.py's parser with
-only --hetero-cluster added. Each is accepted, or refused naming the flags that stop it (expert
-parallelism and context parallelism until #37/#38; the rest are #35 items still open or Megatron's own parser's
+only --hetero-cluster added. Each is accepted, or refused naming the flags that stop it (context
+parallelism until #38; expert biases at expert-TP > 1, which megatron-core refuses too; the rest are #35 items still open or Megatron's own parser's
 refusals). tests/multiproc/test_megatron_configs_train.py trains the accepted ones."""
 
 from __future__ import annotations

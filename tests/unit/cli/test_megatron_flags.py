@@ -136,8 +136,9 @@ def test_the_runs_defaults_are_megatrons(megatron_only):
 
 
 @pytest.mark.parametrize("extra,names", [
-    (["--expert-model-parallel-size", "2"], ["--expert-model-parallel-size 2", "#37"]),
-    (["--num-experts", "8"], ["add_bias_linear", "--disable-bias-linear"]),  # megatron-core's experts fail with biases
+    # megatron-core trains expert biases only with EP > 1 and expert-TP 1
+    (["--num-experts", "8"], ["--num-experts with linear biases", "--disable-bias-linear"]),
+    (["--num-experts", "8", "--expert-model-parallel-size", "2"], ["--expert-tensor-parallel-size 1"]),
     (["--num-experts", "4", "--disable-bias-linear", "--moe-router-topk", "6"], ["moe_router_topk", "at most num_experts 4"]),
     (["--moe-router-topk", "1"], ["moe_router_topk", "the model has no experts"]),
     (["--num-experts", "4", "--disable-bias-linear", "--moe-aux-loss-coeff", "0.01", "0.02"],
@@ -168,9 +169,9 @@ def test_refused_flags_exit_2_naming_each(extra, names, capsys):
 
 def test_several_refusals_are_listed_together(capsys):
     with pytest.raises(SystemExit):
-        parse_args(BASE + ["--expert-model-parallel-size", "8", "--fp8-format", "hybrid"])
+        parse_args(BASE + ["--context-parallel-size", "2", "--fp8-format", "hybrid"])
     err = capsys.readouterr().err
-    assert "--expert-model-parallel-size 8" in err and "--fp8-format hybrid" in err
+    assert "--context-parallel-size 2" in err and "--fp8-format hybrid" in err
 
 
 def test_announced_flags_and_defaults_are_said_once():
@@ -224,8 +225,8 @@ def test_missing_lr_is_megatrons_requirement(capsys):
 def test_refusal_comes_before_any_rendezvous():
     """Plain python, no torchrun variables: the refusal, not the how-to-launch line, and no traceback."""
     proc = subprocess.run([sys.executable, os.path.join(REPO, "pretrain_scripts/pretrain_gpt.py"), *BASE,
-                           "--expert-model-parallel-size", "4"], capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 2 and "--expert-model-parallel-size 4" in proc.stderr and "Traceback" not in proc.stderr
+                           "--context-parallel-size", "4"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "--context-parallel-size 4" in proc.stderr and "Traceback" not in proc.stderr
     assert "torchrun" not in proc.stderr
 
 
@@ -243,6 +244,20 @@ def test_without_a_plan_file_megatrons_layout_flags_build_the_plan(capsys):
         ("fast", (0, 1), (0, 3)), ("slow", (2, 3), (3, 4))]
     assert plan.precision == "fp32"  # no --bf16: Megatron trains in fp32
     assert "Megatron-LM's layout from the flags (no --hetero-plan): TP 2 x PP 2 x DP 1" in capsys.readouterr().out
+
+
+def test_expert_parallel_flags_set_the_plans_expert_grid():
+    """Megatron's --expert-model-parallel-size over its layout (TP 1 x PP 2 x DP 2 on the demo's 4 ranks):
+    the plan's experts spread over the two replicas; too large an EP is refused naming the replicas."""
+    from megatron_het.cli.pretrain import resolve_plan
+    from megatron_het.plan import PlanError
+
+    moe = ["--num-experts", "4", "--disable-bias-linear", "--pipeline-model-parallel-size", "2", "--micro-batch-size",
+           "2", "--global-batch-size", "8"]
+    plan = resolve_plan(parse_args(NO_PLAN + moe + ["--expert-model-parallel-size", "2"]))
+    assert (plan.expert_parallel, plan.expert_tensor_parallel, len(plan.replicas)) == (2, None, 2)
+    with pytest.raises(PlanError, match="spans 4 replicas, which do not divide the plan's 2"):
+        resolve_plan(parse_args(NO_PLAN + moe + ["--expert-model-parallel-size", "4"]))
 
 
 def test_without_a_plan_file_or_layout_flags_the_planner_chooses(capsys):

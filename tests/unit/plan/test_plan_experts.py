@@ -54,3 +54,74 @@ def test_only_routed_experts_are_expert_params():
     assert is_expert_param("decoder.layers.3.mlp.experts.local_experts.0.linear_fc2.weight")
     assert not is_expert_param("decoder.layers.3.mlp.router.weight")
     assert not is_expert_param("decoder.layers.3.mlp.shared_experts.linear_fc1.weight")
+
+
+# ---- a plan's expert fields, validated against the model -------------------------------------------
+
+def _moe(**kw):
+    from megatron_het.cluster import ModelSpec
+
+    return ModelSpec(**{"num_layers": 4, "hidden_size": 64, "num_attention_heads": 4, "seq_length": 32,
+                        "vocab_size": 200, "num_experts": 4, "add_bias_linear": False, **kw})
+
+
+def _two_replicas(**kw):
+    from dataclasses import replace
+
+    from support.parity_plans import plan, stage
+
+    return replace(plan(([stage([0], (0, 3)), stage([1], (3, 4))], 2),
+                        ([stage([2], (0, 3)), stage([3], (3, 4))], 2)), **kw)
+
+
+def test_expert_fields_round_trip_and_are_written_only_when_set():
+    from megatron_het.plan import Plan
+
+    ep = _two_replicas(expert_parallel=2, expert_tensor_parallel=1)
+    back = Plan.from_dict(ep.to_dict())
+    assert (back.expert_parallel, back.expert_tensor_parallel) == (2, 1)
+    assert "expert_parallel" not in _two_replicas().to_dict()  # dense-era plan files stay byte for byte
+
+
+@pytest.mark.parametrize("model_kw,plan_kw,match", [
+    ({"num_experts": None}, {"expert_parallel": 2}, "the model has no experts"),
+    ({"num_experts": 6}, {"expert_parallel": 4}, "does not divide num_experts=6"),
+    ({"add_bias_linear": True}, {}, "experts have linear biases"),
+])
+def test_plan_expert_checks(model_kw, plan_kw, match):
+    with pytest.raises(PlanError, match=match):
+        _two_replicas(**plan_kw).validate(_moe(**model_kw))
+
+
+def test_expert_biases_run_with_expert_parallelism_at_expert_tp_1():
+    _two_replicas(expert_parallel=2).validate(_moe(add_bias_linear=True))  # megatron-core takes them here
+
+
+def test_an_expert_domain_needs_identical_replicas():
+    from dataclasses import replace
+
+    from support.parity_plans import plan, stage
+
+    uneven = replace(plan(([stage([0], (0, 3)), stage([1], (3, 4))], 3),
+                          ([stage([2], (0, 3)), stage([3], (3, 4))], 1)), expert_parallel=2)
+    with pytest.raises(PlanError, match=r"replicas 0..1 share their experts .* differ"):
+        uneven.validate(_moe())
+
+
+def test_plan_holdings_hold_every_expert_once_per_domain():
+    """The holdings of every rank (runtime/holdings.plan_holdings, the gradient synchronizer's input):
+    each (layer, expert) is held by exactly one rank of each replica pair under EP 2 over replicas,
+    under global names, and every rank of a stage holds half of them."""
+    from collections import Counter
+
+    from megatron_het.runtime.holdings import plan_holdings
+
+    plan, model = _two_replicas(expert_parallel=2), _moe()
+    holders = Counter()
+    per_rank = Counter()
+    for h in plan_holdings(plan, model):
+        if is_expert_param(h.name) and h.name.endswith("linear_fc1.weight"):
+            holders[h.name] += 1
+            per_rank[h.rank] += 1
+    assert len(holders) == 4 * 4 and set(holders.values()) == {1}, holders  # 4 layers x 4 experts, once each
+    assert per_rank == {0: 6, 2: 6, 1: 2, 3: 2}  # stage 0: 3 layers x 2 experts; stage 1: 1 layer x 2
