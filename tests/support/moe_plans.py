@@ -48,6 +48,13 @@ CASES = {
                                      sequence_parallel=True, expert_parallel=4, expert_tensor_parallel=1),
     "ep2_etp2_distopt": replace(plan(([stage([0, 1], (0, 4))], 2), ([stage([2, 3], (0, 4))], 2)),
                                 sequence_parallel=True, expert_parallel=2, use_distributed_optimizer=True),
+    # the other schedules with EP over their replicas: interleaved 1F1B (two chunks per stage) and ZB-H1
+    # (the experts' linears defer their weight gradients like the dense ones)
+    "interleaved_ep2": replace(plan(([stage([0], (0, 2)), stage([1], (2, 4))], 2),
+                                    ([stage([2], (0, 2)), stage([3], (2, 4))], 2)),
+                               schedule="interleaved", virtual_pipeline_size=2, expert_parallel=2),
+    "zb_h1_ep2": replace(plan(([stage([0], (0, 2)), stage([1], (2, 4))], 2),
+                              ([stage([2], (0, 2)), stage([3], (2, 4))], 2)), schedule="zb-h1", expert_parallel=2),
 }
 
 # model name -> (model, the plans it is compared on)
