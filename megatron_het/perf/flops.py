@@ -35,6 +35,7 @@ __all__ = [
     "check_tp",
     "layer_gemms",
     "mlp_widths",
+    "routed_expert_parameters_per_rank",
     "router_parameters",
     "logits_gemm",
     "layer_forward_flops",
@@ -235,23 +236,39 @@ def padded_vocab_size(vocab_size: int, *, tp: int = 1, divisible_by: int = 128) 
     return -(-vocab_size // multiple) * multiple
 
 
-def layer_parameters_per_rank(model: ModelSpec, *, tp: int = 1) -> int:
+def layer_parameters_per_rank(model: ModelSpec, *, tp: int = 1, ep: int = 1, etp: int | None = None) -> int:
     """Parameters of one layer held by one tensor-parallel rank.
 
     Column-parallel linears (QKV, fc1) split weight and bias; row-parallel ones (projection, fc2)
-    split the weight and replicate the bias; norms are replicated.
+    split the weight and replicate the bias; norms are replicated. An MoE layer's routed experts are
+    spread over ``ep`` ranks and each split over ``etp`` (None: ``tp``; plan/experts.py), its shared
+    expert over ``tp``.
     """
     check_tp(model, tp)
     h, d = model.hidden_size, model.kv_channels
     qkv_out = (model.num_attention_heads + 2 * model.num_query_groups) * d // tp
-    held = mlp_widths(model)[1]  # MoE: every expert (and the shared one)
-    fc1_out = (2 if model.swiglu else 1) * held // tp
     proj_in = model.num_attention_heads * d // tp
-    fc2_in = held // tp
-    weights = h * qkv_out + proj_in * h + h * fc1_out + fc2_in * h
-    biases = (qkv_out + h + fc1_out + h) if model.add_bias_linear else (qkv_out if model.add_qkv_bias else 0)
+    gate = 2 if model.swiglu else 1
+    shared = (model.moe_shared_expert_intermediate_size or 0) // tp
+    mlp_cols = shared if model.is_moe else model.ffn_hidden_size // tp  # a dense MLP, or the shared expert
+    mlp = (gate + 1) * h * mlp_cols + ((gate * mlp_cols + h) if model.add_bias_linear and mlp_cols else 0)
+    attention = h * qkv_out + proj_in * h
+    attention_biases = (qkv_out + h) if model.add_bias_linear else (qkv_out if model.add_qkv_bias else 0)
     # norms and an MoE router are replicated: whole on every rank
-    return weights + biases + _layer_norm_params(model) + router_parameters(model)
+    return (attention + attention_biases + mlp + routed_expert_parameters_per_rank(model, tp=tp, ep=ep, etp=etp)
+            + _layer_norm_params(model) + router_parameters(model))
+
+
+def routed_expert_parameters_per_rank(model: ModelSpec, *, tp: int = 1, ep: int = 1, etp: int | None = None) -> int:
+    """One MoE layer's routed experts on one rank: ``num_experts / ep`` experts, each split over ``etp``
+    (None: ``tp``), fc1 (and its bias) split, fc2's bias whole (0 for a dense model)."""
+    if not model.is_moe:
+        return 0
+    gate = 2 if model.swiglu else 1
+    experts = model.num_experts // ep
+    cols = experts * model.moe_ffn_hidden_size // (etp or tp)
+    return (gate + 1) * model.hidden_size * cols + ((gate * cols + experts * model.hidden_size)
+                                                    if model.add_bias_linear else 0)
 
 
 def layer_parameters(model: ModelSpec) -> int:
@@ -286,13 +303,15 @@ def word_embedding_parameters_per_rank(model: ModelSpec, *, tp: int = 1) -> int:
     return math.ceil(model.vocab_size / tp) * model.hidden_size
 
 
-def stage_parameters(model: ModelSpec, *, num_layers: int, is_first: bool, is_last: bool, tp: int = 1) -> int:
+def stage_parameters(model: ModelSpec, *, num_layers: int, is_first: bool, is_last: bool, tp: int = 1,
+                     ep: int = 1, etp: int | None = None) -> int:
     """Parameters held by one tensor-parallel rank of a pipeline stage.
 
     The first stage holds the vocab-parallel word embeddings (``V/tp`` rows) and the replicated
     position embeddings; the last stage holds the final norm and the output layer. With tied
     weights and more than one stage, Megatron keeps a copy of the word embeddings on the last
     stage too (its gradient is all-reduced with the first stage's), so it is counted there.
+    ``ep``/``etp``: an MoE plan's expert grid (``layer_parameters_per_rank``).
     """
     if isinstance(num_layers, bool) or not isinstance(num_layers, int) or num_layers < 0:
         raise ConfigError("must be an integer >= 0", field="num_layers", value=num_layers,
@@ -300,7 +319,7 @@ def stage_parameters(model: ModelSpec, *, num_layers: int, is_first: bool, is_la
     check_tp(model, tp)
     h = model.hidden_size
     rows = word_embedding_parameters_per_rank(model, tp=tp)
-    total = num_layers * layer_parameters_per_rank(model, tp=tp)
+    total = num_layers * layer_parameters_per_rank(model, tp=tp, ep=ep, etp=etp)
     if is_first:
         total += rows + (embedding_parameters(model) - model.vocab_size * h)
     if is_last:

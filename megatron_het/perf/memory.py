@@ -30,7 +30,14 @@ import math
 from dataclasses import dataclass
 
 from megatron_het.cluster import ConfigError, DeviceType, ModelSpec
-from megatron_het.perf.flops import Recompute, check_recompute, check_tp, mlp_widths, stage_parameters
+from megatron_het.perf.flops import (
+    Recompute,
+    check_recompute,
+    check_tp,
+    mlp_widths,
+    routed_expert_parameters_per_rank,
+    stage_parameters,
+)
 
 __all__ = [
     "STATE_BYTES",
@@ -238,7 +245,7 @@ def stage_memory(model: ModelSpec, *, num_layers: int, is_first: bool, is_last: 
                  distributed_optimizer: bool = True, virtual_stages: int = 1, flash_attention: bool = False,
                  overhead_bytes: int = DEFAULT_OVERHEAD_BYTES, precision: str = "bf16",
                  dropout: bool = True, fused_softmax: bool = True, recompute_num_layers: int = 0,
-                 chunk_sizes: tuple[int, ...] | None = None) -> StageMemory:
+                 chunk_sizes: tuple[int, ...] | None = None, ep: int = 1, etp: int | None = None) -> StageMemory:
     """Peak bytes on one rank of a stage of ``num_layers`` layers.
 
     ``chunk_sizes``: the layers of each of the stage's ``virtual_stages`` chunks when a plan splits
@@ -251,7 +258,9 @@ def stage_memory(model: ModelSpec, *, num_layers: int, is_first: bool, is_last: 
     one layer's full activations are added for the layer being recomputed during backward; with
     ``recompute_num_layers`` N > 0 only the first N layers of each chunk recompute (Megatron's block
     method), the others keep their full activations. Weight, gradient and optimizer bytes per
-    parameter and activation element sizes follow ``precision``.
+    parameter and activation element sizes follow ``precision``. ``ep``/``etp``: an MoE plan's expert
+    grid (plan/experts.py); the routed experts' optimizer state is then counted unsharded (an upper
+    bound: their holders are fewer than the replicas).
     """
     weight_b, grad_b, opt_b = state_bytes(precision)
     if isinstance(dp, bool) or not isinstance(dp, int) or dp < 1:
@@ -270,8 +279,10 @@ def stage_memory(model: ModelSpec, *, num_layers: int, is_first: bool, is_last: 
     if overhead_bytes < 0:
         raise ConfigError("must be >= 0", field="overhead_bytes", value=overhead_bytes,
                           fix="pass the framework overhead in bytes, e.g. 1.5 GiB = 1610612736")
-    params = stage_parameters(model, num_layers=num_layers, is_first=is_first, is_last=is_last, tp=tp)
+    params = stage_parameters(model, num_layers=num_layers, is_first=is_first, is_last=is_last, tp=tp, ep=ep, etp=etp)
     shard = dp if distributed_optimizer else 1
+    experts = (num_layers * routed_expert_parameters_per_rank(model, tp=tp, ep=ep, etp=etp)
+               if model.is_moe and (ep > 1 or etp is not None) else 0)
     per_layer = activation_bytes_per_layer(model, micro_batch_size=micro_batch_size, seq_length=seq_length, tp=tp,
                                            sequence_parallel=sequence_parallel, recompute=recompute,
                                            flash_attention=flash_attention, precision=precision, dropout=dropout,
@@ -306,7 +317,7 @@ def stage_memory(model: ModelSpec, *, num_layers: int, is_first: bool, is_last: 
     return StageMemory(
         parameters_bytes=weight_b * params,
         gradients_bytes=grad_b * params,
-        optimizer_bytes=math.ceil(opt_b * params / shard),
+        optimizer_bytes=math.ceil(opt_b * (params - experts) / shard) + opt_b * experts,
         activations_bytes=activations,
         overhead_bytes=overhead_bytes,
     )
@@ -341,6 +352,7 @@ def optimizer_shard_weights(model: ModelSpec, plan, *, precision: str | None = N
         for i, st in enumerate(replica.stages):
             capacity = device_capacity_bytes(CATALOG[st.device_type])
             mem = stage_memory(model, num_layers=st.num_layers, is_first=i == 0, is_last=i == p - 1,
+                               ep=plan.expert_parallel, etp=plan.expert_tensor_parallel,
                                micro_batch_size=plan.micro_batch_size, microbatches_in_flight=peaks[p, m][i],
                                tp=st.tp, sequence_parallel=plan.sequence_parallel,
                                recompute="full" if st.recompute else "none", distributed_optimizer=False,
@@ -442,6 +454,7 @@ def rank_memory(model: ModelSpec, plan, rank: int, *, precision: str | None = No
         _norm_params,
         layer_parameters_per_rank,
         replicated_layer_parameters,
+        routed_expert_parameters_per_rank,
     )
     from megatron_het.plan import rank_roles
     from megatron_het.schedule import build_schedule
@@ -456,9 +469,15 @@ def rank_memory(model: ModelSpec, plan, rank: int, *, precision: str | None = No
     tp, h = st.tp, model.hidden_size
     weight_b, grad_b, opt_b = runtime_state_bytes(precision, distributed_optimizer=plan.use_distributed_optimizer)
     replicated_per_layer = replicated_layer_parameters(model)
-    per_layer = layer_parameters_per_rank(vmodel, tp=tp)
+    ep, etp = plan.expert_parallel, plan.expert_tensor_parallel
+    per_layer = layer_parameters_per_rank(vmodel, tp=tp, ep=ep, etp=etp)
     n_layers = st.num_layers
-    classes = {"layer_partitioned": n_layers * (per_layer - replicated_per_layer),
+    # expert parallelism: this rank's routed experts, whose optimizer state is counted whole (an upper
+    # bound: the distributed optimizer shards it over the expert's holders, fewer than the layer's)
+    experts = (n_layers * routed_expert_parameters_per_rank(vmodel, tp=tp, ep=ep, etp=etp)
+               if model.is_moe and (ep > 1 or etp is not None) else 0)
+    classes = {"layer_partitioned": n_layers * (per_layer - replicated_per_layer) - experts,
+               "experts": experts,
                "layer_replicated": n_layers * replicated_per_layer,
                "word_embedding": (vmodel.vocab_size // tp) * h if (is_first or (is_last and not
                                                                    model.untie_embeddings_and_output_weights)) else 0,
@@ -471,12 +490,12 @@ def rank_memory(model: ModelSpec, plan, rank: int, *, precision: str | None = No
     if plan.use_distributed_optimizer:
         shares = _holder_shares(model, plan, rank, weights or optimizer_shard_weights(model, plan,
                                                                                      precision=precision))
-        optimizer = sum(opt_b * n * shares[k] for k, n in classes.items())
+        optimizer = sum(opt_b * n * shares.get(k, 1.0) for k, n in classes.items())
     else:
         optimizer = opt_b * params
     # in-flight (chunk) micro-batches from the schedule the runtime executes (the same data)
     in_flight = build_schedule(plan.schedule, p, m, plan.virtual_pipeline_size).peak_in_flight()[i]
-    act = stage_memory(vmodel, num_layers=n_layers, is_first=is_first, is_last=is_last,
+    act = stage_memory(vmodel, num_layers=n_layers, is_first=is_first, is_last=is_last, ep=ep, etp=etp,
                        micro_batch_size=plan.micro_batch_size, microbatches_in_flight=in_flight, tp=tp,
                        sequence_parallel=plan.sequence_parallel, recompute="full" if st.recompute else "none",
                        virtual_stages=plan.virtual_pipeline_size, precision=precision, overhead_bytes=0,

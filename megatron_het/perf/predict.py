@@ -513,6 +513,7 @@ def predict(plan: Plan, model: ModelSpec, cluster: ClusterSpec, *, profile: Prof
         key = (_stage_key(stage), is_first, is_last)
         if key not in reductions:
             params = stage_parameters(model, num_layers=stage.num_layers, is_first=is_first, is_last=is_last,
+                                      ep=plan.expert_parallel, etp=plan.expert_tensor_parallel,
                                       tp=stage.tp)
             # the tied embedding's rows, reduced with the other stage that holds them (priced below)
             embedding = (word_embedding_parameters_per_rank(model, tp=stage.tp)
@@ -730,6 +731,7 @@ def plan_stage_memory(plan: Plan, r: ReplicaPlan, i: int, model: ModelSpec, clus
     in_flight = m if plan.schedule == "gpipe" else microbatches_in_flight(
         stage=i, pipeline_size=p, num_microbatches=m, virtual_stages=v)
     mem = stage_memory(model, num_layers=st.num_layers, is_first=i == 0, is_last=i == p - 1,
+                       ep=plan.expert_parallel, etp=plan.expert_tensor_parallel,
                        micro_batch_size=plan.micro_batch_size, microbatches_in_flight=in_flight, tp=st.tp, dp=dp,
                        seq_length=seq_length, sequence_parallel=plan.sequence_parallel,
                        recompute=(recompute_mode or "full") if st.recompute else "none",

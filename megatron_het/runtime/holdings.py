@@ -177,6 +177,10 @@ def _build_meta(specs: Sequence[StageModelSpec], *, tp_rank: int, grid: tuple[in
     out = []
     with _any_world(), torch.device("meta"):
         for spec in specs:
+            if spec.model.is_moe:  # the alltoall dispatcher opens a CUDA stream when built; no dispatcher has
+                # parameters, so the allgather one (nothing to open) builds the same ones
+                spec = dataclasses.replace(spec, model=dataclasses.replace(spec.model,
+                                                                           moe_token_dispatcher_type="allgather"))
             # no initial values (shapes only): host path, no device RNG, no init kernels on meta
             config = transformer_config(spec, initialize=False)
             if grid_groups is not None:

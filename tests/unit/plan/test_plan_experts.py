@@ -125,3 +125,28 @@ def test_plan_holdings_hold_every_expert_once_per_domain():
             per_rank[h.rank] += 1
     assert len(holders) == 4 * 4 and set(holders.values()) == {1}, holders  # 4 layers x 4 experts, once each
     assert per_rank == {0: 6, 2: 6, 1: 2, 3: 2}  # stage 0: 3 layers x 2 experts; stage 1: 1 layer x 2
+
+
+@pytest.mark.parametrize("case", ["pp2x3_pp2x1", "ep2_over_replicas", "ep2_in_tp2_stages", "ep4_over_tp2_replicas",
+                                  "ep2_etp2_distopt"])
+def test_memory_model_counts_the_parameters_each_rank_builds(case):
+    """perf.memory.rank_memory's parameters of every rank of an MoE plan, with and without expert
+    parallelism, equal the elements of the megatron-core modules the rank builds (plan_holdings: the
+    trainer's model on the meta device)."""
+    import math
+
+    from megatron_het.perf.memory import rank_memory, runtime_state_bytes
+    from megatron_het.runtime.holdings import plan_holdings, plan_padded_vocab
+
+    from support.moe_plans import CASES, MIXTRAL_LIKE
+
+    plan, model = CASES[case], MIXTRAL_LIKE
+    vocab = plan_padded_vocab(model, plan)
+    built = {}
+    for h in plan_holdings(plan, model, padded_vocab=vocab):
+        numel = math.prod(h.full_shape) // (h.tp_size if h.partition_dim is not None else 1)
+        built[h.rank] = built.get(h.rank, 0) + numel
+    weight_b = runtime_state_bytes("fp32", distributed_optimizer=plan.use_distributed_optimizer)[0]
+    for rank, numel in built.items():
+        predicted = rank_memory(model, plan, rank, precision="fp32", padded_vocab=vocab).parameters_bytes // weight_b
+        assert predicted == numel, (case, rank, predicted, numel)
