@@ -46,6 +46,22 @@ def apply_overlap_flags(plan: Plan, args: PretrainArgs) -> Plan:
     return plan
 
 
+def apply_expert_flags(plan: Plan, args: PretrainArgs) -> Plan:
+    """--expert-model-parallel-size / --expert-tensor-parallel-size, where given, set the plan's expert
+    grid; a plan file that records another value is refused (as TP/PP flags against a plan file)."""
+    changes = {}
+    for flag, field, value, unset in (("--expert-model-parallel-size", "expert_parallel", args.expert_model_parallel_size, 1),
+                                      ("--expert-tensor-parallel-size", "expert_tensor_parallel",
+                                       args.expert_tensor_parallel_size, None)):
+        if value == unset:
+            continue
+        if getattr(plan, field) not in (unset, value):
+            raise ConfigError(f"the plan records {field} {getattr(plan, field)}", field=flag, value=value,
+                              fix=f"drop {flag} (the plan decides), or pass the plan's {getattr(plan, field)}")
+        changes[field] = value
+    return dataclasses.replace(plan, **changes) if changes else plan
+
+
 def resolve_plan(args: PretrainArgs) -> AnyPlan:
     """A plan file of either kind, validated against the model and cluster, or the planner's best plan
     over both modes (pipeline search, uneven sharded data parallelism); without --hetero-plan, the
@@ -101,9 +117,7 @@ def resolve_plan(args: PretrainArgs) -> AnyPlan:
         plan = apply_overlap_flags(plan, args)
         if args.use_distributed_optimizer:
             plan = dataclasses.replace(plan, use_distributed_optimizer=True)
-        if args.expert_model_parallel_size != 1 or args.expert_tensor_parallel_size is not None:
-            plan = dataclasses.replace(plan, expert_parallel=args.expert_model_parallel_size,
-                                       expert_tensor_parallel=args.expert_tensor_parallel_size)
+        plan = apply_expert_flags(plan, args)
         if args.resilience is not None and (plan.expert_parallel != 1 or plan.expert_tensor_parallel is not None):
             # a re-route gives a survivor more micro-batches than its expert-domain peers: their MoE
             # all-to-alls would no longer meet

@@ -73,6 +73,9 @@ def check_moe(m: Any, defaults: dict[str, object]) -> None:
                           fix="use 1 (every layer has experts) or a divisor of num_layers")
     if m.moe_shared_expert_intermediate_size is not None:
         as_int(m.moe_shared_expert_intermediate_size, "moe_shared_expert_intermediate_size", maximum=4_194_304)
+        if m.add_bias_linear:  # megatron-core asserts it (transformer/moe/shared_experts.py:124)
+            raise ConfigError("a shared expert has no linear biases in megatron-core", field="add_bias_linear",
+                              value=True, fix="add --disable-bias-linear, or drop the shared expert")
     for f in ("moe_pad_expert_input_to_capacity", "moe_router_pre_softmax"):
         as_bool(getattr(m, f), f)
     if m.moe_expert_capacity_factor is not None:

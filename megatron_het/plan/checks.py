@@ -288,12 +288,15 @@ def check_experts(replicas: Replicas, model: ModelSpec, ep: int, etp: int | None
         shape = None
         for ri in range(first, first + k):
             r = replicas[ri]
-            this = (r.num_micro_batches, [(s.layers, s.tp, s.chunk_layers, s.tp_grid) for s in r.stages])
+            # recomputation re-runs a layer's all-to-alls inside the backward: it must match too
+            this = (r.num_micro_batches, [(s.layers, s.tp, s.chunk_layers, s.tp_grid, s.recompute,
+                                           s.recompute_num_layers) for s in r.stages])
             if shape is not None and this != shape:
                 raise PlanError(
                     field=f"replicas[{ri}]", value=f"{r.num_micro_batches} micro-batches, {len(r.stages)} stages",
                     problem=f"replicas {first}..{first + k - 1} share their experts (expert_parallel {ep}) but differ "
-                    "in stages, layers, TP sizes or micro-batches (their MoE layers must meet in the same order)",
+                    "in stages, layers, TP sizes, recomputation or micro-batches (their MoE layers must meet in the same "
+                    "order)",
                     fix=f"give replicas {first}..{first + k - 1} the same structure and micro-batches, or a smaller "
                         "expert_parallel")
             shape = this

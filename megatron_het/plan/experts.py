@@ -117,7 +117,9 @@ def stage_expert_grids(replica_stage_ranks: Sequence[Sequence[Sequence[int]]], *
     out = []
     for first in range(0, len(replica_stage_ranks), k):
         for s, stage_ranks in enumerate(replica_stage_ranks[first]):
-            ranks = tuple(r for rep in replica_stage_ranks[first:first + k] for r in rep[s])
+            # by global rank: each stage's ranks are contiguous, so its TP blocks stay whole, and the
+            # grid's expert-TP and EP groups number their members as torch does (new_group sorts them)
+            ranks = tuple(sorted(r for rep in replica_stage_ranks[first:first + k] for r in rep[s]))
             out.append((ranks, etp or len(stage_ranks)))
     return out
 

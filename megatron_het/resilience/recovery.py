@@ -260,6 +260,12 @@ class ResilienceHooks(TrainerHooks):
                               field="use_distributed_optimizer", value=True,
                               fix="run --hetero-resilience with a plan whose use_distributed_optimizer is false "
                                   "(and without --use-distributed-optimizer), or drop --hetero-resilience")
+        if plan.expert_parallel != 1 or plan.expert_tensor_parallel is not None:
+            # a re-route gives a survivor more micro-batches than its expert-domain peers, and the rebuilt
+            # groups would carry no expert grid: the MoE all-to-alls would no longer meet
+            raise ConfigError("in-process fault tolerance cannot keep expert-parallel replicas in step yet",
+                              field="expert_parallel", value=plan.expert_parallel,
+                              fix="drop --hetero-resilience, or train with expert_parallel 1")
         self.config, self.fault, self.report_dir = config, fault, report_dir
         self.rebuild, self.replan = rebuild, replan
         self.original_rank = rank  # in the first plan (the report's rank)

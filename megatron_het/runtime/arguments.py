@@ -516,13 +516,15 @@ def parse_args(argv: list[str] | None = None) -> PretrainArgs:
             raise ValueError("--transformer-impl transformer_engine: transformer-engine is not importable on a GPU "
                              "in this process. Fix: pass --transformer-impl local, or install transformer-engine "
                              "on the GPU nodes")  # here, not in every rank's model build after rendezvous
-        if model.is_moe and model.add_bias_linear and (run["expert_model_parallel_size"] == 1
-                                                       or run["expert_tensor_parallel_size"] != 1):
-            raise ValueError("--num-experts with linear biases: megatron-core trains expert biases only with expert "
-                             "parallelism and expert-TP 1 (got --expert-model-parallel-size "
-                             f"{run['expert_model_parallel_size']}, --expert-tensor-parallel-size "
-                             f"{run['expert_tensor_parallel_size']}). Fix: add --disable-bias-linear, or "
-                             "--expert-tensor-parallel-size 1 with --expert-model-parallel-size > 1")
+        if model.is_moe and model.add_bias_linear and run["plan_source"] is None:
+            # without a plan file the flags decide the expert grid (a plan file's: Plan.validate)
+            ep = run["expert_model_parallel_size"]
+            etp = run["expert_tensor_parallel_size"] or run["tensor_model_parallel_size"] or 1
+            if ep == 1 or etp != 1:
+                raise ValueError("--num-experts with linear biases: megatron-core trains expert biases only with "
+                                 f"expert parallelism and expert-TP 1 (got --expert-model-parallel-size {ep}, expert-TP "
+                                 f"{etp}). Fix: add --disable-bias-linear, or --expert-model-parallel-size > 1 with "
+                                 "--expert-tensor-parallel-size 1")
         if model.layernorm_zero_centered_gamma and not _transformer_engine_builds(train["transformer_impl"]):
             raise ValueError("--apply-layernorm-1p: megatron-core's local layers (no transformer-engine in this "
                              "process) have no zero-centred norm. Fix: run where transformer-engine is installed, "

@@ -134,7 +134,8 @@ class PipelineStrategy:
         island_library = {placement.island[r]: placement.library[r] for r in placement.island}
         self.groups = GroupLedger()  # every group built below, destroyed by close()
         self.pgc, self.role = build_stage_groups(plan, timeout=train.group_timeout, device_id=acc.eager_device,
-                                                 backend_of=lambda island: acc.backend_for(island_library[island]))
+                                                 backend_of=lambda island: acc.backend_for(island_library[island]),
+                                                 library_of=island_library.get)
         role = self.role
         self.grid_groups = self._grid_groups()  # 3D tensor-parallel stage (plan tp_grid), else None
         self.replica = plan.replicas[role.replica]

@@ -45,10 +45,11 @@ def plan_expert_layouts_of(plan: Plan, num_experts: int) -> dict[int, ExpertLayo
                                ep=plan.expert_parallel, etp=plan.expert_tensor_parallel)
 
 
-def _expert_groups(plan: Plan, created: dict, rank: int, *, timeout, backend_of, device_id):
+def _expert_groups(plan: Plan, created: dict, rank: int, *, timeout, backend_of, device_id, library_of=None):
     """Create every stage's expert-parallel, expert-TP and (expert-TP x EP) groups (collective over the
     world, in plan order); return this rank's (ep, expt_tp, tp_ep), or None without expert parallelism.
-    A grid whose ranks sit on islands of different backends is refused: the MoE dispatcher's
+    A grid whose ranks sit on islands of different collective libraries (``library_of``: island ->
+    NCCL/RCCL/gloo) is refused, by every rank alike before any group is made: the MoE dispatcher's
     all-to-all does not go through the host-staged bridge yet."""
     if plan.expert_parallel == 1 and plan.expert_tensor_parallel is None:
         return None
@@ -56,14 +57,14 @@ def _expert_groups(plan: Plan, created: dict, rank: int, *, timeout, backend_of,
     mine = None
     for ranks, etp in stage_expert_grids([[s.ranks for s in r.stages] for r in plan.replicas],
                                          ep=plan.expert_parallel, etp=plan.expert_tensor_parallel):
-        backends = {None if backend_of is None else backend_of(island_of[r]) for r in ranks}
-        if len(backends) > 1:
+        libraries = {None if library_of is None else library_of(island_of[r]) for r in ranks}
+        if len(libraries) > 1:
             raise ValueError(f"expert parallelism over ranks {list(ranks)}: their islands "
                              f"({sorted({island_of[r] for r in ranks})}) use different collective libraries "
-                             f"({sorted(map(str, backends))}), and the MoE all-to-all has no bridge between them yet. "
-                             "Fix: keep each expert domain's replicas on islands of one vendor, or use "
+                             f"({sorted(map(str, libraries))}), and the MoE all-to-all has no bridge between them "
+                             "yet. Fix: keep each expert domain's replicas on islands of one vendor, or use "
                              "expert_parallel 1")
-        backend = backends.pop()
+        backend = None if backend_of is None else backend_of(island_of[ranks[0]])
         ep_groups, etp_groups = expert_groups(ranks, ep=plan.expert_parallel, etp=etp)
         got = []
         for group_list in (ep_groups, etp_groups, [list(ranks)]):
@@ -80,13 +81,15 @@ def _expert_groups(plan: Plan, created: dict, rank: int, *, timeout, backend_of,
 
 
 def build_stage_groups(plan: Plan, *, timeout: datetime.timedelta | None = None,
-                       backend_of: Callable[[str], str] | None = None, device_id=None):
+                       backend_of: Callable[[str], str] | None = None, device_id=None,
+                       library_of: Callable[[str], str] | None = None):
     """Create every stage's groups (collective over the world); return this rank's collection.
 
     ``timeout``: the run's one timeout, given to every group (None: torch's 30-minute default);
     ``backend_of``: island name -> the accelerator's torch backend for that island's groups (None:
     the world's default); ``device_id``: ``Accelerator.eager_device`` (multi-rank GPU groups created
-    at once; a rank's own group of one never communicates)."""
+    at once; a rank's own group of one never communicates); ``library_of``: island name -> its
+    collective library (expert groups must stay inside one)."""
     from megatron.core.hyper_comm_grid import HyperCommGrid
     from megatron.core.process_groups_config import ProcessGroupCollection
 
@@ -113,7 +116,8 @@ def build_stage_groups(plan: Plan, *, timeout: datetime.timedelta | None = None,
                         pgs[name] = created[key]
             if rank in stage.ranks:
                 mine = pgs
-    experts = _expert_groups(plan, created, rank, timeout=timeout, backend_of=backend_of, device_id=device_id)
+    experts = _expert_groups(plan, created, rank, timeout=timeout, backend_of=backend_of, device_id=device_id,
+                             library_of=library_of)
     if mine is None:
         raise ValueError(f"rank {rank} is not in the plan (world size {dist.get_world_size()}, plan uses "
                          f"{plan.world_size} ranks). Fix: launch exactly {plan.world_size} processes")

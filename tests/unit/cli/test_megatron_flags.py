@@ -136,9 +136,6 @@ def test_the_runs_defaults_are_megatrons(megatron_only):
 
 
 @pytest.mark.parametrize("extra,names", [
-    # megatron-core trains expert biases only with EP > 1 and expert-TP 1
-    (["--num-experts", "8"], ["--num-experts with linear biases", "--disable-bias-linear"]),
-    (["--num-experts", "8", "--expert-model-parallel-size", "2"], ["--expert-tensor-parallel-size 1"]),
     (["--num-experts", "4", "--disable-bias-linear", "--moe-router-topk", "6"], ["moe_router_topk", "at most num_experts 4"]),
     (["--moe-router-topk", "1"], ["moe_router_topk", "the model has no experts"]),
     (["--num-experts", "4", "--disable-bias-linear", "--moe-aux-loss-coeff", "0.01", "0.02"],
@@ -244,6 +241,25 @@ def test_without_a_plan_file_megatrons_layout_flags_build_the_plan(capsys):
         ("fast", (0, 1), (0, 3)), ("slow", (2, 3), (3, 4))]
     assert plan.precision == "fp32"  # no --bf16: Megatron trains in fp32
     assert "Megatron-LM's layout from the flags (no --hetero-plan): TP 2 x PP 2 x DP 1" in capsys.readouterr().out
+
+
+def test_expert_biases_are_refused_where_megatron_core_cannot_train_them(capsys):
+    """megatron-core trains expert biases only with EP > 1 at expert-TP 1: without a plan file the flags
+    decide (refused at parse, exit 2); with one, the plan does (refused when it is resolved)."""
+    from megatron_het.cli.pretrain import resolve_plan
+    from megatron_het.plan import PlanError
+
+    sizes = ["--micro-batch-size", "2", "--global-batch-size", "8", "--num-experts", "4", "--sequence-parallel"]
+    for extra, got in ((["--tensor-model-parallel-size", "2", "--expert-model-parallel-size", "2"],
+                        "--expert-model-parallel-size 2, expert-TP 2"), ([], "--expert-model-parallel-size 1")):
+        with pytest.raises(SystemExit):
+            parse_args(NO_PLAN + sizes + extra)
+        err = capsys.readouterr().err
+        assert "--num-experts with linear biases" in err and got in err, err
+    with pytest.raises(PlanError, match="experts have linear biases"):
+        resolve_plan(parse_args(BASE + ["--num-experts", "4", "--sequence-parallel"]))
+    # TP 1, EP 2 (expert-TP = TP = 1): accepted
+    assert parse_args(NO_PLAN + sizes + ["--expert-model-parallel-size", "2"]).model.add_bias_linear
 
 
 def test_expert_parallel_flags_set_the_plans_expert_grid():

@@ -12,6 +12,7 @@ from megatron_het.plan.experts import (
     expert_groups,
     is_expert_param,
     rank_expert_layout,
+    stage_expert_grids,
 )
 
 
@@ -150,3 +151,67 @@ def test_memory_model_counts_the_parameters_each_rank_builds(case):
     for rank, numel in built.items():
         predicted = rank_memory(model, plan, rank, precision="fp32", padded_vocab=vocab).parameters_bytes // weight_b
         assert predicted == numel, (case, rank, predicted, numel)
+
+
+def test_a_domain_out_of_rank_order_keeps_one_grid():
+    """Replicas of a domain listed out of rank order, expert-TP 2 over TP-1 stages: each expert-TP
+    group holds one EP rank's experts, and a rank's place in the (expert-TP x EP) group is
+    ep_rank x etp + etp_rank by global rank, as megatron-core's alltoall dispatcher reads it."""
+    from megatron_het.plan.experts import plan_expert_layouts
+
+    layouts = plan_expert_layouts([[[0]], [[3]], [[1]], [[2]]], num_experts=4, ep=2, etp=2)
+    (ranks, _), = stage_expert_grids([[[0]], [[3]], [[1]], [[2]]], ep=2, etp=2)
+    ep_groups, etp_groups = expert_groups(ranks, ep=2, etp=2)
+    for g in etp_groups:
+        assert len({layouts[r].ep_rank for r in g}) == 1 and sorted(layouts[r].etp_rank for r in g) == [0, 1]
+    for position, rank in enumerate(sorted(ranks)):
+        assert layouts[rank].ep_rank * 2 + layouts[rank].etp_rank == position
+
+
+def test_recomputation_must_match_across_a_domain():
+    from dataclasses import replace
+
+    plan = _two_replicas(expert_parallel=2)
+    r1 = plan.replicas[1]
+    odd = replace(plan, replicas=(plan.replicas[0], replace(r1, stages=(replace(r1.stages[0], recompute=True),
+                                                                          r1.stages[1]))))
+    with pytest.raises(PlanError, match="recomputation"):
+        odd.validate(_moe())
+
+
+def test_a_shared_expert_has_no_biases():
+    from megatron_het.cluster import ConfigError
+
+    with pytest.raises(ConfigError, match="shared expert has no linear biases"):
+        _moe(add_bias_linear=True, moe_shared_expert_intermediate_size=64)
+
+
+def test_an_expert_domain_across_collective_libraries_is_refused_before_any_group():
+    from dataclasses import replace
+
+    from megatron_het.runtime.stage_groups import _expert_groups
+
+    from support.parity_plans import plan, stage
+
+    mixed = replace(plan(([stage([0], (0, 4), "nv", "A100-80GB")], 2), ([stage([1], (0, 4), "amd", "MI250X")], 2)),
+                    expert_parallel=2)
+    with pytest.raises(ValueError, match=r"different collective libraries \(\['nccl', 'rccl'\]\)"):
+        _expert_groups(mixed, {}, 0, timeout=None, backend_of=None, device_id=None,
+                       library_of={"nv": "nccl", "amd": "rccl"}.get)
+
+
+def test_expert_flags_set_only_what_they_give_and_refuse_another_plan_value():
+    from types import SimpleNamespace
+
+    from megatron_het.cli.pretrain import apply_expert_flags
+    from megatron_het.cluster import ConfigError
+
+    recorded = _two_replicas(expert_parallel=2, expert_tensor_parallel=1)
+    # --expert-tensor-parallel-size 1 alone keeps the plan's EP 2
+    kept = apply_expert_flags(recorded, SimpleNamespace(expert_model_parallel_size=1, expert_tensor_parallel_size=1))
+    assert (kept.expert_parallel, kept.expert_tensor_parallel) == (2, 1)
+    with pytest.raises(ConfigError, match="--expert-model-parallel-size: the plan records expert_parallel 2"):
+        apply_expert_flags(recorded, SimpleNamespace(expert_model_parallel_size=4, expert_tensor_parallel_size=None))
+    set_ = apply_expert_flags(_two_replicas(), SimpleNamespace(expert_model_parallel_size=2,
+                                                                expert_tensor_parallel_size=None))
+    assert (set_.expert_parallel, set_.expert_tensor_parallel) == (2, None)
