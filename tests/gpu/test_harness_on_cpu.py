@@ -64,6 +64,17 @@ def test_parity_and_bridge_plans_are_valid(tmp_path, monkeypatch, device):
                   [("gpu", device, 1)], *precision_flags(precision))
 
 
+@pytest.mark.parametrize("device", ["A100-80GB", "MI250X"])
+def test_moe_plans_are_valid(tmp_path, device):
+    """tests/gpu/test_gpu_moe.py's plans with its Megatron MoE flags, through the parser and Plan.validate."""
+    import test_gpu_moe as moe
+
+    for name, (gpus, replicas, fields) in moe.PLANS.items():
+        line = _validate(tmp_path, moe.moe_plan(replicas, dev=device, **fields), [("gpu", device, gpus)],
+                         *moe.MOE_FLAGS)
+        assert "one collective library" in line, (name, line)
+
+
 def test_mixed_vendor_plan_is_valid(tmp_path):
     import test_gpu_mixed_vendor as mixed
 
