@@ -5,7 +5,9 @@ so every rank knows it). Per-stage times and memory come from every rank: at eac
 the ranks send their (replica, stage, compute, idle, peak memory) to the writer, which logs the mean
 over each stage's ranks. Scalars (step = iteration, 1-based as in Megatron-LM):
 
-- always: ``lm loss``, ``learning-rate``, ``grad-norm``, ``batch-size``, ``lm loss validation``
+- always: ``lm loss``, ``learning-rate``, ``grad-norm``, ``batch-size``, ``lm loss validation``; an
+  MoE model's router losses under megatron-core's names (``load_balancing_loss``, ``z_loss``:
+  runtime/moe_metrics.py)
 - ``--log-timers-to-tensorboard``: ``iteration-time`` (s) and per stage
   ``stage-time/<replica>.<stage>/compute`` and ``.../idle`` (s, this iteration)
 - ``--log-throughput``: ``throughput/tokens-per-s``, ``throughput/samples-per-s`` (global batch / iteration-time)
@@ -161,6 +163,7 @@ def iteration_scalars(log: IterationLog, *, lr: float, global_batch_size: int, s
     for tag, value in (("params-norm", log.params_norm), ("num-zeros", log.num_zeros)):  # --log-params-norm & co.
         if value is not None:
             out[tag] = value
+    out.update(log.moe_losses)  # MoE: the routers' losses, as megatron-core's tracker writes them
     if config.log_timers:
         out["iteration-time"] = log.elapsed_s
     if config.log_throughput:

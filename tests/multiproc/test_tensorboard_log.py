@@ -154,6 +154,12 @@ def test_iteration_scalars_follow_the_flags():
                          elapsed_s=0.5)  # --log-params-norm, --log-num-zeros-in-grad: Megatron's tags
     scalars = iteration_scalars(norms, lr=2e-4, global_batch_size=8, seq_length=64, config=TensorBoardConfig(log_dir="x"))
     assert scalars["params-norm"] == 30.5 and scalars["num-zeros"] == 640
+    from megatron_het.train.strategy import MOE_KEY
+
+    moe = IterationLog(iteration=4, readout=Readout(lm_loss=6.5, grad_norm=0.25, **{
+        f"{MOE_KEY}load_balancing_loss": 1.02, f"{MOE_KEY}z_loss": 0.5}), elapsed_s=0.5)
+    scalars = iteration_scalars(moe, lr=2e-4, global_batch_size=8, seq_length=64, config=TensorBoardConfig(log_dir="x"))
+    assert (scalars["load_balancing_loss"], scalars["z_loss"]) == (1.02, 0.5)  # megatron-core's tags
 
 
 BASE = ["--hetero-cluster", CLUSTER, "--hetero-plan", "auto", "--hetero-model", MODEL, "--micro-batch-size", "2",
