@@ -44,7 +44,9 @@ __all__ = [
     "ring_reduce_scatter_time",
     "chain_time",
     "tp_channel",
+    "island_channel",
     "tp_layer_comm_times",
+    "moe_all_to_all_times",
     "activation_message_bytes",
     "p2p_channel",
     "p2p_time",
@@ -140,7 +142,8 @@ def _staged(link_gbps: float, latency_us: float, copies: int) -> Channel:
     return Channel(bandwidth_gbps=effective, latency_us=latency_us, host_staged=True)
 
 
-def _intra_island_channel(island: IslandSpec, *, same_node: bool) -> Channel:
+def island_channel(island: IslandSpec, *, same_node: bool) -> Channel:
+    """The link between two GPUs of ``island``: its intra-node one, or its inter-node network."""
     if same_node:
         return Channel(bandwidth_gbps=island.intra_node_bandwidth_gbps, latency_us=island.intra_node_latency_us,
                        host_staged=False)
@@ -151,7 +154,7 @@ def _intra_island_channel(island: IslandSpec, *, same_node: bool) -> Channel:
 def tp_channel(island: IslandSpec, tp: int) -> Channel:
     """Tensor parallelism runs inside a node when ``tp <= gpus_per_node``, else over the slower
     inter-node network (the ring's bottleneck)."""
-    return _intra_island_channel(island, same_node=tp <= island.gpus_per_node)
+    return island_channel(island, same_node=tp <= island.gpus_per_node)
 
 
 def tp_layer_comm_times(model: ModelSpec, island: IslandSpec, *, micro_batch_size: int, tp: int,
@@ -181,6 +184,26 @@ def tp_layer_comm_times(model: ModelSpec, island: IslandSpec, *, micro_batch_siz
     return CommTimes(forward_s=forward, backward_s=2 * one + (forward if recompute == "full" else 0.0))
 
 
+def moe_all_to_all_times(model: ModelSpec, channel: Channel, *, micro_batch_size: int, ep: int, tp: int = 1,
+                         seq_length: int | None = None, sequence_parallel: bool = False,
+                         recompute: Recompute = "none", element_bytes: int = 2) -> CommTimes:
+    """Expert parallelism's token exchange in one MoE layer for one micro-batch (megatron-core's
+    alltoall dispatcher): each token's hidden state goes to the ranks holding its ``topk`` experts and
+    comes back (dispatch and combine, two all-to-alls forward, their gradients two backward; full
+    recomputation repeats the forward's). A rank routes ``s x b`` tokens (``s/tp`` with sequence
+    parallelism); under balanced routing ``(ep - 1) / ep`` of the ``topk`` copies leave the rank, sent
+    pairwise (``ep - 1`` messages) over ``channel``. Priced as not overlapped with compute (megatron-core
+    runs them on the compute stream); routing imbalance is left out."""
+    if ep == 1 or not model.is_moe:
+        return CommTimes(forward_s=0.0, backward_s=0.0)
+    s = model.seq_length if seq_length is None else seq_length
+    tokens = (s // tp if sequence_parallel else s) * micro_batch_size
+    off_rank = element_bytes * tokens * model.moe_router_topk * model.hidden_size * (ep - 1) / ep
+    one = (ep - 1) * channel.latency_us * 1e-6 + off_rank / bytes_per_s(channel.bandwidth_gbps)
+    forward = 2 * one
+    return CommTimes(forward_s=forward, backward_s=2 * one + (forward if recompute == "full" else 0.0))
+
+
 def activation_message_bytes(model: ModelSpec, *, micro_batch_size: int, seq_length: int | None = None,
                              tp: int = 1, sequence_parallel: bool = False, element_bytes: int = 2) -> int:
     """Bytes each tensor-parallel rank sends to the next stage: the ``s*b*h`` hidden states (2 bytes
@@ -201,7 +224,7 @@ def p2p_channel(cluster: ClusterSpec, *, src: str, dst: str, same_node: bool = F
     """
     a, b = cluster.island(src), cluster.island(dst)
     if src == dst:
-        return _intra_island_channel(a, same_node=same_node)
+        return island_channel(a, same_node=same_node)
     link = cluster.link(src, dst)
     if link is None:
         raise ConfigError("no link between these islands", field="links", value=[src, dst],
@@ -223,7 +246,7 @@ def _dp_channel(island: IslandSpec) -> Channel:
     # Replicas of a stage sit on different nodes as soon as the island has several (TP fills a node
     # first, pipeline stages and replicas spread over nodes), so the inter-node network is the
     # bottleneck; a single-node island reduces over its intra-node link.
-    return _intra_island_channel(island, same_node=island.nodes == 1)
+    return island_channel(island, same_node=island.nodes == 1)
 
 
 def _replica_counts(cluster: ClusterSpec, replica_islands: Sequence[str]) -> dict[str, int]:

@@ -56,9 +56,13 @@ from megatron_het.cluster import ClusterSpec, ConfigError, DeviceType, IslandSpe
 from megatron_het.perf.bounds import check_global_batch_size
 from megatron_het.perf.calibrate import with_measured_links
 from megatron_het.perf.comm import (
+    Channel,
     activation_message_bytes,
     distributed_optimizer_share,
     dp_gradient_reduction,
+    island_channel,
+    moe_all_to_all_times,
+    p2p_channel,
     p2p_time,
     spans_collective_libraries,
     tp_layer_comm_times,
@@ -208,23 +212,50 @@ def check_island_profiles(profile: Profile | Sequence[Profile] | None, cluster: 
                                   f"host_profile_<key>_<n>_{name}.json), or a profile without \"island\"")
 
 
+def expert_channels(plan: Plan, cluster: ClusterSpec) -> dict[int, Channel]:
+    """Rank -> the link its stage's expert all-to-all crosses (plan/experts.py's grid): inside a node,
+    between the island's nodes, or the slowest link between the domain's islands. Empty without
+    expert parallelism."""
+    from megatron_het.plan.experts import stage_expert_grids
+
+    if plan.expert_parallel == 1:
+        return {}
+    firsts = {name: ranks[0] for name, ranks in plan.island_ranks().items()}
+    island_of = {r: st.island for rep in plan.replicas for st in rep.stages for r in st.ranks}
+    out = {}
+    for ranks, _ in stage_expert_grids([[s.ranks for s in r.stages] for r in plan.replicas],
+                                       ep=plan.expert_parallel, etp=plan.expert_tensor_parallel):
+        names = sorted({island_of[r] for r in ranks})
+        if len(names) == 1:
+            island = cluster.island(names[0])
+            nodes = {(r - firsts[names[0]]) // island.gpus_per_node for r in ranks}
+            channel = island_channel(island, same_node=len(nodes) == 1)
+        else:
+            channel = min((p2p_channel(cluster, src=a, dst=b) for a in names for b in names if a < b),
+                          key=lambda c: c.bandwidth_gbps)
+        out.update(dict.fromkeys(ranks, channel))
+    return out
+
+
 def stage_cost(model: ModelSpec, island: IslandSpec, *, tp: int, micro_batch_size: int, slowdown: float = 1.0,
                seq_length: int | None = None, recompute: bool = False, sequence_parallel: bool = False,
                tp_comm_overlap: bool = False, profile: Profile | Sequence[Profile] | None = None,
                precision: str = "bf16", flash_attention: bool | None = None,
-               recompute_share: float = 1.0) -> StageCost:
+               recompute_share: float = 1.0, ep: int = 1, ep_channel: Channel | None = None) -> StageCost:
     """Per-micro-batch costs of a stage of ``tp`` ranks on ``island``. ``recompute`` is a bool (full)
     or a mode ("none", "selective", "full"); ``flash_attention`` None means fused on GPUs.
     ``recompute_share``: the share of the stage's layers that recompute (Megatron's block method,
     ``StagePlan.recomputed_layers / num_layers``); a layer's times are then the share-weighted mean of
-    a recomputing and a plain layer, so ``num_layers x`` them is the stage's total."""
+    a recomputing and a plain layer, so ``num_layers x`` them is the stage's total. ``ep``/``ep_channel``:
+    an MoE plan's expert parallelism and the link its all-to-all crosses (``moe_all_to_all_times``;
+    every layer priced as an MoE layer, as the compute)."""
     mode = ("full" if recompute else "none") if isinstance(recompute, bool) else recompute
     if not 0.0 <= recompute_share <= 1.0:
         raise ConfigError("must be within [0, 1]", field="recompute_share", value=recompute_share,
                           fix="pass the recomputed layers / the stage's layers")
     kwargs = dict(tp=tp, micro_batch_size=micro_batch_size, slowdown=slowdown, seq_length=seq_length,
                   sequence_parallel=sequence_parallel, tp_comm_overlap=tp_comm_overlap, profile=profile,
-                  precision=precision, flash_attention=flash_attention)
+                  precision=precision, flash_attention=flash_attention, ep=ep, ep_channel=ep_channel)
     if mode != "none" and recompute_share < 1.0:
         plain = stage_cost(model, island, recompute="none", **kwargs)
         if recompute_share == 0.0:
@@ -248,6 +279,11 @@ def stage_cost(model: ModelSpec, island: IslandSpec, *, tp: int, micro_batch_siz
         fwd_comm, bwd_comm = max(0.0, comm.forward_s - lt.forward_s), max(0.0, comm.backward_s - lt.backward_s)
     else:
         fwd_comm, bwd_comm = comm.forward_s, comm.backward_s
+    if ep > 1 and ep_channel is not None:  # never inside a measured layer: profiles run EP 1
+        a2a = moe_all_to_all_times(model, ep_channel, micro_batch_size=micro_batch_size, ep=ep, tp=tp,
+                                   seq_length=seq_length, sequence_parallel=sequence_parallel, recompute=mode,
+                                   element_bytes=activation_element_bytes(precision))
+        fwd_comm, bwd_comm = fwd_comm + a2a.forward_s, bwd_comm + a2a.backward_s
     measured = profile_for(profile, device.name, island.name)
     emb = embedding_times(model, device, micro_batch_size=micro_batch_size, seq_length=seq_length, tp=tp,
                           profile=measured, precision=precision)
@@ -452,16 +488,20 @@ def predict(plan: Plan, model: ModelSpec, cluster: ClusterSpec, *, profile: Prof
     dp = len(plan.replicas)
     costs: dict[tuple[object, ...], StageCost] = {}
 
+    ep_links = expert_channels(plan, cluster) if model.is_moe else {}
+
     def cost(stage: StagePlan) -> StageCost:
         share = stage.recomputed_layers(v) / stage.num_layers if stage.recompute_num_layers else 1.0
-        key = (stage.island, stage.tp, stage.recompute, share, stage.tp_comm_overlap)
+        ep_channel = ep_links.get(stage.ranks[0])
+        key = (stage.island, stage.tp, stage.recompute, share, stage.tp_comm_overlap, ep_channel)
         if key not in costs:
             island = cluster.island(stage.island)
             mode = (recompute_mode or "full") if stage.recompute else "none"
             costs[key] = stage_cost(model, island, tp=stage.tp, micro_batch_size=mbs, seq_length=s_len,
                                     slowdown=cluster.slowdown(stage.island), recompute=mode,
                                     sequence_parallel=sp, tp_comm_overlap=stage.tp_comm_overlap, profile=profile,
-                                    precision=precision, flash_attention=flash_attention, recompute_share=share)
+                                    precision=precision, flash_attention=flash_attention, recompute_share=share,
+                                    ep=plan.expert_parallel, ep_channel=ep_channel)
         return costs[key]
 
     # Simulate each distinct replica once; record when every stage's last backward ends.
