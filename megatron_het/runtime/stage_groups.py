@@ -54,9 +54,9 @@ def _expert_groups(plan: Plan, created: dict, rank: int, *, timeout, backend_of,
     if plan.expert_parallel == 1 and plan.expert_tensor_parallel is None:
         return None
     island_of = {r: s.island for rep in plan.replicas for s in rep.stages for r in s.ranks}
-    mine = None
-    for ranks, etp in stage_expert_grids([[s.ranks for s in r.stages] for r in plan.replicas],
-                                         ep=plan.expert_parallel, etp=plan.expert_tensor_parallel):
+    grids = stage_expert_grids([[s.ranks for s in r.stages] for r in plan.replicas], ep=plan.expert_parallel,
+                               etp=plan.expert_tensor_parallel)
+    for ranks, _ in grids:
         libraries = {None if library_of is None else library_of(island_of[r]) for r in ranks}
         if len(libraries) > 1:
             raise ValueError(f"expert parallelism over ranks {list(ranks)}: their islands "
@@ -64,6 +64,8 @@ def _expert_groups(plan: Plan, created: dict, rank: int, *, timeout, backend_of,
                              f"({sorted(map(str, libraries))}), and the MoE all-to-all has no bridge between them "
                              "yet. Fix: keep each expert domain's replicas on islands of one vendor, or use "
                              "expert_parallel 1")
+    mine = None
+    for ranks, etp in grids:
         backend = None if backend_of is None else backend_of(island_of[ranks[0]])
         ep_groups, etp_groups = expert_groups(ranks, ep=plan.expert_parallel, etp=etp)
         got = []
