@@ -113,8 +113,9 @@ def transformer_config(spec: StageModelSpec, *, pp: int = 1, cpu_initialization:
 
 
 def moe_kwargs(m: ModelSpec) -> dict[str, object]:
-    """megatron-core TransformerConfig fields of an MoE model (its MoE flags, Megatron-LM's names without
-    the ``moe_`` renames). Experts are tensor-parallel like the dense MLP (expert-TP = the stage's TP)."""
+    """megatron-core TransformerConfig fields of an MoE model: ModelSpec's MoE fields carry
+    TransformerConfig's names, but for ``num_experts`` (``num_moe_experts``). The expert grid (EP,
+    expert-TP) is the stage's, set by ``transformer_config``."""
     from megatron_het.cluster.model_moe import MOE_FIELDS
 
     return {"num_moe_experts": m.num_experts, **{f: getattr(m, f) for f in MOE_FIELDS}}
