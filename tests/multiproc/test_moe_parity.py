@@ -19,6 +19,7 @@ from megatron_het.platform.local_launch import run_local
 from megatron_het.train.config import TrainConfig
 
 from support.moe_plans import CASES, MODELS
+from support.param_diff import assert_losses_match, reported_losses
 from support.parity_plans import GLOBAL_BATCH_SIZE, MICRO_BATCH_SIZE, PADDED_VOCAB
 from workers.megatron_workers import checkpoint_worker, hetero_cases_worker, megatron_block_worker
 
@@ -38,23 +39,12 @@ def runs(model_name: str):
     return _RUNS[model_name]
 
 
-def _losses(per_rank, name):
-    for rank_out in reversed(per_rank):
-        losses = [log.lm_loss for log in rank_out[name][0].iterations]
-        if all(v is not None for v in losses):
-            return losses
-    raise AssertionError(f"{name}: no rank reported losses")
-
-
 @pytest.mark.multiproc
 @pytest.mark.parametrize("model_name,name", [(m, n) for m, (_, names) in MODELS.items() for n in names])
 def test_moe_plan_matches_single_process(model_name, name):
     ref, per_rank = runs(model_name)
     ref_losses = [log.lm_loss for log in ref.iterations]
-    losses = _losses(per_rank, name)
-    assert len(losses) == TRAIN.train_iters
-    for i, (a, b) in enumerate(zip(losses, ref_losses)):
-        assert abs(a - b) <= 1e-5 * abs(b), f"{name} iteration {i + 1}: {a} vs single-process {b}"
+    assert_losses_match(name, reported_losses(per_rank, name), ref_losses, TRAIN.train_iters)
     final = assemble_full_state([out[name][0].shards for out in per_rank if out[name][0].shards])
     ref_final = assemble_full_state([ref.shards])
     assert set(final) == set(ref_final), set(final) ^ set(ref_final)
@@ -125,11 +115,11 @@ def test_expert_biases_train_alike_under_three_placements():
     names = ("ep2_over_replicas", "ep4_over_tp2_replicas", "ep2_in_tp2_stages")
     per_rank = run_local(4, hetero_cases_worker, (model, [(n, CASES[n]) for n in names], TRAIN, None, PADDED_VOCAB))
     first = names[0]
-    want_losses = _losses(per_rank, first)
+    want_losses = reported_losses(per_rank, first)
     want = assemble_full_state([out[first][0].shards for out in per_rank if out[first][0].shards])
     assert any(k.endswith("local_experts.3.linear_fc2.bias") for k in want)
     for name in names[1:]:
-        assert _losses(per_rank, name) == pytest.approx(want_losses, rel=1e-5), name
+        assert reported_losses(per_rank, name) == pytest.approx(want_losses, rel=1e-5), name
         got = assemble_full_state([out[name][0].shards for out in per_rank if out[name][0].shards])
         assert set(got) == set(want)
         worst = max(((got[k] - want[k]).abs().max().item(), k) for k in got)

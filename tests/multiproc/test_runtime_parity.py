@@ -17,7 +17,7 @@ from megatron_het.model.groups import BlockShape
 from megatron_het.platform.local_launch import run_local
 from megatron_het.train.config import TrainConfig
 
-from support.param_diff import assert_seeded_start
+from support.param_diff import assert_losses_match, assert_seeded_start, reported_losses
 from support.parity_plans import (
     BRIDGED,
     BRIDGED_CLUSTER,
@@ -55,26 +55,13 @@ def runs():
     return ref, per_rank
 
 
-def _losses(per_rank, name):
-    """Loss list of a case from a rank that reports it (runtime: every rank; megatron: last stage)."""
-    for rank_out in reversed(per_rank):
-        res, _ = rank_out[name]
-        losses = [log.lm_loss for log in res.iterations]
-        if all(v is not None for v in losses):
-            return losses
-    raise AssertionError(f"{name}: no rank reported losses")
-
-
 @pytest.mark.multiproc
 @pytest.mark.parametrize("name", list(CASES) + ["partial_recompute", "bridged_nv_amd", "cross_vendor_boundaries", "homogeneous_runtime",
                                                  "homogeneous_megatron"])
 def test_plan_matches_single_process(runs, name):
     ref, per_rank = runs
     ref_losses = [log.lm_loss for log in ref.iterations]
-    losses = _losses(per_rank, name)
-    assert len(losses) == TRAIN.train_iters
-    for i, (a, b) in enumerate(zip(losses, ref_losses)):
-        assert abs(a - b) <= 1e-5 * abs(b), f"{name} iteration {i + 1}: {a} vs single-process {b}"
+    assert_losses_match(name, reported_losses(per_rank, name), ref_losses, TRAIN.train_iters)
     final = assemble_full_state([out[name][0].shards for out in per_rank if out[name][0].shards])
     ref_final = assemble_full_state([ref.shards])
     assert set(final) == set(ref_final), set(final) ^ set(ref_final)
@@ -88,7 +75,7 @@ def test_plan_matches_single_process(runs, name):
 @pytest.mark.multiproc
 def test_homogeneous_runtime_equals_plain_megatron(runs):
     _, per_rank = runs
-    ours, theirs = _losses(per_rank, "homogeneous_runtime"), _losses(per_rank, "homogeneous_megatron")
+    ours, theirs = reported_losses(per_rank, "homogeneous_runtime"), reported_losses(per_rank, "homogeneous_megatron")
     for a, b in zip(ours, theirs):
         assert abs(a - b) <= 1e-5 * abs(b)
 

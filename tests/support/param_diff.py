@@ -126,3 +126,20 @@ def assert_seeded_start(initial_shards, *, model, seed: int, padded_vocab: int) 
     assert set(initial) == set(seeded)
     for name, value in initial.items():
         assert torch.equal(value.float(), seeded[name].to(value.dtype).float()), f"reference's initial {name}"
+
+
+def reported_losses(per_rank, name: str) -> list[float]:
+    """Loss list of case ``name`` from a rank that reports it (runtime: every rank; megatron: last stage);
+    ``per_rank``: each rank's {case name: (RunResult, ...)}."""
+    for rank_out in reversed(per_rank):
+        losses = [log.lm_loss for log in rank_out[name][0].iterations]
+        if all(v is not None for v in losses):
+            return losses
+    raise AssertionError(f"{name}: no rank reported losses")
+
+
+def assert_losses_match(name: str, losses: list[float], ref_losses: list[float], iters: int) -> None:
+    """Every iteration's loss within 1e-5 relative of the single-process run's (fp32 parity)."""
+    assert len(losses) == iters
+    for i, (a, b) in enumerate(zip(losses, ref_losses)):
+        assert abs(a - b) <= 1e-5 * abs(b), f"{name} iteration {i + 1}: {a} vs single-process {b}"
