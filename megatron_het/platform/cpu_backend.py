@@ -247,18 +247,24 @@ def _host_gather_along_first_dim(input_, group, output_split_sizes=None, use_glo
 
 
 def _host_reduce_scatter_along_first_dim(input_, group, input_split_sizes=None, use_global_buffer=False):
-    """megatron-core's reduce-scatter of uneven pieces (a list ``reduce_scatter``, which gloo refuses):
-    on the host the whole input is summed over the group and each rank keeps its piece."""
+    """megatron-core's reduce-scatter of uneven pieces (a list ``reduce_scatter``, which gloo refuses
+    unless the pieces are equal): on the host each piece is padded to the largest and reduce-scattered
+    evenly (the bytes of NCCL's reduce-scatter plus the padding; an all-reduce would move twice them)."""
     if input_split_sizes is None or group.size() == 1:
         return _original(_MAPPINGS, "_reduce_scatter_along_first_dim")(input_, group, input_split_sizes,
                                                                          use_global_buffer)
     import torch.distributed as dist
 
-    total = input_.contiguous().clone()
-    dist.all_reduce(total, group=group)
     sizes = [int(n) for n in input_split_sizes]
-    first = sum(sizes[:group.rank()])
-    return total[first:first + sizes[group.rank()]].clone()
+    longest = max(sizes)
+    padded = input_.new_zeros((longest * len(sizes), *input_.shape[1:]))
+    first = 0
+    for i, n in enumerate(sizes):
+        padded[i * longest:i * longest + n] = input_[first:first + n]
+        first += n
+    out = input_.new_empty((longest, *input_.shape[1:]))
+    dist.reduce_scatter_tensor(out, padded, group=group)
+    return out[:sizes[group.rank()]].contiguous()
 
 
 @dataclass(frozen=True, kw_only=True)
