@@ -23,7 +23,7 @@ from megatron_het.cluster.errors import suggest
 from megatron_het.errors import UserError
 from megatron_het.perf.flops import padded_vocab_size
 from megatron_het.perf.profile import save_profile
-from megatron_het.profiling.layers import profile_concurrent, profile_layers, profile_tp_layers
+from megatron_het.profiling.layers import profile_concurrent, profile_ep_layers, profile_layers, profile_tp_layers
 
 MAX_MEASURED_SIZE = 4096  # micro-batch or TP size: beyond it one measurement would not fit any host
 
@@ -41,6 +41,21 @@ def _sizes(text: str) -> list[int]:
     return sizes
 
 
+def _moe_fields(args: argparse.Namespace, ap: argparse.ArgumentParser) -> dict[str, object]:
+    """ModelSpec's MoE fields from the flags (none without --num-experts; MoE flags alone are refused)."""
+    if args.num_experts is None:
+        given = [f for f, v in (("--moe-ffn-hidden-size", args.moe_ffn_hidden_size),
+                                ("--moe-shared-expert-intermediate-size", args.moe_shared_expert_intermediate_size))
+                 if v is not None]
+        if given:
+            ap.error(f"{given[0]} describes an MoE layer: pass --num-experts too")
+        return {}
+    return dict(num_experts=args.num_experts, moe_router_topk=args.moe_router_topk,
+                moe_ffn_hidden_size=args.moe_ffn_hidden_size, moe_token_dispatcher_type=args.moe_token_dispatcher_type,
+                moe_aux_loss_coeff=args.moe_aux_loss_coeff,
+                moe_shared_expert_intermediate_size=args.moe_shared_expert_intermediate_size)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--num-layers", type=int, default=1, help="layers to stack (times are per layer)")
@@ -50,10 +65,27 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--ffn-hidden-size", type=int, default=None)
     ap.add_argument("--seq-length", type=int, required=True)
     ap.add_argument("--swiglu", action="store_true")
+    ap.add_argument("--disable-bias-linear", action="store_true", help="linear layers without biases (as Llama, Mixtral)")
+    ap.add_argument("--num-experts", type=int, default=None,
+                    help="profile megatron-core's MoE layer with this many experts (all on this process: expert "
+                         "parallelism 1; the model adds the all-to-all of a plan's EP); default: a dense layer")
+    ap.add_argument("--moe-router-topk", type=int, default=2, help="experts each token runs (with --num-experts)")
+    ap.add_argument("--moe-ffn-hidden-size", type=int, default=None,
+                    help="each expert's MLP width (with --num-experts; default: --ffn-hidden-size)")
+    ap.add_argument("--moe-shared-expert-intermediate-size", type=int, default=None,
+                    help="a shared expert's width (with --num-experts; default: none)")
+    ap.add_argument("--moe-token-dispatcher-type", choices=("allgather", "alltoall"), default="allgather",
+                    help="the MoE dispatcher the run uses (with --num-experts; Megatron's default: allgather)")
+    ap.add_argument("--moe-aux-loss-coeff", type=float, default=0.0,
+                    help="the run's load-balancing loss coefficient (with --num-experts): > 0 times its computation")
     ap.add_argument("--micro-batch-sizes", type=_sizes, default=[1, 2, 4])
     ap.add_argument("--tp-sizes", type=_sizes, default=[1],
                     help="tensor-parallel sizes to measure; > 1 runs the layers on that many local gloo processes "
                          "and the times include their TP collectives")
+    ap.add_argument("--ep-sizes", type=_sizes, default=[],
+                    help="MoE: also measure the layer with its experts over this many local gloo processes (expert-TP "
+                         "1), at tp 1 and every --tp-sizes (max(tp, ep) processes); the times include the "
+                         "dispatcher's all-to-all on this host")
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
@@ -106,8 +138,18 @@ def main(argv: list[str] | None = None) -> int:
         model = ModelSpec(num_layers=args.num_layers, hidden_size=args.hidden_size,
                           num_attention_heads=args.num_attention_heads, num_query_groups=args.num_query_groups,
                           ffn_hidden_size=args.ffn_hidden_size, seq_length=args.seq_length, vocab_size=1,
-                          swiglu=args.swiglu)
+                          swiglu=args.swiglu, add_bias_linear=not args.disable_bias_linear, **_moe_fields(args, ap))
         vocab = None if args.vocab_size is None else padded_vocab_size(args.vocab_size)
+        if args.ep_sizes and (not model.is_moe or any(model.num_experts % ep or max(ep, tp) % min(ep, tp)
+                                                      for ep in args.ep_sizes for tp in args.tp_sizes)):
+            raise UserError("spreads an MoE layer's experts over that many processes: pass --num-experts, a "
+                            "multiple of every size, and TP sizes that divide or are multiples of each",
+                            field="--ep-sizes", value=",".join(map(str, args.ep_sizes)),
+                            fix="pass sizes dividing --num-experts, with --num-experts")
+        if model.is_moe and model.add_bias_linear:  # megatron-core's experts add their bias in place at EP 1
+            raise UserError("an MoE layer with linear biases trains only with expert parallelism > 1 and expert-TP "
+                            "1 (plan/checks.py), and the profile runs its experts at EP 1", field="--num-experts",
+                            value=args.num_experts, fix="pass --disable-bias-linear (as Mixtral)")
     except UserError as err:  # bugs are not caught: they surface as tracebacks
         print(f"error: {err}", file=sys.stderr)
         return 2
@@ -123,9 +165,12 @@ def main(argv: list[str] | None = None) -> int:
     tp_entries = tuple(e for tp in args.tp_sizes if tp > 1 for e in profile_tp_layers(
         model, tp=tp, num_layers=args.num_layers, micro_batch_sizes=args.micro_batch_sizes, device=args.device,
         warmup=args.warmup, repeats=args.repeats, dtype=getattr(torch, args.dtype)))
+    ep_entries = tuple(e for tp in sorted({1, *args.tp_sizes}) for ep in args.ep_sizes if ep > 1 for e in profile_ep_layers(
+        model, ep=ep, tp=tp, num_layers=args.num_layers, micro_batch_sizes=args.micro_batch_sizes,
+        device=args.device, warmup=args.warmup, repeats=args.repeats, dtype=getattr(torch, args.dtype)))
     if 1 not in args.tp_sizes:
         profile = replace(profile, entries=())
-    profile = replace(profile, entries=profile.entries + tp_entries)
+    profile = replace(profile, entries=profile.entries + tp_entries + ep_entries)
     if args.comm_ranks:
         from megatron_het.profiling.links import measure_link
 
@@ -133,7 +178,7 @@ def main(argv: list[str] | None = None) -> int:
     save_profile(profile, args.output)
     print(f"wrote {args.output}: {profile.method}")
     for e in profile.entries:
-        print(f"  tp={e.tp} micro_batch_size={e.micro_batch_size}: forward {e.forward_s * 1e3:.3f} ms, "
+        print(f"  tp={e.tp}{f' ep={e.ep}' if e.ep > 1 else ''} micro_batch_size={e.micro_batch_size}: forward {e.forward_s * 1e3:.3f} ms, "
               f"backward {e.backward_s * 1e3:.3f} ms, peak {e.peak_memory_bytes / 2**20:.1f} MiB per layer")
     for p in profile.parts:
         print(f"  {p.part} (vocab {p.vocab_size}), micro_batch_size={p.micro_batch_size}: forward "

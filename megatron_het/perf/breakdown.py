@@ -14,8 +14,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from megatron_het.cluster import ClusterSpec, ModelSpec
+from megatron_het.perf.calibrate import with_measured_links
 from megatron_het.perf.compute import embedding_times, layer_times, logits_times
-from megatron_het.perf.predict import Prediction, predict, profile_for, stage_cost
+from megatron_het.perf.predict import Prediction, expert_channels, predict, profile_for, stage_cost
 from megatron_het.perf.profile import Profile
 from megatron_het.plan.types import Plan
 
@@ -27,6 +28,7 @@ PART_LABELS = {
     "gemm:logits": "GEMM logits", "elementwise": "element-wise (norms, residuals, activation, loss)",
     "fp8_casts": "fp8 casts", "kernel_overhead": "per-kernel fixed costs", "recompute": "recomputation",
     "measured": "measured layer time (profile)", "tp_communication": "tensor-parallel communication (exposed)",
+    "expert_all_to_all": "expert-parallel all-to-all (MoE)",
     "bubble": "pipeline bubble and p2p waits", "gradient_reduction": "gradient reduction (exposed)",
     "synchronization": "per-iteration all-reduces (grad norm, loss)",
     "optimizer": "optimizer step",
@@ -42,8 +44,7 @@ def explain(plan: Plan, model: ModelSpec, cluster: ClusterSpec, *, profile: Prof
     si = max(range(len(rp.stages)), key=lambda i: rp.stages[i].compute_s)
     st, sp = replica.stages[si], rp.stages[si]
     is_first, is_last = si == 0, si == len(replica.stages) - 1
-    island = cluster.island(st.island)
-    device = island.device
+    device = cluster.island(st.island).device
     measured = profile_for(profile, device.name, st.island)
     flash = predict_kwargs.get("flash_attention")
     flash = not device.is_host if flash is None else flash
@@ -67,12 +68,21 @@ def explain(plan: Plan, model: ModelSpec, cluster: ClusterSpec, *, profile: Prof
         for name, sec in (lt.parts.items() if lt.parts else [("measured", lt.forward_s + lt.backward_s)]):
             add(name, k * count * sec)
         layers_s += k * count * (lt.forward_s + lt.backward_s)
-    cost = stage_cost(model, island, tp=st.tp, micro_batch_size=plan.micro_batch_size,
-                      seq_length=predict_kwargs.get("seq_length"), slowdown=cluster.slowdown(st.island),
-                      recompute=mode, sequence_parallel=plan.sequence_parallel, tp_comm_overlap=st.tp_comm_overlap,
-                      profile=profile, precision=plan.precision, flash_attention=flash,
-                      recompute_share=counts[mode] / n if mode != "none" else 1.0)
-    add("tp_communication", n * (cost.layer_forward_s + cost.layer_backward_s) - layers_s)
+    linked = with_measured_links(cluster, profile)  # the links predict() prices
+    ep_channel = expert_channels(plan, linked).get(st.ranks[0]) if model.is_moe else None
+
+    def layer_s(ep: int) -> float:
+        cost = stage_cost(model, linked.island(st.island), tp=st.tp, micro_batch_size=plan.micro_batch_size,
+                          seq_length=predict_kwargs.get("seq_length"), slowdown=cluster.slowdown(st.island),
+                          recompute=mode, sequence_parallel=plan.sequence_parallel,
+                          tp_comm_overlap=st.tp_comm_overlap, profile=profile, precision=plan.precision,
+                          flash_attention=flash, recompute_share=counts[mode] / n if mode != "none" else 1.0,
+                          ep=ep, ep_channel=ep_channel, etp=plan.expert_tensor_parallel)
+        return n * (cost.layer_forward_s + cost.layer_backward_s)
+
+    without_ep = layer_s(1)
+    add("tp_communication", without_ep - layers_s)
+    add("expert_all_to_all", layer_s(plan.expert_parallel) - without_ep)
     if is_first:
         e = embedding_times(model, device, **args)
         for name, sec in (e.parts.items() if e.parts else [("measured", e.forward_s + e.backward_s)]):

@@ -159,7 +159,7 @@ def tp_channel(island: IslandSpec, tp: int) -> Channel:
 
 def tp_layer_comm_times(model: ModelSpec, island: IslandSpec, *, micro_batch_size: int, tp: int,
                         seq_length: int | None = None, sequence_parallel: bool = False,
-                        recompute: Recompute = "none", element_bytes: int = 2) -> CommTimes:
+                        recompute: Recompute = "none", element_bytes: int = 2, etp: int | None = None) -> CommTimes:
     """Tensor-parallel traffic of one layer for one micro-batch (Megatron-LM, Shoeybi et al. 2019).
 
     Without sequence parallelism: two all-reduces of the ``s*b*h`` bf16 activation in forward
@@ -167,6 +167,12 @@ def tp_layer_comm_times(model: ModelSpec, island: IslandSpec, *, micro_batch_siz
     With it: each all-reduce becomes an all-gather plus a reduce-scatter of the same buffer, which
     costs the same in a ring. Full recomputation repeats the forward traffic during backward.
     ``element_bytes`` is 4 for fp32/tf32 runs.
+
+    An MoE layer (megatron-core requires sequence parallelism with TP): the attention's pair as above;
+    in place of the MLP's, the alltoall dispatcher gathers the routed tokens (``topk`` copies of the
+    rank's ``s/tp x b``) over the ``etp`` expert-TP ranks (None: ``tp``) after the EP exchange and
+    reduce-scatters the experts' output back, the reverse in backward (token_dispatcher.py's
+    dispatch_postprocess / combine_preprocess); with ``etp`` 1 nothing (the EP all-to-all moves them).
     """
     check_tp(model, tp)
     check_recompute(recompute)
@@ -180,8 +186,17 @@ def tp_layer_comm_times(model: ModelSpec, island: IslandSpec, *, micro_batch_siz
         one = ring_all_gather_time(nbytes, **args) + ring_reduce_scatter_time(nbytes, **args)
     else:
         one = ring_all_reduce_time(nbytes, **args)
-    forward = 2 * one
-    return CommTimes(forward_s=forward, backward_s=2 * one + (forward if recompute == "full" else 0.0))
+    mlp = one
+    if model.is_moe:
+        etp = tp if etp is None else etp
+        mlp = 0.0
+        if etp > 1:
+            routed = model.moe_router_topk * nbytes * etp // tp  # the gathered buffer over the expert-TP ranks
+            ech = tp_channel(island, etp)
+            eargs = dict(n=etp, bandwidth_gbps=ech.bandwidth_gbps, latency_us=ech.latency_us)
+            mlp = ring_all_gather_time(routed, **eargs) + ring_reduce_scatter_time(routed, **eargs)
+    forward = one + mlp
+    return CommTimes(forward_s=forward, backward_s=forward + (forward if recompute == "full" else 0.0))
 
 
 def moe_all_to_all_times(model: ModelSpec, channel: Channel, *, micro_batch_size: int, ep: int, tp: int = 1,

@@ -50,7 +50,7 @@ from megatron_het.perf.flops import (
 )
 from megatron_het.perf.kernels import PRECISION_CLASSES, TILE_SHAPES, ComputeParams, precision_class
 from megatron_het.perf.memory import activation_element_bytes
-from megatron_het.perf.profile import Profile, lookup, lookup_part
+from megatron_het.perf.profile import Profile, layer_shape, lookup, lookup_part
 
 __all__ = [
     "PRECISION_CLASSES",
@@ -155,6 +155,7 @@ class LayerTimes:
     backward_s: float  # backward pass, including any recomputation it triggers
     source: str  # "analytic" or "profile:<file or device>", so predictions can be explained
     includes_tp_comm: bool = False  # measured with its TP collectives: do not add modelled TP traffic
+    includes_ep_comm: bool = False  # an MoE layer measured over its EP ranks: do not add the modelled all-to-all
     # forward + backward seconds by part ("gemm:qkv", "attention", "elementwise", "kernel_overhead",
     # "recompute", ...) when analytic; empty for measured times.
     parts: Mapping[str, float] = field(default_factory=dict)
@@ -310,14 +311,17 @@ def layer_times(model: ModelSpec, device: DeviceType, *, micro_batch_size: int, 
                 tp: int = 1, sequence_parallel: bool = False, recompute: Recompute = "none",
                 flash_attention: bool | None = None, curve: EfficiencyCurve | None = None,
                 profile: Profile | None = None, precision: str = "bf16",
-                params: ComputeParams | None = None) -> LayerTimes:
+                params: ComputeParams | None = None, ep: int = 1) -> LayerTimes:
     """Forward and backward seconds of one layer for one micro-batch on one rank.
 
     If ``profile`` (measured on this device type; the caller picks it) has an entry for this layer
     shape and ``tp``, its interpolated times are used; otherwise the analytic model (with the
     profile's fitted ``compute_model`` when it has one). Full recomputation adds a forward to the
     backward; selective adds the attention core. ``flash_attention`` None: fused on GPUs (what
-    megatron-core's Transformer Engine spec runs), unfused on CPUs (the local spec).
+    megatron-core's Transformer Engine spec runs), unfused on CPUs (the local spec). ``ep``: an MoE
+    layer's expert-parallel size (expert-TP 1); an entry measured over that many ranks includes the
+    all-to-all (``includes_ep_comm``), else the EP 1 entry stands for the compute (a rank runs as many
+    routed token copies under any EP) and the caller adds the all-to-all.
     """
     check_recompute(recompute)
     if flash_attention is None:
@@ -330,18 +334,16 @@ def layer_times(model: ModelSpec, device: DeviceType, *, micro_batch_size: int, 
                                                 flash_attention=flash_attention, precision=precision,
                                                 params=params, curve=curve)
     measured = None if profile is None or not profile.entries else lookup(
-        profile, hidden_size=model.hidden_size, num_attention_heads=model.num_attention_heads,
-        num_query_groups=model.num_query_groups, ffn_hidden_size=model.ffn_hidden_size, swiglu=model.swiglu,
-        seq_length=s, tp=tp, micro_batch_size=micro_batch_size)
+        profile, **layer_shape(model), seq_length=s, tp=tp, micro_batch_size=micro_batch_size, ep=ep)
+    if measured is None and ep > 1 and profile is not None and profile.entries:  # the all-to-all then modelled
+        measured = lookup(profile, **layer_shape(model), seq_length=s, tp=tp, micro_batch_size=micro_batch_size)
     base = None if measured is not None or profile is None or not profile.entries or tp == 1 else lookup(
-        profile, hidden_size=model.hidden_size, num_attention_heads=model.num_attention_heads,
-        num_query_groups=model.num_query_groups, ffn_hidden_size=model.ffn_hidden_size, swiglu=model.swiglu,
-        seq_length=s, tp=1, micro_batch_size=micro_batch_size)
-    includes_comm = False
+        profile, **layer_shape(model), seq_length=s, tp=1, micro_batch_size=micro_batch_size)
+    includes_comm = includes_ep = False
     if measured is not None:
         forward, backward = measured.forward_s, measured.backward_s
         source = f"profile:{profile.source or profile.device}"
-        includes_comm = measured.includes_tp_comm
+        includes_comm, includes_ep = measured.includes_tp_comm, measured.ep > 1
         parts = {}
     elif base is not None:  # measured unsplit: scale to this TP size by the analytic model's ratio
         whole = _analytic_layer(model, device, micro_batch_size=micro_batch_size, s=s, tp=1,
@@ -359,7 +361,7 @@ def layer_times(model: ModelSpec, device: DeviceType, *, micro_batch_size: int, 
     if parts and extra:
         parts = dict(parts, recompute=extra)
     return LayerTimes(forward_s=forward, backward_s=backward + extra, source=source, includes_tp_comm=includes_comm,
-                      parts=types.MappingProxyType(parts))
+                      includes_ep_comm=includes_ep, parts=types.MappingProxyType(parts))
 
 
 def _cpu_curve(device: DeviceType, profile: Profile | None) -> EfficiencyCurve | None:

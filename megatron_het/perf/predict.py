@@ -241,21 +241,23 @@ def stage_cost(model: ModelSpec, island: IslandSpec, *, tp: int, micro_batch_siz
                seq_length: int | None = None, recompute: bool = False, sequence_parallel: bool = False,
                tp_comm_overlap: bool = False, profile: Profile | Sequence[Profile] | None = None,
                precision: str = "bf16", flash_attention: bool | None = None,
-               recompute_share: float = 1.0, ep: int = 1, ep_channel: Channel | None = None) -> StageCost:
+               recompute_share: float = 1.0, ep: int = 1, ep_channel: Channel | None = None,
+               etp: int | None = None) -> StageCost:
     """Per-micro-batch costs of a stage of ``tp`` ranks on ``island``. ``recompute`` is a bool (full)
     or a mode ("none", "selective", "full"); ``flash_attention`` None means fused on GPUs.
     ``recompute_share``: the share of the stage's layers that recompute (Megatron's block method,
     ``StagePlan.recomputed_layers / num_layers``); a layer's times are then the share-weighted mean of
     a recomputing and a plain layer, so ``num_layers x`` them is the stage's total. ``ep``/``ep_channel``:
     an MoE plan's expert parallelism and the link its all-to-all crosses (``moe_all_to_all_times``;
-    every layer priced as an MoE layer, as the compute)."""
+    every layer priced as an MoE layer, as the compute); ``etp``: its expert-TP size (None: ``tp``), whose
+    token gathers the TP traffic prices (``tp_layer_comm_times``)."""
     mode = ("full" if recompute else "none") if isinstance(recompute, bool) else recompute
     if not 0.0 <= recompute_share <= 1.0:
         raise ConfigError("must be within [0, 1]", field="recompute_share", value=recompute_share,
                           fix="pass the recomputed layers / the stage's layers")
     kwargs = dict(tp=tp, micro_batch_size=micro_batch_size, slowdown=slowdown, seq_length=seq_length,
                   sequence_parallel=sequence_parallel, tp_comm_overlap=tp_comm_overlap, profile=profile,
-                  precision=precision, flash_attention=flash_attention, ep=ep, ep_channel=ep_channel)
+                  precision=precision, flash_attention=flash_attention, ep=ep, ep_channel=ep_channel, etp=etp)
     if mode != "none" and recompute_share < 1.0:
         plain = stage_cost(model, island, recompute="none", **kwargs)
         if recompute_share == 0.0:
@@ -269,17 +271,17 @@ def stage_cost(model: ModelSpec, island: IslandSpec, *, tp: int, micro_batch_siz
     lt = layer_times(model, device, micro_batch_size=micro_batch_size, seq_length=seq_length, tp=tp,
                      sequence_parallel=sequence_parallel, recompute=mode,
                      profile=profile_for(profile, device.name, island.name), precision=precision,
-                     flash_attention=flash)
+                     flash_attention=flash, ep=ep if (tp if etp is None else etp) == 1 else 1)
     comm = tp_layer_comm_times(model, island, micro_batch_size=micro_batch_size, tp=tp, seq_length=seq_length,
                                sequence_parallel=sequence_parallel, recompute=mode,
-                               element_bytes=activation_element_bytes(precision))
+                               element_bytes=activation_element_bytes(precision), etp=etp)
     if lt.includes_tp_comm:  # measured on tp ranks together: its collectives are in the times already
         fwd_comm = bwd_comm = 0.0
     elif tp_comm_overlap:  # chunked overlap hides the traffic behind the GEMMs it feeds
         fwd_comm, bwd_comm = max(0.0, comm.forward_s - lt.forward_s), max(0.0, comm.backward_s - lt.backward_s)
     else:
         fwd_comm, bwd_comm = comm.forward_s, comm.backward_s
-    if ep > 1 and ep_channel is not None:  # never inside a measured layer: profiles run EP 1
+    if ep > 1 and ep_channel is not None and not lt.includes_ep_comm:  # measured over EP ranks: in the times
         a2a = moe_all_to_all_times(model, ep_channel, micro_batch_size=micro_batch_size, ep=ep, tp=tp,
                                    seq_length=seq_length, sequence_parallel=sequence_parallel, recompute=mode,
                                    element_bytes=activation_element_bytes(precision))
@@ -501,7 +503,8 @@ def predict(plan: Plan, model: ModelSpec, cluster: ClusterSpec, *, profile: Prof
                                     slowdown=cluster.slowdown(stage.island), recompute=mode,
                                     sequence_parallel=sp, tp_comm_overlap=stage.tp_comm_overlap, profile=profile,
                                     precision=precision, flash_attention=flash_attention, recompute_share=share,
-                                    ep=plan.expert_parallel, ep_channel=ep_channel)
+                                    ep=plan.expert_parallel, ep_channel=ep_channel,
+                                    etp=plan.expert_tensor_parallel)
         return costs[key]
 
     # Simulate each distinct replica once; record when every stage's last backward ends.

@@ -52,7 +52,7 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from megatron_het.cluster import ConfigError
+from megatron_het.cluster import ConfigError, ModelSpec
 from megatron_het.cluster.fields import as_bool, as_float, as_int, as_list, as_mapping, as_str, check_keys, join
 from megatron_het.perf.kernels import PRECISION_CLASSES, ComputeParams
 from megatron_het.plan.types import TRAINS_IN
@@ -64,6 +64,7 @@ __all__ = [
     "MEASURED_PRECISIONS",
     "TRAINS_IN",
     "check_profile_precision",
+    "layer_shape",
     "ProfileEntry",
     "PartEntry",
     "MeasuredLink",
@@ -84,16 +85,21 @@ PROFILE_VERSION = 1
 MEASURED_PRECISIONS = ("fp32", "bf16", "fp16")  # what a profile's "precision" may say
 _DTYPE_FLAG = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}  # tools/profile_host.py --dtype
 
+_MOE_KEYS = ("num_experts", "moe_router_topk", "moe_ffn_hidden_size")  # 0 (left out of the file): a dense layer
+_SHARED_KEY = "moe_shared_expert_intermediate_size"  # 0 (left out): no shared expert
 _SHAPE_KEYS = ("hidden_size", "num_attention_heads", "num_query_groups", "ffn_hidden_size", "swiglu",
-               "seq_length", "tp")
+               "seq_length", "tp") + _MOE_KEYS + (_SHARED_KEY, "ep")
 _INT_KEYS = ("hidden_size", "num_attention_heads", "ffn_hidden_size", "seq_length", "micro_batch_size", "tp",
              "peak_memory_bytes")
 _ENTRY_REQUIRED = _INT_KEYS + ("forward_s", "backward_s")
-_ENTRY_ALLOWED = _ENTRY_REQUIRED + ("num_query_groups", "swiglu", "includes_tp_comm")
+_ENTRY_ALLOWED = _ENTRY_REQUIRED + ("num_query_groups", "swiglu", "includes_tp_comm", _SHARED_KEY, "ep") + _MOE_KEYS
 PART_NAMES = ("embedding", "output")
 _PART_INT_KEYS = ("hidden_size", "vocab_size", "seq_length", "micro_batch_size", "tp")
 _PART_KEYS = ("part",) + _PART_INT_KEYS + ("forward_s", "backward_s")
 _COMM_OPS = ("all_reduce", "send_recv")
+# entry fields left out of the file at these values (dense, single-process entries read as before)
+_DEFAULTS = {"includes_tp_comm": False, **dict.fromkeys(_MOE_KEYS, 0), _SHARED_KEY: 0, "ep": 1}
+_KEEP = object()  # never equal to a value: every other field is written
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -114,6 +120,17 @@ class ProfileEntry:
     # True when measured on tp ranks together: the times include the layer's TP collectives on the
     # measuring host, so the model must not add its own TP traffic on top.
     includes_tp_comm: bool = False
+    # An MoE layer (megatron-core's MoE layer, experts as SequentialMLP, expert parallelism 1; at tp > 1
+    # sequence parallel, the experts split over the TP ranks, as the run builds it): its
+    # experts, how many each token runs, and their width; 0: a dense layer. Part of the shape, so a
+    # dense measurement never prices an MoE layer of the same hidden and FFN sizes, nor the reverse.
+    num_experts: int = 0
+    moe_router_topk: int = 0
+    moe_ffn_hidden_size: int = 0
+    moe_shared_expert_intermediate_size: int = 0  # an MoE layer's shared expert width; 0: none
+    # experts spread over this many processes (each holding num_experts / ep, expert-TP 1), measured on
+    # them together with their own tokens each: the times include the all-to-all and its waits
+    ep: int = 1
 
     @property
     def tokens(self) -> int:
@@ -205,9 +222,49 @@ def _entry_from_dict(data: object, path: str) -> ProfileEntry:
         num_query_groups=groups,
         swiglu=as_bool(data.get("swiglu", False), join(path, "swiglu")),
         includes_tp_comm=as_bool(data.get("includes_tp_comm", False), join(path, "includes_tp_comm")),
+        **_moe_shape(data, path),
         forward_s=as_float(data["forward_s"], join(path, "forward_s")),
         backward_s=as_float(data["backward_s"], join(path, "backward_s")),
     )
+
+
+def _moe_shape(data: Mapping[str, object], path: str) -> dict[str, int]:
+    """An entry's MoE keys: none (a dense layer) or all three (and the shared expert's width, if it has
+    one, and the expert-parallel size, if > 1), top-k within the experts."""
+    given = [k for k in _MOE_KEYS if k in data]
+    if not given:
+        for key, what in ((_SHARED_KEY, "a shared expert"), ("ep", "expert parallelism")):
+            if key in data:
+                raise ConfigError(f"{what} without the MoE keys", field=join(path, key), value=data[key],
+                                  fix=f"record {', '.join(_MOE_KEYS)} of the measured layer")
+        return {}
+    if len(given) != len(_MOE_KEYS):
+        missing = [k for k in _MOE_KEYS if k not in data]
+        raise ConfigError(f"an MoE entry needs {', '.join(_MOE_KEYS)}; {', '.join(missing)} missing",
+                          field=join(path, missing[0]), value=None,
+                          fix="regenerate the profile with tools/profile_host.py --num-experts ...")
+    out = {k: as_int(data[k], join(path, k)) for k in _MOE_KEYS}
+    for key in (_SHARED_KEY, "ep"):
+        if key in data:
+            out[key] = as_int(data[key], join(path, key))
+    if out["num_experts"] % out.get("ep", 1):
+        raise ConfigError(f"does not divide num_experts {out['num_experts']}", field=join(path, "ep"),
+                          value=out["ep"], fix="record the expert-parallel size the layer was measured over")
+    if out["moe_router_topk"] > out["num_experts"]:
+        raise ConfigError(f"exceeds num_experts {out['num_experts']}", field=join(path, "moe_router_topk"),
+                          value=out["moe_router_topk"], fix="record the measured layer's router top-k")
+    return out
+
+
+def layer_shape(model: ModelSpec) -> dict[str, object]:
+    """``lookup``'s shape keywords of one of ``model``'s layers (but seq_length and tp): an MoE model's
+    layers are its MoE layers (perf.flops prices every layer of an MoE model as one)."""
+    moe = dict(num_experts=model.num_experts, moe_router_topk=model.moe_router_topk,
+               moe_ffn_hidden_size=model.moe_ffn_hidden_size,
+               moe_shared_expert_intermediate_size=model.moe_shared_expert_intermediate_size or 0) if model.is_moe else {}
+    return dict(hidden_size=model.hidden_size, num_attention_heads=model.num_attention_heads,
+                num_query_groups=model.num_query_groups, ffn_hidden_size=model.ffn_hidden_size, swiglu=model.swiglu,
+                **moe)
 
 
 def _part_from_dict(data: object, path: str) -> PartEntry:
@@ -369,7 +426,7 @@ def profile_to_dict(profile: Profile) -> dict[str, Any]:
         "device": profile.device,
         "method": profile.method,
         "machine": dict(profile.machine),
-        "entries": [{k: v for k, v in asdict(e).items() if k != "includes_tp_comm" or v} for e in profile.entries],
+        "entries": [{k: v for k, v in asdict(e).items() if _DEFAULTS.get(k, _KEEP) != v} for e in profile.entries],
     }
     if profile.parts:
         out["parts"] = [asdict(p) for p in profile.parts]
@@ -429,7 +486,9 @@ def save_profile(profile: Profile, path: str | Path) -> None:
 
 def lookup(profile: Profile, *, hidden_size: int, num_attention_heads: int, ffn_hidden_size: int, seq_length: int,
            micro_batch_size: int, tp: int = 1, num_query_groups: int | None = None,
-           swiglu: bool = False) -> ProfileEntry | None:
+           swiglu: bool = False, num_experts: int = 0, moe_router_topk: int = 0,
+           moe_ffn_hidden_size: int = 0, moe_shared_expert_intermediate_size: int = 0,
+           ep: int = 1) -> ProfileEntry | None:
     """Times for this layer shape at ``micro_batch_size``, or None when the shape was not measured.
 
     Values are interpolated linearly in tokens (micro_batch_size * seq_length) between the two
@@ -439,7 +498,7 @@ def lookup(profile: Profile, *, hidden_size: int, num_attention_heads: int, ffn_
     proportion. Returns an entry at the requested micro-batch size.
     """
     shape = (hidden_size, num_attention_heads, num_query_groups or num_attention_heads, ffn_hidden_size, swiglu,
-             seq_length, tp)
+             seq_length, tp, num_experts, moe_router_topk, moe_ffn_hidden_size, moe_shared_expert_intermediate_size, ep)
     points = sorted((e for e in profile.entries if e.shape() == shape), key=lambda e: e.tokens)
     if not points:
         return None

@@ -31,7 +31,7 @@ from megatron_het.platform import detect_accelerator
 from megatron_het.platform.local_launch import free_port
 
 __all__ = ["TorchReferenceLayer", "measure", "profile_layers", "profile_parts", "profile_optimizer",
-           "profile_tp_layers", "profile_concurrent", "profile_emulated"]
+           "profile_tp_layers", "profile_ep_layers", "profile_concurrent", "profile_emulated"]
 
 LayerStack = Callable[[torch.Tensor], torch.Tensor]
 CLOCKS = {"wall": time.perf_counter, "thread": time.thread_time}
@@ -99,9 +99,9 @@ class TorchReferenceLayer(torch.nn.Module):
 
 
 def _build_megatron(model: ModelSpec, num_layers: int, dtype: torch.dtype,
-                    tp: int = 1) -> tuple[list[torch.nn.Module], Callable[[], None]]:
-    """Megatron-core layers split over ``tp`` ranks (the current gloo world, or a new world of one);
-    returns them and a cleanup function."""
+                    tp: int = 1, ep: int = 1) -> tuple[list[torch.nn.Module], Callable[[], None]]:
+    """Megatron-core layers split over ``tp`` ranks, an MoE layer's experts over ``ep`` ranks (the
+    current gloo world, or a new world of one); returns them and a cleanup function."""
     import torch.distributed as dist
 
     from megatron_het.platform import enable_cpu_backend
@@ -122,19 +122,39 @@ def _build_megatron(model: ModelSpec, num_layers: int, dtype: torch.dtype,
     # A runtime in this process (megatron_het.model.groups.ensure_global_memory_buffer) may have
     # created the buffer initialize_model_parallel insists on creating itself; it is stateless scratch.
     parallel_state.destroy_global_memory_buffer()
-    parallel_state.initialize_model_parallel(tp, 1)
+    parallel_state.initialize_model_parallel(tp, 1, expert_model_parallel_size=ep,
+                                             expert_tensor_parallel_size=tp if ep == 1 else 1)
     model_parallel_cuda_manual_seed(1234)
+    moe = {}
+    if model.is_moe:  # the run's MoE layer (model/gpt.py): experts over EP ranks, else split over TP (expert-TP = TP)
+        from megatron_het.model.gpt import moe_kwargs
+
+        moe = dict(moe_kwargs(model), expert_model_parallel_size=ep, expert_tensor_parallel_size=tp if ep == 1 else 1,
+                   tensor_model_parallel_size=tp,
+                   sequence_parallel=_sequence_parallel(model, tp))
     config = TransformerConfig(
         num_layers=num_layers, hidden_size=model.hidden_size, num_attention_heads=model.num_attention_heads,
         num_query_groups=model.num_query_groups, ffn_hidden_size=model.ffn_hidden_size,
         gated_linear_unit=model.swiglu, add_bias_linear=model.add_bias_linear,
         activation_func=torch.nn.functional.silu if model.swiglu else torch.nn.functional.gelu,
         normalization=model.normalization,
-        hidden_dropout=0.0, attention_dropout=0.0, use_cpu_initialization=True, params_dtype=dtype,
-        bf16=dtype == torch.bfloat16,
+        # the run's dropout: on a CPU, drawing its masks costs as much as a fifth of a small layer's forward
+        hidden_dropout=model.hidden_dropout, attention_dropout=model.attention_dropout,
+        use_cpu_initialization=True, params_dtype=dtype,
+        bf16=dtype == torch.bfloat16, **moe,
     )
-    spec = get_gpt_layer_local_spec(normalization=config.normalization)
-    layers = [build_module(spec, config=config, layer_number=i + 1).to(dtype) for i in range(num_layers)]
+    if _sequence_parallel(model, tp):  # the SP layer the run builds (model/gpt.layer_spec: norms that take it)
+        from dataclasses import replace as with_fields
+
+        from megatron_het.model.gpt import layer_spec
+
+        block = layer_spec(with_fields(model, num_layers=num_layers, moe_layer_freq=1), sequence_parallel=True,
+                           num_layers=num_layers, transformer_impl="local", fused_attention=False)
+        specs = list(block.layer_specs)
+    else:
+        specs = [get_gpt_layer_local_spec(normalization=config.normalization,
+                                          num_experts=model.num_experts if model.is_moe else None)] * num_layers
+    layers = [build_module(spec, config=config, layer_number=i + 1).to(dtype) for i, spec in enumerate(specs)]
 
     def cleanup() -> None:
         parallel_state.destroy_model_parallel()
@@ -142,6 +162,22 @@ def _build_megatron(model: ModelSpec, num_layers: int, dtype: torch.dtype,
             dist.destroy_process_group()
 
     return layers, cleanup
+
+
+def _sequence_parallel(model: ModelSpec, tp: int) -> bool:
+    """Whether the layers run sequence parallel: an MoE layer under TP (megatron-core splits its tokens
+    over the TP ranks only so, and the planner gives MoE plans SP); a dense layer never here (its TP
+    profile entries stand for plans without SP)."""
+    return model.is_moe and tp > 1
+
+
+def _moe_entry(model: ModelSpec) -> dict[str, int]:
+    """ProfileEntry's MoE fields for ``model``'s layer (none for a dense model)."""
+    if not model.is_moe:
+        return {}
+    return dict(num_experts=model.num_experts, moe_router_topk=model.moe_router_topk,
+                moe_ffn_hidden_size=model.moe_ffn_hidden_size,
+                moe_shared_expert_intermediate_size=model.moe_shared_expert_intermediate_size or 0)
 
 
 def _stack(layers: list[torch.nn.Module], megatron: bool) -> LayerStack:
@@ -267,9 +303,10 @@ def profile_layers(model: ModelSpec, *, num_layers: int, micro_batch_sizes: list
                    warmup: int, repeats: int, dtype: torch.dtype, implementation: str,
                    vocab_size: int | None = None, optimizer: bool = False, tp: int = 1, clock: str = "wall",
                    sweep_mib: int = 0, split_backward: bool = False, call_overhead: bool = False,
-                   idle_factor: float = 0.0, barrier: bool = True) -> Profile:
+                   idle_factor: float = 0.0, barrier: bool = True, ep: int = 1) -> Profile:
     """Build the layers (megatron-core, or the torch reference if that fails) and measure them.
-    ``tp > 1`` must run on every rank of a gloo world of ``tp`` processes (:func:`profile_tp_layers`).
+    ``tp > 1`` must run on every rank of a gloo world of ``tp`` processes (:func:`profile_tp_layers`),
+    an MoE layer's ``ep > 1`` on every rank of a world of ``ep`` (:func:`profile_ep_layers`).
     ``clock`` "thread" times thread CPU time, the clock an emulated run on shared cores stretches
     (EmulationTimer clock=time.thread_time; wall time would count other processes' turns); ``sweep_mib``
     > 0 sweeps that many MiB through the caches before every timed repetition, as the other ranks
@@ -291,7 +328,7 @@ def profile_layers(model: ModelSpec, *, num_layers: int, micro_batch_sizes: list
         profile = _profile_layers(model, num_layers=num_layers, micro_batch_sizes=micro_batch_sizes, device=device,
                                   warmup=warmup, repeats=repeats, dtype=dtype, implementation=implementation,
                                   vocab_size=vocab_size, optimizer=optimizer, tp=tp, split_backward=split_backward,
-                                  call_overhead=call_overhead)
+                                  call_overhead=call_overhead, ep=ep)
     finally:
         _TIMING.clock, _TIMING.sweep = time.perf_counter, None
         _TIMING.idle_factor, _TIMING.barrier = 0.0, True
@@ -309,7 +346,10 @@ def profile_layers(model: ModelSpec, *, num_layers: int, micro_batch_sizes: list
 def _profile_layers(model: ModelSpec, *, num_layers: int, micro_batch_sizes: list[int], device: str,
                     warmup: int, repeats: int, dtype: torch.dtype, implementation: str,
                     vocab_size: int | None, optimizer: bool, tp: int, split_backward: bool = False,
-                    call_overhead: bool = False) -> Profile:
+                    call_overhead: bool = False, ep: int = 1) -> Profile:
+    if ep > 1 and (not model.is_moe or model.num_experts % ep or max(tp, ep) % min(tp, ep)):
+        raise ValueError(f"ep={ep} spreads an MoE layer's experts over ep of max(tp, ep) processes (got tp {tp}, "
+                         f"num_experts {model.num_experts}); ep must divide num_experts, and tp and ep each other")
     if call_overhead and num_layers < 2:
         raise ValueError(f"call_overhead: the intercept of time vs layers needs num_layers >= 2, got {num_layers}. "
                          "Fix: pass num_layers=2 (tools/profile_host.py --num-layers 2)")
@@ -317,11 +357,14 @@ def _profile_layers(model: ModelSpec, *, num_layers: int, micro_batch_sizes: lis
     fallback_reason = ""
     layers: list[torch.nn.Module] = []
     megatron = implementation in ("auto", "megatron")
+    if model.is_moe and not megatron:  # the reference layer is dense: its times would price experts wrongly
+        raise ValueError("implementation='torch' has no MoE layer; profile an MoE model with megatron-core "
+                         "(tools/profile_host.py --implementation megatron)")
     if megatron:
         try:
-            layers, cleanup = _build_megatron(model, num_layers, dtype, tp)
+            layers, cleanup = _build_megatron(model, num_layers, dtype, tp, ep)
         except Exception as err:  # any megatron-core failure on this machine -> reference layer
-            if implementation == "megatron" or tp > 1:
+            if implementation == "megatron" or tp > 1 or model.is_moe:
                 raise
             megatron, fallback_reason = False, f"{type(err).__name__}: {err}"
     if not megatron:
@@ -329,6 +372,10 @@ def _profile_layers(model: ModelSpec, *, num_layers: int, micro_batch_sizes: lis
         layers = [TorchReferenceLayer(model).to(dtype) for _ in range(num_layers)]
     params = [p for layer in layers for p in layer.parameters()]
     run = _stack(layers, megatron)
+    if ep > 1:  # each EP rank routes tokens of its own (as a run's replicas do), not the same ones
+        import torch.distributed as dist
+
+        torch.manual_seed(1234 + dist.get_rank())
     entries, parts, opt_s, opt_method = [], (), None, ""
     try:
         if optimizer:
@@ -341,14 +388,15 @@ def _profile_layers(model: ModelSpec, *, num_layers: int, micro_batch_sizes: lis
                                   warmup=warmup, repeats=repeats, dtype=dtype)
         sync = _synchronize()
         for mbs in micro_batch_sizes:
-            fwd, bwd, peak = measure(run, params, shape=(model.seq_length, mbs, model.hidden_size), dtype=dtype,
+            seq = model.seq_length // tp if _sequence_parallel(model, tp) else model.seq_length  # this rank's share
+            fwd, bwd, peak = measure(run, params, shape=(seq, mbs, model.hidden_size), dtype=dtype,
                                      warmup=warmup, repeats=repeats, synchronize=sync)
             entries.append(ProfileEntry(
                 hidden_size=model.hidden_size, num_attention_heads=model.num_attention_heads,
                 num_query_groups=model.num_query_groups, ffn_hidden_size=model.ffn_hidden_size,
                 swiglu=model.swiglu, seq_length=model.seq_length, micro_batch_size=mbs, tp=tp,
                 forward_s=fwd / num_layers, backward_s=bwd / num_layers, peak_memory_bytes=peak // num_layers,
-                includes_tp_comm=tp > 1))
+                includes_tp_comm=tp > 1, **_moe_entry(model), **({"ep": ep} if ep > 1 else {})))
         if split_backward:
             if not megatron or tp > 1:
                 raise RuntimeError("split_backward: the runtime's B/W split routes megatron-core's linears, one "
@@ -361,7 +409,9 @@ def _profile_layers(model: ModelSpec, *, num_layers: int, micro_batch_sizes: lis
                                          repeats=repeats) if call_overhead else None
     finally:
         cleanup()
-    what = (f"megatron-core TransformerLayer (local spec), CPU backend, gloo world size {tp}" if megatron else
+    moe = (f", MoE layer ({model.num_experts} experts as SequentialMLP, top-{model.moe_router_topk}, expert "
+           f"parallelism {ep})") if model.is_moe else ""
+    what = (f"megatron-core TransformerLayer (local spec{moe}), CPU backend, gloo world size {tp}" if megatron else
             "plain torch reference layer of the same shape" +
             (f" (megatron-core failed: {fallback_reason})" if fallback_reason else ""))
     method = (f"{what}; {dtype}; {num_layers} stacked layers, times per layer = median of {repeats} after "
@@ -490,6 +540,27 @@ def profile_tp_layers(model: ModelSpec, *, tp: int, num_layers: int, micro_batch
     kwargs = dict(num_layers=num_layers, micro_batch_sizes=micro_batch_sizes, device=device, warmup=warmup,
                   repeats=repeats, dtype=dtype)
     return run_local(tp, _tp_rank, (model, kwargs), timeout_s=timeout_s)[0]
+
+
+def _ep_rank(rank: int, world_size: int, model: ModelSpec, tp: int, ep: int, kwargs: dict) -> tuple[ProfileEntry, ...]:
+    return profile_layers(model, tp=tp, ep=ep, implementation="megatron", **kwargs).entries
+
+
+def profile_ep_layers(model: ModelSpec, *, ep: int, num_layers: int, micro_batch_sizes: list[int], device: str,
+                      warmup: int, repeats: int, dtype: torch.dtype, tp: int = 1,
+                      timeout_s: float = 1800.0) -> tuple[ProfileEntry, ...]:
+    """An MoE layer's experts spread over ``ep`` local gloo processes (expert-TP 1) of ``max(tp, ep)``
+    (attention split over ``tp``, sequence parallel; each process with tokens of its own, as a run's
+    replicas and sequence shards route theirs), one thread each, rank 0's times: the layer's compute plus
+    the dispatcher's all-to-all and the waits for the other ranks' experts, on this host (entries' ``ep``)."""
+    from megatron_het.platform.local_launch import run_local
+
+    if ep < 2 or not model.is_moe or model.num_experts % ep or max(tp, ep) % min(tp, ep):
+        raise ValueError(f"ep must be >= 2 and divide an MoE model's num_experts, and tp and ep each other (got ep "
+                         f"{ep}, tp {tp}, num_experts {model.num_experts})")
+    kwargs = dict(num_layers=num_layers, micro_batch_sizes=micro_batch_sizes, device=device, warmup=warmup,
+                  repeats=repeats, dtype=dtype)
+    return run_local(max(tp, ep), _ep_rank, (model, tp, ep, kwargs), timeout_s=timeout_s)[0]
 
 
 def _concurrent_rank(rank: int, world_size: int, model: ModelSpec, kwargs: dict,

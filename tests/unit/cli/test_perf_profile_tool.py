@@ -102,6 +102,41 @@ def test_megatron_core_layer_has_the_analytic_parameter_count():
     assert run.stdout.split() == [str(layer_parameters(gpt)), str(layer_parameters(llama))] == ["49984", "28800"]
 
 
+def test_an_moe_profile_measures_the_moe_layer(tmp_path):
+    """--num-experts: megatron-core's MoE layer (every expert's weights, the router) is what is timed, and
+    the entries say so, so perf.compute prices MoE layers by them and dense layers never."""
+    out = tmp_path / "moe.json"
+    run = subprocess.run([sys.executable, str(TOOL), "--num-layers", "1", "--hidden-size", "64",
+                          "--num-attention-heads", "4", "--seq-length", "16", "--micro-batch-sizes", "2", "--swiglu",
+                          "--disable-bias-linear", "--num-experts", "4", "--moe-router-topk", "2", "--moe-ffn-hidden-size", "48",
+                          "--ep-sizes", "2", "--warmup", "1", "--repeats", "2", "--output", str(out)],
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    profile = load_profile(out)
+    entry, spread = profile.entries
+    assert (entry.num_experts, entry.moe_router_topk, entry.moe_ffn_hidden_size, entry.ep) == (4, 2, 48, 1)
+    # --ep-sizes 2: two experts on each of two processes, the all-to-all in the times
+    assert (spread.num_experts, spread.ep, spread.tp) == (4, 2, 1) and spread.peak_memory_bytes < entry.peak_memory_bytes
+    assert "MoE layer (4 experts" in profile.method
+    moe = ModelSpec(num_layers=1, hidden_size=64, num_attention_heads=4, seq_length=16, vocab_size=1, swiglu=True,
+                    add_bias_linear=False, num_experts=4, moe_router_topk=2, moe_ffn_hidden_size=48)
+    # parameters (4 experts x 3 x 64 x 48, router 4 x 64, attention, norms) + what backward keeps
+    assert entry.peak_memory_bytes > 4 * layer_parameters(moe) > 4 * 4 * 3 * 64 * 48
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--num-experts", "4"], "Fix: pass --disable-bias-linear"),
+    (["--moe-ffn-hidden-size", "48"], "--moe-ffn-hidden-size describes an MoE layer: pass --num-experts too"),
+    (["--ep-sizes", "2"], "--ep-sizes"),
+    (["--num-experts", "4", "--disable-bias-linear", "--ep-sizes", "3"], "pass sizes dividing --num-experts"),
+    (["--num-experts", "4", "--disable-bias-linear", "--moe-router-topk", "5"], "moe_router_topk"),
+])
+def test_cli_rejects_bad_moe_flags(tmp_path, capsys, args, message):
+    code = _main_exit_code(["--hidden-size", "64", "--num-attention-heads", "4",
+                            "--seq-length", "16", "--output", str(tmp_path / "p.json"), *args])
+    assert code == 2 and message in capsys.readouterr().err
+
+
 def test_cli_measures_parts_optimizer_and_links(tmp_path):
     out = tmp_path / "profile.json"
     run = subprocess.run([sys.executable, str(TOOL), "--num-layers", "1", "--hidden-size", "64",

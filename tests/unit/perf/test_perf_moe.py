@@ -70,3 +70,26 @@ def test_predictor_prices_experts_and_the_all_to_all_by_placement():
     p_same, p_ep, p_cross = (predict(p, model, cluster) for p in (same, ep_same, ep_cross))
     assert p_ep.memory_gib_per_rank_max < p_same.memory_gib_per_rank_max
     assert p_same.pipeline_time_s < p_ep.pipeline_time_s < p_cross.pipeline_time_s
+
+
+def test_tp_traffic_of_an_moe_layer_follows_the_dispatcher():
+    """Under TP with sequence parallelism an MoE layer keeps the attention's all-gather/reduce-scatter;
+    its MLP's pair becomes the dispatcher's gather of the topk routed copies over the expert-TP ranks
+    (twice the dense buffer at top-2), and nothing with expert-TP 1 (the EP all-to-all moves them)."""
+    from megatron_het.perf.comm import ring_all_gather_time, ring_reduce_scatter_time, tp_channel, tp_layer_comm_times
+
+    island = cluster_from_dict({"islands": [{"name": "a", "device": "H100-SXM", "nodes": 1,
+                                             "gpus_per_node": 8}]}).island("a")
+    kw = dict(micro_batch_size=1, tp=2, sequence_parallel=True, element_bytes=2)
+    dense = tp_layer_comm_times(DENSE, island, **kw)
+    ch = tp_channel(island, 2)
+
+    def pair(nbytes):
+        args = dict(n=2, bandwidth_gbps=ch.bandwidth_gbps, latency_us=ch.latency_us)
+        return ring_all_gather_time(nbytes, **args) + ring_reduce_scatter_time(nbytes, **args)
+
+    buffer = 2 * 4096 * 4096  # bytes x s x h
+    assert dense.forward_s == pytest.approx(2 * pair(buffer))
+    assert tp_layer_comm_times(MIXTRAL, island, **kw).forward_s == pytest.approx(pair(buffer) + pair(2 * buffer))
+    etp1 = tp_layer_comm_times(MIXTRAL, island, etp=1, **kw)
+    assert etp1.forward_s == pytest.approx(pair(buffer)) and etp1.backward_s == pytest.approx(pair(buffer))

@@ -142,3 +142,57 @@ def test_island_profile_round_trips_and_wins_over_the_device_types_for_its_islan
     assert profile_for([slow], "GPU", "slow") is None
     with pytest.raises(ConfigError, match="island"):
         profile_from_dict({**DOC, "island": 3})
+
+
+MOE = dict(num_experts=8, moe_router_topk=2, moe_ffn_hidden_size=512)
+
+
+def test_moe_entries_round_trip_and_never_price_the_other_kind(tmp_path):
+    """An MoE layer's time is its own shape: a dense entry of the same hidden/FFN sizes never prices it,
+    nor an MoE entry a dense layer (or one with other experts, top-k or shared expert)."""
+    doc = _doc(_entry(1, 1.0, 2.0, 1000), {**_entry(1, 3.0, 6.0, 3000), **MOE})
+    path = tmp_path / "p.json"
+    save_profile(profile_from_dict(doc), path)
+    profile = load_profile(path)
+    assert profile_to_dict(profile)["entries"][0].keys().isdisjoint(MOE)  # dense entries are written as before
+    assert lookup(profile, micro_batch_size=1, **SHAPE).forward_s == 1.0
+    assert lookup(profile, micro_batch_size=1, **SHAPE, **MOE).forward_s == 3.0
+    assert lookup(profile, micro_batch_size=1, **SHAPE, **{**MOE, "moe_router_topk": 1}) is None
+    assert lookup(profile, micro_batch_size=1, **SHAPE, **MOE, moe_shared_expert_intermediate_size=256) is None
+
+
+def test_moe_entry_validation():
+    with pytest.raises(ConfigError, match="moe_ffn_hidden_size missing"):
+        profile_from_dict(_doc({**_entry(1, 1.0, 2.0, 1000), "num_experts": 8, "moe_router_topk": 2}))
+    with pytest.raises(ConfigError, match="exceeds num_experts 2"):
+        profile_from_dict(_doc({**_entry(1, 1.0, 2.0, 1000), **MOE, "num_experts": 2, "moe_router_topk": 4}))
+    with pytest.raises(ConfigError, match="shared expert without the MoE keys"):
+        profile_from_dict(_doc({**_entry(1, 1.0, 2.0, 1000), "moe_shared_expert_intermediate_size": 64}))
+
+
+def test_layer_shape_of_moe_model():
+    from megatron_het.cluster import ModelSpec
+    from megatron_het.perf.profile import layer_shape
+
+    dense = ModelSpec(num_layers=2, hidden_size=256, num_attention_heads=4, seq_length=128, vocab_size=100)
+    moe = ModelSpec(num_layers=2, hidden_size=256, num_attention_heads=4, seq_length=128, vocab_size=100,
+                    num_experts=8, moe_router_topk=2)
+    assert "num_experts" not in layer_shape(dense)
+    assert layer_shape(moe)["num_experts"] == 8 and layer_shape(moe)["moe_ffn_hidden_size"] == moe.ffn_hidden_size
+
+
+def test_expert_parallel_entries(tmp_path):
+    """An entry measured over EP ranks (tools/profile_host.py --ep-sizes) is its own shape: found only at
+    that EP; ``ep`` needs the MoE keys and must divide the experts."""
+    doc = _doc({**_entry(1, 3.0, 6.0, 3000), **MOE}, {**_entry(1, 4.0, 7.0, 2000), **MOE, "ep": 2})
+    path = tmp_path / "p.json"
+    save_profile(profile_from_dict(doc), path)
+    profile = load_profile(path)
+    assert [e.ep for e in profile.entries] == [1, 2] and "ep" not in profile_to_dict(profile)["entries"][0]
+    assert lookup(profile, micro_batch_size=1, **SHAPE, **MOE, ep=2).forward_s == 4.0
+    assert lookup(profile, micro_batch_size=1, **SHAPE, **MOE).forward_s == 3.0
+    assert lookup(profile, micro_batch_size=1, **SHAPE, **MOE, ep=4) is None
+    with pytest.raises(ConfigError, match="expert parallelism without the MoE keys"):
+        profile_from_dict(_doc({**_entry(1, 1.0, 2.0, 1000), "ep": 2}))
+    with pytest.raises(ConfigError, match="does not divide num_experts 8"):
+        profile_from_dict(_doc({**_entry(1, 1.0, 2.0, 1000), **MOE, "ep": 3}))
