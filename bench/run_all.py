@@ -96,6 +96,14 @@ def fidelity(d):
             f", worst {_pct(f['worst_abs_error'])} ({worst})", f["median_abs_error"] <= 0.10)
 
 
+@row("[MoE fidelity (#37)](../docs/moe.md#the-performance-model)", "<= 15% each plan")
+def moe(d):
+    f = d["figures"]
+    return (f"{f['plans']} MoE plans (EP across islands, EP in TP, TP+SP, uneven PP/DP) on CPU-emulated clusters: "
+            f"**{f['within_target']}/{f['plans']}** within 15%, median \\|error\\| {_pct(f['median_abs_error'])}, "
+            f"worst **{_pct(f['worst_abs_error'])}** ({f['worst_plan']})", f["within_target"] == f["plans"])
+
+
 @row("[published GPU runs](../docs/performance-model.md#calibration-on-published-runs-fitpy-toolscalibratepy-benchpublishedpy)",
      "median <= 10%, worst <= 25%, no uniform sign per source, orderings kept")
 def published(d):
