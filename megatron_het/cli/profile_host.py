@@ -33,6 +33,7 @@ def _sizes(text: str) -> list[int]:
         sizes = [int(v) for v in text.split(",") if v.strip()]
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected integers like 1,2,4 (got {text!r})") from None
+    sizes = list(dict.fromkeys(sizes))  # once each: a repeated size would write duplicate entries
     if not sizes or min(sizes) < 1:
         raise argparse.ArgumentTypeError(f"expected positive integers like 1,2,4 (got {text!r})")
     if max(sizes) > MAX_MEASURED_SIZE:
@@ -44,9 +45,12 @@ def _sizes(text: str) -> list[int]:
 def _moe_fields(args: argparse.Namespace, ap: argparse.ArgumentParser) -> dict[str, object]:
     """ModelSpec's MoE fields from the flags (none without --num-experts; MoE flags alone are refused)."""
     if args.num_experts is None:
-        given = [f for f, v in (("--moe-ffn-hidden-size", args.moe_ffn_hidden_size),
-                                ("--moe-shared-expert-intermediate-size", args.moe_shared_expert_intermediate_size))
-                 if v is not None]
+        given = [f for f, v, default in (("--moe-ffn-hidden-size", args.moe_ffn_hidden_size, None),
+                                         ("--moe-shared-expert-intermediate-size",
+                                          args.moe_shared_expert_intermediate_size, None),
+                                         ("--moe-router-topk", args.moe_router_topk, 2),
+                                         ("--moe-token-dispatcher-type", args.moe_token_dispatcher_type, "allgather"),
+                                         ("--moe-aux-loss-coeff", args.moe_aux_loss_coeff, 0.0)) if v != default]
         if given:
             ap.error(f"{given[0]} describes an MoE layer: pass --num-experts too")
         return {}
@@ -66,6 +70,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seq-length", type=int, required=True)
     ap.add_argument("--swiglu", action="store_true")
     ap.add_argument("--disable-bias-linear", action="store_true", help="linear layers without biases (as Llama, Mixtral)")
+    ap.add_argument("--hidden-dropout", type=float, default=0.0,
+                    help="the run's hidden dropout (Megatron-LM's default is 0.1; drawing masks costs CPU time)")
+    ap.add_argument("--attention-dropout", type=float, default=0.0, help="the run's attention dropout (likewise)")
     ap.add_argument("--num-experts", type=int, default=None,
                     help="profile megatron-core's MoE layer with this many experts (all on this process: expert "
                          "parallelism 1; the model adds the all-to-all of a plan's EP); default: a dense layer")
@@ -138,14 +145,22 @@ def main(argv: list[str] | None = None) -> int:
         model = ModelSpec(num_layers=args.num_layers, hidden_size=args.hidden_size,
                           num_attention_heads=args.num_attention_heads, num_query_groups=args.num_query_groups,
                           ffn_hidden_size=args.ffn_hidden_size, seq_length=args.seq_length, vocab_size=1,
-                          swiglu=args.swiglu, add_bias_linear=not args.disable_bias_linear, **_moe_fields(args, ap))
+                          swiglu=args.swiglu, add_bias_linear=not args.disable_bias_linear,
+                          hidden_dropout=args.hidden_dropout, attention_dropout=args.attention_dropout,
+                          **_moe_fields(args, ap))
         vocab = None if args.vocab_size is None else padded_vocab_size(args.vocab_size)
-        if args.ep_sizes and (not model.is_moe or any(model.num_experts % ep or max(ep, tp) % min(ep, tp)
-                                                      for ep in args.ep_sizes for tp in args.tp_sizes)):
-            raise UserError("spreads an MoE layer's experts over that many processes: pass --num-experts, a "
-                            "multiple of every size, and TP sizes that divide or are multiples of each",
-                            field="--ep-sizes", value=",".join(map(str, args.ep_sizes)),
-                            fix="pass sizes dividing --num-experts, with --num-experts")
+        if args.ep_sizes and not model.is_moe:
+            raise UserError("spreads an MoE layer's experts over that many processes", field="--ep-sizes",
+                            value=",".join(map(str, args.ep_sizes)), fix="pass --num-experts too")
+        for ep in args.ep_sizes:
+            if ep < 2 or model.num_experts % ep:
+                raise UserError(f"must be >= 2 and divide --num-experts {model.num_experts}", field="--ep-sizes",
+                                value=ep, fix="pass EP sizes dividing the experts, e.g. 2")
+            for tp in {1, *args.tp_sizes}:
+                if max(ep, tp) % min(ep, tp):
+                    raise UserError(f"EP {ep} beside TP {tp}: the layer runs on max(tp, ep) processes, so one must "
+                                    "divide the other", field="--ep-sizes", value=ep,
+                                    fix="pass EP and TP sizes that divide one another")
         if model.is_moe and model.add_bias_linear:  # megatron-core's experts add their bias in place at EP 1
             raise UserError("an MoE layer with linear biases trains only with expert parallelism > 1 and expert-TP "
                             "1 (plan/checks.py), and the profile runs its experts at EP 1", field="--num-experts",
@@ -168,9 +183,17 @@ def main(argv: list[str] | None = None) -> int:
     ep_entries = tuple(e for tp in sorted({1, *args.tp_sizes}) for ep in args.ep_sizes if ep > 1 for e in profile_ep_layers(
         model, ep=ep, tp=tp, num_layers=args.num_layers, micro_batch_sizes=args.micro_batch_sizes,
         device=args.device, warmup=args.warmup, repeats=args.repeats, dtype=getattr(torch, args.dtype)))
+    how = "" if 1 in args.tp_sizes else "; its tp=1 layer entries left out (--tp-sizes without 1)"
+    if tp_entries:
+        how += (f"; tp={','.join(str(t) for t in args.tp_sizes if t > 1)} entries: the layers split over that many "
+                f"local gloo processes{' (sequence parallel)' if model.is_moe else ''}, their collectives in the times")
+    if ep_entries:
+        how += (f"; ep={','.join(str(e) for e in args.ep_sizes)} entries: the experts spread over that many local "
+                "gloo processes (expert-TP 1), each routing tokens of its own, the dispatcher's traffic and waits in "
+                "the times")
     if 1 not in args.tp_sizes:
         profile = replace(profile, entries=())
-    profile = replace(profile, entries=profile.entries + tp_entries + ep_entries)
+    profile = replace(profile, entries=profile.entries + tp_entries + ep_entries, method=profile.method + how)
     if args.comm_ranks:
         from megatron_het.profiling.links import measure_link
 

@@ -13,15 +13,27 @@ from collections.abc import Sequence
 from typing import TextIO
 
 from megatron_het.cluster import ClusterSpec, ModelSpec
-from megatron_het.perf.profile import Profile
+from megatron_het.perf.profile import Profile, layer_shape
 
 __all__ = ["unused_profile_reasons", "warn_unused_profiles"]
 
-_SHAPE = ("hidden_size", "num_attention_heads", "num_query_groups", "ffn_hidden_size", "swiglu", "seq_length")
+_SHAPE = ("hidden_size", "num_attention_heads", "num_query_groups", "ffn_hidden_size", "swiglu", "seq_length",
+          "num_experts", "moe_router_topk", "moe_ffn_hidden_size", "moe_shared_expert_intermediate_size",
+          "moe_token_dispatcher_type")
+_DENSE = {"num_experts": 0, "moe_router_topk": 0, "moe_ffn_hidden_size": 0, "moe_shared_expert_intermediate_size": 0,
+          "moe_token_dispatcher_type": ""}  # what a dense layer's entry holds in the MoE keys
 
 
 def _shape_text(values: Sequence[object]) -> str:
-    return ", ".join(f"{k}={v}" for k, v in zip(_SHAPE, values))
+    shown = [f"{k}={v}" for k, v in zip(_SHAPE, values) if _DENSE.get(k, object()) != v]
+    return ", ".join(shown) + ("" if any(k == "num_experts" for k, v in zip(_SHAPE, values) if v) else
+                               " (a dense layer)")
+
+
+def _wanted(model: ModelSpec) -> tuple[object, ...]:
+    """The model's layer shape in _SHAPE's keys (perf.profile.layer_shape: an MoE model's MoE layer)."""
+    shape = {**_DENSE, **layer_shape(model), "seq_length": model.seq_length}
+    return tuple(shape[k] for k in _SHAPE)
 
 
 def unused_profile_reasons(profiles: Sequence[Profile] | None, model: ModelSpec,
@@ -30,7 +42,7 @@ def unused_profile_reasons(profiles: Sequence[Profile] | None, model: ModelSpec,
     reasons = []
     devices = list(dict.fromkeys(island.device.name for island in cluster.islands))
     islands = {island.name for island in cluster.islands}
-    wanted = tuple(getattr(model, k) for k in _SHAPE)
+    wanted = _wanted(model)
     for i, p in enumerate(profiles or ()):
         name = p.source or f"profile #{i + 1}"
         if p.device not in devices:

@@ -16,7 +16,8 @@ from collections.abc import Sequence
 from megatron_het.cluster import ClusterSpec, ModelSpec
 from megatron_het.perf.calibrate import with_measured_links
 from megatron_het.perf.compute import embedding_times, layer_times, logits_times
-from megatron_het.perf.predict import Prediction, expert_channels, predict, profile_for, stage_cost
+from megatron_het.perf.memory import activation_element_bytes
+from megatron_het.perf.predict import Prediction, expert_channels, moe_dispatch_extra, predict, profile_for, stage_cost
 from megatron_het.perf.profile import Profile
 from megatron_het.plan.types import Plan
 
@@ -28,7 +29,7 @@ PART_LABELS = {
     "gemm:logits": "GEMM logits", "elementwise": "element-wise (norms, residuals, activation, loss)",
     "fp8_casts": "fp8 casts", "kernel_overhead": "per-kernel fixed costs", "recompute": "recomputation",
     "measured": "measured layer time (profile)", "tp_communication": "tensor-parallel communication (exposed)",
-    "expert_all_to_all": "expert-parallel all-to-all (MoE)",
+    "moe_dispatch": "MoE token dispatch (EP all-to-all, expert-TP gathers; modelled beyond measured layers)",
     "bubble": "pipeline bubble and p2p waits", "gradient_reduction": "gradient reduction (exposed)",
     "synchronization": "per-iteration all-reduces (grad norm, loss)",
     "optimizer": "optimizer step",
@@ -61,28 +62,33 @@ def explain(plan: Plan, model: ModelSpec, cluster: ClusterSpec, *, profile: Prof
     def add(name: str, seconds: float) -> None:
         parts[name] = parts.get(name, 0.0) + seconds
 
-    layers_s = 0.0
+    linked = with_measured_links(cluster, profile)  # the links predict() prices
+    island = linked.island(st.island)
+    etp = st.tp if plan.expert_tensor_parallel is None else plan.expert_tensor_parallel
+    ep_channel = expert_channels(plan, linked).get(st.ranks[0]) if model.is_moe else None
+    ep_entry = plan.expert_parallel if etp == 1 else 1  # the profile entry stage_cost looks up
+    layers_s = dispatch_s = 0.0
     for m, count in counts.items():
         lt = layer_times(model, device, sequence_parallel=plan.sequence_parallel, recompute=m, flash_attention=flash,
-                         **args)
+                         ep=ep_entry, **args)
         for name, sec in (lt.parts.items() if lt.parts else [("measured", lt.forward_s + lt.backward_s)]):
             add(name, k * count * sec)
         layers_s += k * count * (lt.forward_s + lt.backward_s)
-    linked = with_measured_links(cluster, profile)  # the links predict() prices
-    ep_channel = expert_channels(plan, linked).get(st.ranks[0]) if model.is_moe else None
-
-    def layer_s(ep: int) -> float:
-        cost = stage_cost(model, linked.island(st.island), tp=st.tp, micro_batch_size=plan.micro_batch_size,
-                          seq_length=predict_kwargs.get("seq_length"), slowdown=cluster.slowdown(st.island),
-                          recompute=mode, sequence_parallel=plan.sequence_parallel,
-                          tp_comm_overlap=st.tp_comm_overlap, profile=profile, precision=plan.precision,
-                          flash_attention=flash, recompute_share=counts[mode] / n if mode != "none" else 1.0,
-                          ep=ep, ep_channel=ep_channel, etp=plan.expert_tensor_parallel)
-        return n * (cost.layer_forward_s + cost.layer_backward_s)
-
-    without_ep = layer_s(1)
-    add("tp_communication", without_ep - layers_s)
-    add("expert_all_to_all", layer_s(plan.expert_parallel) - without_ep)
+        if model.is_moe:  # what stage_cost adds for the token dispatcher beyond the layer's own times
+            d = moe_dispatch_extra(model, island, lt, micro_batch_size=plan.micro_batch_size, tp=st.tp,
+                                   ep=plan.expert_parallel, etp=etp, ep_channel=ep_channel,
+                                   seq_length=predict_kwargs.get("seq_length"),
+                                   sequence_parallel=plan.sequence_parallel, recompute=m,
+                                   element_bytes=activation_element_bytes(plan.precision))
+            dispatch_s += k * count * sum(d)
+    cost = stage_cost(model, island, tp=st.tp, micro_batch_size=plan.micro_batch_size,
+                      seq_length=predict_kwargs.get("seq_length"), slowdown=cluster.slowdown(st.island),
+                      recompute=mode, sequence_parallel=plan.sequence_parallel, tp_comm_overlap=st.tp_comm_overlap,
+                      profile=profile, precision=plan.precision, flash_attention=flash,
+                      recompute_share=counts[mode] / n if mode != "none" else 1.0, ep=plan.expert_parallel,
+                      ep_channel=ep_channel, etp=plan.expert_tensor_parallel)
+    add("tp_communication", n * (cost.layer_forward_s + cost.layer_backward_s) - layers_s - dispatch_s)
+    add("moe_dispatch", dispatch_s)
     if is_first:
         e = embedding_times(model, device, **args)
         for name, sec in (e.parts.items() if e.parts else [("measured", e.forward_s + e.backward_s)]):

@@ -44,6 +44,7 @@ __all__ = [
     "ring_reduce_scatter_time",
     "chain_time",
     "tp_channel",
+    "moe_dispatch_times",
     "island_channel",
     "tp_layer_comm_times",
     "moe_all_to_all_times",
@@ -159,20 +160,15 @@ def tp_channel(island: IslandSpec, tp: int) -> Channel:
 
 def tp_layer_comm_times(model: ModelSpec, island: IslandSpec, *, micro_batch_size: int, tp: int,
                         seq_length: int | None = None, sequence_parallel: bool = False,
-                        recompute: Recompute = "none", element_bytes: int = 2, etp: int | None = None) -> CommTimes:
+                        recompute: Recompute = "none", element_bytes: int = 2) -> CommTimes:
     """Tensor-parallel traffic of one layer for one micro-batch (Megatron-LM, Shoeybi et al. 2019).
 
     Without sequence parallelism: two all-reduces of the ``s*b*h`` bf16 activation in forward
     (after the attention projection and fc2) and two in backward (input gradients of QKV and fc1).
     With it: each all-reduce becomes an all-gather plus a reduce-scatter of the same buffer, which
     costs the same in a ring. Full recomputation repeats the forward traffic during backward.
-    ``element_bytes`` is 4 for fp32/tf32 runs.
-
-    An MoE layer (megatron-core requires sequence parallelism with TP): the attention's pair as above;
-    in place of the MLP's, the alltoall dispatcher gathers the routed tokens (``topk`` copies of the
-    rank's ``s/tp x b``) over the ``etp`` expert-TP ranks (None: ``tp``) after the EP exchange and
-    reduce-scatters the experts' output back, the reverse in backward (token_dispatcher.py's
-    dispatch_postprocess / combine_preprocess); with ``etp`` 1 nothing (the EP all-to-all moves them).
+    ``element_bytes`` is 4 for fp32/tf32 runs. An MoE layer: the attention's pair only; its token
+    dispatcher's traffic is :func:`moe_dispatch_times`'.
     """
     check_tp(model, tp)
     check_recompute(recompute)
@@ -186,16 +182,50 @@ def tp_layer_comm_times(model: ModelSpec, island: IslandSpec, *, micro_batch_siz
         one = ring_all_gather_time(nbytes, **args) + ring_reduce_scatter_time(nbytes, **args)
     else:
         one = ring_all_reduce_time(nbytes, **args)
-    mlp = one
-    if model.is_moe:
-        etp = tp if etp is None else etp
-        mlp = 0.0
-        if etp > 1:
-            routed = model.moe_router_topk * nbytes * etp // tp  # the gathered buffer over the expert-TP ranks
-            ech = tp_channel(island, etp)
-            eargs = dict(n=etp, bandwidth_gbps=ech.bandwidth_gbps, latency_us=ech.latency_us)
-            mlp = ring_all_gather_time(routed, **eargs) + ring_reduce_scatter_time(routed, **eargs)
-    forward = one + mlp
+    forward = one if model.is_moe else 2 * one
+    return CommTimes(forward_s=forward, backward_s=forward + (forward if recompute == "full" else 0.0))
+
+
+def moe_dispatch_times(model: ModelSpec, *, micro_batch_size: int, tp: int, ep: int, etp: int, tp_link: Channel,
+                       grid_link: Channel, seq_length: int | None = None, sequence_parallel: bool = False,
+                       recompute: Recompute = "none", element_bytes: int = 2) -> CommTimes:
+    """An MoE layer's token-dispatcher traffic for one micro-batch (beside the attention's TP pair).
+
+    A rank routes ``s x b`` tokens (``s/tp`` under sequence parallelism). megatron-core's dispatchers
+    (transformer/moe/token_dispatcher.py), forward; backward mirrors it, full recomputation repeats it:
+
+    - alltoall: the ``topk`` copies exchanged over EP (:func:`moe_all_to_all_times`, ``grid_link``), then
+      what arrived all-gathered over the ``etp`` expert-TP ranks and the experts' output reduce-scattered
+      back (dispatch_postprocess / combine_preprocess), a buffer of ``topk x tokens x etp`` hidden states;
+    - allgather: the hidden states all-gathered over the expert grid (``etp x ep`` ranks) and the output
+      reduce-scattered back, ``tokens x etp x ep`` of them, no ``topk`` factor (the experts read them in
+      place).
+
+    Expert-TP runs inside the stage's TP group (``tp_link``) when ``etp <= tp``, else across the expert
+    domain's replicas (``grid_link``: plan/experts.py's grid, ``predict.expert_channels``)."""
+    zero = CommTimes(forward_s=0.0, backward_s=0.0)
+    if not model.is_moe:
+        return zero
+    s = model.seq_length if seq_length is None else seq_length
+    tokens = (s // tp if sequence_parallel else s) * micro_batch_size
+    hidden = element_bytes * tokens * model.hidden_size  # this rank's tokens' hidden states
+
+    def pair(nbytes: float, n: int, link: Channel) -> float:
+        if n == 1:
+            return 0.0
+        args = dict(n=n, bandwidth_gbps=link.bandwidth_gbps, latency_us=link.latency_us)
+        return ring_all_gather_time(nbytes, **args) + ring_reduce_scatter_time(nbytes, **args)
+
+    if model.moe_token_dispatcher_type == "allgather":
+        grid = etp * ep
+        forward = pair(hidden * grid, grid, tp_link if grid <= tp else grid_link)
+    else:
+        a2a = moe_all_to_all_times(model, grid_link, micro_batch_size=micro_batch_size, ep=ep, tp=tp,
+                                   seq_length=seq_length, sequence_parallel=sequence_parallel,
+                                   element_bytes=element_bytes).forward_s
+        forward = a2a + pair(model.moe_router_topk * hidden * etp, etp, tp_link if etp <= tp else grid_link)
+    if forward == 0.0:
+        return zero
     return CommTimes(forward_s=forward, backward_s=forward + (forward if recompute == "full" else 0.0))
 
 

@@ -155,7 +155,9 @@ class LayerTimes:
     backward_s: float  # backward pass, including any recomputation it triggers
     source: str  # "analytic" or "profile:<file or device>", so predictions can be explained
     includes_tp_comm: bool = False  # measured with its TP collectives: do not add modelled TP traffic
-    includes_ep_comm: bool = False  # an MoE layer measured over its EP ranks: do not add the modelled all-to-all
+    # an MoE layer measured over several ranks: the (EP, expert-TP) of the measurement, whose token-dispatcher
+    # traffic (over the links measured on) is in the times; None: none is (perf.predict.stage_cost adds it)
+    moe_grid: tuple[int, int] | None = None
     # forward + backward seconds by part ("gemm:qkv", "attention", "elementwise", "kernel_overhead",
     # "recompute", ...) when analytic; empty for measured times.
     parts: Mapping[str, float] = field(default_factory=dict)
@@ -319,9 +321,9 @@ def layer_times(model: ModelSpec, device: DeviceType, *, micro_batch_size: int, 
     profile's fitted ``compute_model`` when it has one). Full recomputation adds a forward to the
     backward; selective adds the attention core. ``flash_attention`` None: fused on GPUs (what
     megatron-core's Transformer Engine spec runs), unfused on CPUs (the local spec). ``ep``: an MoE
-    layer's expert-parallel size (expert-TP 1); an entry measured over that many ranks includes the
-    all-to-all (``includes_ep_comm``), else the EP 1 entry stands for the compute (a rank runs as many
-    routed token copies under any EP) and the caller adds the all-to-all.
+    layer's expert-parallel size (expert-TP 1); an entry measured over that many ranks is taken, else the
+    EP 1 entry, which stands for the compute (a rank runs as many routed token copies under any EP);
+    ``moe_grid`` says which dispatcher traffic the times hold, and the caller adds the rest.
     """
     check_recompute(recompute)
     if flash_attention is None:
@@ -339,11 +341,13 @@ def layer_times(model: ModelSpec, device: DeviceType, *, micro_batch_size: int, 
         measured = lookup(profile, **layer_shape(model), seq_length=s, tp=tp, micro_batch_size=micro_batch_size)
     base = None if measured is not None or profile is None or not profile.entries or tp == 1 else lookup(
         profile, **layer_shape(model), seq_length=s, tp=1, micro_batch_size=micro_batch_size)
-    includes_comm = includes_ep = False
+    includes_comm, moe_grid = False, None
     if measured is not None:
         forward, backward = measured.forward_s, measured.backward_s
         source = f"profile:{profile.source or profile.device}"
-        includes_comm, includes_ep = measured.includes_tp_comm, measured.ep > 1
+        includes_comm = measured.includes_tp_comm
+        if model.is_moe and (measured.tp > 1 or measured.ep > 1):  # expert-TP = TP at EP 1, else 1
+            moe_grid = (measured.ep, measured.tp if measured.ep == 1 else 1)
         parts = {}
     elif base is not None:  # measured unsplit: scale to this TP size by the analytic model's ratio
         whole = _analytic_layer(model, device, micro_batch_size=micro_batch_size, s=s, tp=1,
@@ -361,7 +365,7 @@ def layer_times(model: ModelSpec, device: DeviceType, *, micro_batch_size: int, 
     if parts and extra:
         parts = dict(parts, recompute=extra)
     return LayerTimes(forward_s=forward, backward_s=backward + extra, source=source, includes_tp_comm=includes_comm,
-                      includes_ep_comm=includes_ep, parts=types.MappingProxyType(parts))
+                      moe_grid=moe_grid, parts=types.MappingProxyType(parts))
 
 
 def _cpu_curve(device: DeviceType, profile: Profile | None) -> EfficiencyCurve | None:

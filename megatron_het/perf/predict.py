@@ -61,13 +61,14 @@ from megatron_het.perf.comm import (
     distributed_optimizer_share,
     dp_gradient_reduction,
     island_channel,
-    moe_all_to_all_times,
+    moe_dispatch_times,
     p2p_channel,
     p2p_time,
     spans_collective_libraries,
+    tp_channel,
     tp_layer_comm_times,
 )
-from megatron_het.perf.compute import compute_params_for, embedding_times, layer_times, logits_times
+from megatron_het.perf.compute import LayerTimes, compute_params_for, embedding_times, layer_times, logits_times
 from megatron_het.perf.flops import model_flops_per_iteration, stage_parameters, word_embedding_parameters_per_rank
 from megatron_het.perf.memory import (
     StageMemory,
@@ -213,12 +214,12 @@ def check_island_profiles(profile: Profile | Sequence[Profile] | None, cluster: 
 
 
 def expert_channels(plan: Plan, cluster: ClusterSpec) -> dict[int, Channel]:
-    """Rank -> the link its stage's expert all-to-all crosses (plan/experts.py's grid): inside a node,
-    between the island's nodes, or the slowest link between the domain's islands. Empty without
-    expert parallelism."""
+    """Rank -> the link its stage's expert grid spans (plan/experts.py): inside a node, between the
+    island's nodes, or the slowest link between the domain's islands. Empty with experts held whole on
+    every stage's TP group (EP 1, expert-TP = TP)."""
     from megatron_het.plan.experts import stage_expert_grids
 
-    if plan.expert_parallel == 1:
+    if plan.expert_parallel == 1 and plan.expert_tensor_parallel is None:
         return {}
     firsts = {name: ranks[0] for name, ranks in plan.island_ranks().items()}
     island_of = {r: st.island for rep in plan.replicas for st in rep.stages for r in st.ranks}
@@ -237,6 +238,25 @@ def expert_channels(plan: Plan, cluster: ClusterSpec) -> dict[int, Channel]:
     return out
 
 
+def moe_dispatch_extra(model: ModelSpec, island: IslandSpec, lt: LayerTimes, *, micro_batch_size: int, tp: int,
+                       ep: int, etp: int, ep_channel: Channel | None, **kw) -> tuple[float, float]:
+    """(forward, backward) seconds of an MoE layer's dispatcher traffic under the plan's grid (``tp``,
+    ``ep``, ``etp``; the domain's links ``ep_channel``, None: the stage's own) beyond what the layer's
+    times hold: a layer measured over several ranks (``lt.moe_grid``) holds its own grid's traffic over
+    the links it was measured on (a node's: this host's for CPU profiles), so only the difference the
+    plan's grid and links make is added, never less than nothing."""
+    stage_link = tp_channel(island, tp)
+    plan = moe_dispatch_times(model, micro_batch_size=micro_batch_size, tp=tp, ep=ep, etp=etp, tp_link=stage_link,
+                              grid_link=ep_channel or stage_link, **kw)
+    if lt.moe_grid is None:
+        return plan.forward_s, plan.backward_s
+    local = island_channel(island, same_node=True)
+    m_ep, m_etp = lt.moe_grid
+    held = moe_dispatch_times(model, micro_batch_size=micro_batch_size, tp=tp, ep=m_ep, etp=m_etp, tp_link=local,
+                              grid_link=local, **kw)
+    return max(0.0, plan.forward_s - held.forward_s), max(0.0, plan.backward_s - held.backward_s)
+
+
 def stage_cost(model: ModelSpec, island: IslandSpec, *, tp: int, micro_batch_size: int, slowdown: float = 1.0,
                seq_length: int | None = None, recompute: bool = False, sequence_parallel: bool = False,
                tp_comm_overlap: bool = False, profile: Profile | Sequence[Profile] | None = None,
@@ -249,8 +269,8 @@ def stage_cost(model: ModelSpec, island: IslandSpec, *, tp: int, micro_batch_siz
     ``StagePlan.recomputed_layers / num_layers``); a layer's times are then the share-weighted mean of
     a recomputing and a plain layer, so ``num_layers x`` them is the stage's total. ``ep``/``ep_channel``:
     an MoE plan's expert parallelism and the link its all-to-all crosses (``moe_all_to_all_times``;
-    every layer priced as an MoE layer, as the compute); ``etp``: its expert-TP size (None: ``tp``), whose
-    token gathers the TP traffic prices (``tp_layer_comm_times``)."""
+    every layer priced as an MoE layer, as the compute); ``etp``: its expert-TP size (None: ``tp``). The
+    MoE token dispatcher's traffic is ``moe_dispatch_extra``'s (what a measured layer does not hold)."""
     mode = ("full" if recompute else "none") if isinstance(recompute, bool) else recompute
     if not 0.0 <= recompute_share <= 1.0:
         raise ConfigError("must be within [0, 1]", field="recompute_share", value=recompute_share,
@@ -274,18 +294,19 @@ def stage_cost(model: ModelSpec, island: IslandSpec, *, tp: int, micro_batch_siz
                      flash_attention=flash, ep=ep if (tp if etp is None else etp) == 1 else 1)
     comm = tp_layer_comm_times(model, island, micro_batch_size=micro_batch_size, tp=tp, seq_length=seq_length,
                                sequence_parallel=sequence_parallel, recompute=mode,
-                               element_bytes=activation_element_bytes(precision), etp=etp)
+                               element_bytes=activation_element_bytes(precision))
     if lt.includes_tp_comm:  # measured on tp ranks together: its collectives are in the times already
         fwd_comm = bwd_comm = 0.0
     elif tp_comm_overlap:  # chunked overlap hides the traffic behind the GEMMs it feeds
         fwd_comm, bwd_comm = max(0.0, comm.forward_s - lt.forward_s), max(0.0, comm.backward_s - lt.backward_s)
     else:
         fwd_comm, bwd_comm = comm.forward_s, comm.backward_s
-    if ep > 1 and ep_channel is not None and not lt.includes_ep_comm:  # measured over EP ranks: in the times
-        a2a = moe_all_to_all_times(model, ep_channel, micro_batch_size=micro_batch_size, ep=ep, tp=tp,
-                                   seq_length=seq_length, sequence_parallel=sequence_parallel, recompute=mode,
-                                   element_bytes=activation_element_bytes(precision))
-        fwd_comm, bwd_comm = fwd_comm + a2a.forward_s, bwd_comm + a2a.backward_s
+    if model.is_moe:  # the token dispatcher's traffic, what a measured entry does not already hold
+        d_fwd, d_bwd = moe_dispatch_extra(model, island, lt, micro_batch_size=micro_batch_size, tp=tp, ep=ep,
+                                          etp=tp if etp is None else etp, ep_channel=ep_channel, seq_length=seq_length,
+                                          sequence_parallel=sequence_parallel, recompute=mode,
+                                          element_bytes=activation_element_bytes(precision))
+        fwd_comm, bwd_comm = fwd_comm + d_fwd, bwd_comm + d_bwd
     measured = profile_for(profile, device.name, island.name)
     emb = embedding_times(model, device, micro_batch_size=micro_batch_size, seq_length=seq_length, tp=tp,
                           profile=measured, precision=precision)

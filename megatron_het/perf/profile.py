@@ -87,18 +87,21 @@ _DTYPE_FLAG = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}  # tool
 
 _MOE_KEYS = ("num_experts", "moe_router_topk", "moe_ffn_hidden_size")  # 0 (left out of the file): a dense layer
 _SHARED_KEY = "moe_shared_expert_intermediate_size"  # 0 (left out): no shared expert
+_DISPATCHER_KEY = "moe_token_dispatcher_type"  # an MoE entry's dispatcher, required ("" left out: dense)
+_DISPATCHERS = ("allgather", "alltoall")
 _SHAPE_KEYS = ("hidden_size", "num_attention_heads", "num_query_groups", "ffn_hidden_size", "swiglu",
-               "seq_length", "tp") + _MOE_KEYS + (_SHARED_KEY, "ep")
+               "seq_length", "tp") + _MOE_KEYS + (_SHARED_KEY, "ep", _DISPATCHER_KEY)
 _INT_KEYS = ("hidden_size", "num_attention_heads", "ffn_hidden_size", "seq_length", "micro_batch_size", "tp",
              "peak_memory_bytes")
 _ENTRY_REQUIRED = _INT_KEYS + ("forward_s", "backward_s")
-_ENTRY_ALLOWED = _ENTRY_REQUIRED + ("num_query_groups", "swiglu", "includes_tp_comm", _SHARED_KEY, "ep") + _MOE_KEYS
+_ENTRY_ALLOWED = (_ENTRY_REQUIRED + ("num_query_groups", "swiglu", "includes_tp_comm", _SHARED_KEY, "ep",
+                                     _DISPATCHER_KEY) + _MOE_KEYS)
 PART_NAMES = ("embedding", "output")
 _PART_INT_KEYS = ("hidden_size", "vocab_size", "seq_length", "micro_batch_size", "tp")
 _PART_KEYS = ("part",) + _PART_INT_KEYS + ("forward_s", "backward_s")
 _COMM_OPS = ("all_reduce", "send_recv")
 # entry fields left out of the file at these values (dense, single-process entries read as before)
-_DEFAULTS = {"includes_tp_comm": False, **dict.fromkeys(_MOE_KEYS, 0), _SHARED_KEY: 0, "ep": 1}
+_DEFAULTS = {"includes_tp_comm": False, **dict.fromkeys(_MOE_KEYS, 0), _SHARED_KEY: 0, "ep": 1, _DISPATCHER_KEY: ""}
 _KEEP = object()  # never equal to a value: every other field is written
 
 
@@ -131,6 +134,9 @@ class ProfileEntry:
     # experts spread over this many processes (each holding num_experts / ep, expert-TP 1), measured on
     # them together with their own tokens each: the times include the all-to-all and its waits
     ep: int = 1
+    # the MoE layer's token dispatcher ("allgather" or "alltoall": their traffic under TP and EP differs);
+    # "" for a dense layer
+    moe_token_dispatcher_type: str = ""
 
     @property
     def tokens(self) -> int:
@@ -233,20 +239,24 @@ def _moe_shape(data: Mapping[str, object], path: str) -> dict[str, int]:
     one, and the expert-parallel size, if > 1), top-k within the experts."""
     given = [k for k in _MOE_KEYS if k in data]
     if not given:
-        for key, what in ((_SHARED_KEY, "a shared expert"), ("ep", "expert parallelism")):
+        for key, what in ((_SHARED_KEY, "a shared expert"), ("ep", "expert parallelism"), (_DISPATCHER_KEY, "a dispatcher")):
             if key in data:
                 raise ConfigError(f"{what} without the MoE keys", field=join(path, key), value=data[key],
                                   fix=f"record {', '.join(_MOE_KEYS)} of the measured layer")
         return {}
-    if len(given) != len(_MOE_KEYS):
-        missing = [k for k in _MOE_KEYS if k not in data]
-        raise ConfigError(f"an MoE entry needs {', '.join(_MOE_KEYS)}; {', '.join(missing)} missing",
+    if len(given) != len(_MOE_KEYS) or _DISPATCHER_KEY not in data:
+        missing = [k for k in (*_MOE_KEYS, _DISPATCHER_KEY) if k not in data]
+        raise ConfigError(f"an MoE entry needs {', '.join((*_MOE_KEYS, _DISPATCHER_KEY))}; {', '.join(missing)} missing",
                           field=join(path, missing[0]), value=None,
                           fix="regenerate the profile with tools/profile_host.py --num-experts ...")
     out = {k: as_int(data[k], join(path, k)) for k in _MOE_KEYS}
     for key in (_SHARED_KEY, "ep"):
         if key in data:
             out[key] = as_int(data[key], join(path, key))
+    out[_DISPATCHER_KEY] = as_str(data[_DISPATCHER_KEY], join(path, _DISPATCHER_KEY))
+    if out[_DISPATCHER_KEY] not in _DISPATCHERS:
+        raise ConfigError(f"unknown dispatcher (known: {', '.join(_DISPATCHERS)})", field=join(path, _DISPATCHER_KEY),
+                          value=out[_DISPATCHER_KEY], fix="regenerate the profile with tools/profile_host.py")
     if out["num_experts"] % out.get("ep", 1):
         raise ConfigError(f"does not divide num_experts {out['num_experts']}", field=join(path, "ep"),
                           value=out["ep"], fix="record the expert-parallel size the layer was measured over")
@@ -261,7 +271,8 @@ def layer_shape(model: ModelSpec) -> dict[str, object]:
     layers are its MoE layers (perf.flops prices every layer of an MoE model as one)."""
     moe = dict(num_experts=model.num_experts, moe_router_topk=model.moe_router_topk,
                moe_ffn_hidden_size=model.moe_ffn_hidden_size,
-               moe_shared_expert_intermediate_size=model.moe_shared_expert_intermediate_size or 0) if model.is_moe else {}
+               moe_shared_expert_intermediate_size=model.moe_shared_expert_intermediate_size or 0,
+               moe_token_dispatcher_type=model.moe_token_dispatcher_type) if model.is_moe else {}
     return dict(hidden_size=model.hidden_size, num_attention_heads=model.num_attention_heads,
                 num_query_groups=model.num_query_groups, ffn_hidden_size=model.ffn_hidden_size, swiglu=model.swiglu,
                 **moe)
@@ -488,7 +499,7 @@ def lookup(profile: Profile, *, hidden_size: int, num_attention_heads: int, ffn_
            micro_batch_size: int, tp: int = 1, num_query_groups: int | None = None,
            swiglu: bool = False, num_experts: int = 0, moe_router_topk: int = 0,
            moe_ffn_hidden_size: int = 0, moe_shared_expert_intermediate_size: int = 0,
-           ep: int = 1) -> ProfileEntry | None:
+           ep: int = 1, moe_token_dispatcher_type: str = "") -> ProfileEntry | None:
     """Times for this layer shape at ``micro_batch_size``, or None when the shape was not measured.
 
     Values are interpolated linearly in tokens (micro_batch_size * seq_length) between the two
@@ -498,7 +509,8 @@ def lookup(profile: Profile, *, hidden_size: int, num_attention_heads: int, ffn_
     proportion. Returns an entry at the requested micro-batch size.
     """
     shape = (hidden_size, num_attention_heads, num_query_groups or num_attention_heads, ffn_hidden_size, swiglu,
-             seq_length, tp, num_experts, moe_router_topk, moe_ffn_hidden_size, moe_shared_expert_intermediate_size, ep)
+             seq_length, tp, num_experts, moe_router_topk, moe_ffn_hidden_size, moe_shared_expert_intermediate_size, ep,
+             moe_token_dispatcher_type)
     points = sorted((e for e in profile.entries if e.shape() == shape), key=lambda e: e.tokens)
     if not points:
         return None

@@ -249,7 +249,8 @@ def _host_gather_along_first_dim(input_, group, output_split_sizes=None, use_glo
 def _host_reduce_scatter_along_first_dim(input_, group, input_split_sizes=None, use_global_buffer=False):
     """megatron-core's reduce-scatter of uneven pieces (a list ``reduce_scatter``, which gloo refuses
     unless the pieces are equal): on the host each piece is padded to the largest and reduce-scattered
-    evenly (the bytes of NCCL's reduce-scatter plus the padding; an all-reduce would move twice them)."""
+    evenly, the collective megatron-core's even path calls (gloo runs it as an all-reduce of the padded
+    buffer: ProcessGroupGloo, perf/axonn.py; the values are the same)."""
     if input_split_sizes is None or group.size() == 1:
         return _original(_MAPPINGS, "_reduce_scatter_along_first_dim")(input_, group, input_split_sizes,
                                                                          use_global_buffer)

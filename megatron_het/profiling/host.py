@@ -72,6 +72,14 @@ def _concurrency(ranks: int, clock: str = "wall") -> int:
     return max(1, ranks if clock == "thread" else min(ranks, os.cpu_count() or 1))
 
 
+def _moe_facts(model: ModelSpec) -> dict[str, object]:
+    """An MoE model's expert count and every MoE setting the measured layer is built with
+    (model/gpt.moe_kwargs: dispatcher, router, losses, capacity) that changes its time."""
+    from megatron_het.cluster.model_moe import MOE_FIELDS
+
+    return {"num_experts": model.num_experts, **{f: getattr(model, f) for f in MOE_FIELDS}}
+
+
 def host_key(model: ModelSpec, *, micro_batch_sizes: Sequence[int], ranks: int, threads: int,
              clock: str = "wall", precision: str = "fp32", emulated: Sequence[tuple[str, float]] | None = None,
              split_backward: bool = False, call_overhead: bool = False) -> str:
@@ -85,8 +93,8 @@ def host_key(model: ModelSpec, *, micro_batch_sizes: Sequence[int], ranks: int, 
                        model.seq_length, padded_vocab_size(model.vocab_size), model.swiglu],
              **({"dropout": [model.hidden_dropout, model.attention_dropout]}
                 if model.hidden_dropout or model.attention_dropout else {}),
-             **({"moe": [model.num_experts, model.moe_router_topk, model.moe_ffn_hidden_size,
-                         model.moe_shared_expert_intermediate_size or 0]} if model.is_moe else {}),
+             **({"moe": _moe_facts(model)} if model.is_moe else {}),
+             **({} if model.add_bias_linear else {"add_bias_linear": False}),
              "micro_batch_sizes": sorted(set(micro_batch_sizes)), "ranks": ranks, "threads": threads,
              "concurrent": _concurrency(ranks, clock), **({"clock": clock} if clock != "wall" else {}),
              **({"precision": precision} if precision != "fp32" else {}),
@@ -184,6 +192,11 @@ def predict_on_this_host(plan, model: ModelSpec, cluster: ClusterSpec, *, cache_
                           fix="use a cluster whose islands all are of this host's device type (e.g. CPU)")
     from megatron_het.plan.sharded import ShardedPlan
 
+    if model.is_moe and model.add_bias_linear:  # checked before minutes of spawning: profiling/layers.py refuses it
+        raise ConfigError("a host profile times an MoE layer at expert parallelism 1, where megatron-core cannot "
+                          "train expert biases", field="add_bias_linear", value=True,
+                          fix="price the model without linear biases (--disable-bias-linear, as Mixtral), or pass a "
+                              "profile measured with tools/profile_host.py instead of the host's")
     sharded = isinstance(plan, ShardedPlan)
     sizes = sorted({r.micro_batch_size for r in plan.ranks}) if sharded else [plan.micro_batch_size]
     thread_clock = all(cluster.emulation_clock(i.name) == "thread" for i in cluster.islands)  # "wall" unemulated

@@ -177,7 +177,8 @@ def _moe_entry(model: ModelSpec) -> dict[str, int]:
         return {}
     return dict(num_experts=model.num_experts, moe_router_topk=model.moe_router_topk,
                 moe_ffn_hidden_size=model.moe_ffn_hidden_size,
-                moe_shared_expert_intermediate_size=model.moe_shared_expert_intermediate_size or 0)
+                moe_shared_expert_intermediate_size=model.moe_shared_expert_intermediate_size or 0,
+                moe_token_dispatcher_type=model.moe_token_dispatcher_type)
 
 
 def _stack(layers: list[torch.nn.Module], megatron: bool) -> LayerStack:
@@ -349,7 +350,8 @@ def _profile_layers(model: ModelSpec, *, num_layers: int, micro_batch_sizes: lis
                     call_overhead: bool = False, ep: int = 1) -> Profile:
     if ep > 1 and (not model.is_moe or model.num_experts % ep or max(tp, ep) % min(tp, ep)):
         raise ValueError(f"ep={ep} spreads an MoE layer's experts over ep of max(tp, ep) processes (got tp {tp}, "
-                         f"num_experts {model.num_experts}); ep must divide num_experts, and tp and ep each other")
+                         f"num_experts {model.num_experts}). Fix: pass an MoE model, an ep dividing num_experts, "
+                         "and tp and ep dividing one another")
     if call_overhead and num_layers < 2:
         raise ValueError(f"call_overhead: the intercept of time vs layers needs num_layers >= 2, got {num_layers}. "
                          "Fix: pass num_layers=2 (tools/profile_host.py --num-layers 2)")
@@ -357,6 +359,10 @@ def _profile_layers(model: ModelSpec, *, num_layers: int, micro_batch_sizes: lis
     fallback_reason = ""
     layers: list[torch.nn.Module] = []
     megatron = implementation in ("auto", "megatron")
+    if model.is_moe and model.add_bias_linear and ep == 1:  # megatron-core adds expert biases in place at EP 1
+        raise ValueError("an MoE layer with linear biases trains only with expert parallelism > 1 and expert-TP 1 "
+                         "(plan/checks.py), so it cannot be measured at EP 1. Fix: measure the model without biases "
+                         "(tools/profile_host.py --disable-bias-linear, as Mixtral), or over EP ranks (--ep-sizes)")
     if model.is_moe and not megatron:  # the reference layer is dense: its times would price experts wrongly
         raise ValueError("implementation='torch' has no MoE layer; profile an MoE model with megatron-core "
                          "(tools/profile_host.py --implementation megatron)")
@@ -388,6 +394,9 @@ def _profile_layers(model: ModelSpec, *, num_layers: int, micro_batch_sizes: lis
                                   warmup=warmup, repeats=repeats, dtype=dtype)
         sync = _synchronize()
         for mbs in micro_batch_sizes:
+            if _sequence_parallel(model, tp) and model.seq_length % tp:
+                raise ValueError(f"seq_length {model.seq_length} does not split over tp {tp} (sequence parallel). "
+                                 "Fix: a sequence length divisible by the TP size")
             seq = model.seq_length // tp if _sequence_parallel(model, tp) else model.seq_length  # this rank's share
             fwd, bwd, peak = measure(run, params, shape=(seq, mbs, model.hidden_size), dtype=dtype,
                                      warmup=warmup, repeats=repeats, synchronize=sync)
@@ -411,7 +420,10 @@ def _profile_layers(model: ModelSpec, *, num_layers: int, micro_batch_sizes: lis
         cleanup()
     moe = (f", MoE layer ({model.num_experts} experts as SequentialMLP, top-{model.moe_router_topk}, expert "
            f"parallelism {ep})") if model.is_moe else ""
-    what = (f"megatron-core TransformerLayer (local spec{moe}), CPU backend, gloo world size {tp}" if megatron else
+    drop = (f", dropout {model.hidden_dropout:g}/{model.attention_dropout:g} (hidden/attention)"
+            if model.hidden_dropout or model.attention_dropout else "")
+    what = (f"megatron-core TransformerLayer (local spec{moe}{drop}), CPU backend, gloo world size "
+            f"{max(tp, ep)}" if megatron else
             "plain torch reference layer of the same shape" +
             (f" (megatron-core failed: {fallback_reason})" if fallback_reason else ""))
     method = (f"{what}; {dtype}; {num_layers} stacked layers, times per layer = median of {repeats} after "
@@ -557,7 +569,7 @@ def profile_ep_layers(model: ModelSpec, *, ep: int, num_layers: int, micro_batch
 
     if ep < 2 or not model.is_moe or model.num_experts % ep or max(tp, ep) % min(tp, ep):
         raise ValueError(f"ep must be >= 2 and divide an MoE model's num_experts, and tp and ep each other (got ep "
-                         f"{ep}, tp {tp}, num_experts {model.num_experts})")
+                         f"{ep}, tp {tp}, num_experts {model.num_experts}). Fix: pass such sizes")
     kwargs = dict(num_layers=num_layers, micro_batch_sizes=micro_batch_sizes, device=device, warmup=warmup,
                   repeats=repeats, dtype=dtype)
     return run_local(max(tp, ep), _ep_rank, (model, tp, ep, kwargs), timeout_s=timeout_s)[0]

@@ -128,7 +128,10 @@ def test_an_moe_profile_measures_the_moe_layer(tmp_path):
     (["--num-experts", "4"], "Fix: pass --disable-bias-linear"),
     (["--moe-ffn-hidden-size", "48"], "--moe-ffn-hidden-size describes an MoE layer: pass --num-experts too"),
     (["--ep-sizes", "2"], "--ep-sizes"),
-    (["--num-experts", "4", "--disable-bias-linear", "--ep-sizes", "3"], "pass sizes dividing --num-experts"),
+    (["--num-experts", "4", "--disable-bias-linear", "--ep-sizes", "3"], "must be >= 2 and divide --num-experts 4"),
+    (["--num-experts", "6", "--disable-bias-linear", "--ep-sizes", "3", "--tp-sizes", "2"],
+     "EP 3 beside TP 2: the layer runs on max(tp, ep) processes"),
+    (["--moe-router-topk", "1"], "--moe-router-topk describes an MoE layer: pass --num-experts too"),
     (["--num-experts", "4", "--disable-bias-linear", "--moe-router-topk", "5"], "moe_router_topk"),
 ])
 def test_cli_rejects_bad_moe_flags(tmp_path, capsys, args, message):

@@ -52,3 +52,21 @@ def test_unused_profiles_are_named_on_stderr(tmp_path, capsys, tool):
     assert "a100.json not used" in lines[0] and "'A100-80GB'" in lines[0] and "CPU" in lines[0]
     assert "wide.json" in lines[1] and "hidden_size=128" in lines[1] and "hidden_size=64" in lines[1]
     assert not any("good.json" in line for line in lines)
+
+
+def test_a_dense_profile_for_an_moe_model_is_named_not_silently_dropped(tmp_path):
+    """A profile of the dense layer of the same sizes no longer prices an MoE layer (perf/profile.py's
+    MoE shape keys): the warning says which kind each is, instead of falling back without a word."""
+    import dataclasses
+
+    from megatron_het.cli.profiles import unused_profile_reasons
+    from megatron_het.cluster import load_cluster, load_model
+    from megatron_het.perf.profile import load_profile
+
+    dense = load_model(TINY)
+    moe = dataclasses.replace(dense, num_experts=4, moe_router_topk=2, add_bias_linear=False)
+    profile = load_profile(_profile(tmp_path / "dense.json"))
+    cluster = load_cluster(CPU_DEMO)
+    assert unused_profile_reasons([profile], dense, cluster) == []
+    (reason,) = unused_profile_reasons([profile], moe, cluster)
+    assert "(a dense layer) but the model's layers are" in reason and "num_experts=4" in reason

@@ -151,3 +151,32 @@ def test_an_island_profiled_for_other_islands_only_is_refused_not_priced_nominal
     every = dataclasses.replace(fast, island=None)
     assert predict(plan, MODEL, paced, profile=[fast, slow]).iteration_time_s > 0
     assert predict(plan, MODEL, paced, profile=[fast, every]).iteration_time_s > 0  # the device-wide one stands in
+
+
+def test_the_host_cache_key_holds_what_changes_an_moe_measurement():
+    """Two MoE models that build different layers (dispatcher, aux loss, experts) or a model without
+    biases never share a cached host profile; a dense model's key is as before (no MoE facts)."""
+    import dataclasses
+
+    moe = dataclasses.replace(MODEL, num_experts=4, moe_router_topk=2, add_bias_linear=False)
+    key = dict(micro_batch_sizes=[2], ranks=1, threads=1)
+    keys = {host_key(m, **key) for m in (
+        MODEL, dataclasses.replace(MODEL, add_bias_linear=False), moe,
+        dataclasses.replace(moe, moe_token_dispatcher_type="alltoall"), dataclasses.replace(moe, moe_aux_loss_coeff=0.01),
+        dataclasses.replace(moe, num_experts=8))}
+    assert len(keys) == 6
+
+
+def test_a_host_profile_refuses_expert_biases_before_spawning(tmp_path):
+    import dataclasses
+
+    import pytest
+
+    from megatron_het.cluster import ConfigError
+
+    cluster = cluster_from_dict({"islands": [{"name": "cpu", "device": "CPU", "nodes": 1, "gpus_per_node": 1}]})
+    plan = homogeneous_plan(tp=1, pp=1, dp=1, num_layers=MODEL.num_layers, micro_batch_size=2, global_batch_size=4)
+    moe = dataclasses.replace(MODEL, num_experts=4, moe_router_topk=2)
+    with pytest.raises(ConfigError, match="add_bias_linear.*Fix: price the model without linear biases"):
+        predict_on_this_host(plan, moe, cluster, cache_dir=tmp_path)
+    assert not any(tmp_path.iterdir())  # nothing measured, nothing cached

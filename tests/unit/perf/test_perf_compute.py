@@ -180,7 +180,7 @@ def test_an_moe_layer_is_priced_by_its_own_measurement_never_a_dense_one():
                          swiglu=False, seq_length=2048, micro_batch_size=1, tp=1, forward_s=0.5, backward_s=1.25,
                          peak_memory_bytes=10**9)
     measured = dataclasses.replace(dense, forward_s=0.9, backward_s=2.0, num_experts=8, moe_router_topk=2,
-                                   moe_ffn_hidden_size=4096)
+                                   moe_ffn_hidden_size=4096, moe_token_dispatcher_type="allgather")
     only_dense = Profile(device="CPU", entries=(dense,), method="test", source="p.json")
     assert layer_times(moe, CATALOG["CPU"], micro_batch_size=1, profile=only_dense).source == "analytic"
     both = Profile(device="CPU", entries=(dense, measured), method="test", source="p.json")
@@ -190,29 +190,39 @@ def test_an_moe_layer_is_priced_by_its_own_measurement_never_a_dense_one():
 
 
 def test_an_expert_parallel_measurement_carries_its_all_to_all():
-    """A layer measured over its EP ranks includes the all-to-all (stage_cost adds no modelled one); an
-    EP 1 measurement stands for the compute at any EP (each rank runs as many routed copies) and the
-    all-to-all is added. Expert-TP > 1 never takes an EP entry (measured at expert-TP 1)."""
+    """A layer measured over its EP ranks holds the all-to-all over the links it was measured on (a
+    node's): stage_cost adds only what a slower link costs beyond them. An EP 1 measurement stands for
+    the compute at any EP (each rank runs as many routed copies) and the whole all-to-all is added.
+    Expert-TP > 1 never takes an EP entry (measured at expert-TP 1)."""
     import dataclasses
 
     from megatron_het.cluster import cluster_from_dict
-    from megatron_het.perf.comm import Channel
+    from megatron_het.perf.comm import Channel, island_channel, moe_dispatch_times
     from megatron_het.perf.predict import stage_cost
 
-    moe = dataclasses.replace(GPT, num_experts=8, moe_router_topk=2)
+    moe = dataclasses.replace(GPT, num_experts=8, moe_router_topk=2, moe_token_dispatcher_type="alltoall")
     ep1 = ProfileEntry(hidden_size=1024, num_attention_heads=16, num_query_groups=16, ffn_hidden_size=4096,
                        swiglu=False, seq_length=2048, micro_batch_size=1, tp=1, forward_s=0.9, backward_s=2.0,
-                       peak_memory_bytes=10**9, num_experts=8, moe_router_topk=2, moe_ffn_hidden_size=4096)
+                       peak_memory_bytes=10**9, num_experts=8, moe_router_topk=2, moe_ffn_hidden_size=4096,
+                       moe_token_dispatcher_type="alltoall")
     ep2 = dataclasses.replace(ep1, forward_s=1.2, backward_s=2.5, ep=2)
     island = cluster_from_dict({"islands": [{"name": "c", "device": "CPU", "nodes": 1, "gpus_per_node": 2}]}).island("c")
-    link = Channel(bandwidth_gbps=1.0, latency_us=100.0, host_staged=False)
-    kw = dict(tp=1, micro_batch_size=1, precision="fp32", ep=2, ep_channel=link)
+    node, slow = island_channel(island, same_node=True), Channel(bandwidth_gbps=1.0, latency_us=100.0, host_staged=False)
     only_ep1 = Profile(device="CPU", entries=(ep1,), method="test", source="p.json")
     both = Profile(device="CPU", entries=(ep1, ep2), method="test", source="p.json")
-    assert layer_times(moe, CATALOG["CPU"], micro_batch_size=1, profile=both, ep=2).includes_ep_comm
-    assert not layer_times(moe, CATALOG["CPU"], micro_batch_size=1, profile=only_ep1, ep=2).includes_ep_comm
-    measured = stage_cost(moe, island, profile=both, **kw)
-    assert (measured.layer_forward_s, measured.layer_backward_s) == (1.2, 2.5)
-    modelled = stage_cost(moe, island, profile=only_ep1, **kw)
-    assert modelled.layer_forward_s > 0.9 and modelled.layer_backward_s > 2.0  # + the modelled all-to-all
-    assert stage_cost(moe, island, profile=both, **kw, etp=2).layer_forward_s == modelled.layer_forward_s
+    assert layer_times(moe, CATALOG["CPU"], micro_batch_size=1, profile=both, ep=2).moe_grid == (2, 1)
+    assert layer_times(moe, CATALOG["CPU"], micro_batch_size=1, profile=only_ep1, ep=2).moe_grid is None
+
+    def a2a(link):
+        return moe_dispatch_times(moe, micro_batch_size=1, tp=1, ep=2, etp=1, tp_link=link, grid_link=link,
+                                  element_bytes=4)
+
+    kw = dict(tp=1, micro_batch_size=1, precision="fp32", ep=2)
+    on_node = stage_cost(moe, island, profile=both, ep_channel=node, **kw)
+    assert (on_node.layer_forward_s, on_node.layer_backward_s) == (1.2, 2.5)
+    farther = stage_cost(moe, island, profile=both, ep_channel=slow, **kw)
+    assert farther.layer_forward_s == pytest.approx(1.2 + a2a(slow).forward_s - a2a(node).forward_s)
+    assert farther.layer_forward_s > 1.2
+    modelled = stage_cost(moe, island, profile=only_ep1, ep_channel=slow, **kw)
+    assert modelled.layer_forward_s == pytest.approx(0.9 + a2a(slow).forward_s)
+    assert stage_cost(moe, island, profile=both, ep_channel=slow, **kw, etp=2).layer_forward_s > 0.9  # EP 1 entry

@@ -7,7 +7,7 @@ import dataclasses
 import pytest
 
 from megatron_het.cluster import ModelSpec, cluster_from_dict
-from megatron_het.perf.comm import Channel, bytes_per_s, moe_all_to_all_times
+from megatron_het.perf.comm import Channel, bytes_per_s, moe_all_to_all_times, moe_dispatch_times
 from megatron_het.perf.flops import layer_gemms, layer_parameters_per_rank, mlp_widths
 
 MIXTRAL = ModelSpec(num_layers=32, hidden_size=4096, ffn_hidden_size=14336, num_attention_heads=32, num_query_groups=8,
@@ -74,22 +74,72 @@ def test_predictor_prices_experts_and_the_all_to_all_by_placement():
 
 def test_tp_traffic_of_an_moe_layer_follows_the_dispatcher():
     """Under TP with sequence parallelism an MoE layer keeps the attention's all-gather/reduce-scatter;
-    its MLP's pair becomes the dispatcher's gather of the topk routed copies over the expert-TP ranks
-    (twice the dense buffer at top-2), and nothing with expert-TP 1 (the EP all-to-all moves them)."""
-    from megatron_het.perf.comm import ring_all_gather_time, ring_reduce_scatter_time, tp_channel, tp_layer_comm_times
+    its dispatcher's traffic replaces the MLP's: alltoall gathers the topk routed copies over expert-TP
+    (twice the dense buffer at top-2), allgather the tokens over the expert grid (the dense buffer); with
+    expert-TP 1 alltoall moves them by the EP all-to-all only; expert-TP beyond TP (at TP 1) gathers over
+    the domain's replicas, on their link."""
+    from megatron_het.perf.comm import (
+        ring_all_gather_time,
+        ring_reduce_scatter_time,
+        tp_channel,
+        tp_layer_comm_times,
+    )
 
     island = cluster_from_dict({"islands": [{"name": "a", "device": "H100-SXM", "nodes": 1,
                                              "gpus_per_node": 8}]}).island("a")
-    kw = dict(micro_batch_size=1, tp=2, sequence_parallel=True, element_bytes=2)
-    dense = tp_layer_comm_times(DENSE, island, **kw)
+    kw = dict(micro_batch_size=1, sequence_parallel=True, element_bytes=2)
     ch = tp_channel(island, 2)
+    slow = Channel(bandwidth_gbps=10.0, latency_us=5.0, host_staged=False)
 
-    def pair(nbytes):
-        args = dict(n=2, bandwidth_gbps=ch.bandwidth_gbps, latency_us=ch.latency_us)
+    def pair(nbytes, link=ch):
+        args = dict(n=2, bandwidth_gbps=link.bandwidth_gbps, latency_us=link.latency_us)
         return ring_all_gather_time(nbytes, **args) + ring_reduce_scatter_time(nbytes, **args)
 
+    def dispatch(model, **grid):
+        return moe_dispatch_times(model, tp_link=ch, grid_link=slow, **kw, **grid).forward_s
+
     buffer = 2 * 4096 * 4096  # bytes x s x h
-    assert dense.forward_s == pytest.approx(2 * pair(buffer))
-    assert tp_layer_comm_times(MIXTRAL, island, **kw).forward_s == pytest.approx(pair(buffer) + pair(2 * buffer))
-    etp1 = tp_layer_comm_times(MIXTRAL, island, etp=1, **kw)
-    assert etp1.forward_s == pytest.approx(pair(buffer)) and etp1.backward_s == pytest.approx(pair(buffer))
+    assert tp_layer_comm_times(DENSE, island, tp=2, **kw).forward_s == pytest.approx(2 * pair(buffer))
+    assert tp_layer_comm_times(MIXTRAL, island, tp=2, **kw).forward_s == pytest.approx(pair(buffer))  # attention
+    assert dispatch(MIXTRAL, tp=2, ep=1, etp=2) == pytest.approx(pair(2 * buffer))  # alltoall: topk copies
+    allgather = dataclasses.replace(MIXTRAL, moe_token_dispatcher_type="allgather")
+    assert dispatch(allgather, tp=2, ep=1, etp=2) == pytest.approx(pair(buffer))  # the tokens, once
+    a2a_only = moe_all_to_all_times(MIXTRAL, slow, micro_batch_size=1, ep=2, tp=2, sequence_parallel=True,
+                                    element_bytes=2).forward_s
+    assert dispatch(MIXTRAL, tp=2, ep=2, etp=1) == pytest.approx(a2a_only)
+    assert dispatch(allgather, tp=2, ep=2, etp=1) == pytest.approx(pair(buffer))  # its grid is the TP group
+    at_tp1 = moe_dispatch_times(MIXTRAL, tp=1, ep=1, etp=2, tp_link=ch, grid_link=slow, **kw).forward_s
+    assert at_tp1 == pytest.approx(pair(2 * 2 * buffer, slow))  # expert-TP 2 over two replicas' ranks
+    assert moe_dispatch_times(DENSE, tp=2, ep=2, etp=1, tp_link=ch, grid_link=slow, **kw).forward_s == 0.0
+
+
+def test_the_breakdown_of_an_expert_parallel_plan_has_no_negative_part():
+    """perf/breakdown.explain on an EP-inside-TP plan priced from layers measured over TP and over EP ranks
+    (bench/moe.py's profile shape): every part >= 0, the dispatch part what stage_cost adds beyond the
+    measured layers (nothing: measured on the same links), and the parts sum to the iteration."""
+    from megatron_het.cluster import load_cluster
+    from megatron_het.perf.breakdown import explain
+    from megatron_het.perf.profile import Profile, ProfileEntry
+    from megatron_het.plan import Plan, ReplicaPlan, StagePlan
+
+    from support.paths import REPO
+
+    model = ModelSpec(num_layers=4, hidden_size=256, num_attention_heads=8, ffn_hidden_size=512, seq_length=128,
+                      vocab_size=1000, swiglu=True, add_bias_linear=False, num_experts=8, moe_router_topk=2,
+                      moe_token_dispatcher_type="alltoall")
+    base = ProfileEntry(hidden_size=256, num_attention_heads=8, num_query_groups=8, ffn_hidden_size=512, swiglu=True,
+                        seq_length=128, micro_batch_size=2, tp=1, forward_s=0.010, backward_s=0.016,
+                        peak_memory_bytes=10**7, num_experts=8, moe_router_topk=2, moe_ffn_hidden_size=512,
+                        moe_token_dispatcher_type="alltoall")
+    entries = (base, dataclasses.replace(base, tp=2, includes_tp_comm=True, forward_s=0.017, backward_s=0.018),
+               dataclasses.replace(base, tp=2, ep=2, includes_tp_comm=True, forward_s=0.013, backward_s=0.014))
+    profile = Profile(device="CPU", entries=entries, method="test", source="p.json")
+    cluster = load_cluster(REPO / "examples/clusters/cpu-2.yaml")
+    stage = StagePlan(island="cpu", device_type="CPU", ranks=(0, 1), layers=(0, 4))
+    plan = Plan(replicas=(ReplicaPlan(stages=(stage,), num_micro_batches=8),), micro_batch_size=2,
+                global_batch_size=16, precision="fp32", sequence_parallel=True, expert_parallel=2,
+                expert_tensor_parallel=1)
+    pred, parts = explain(plan, model, cluster, profile=profile)
+    assert min(parts.values()) >= 0.0, parts
+    assert parts.get("moe_dispatch", 0.0) == 0.0 and parts["measured"] > 0
+    assert sum(parts.values()) == pytest.approx(pred.iteration_time_s, rel=1e-9)

@@ -144,7 +144,7 @@ def test_island_profile_round_trips_and_wins_over_the_device_types_for_its_islan
         profile_from_dict({**DOC, "island": 3})
 
 
-MOE = dict(num_experts=8, moe_router_topk=2, moe_ffn_hidden_size=512)
+MOE = dict(num_experts=8, moe_router_topk=2, moe_ffn_hidden_size=512, moe_token_dispatcher_type="alltoall")
 
 
 def test_moe_entries_round_trip_and_never_price_the_other_kind(tmp_path):
@@ -159,11 +159,14 @@ def test_moe_entries_round_trip_and_never_price_the_other_kind(tmp_path):
     assert lookup(profile, micro_batch_size=1, **SHAPE, **MOE).forward_s == 3.0
     assert lookup(profile, micro_batch_size=1, **SHAPE, **{**MOE, "moe_router_topk": 1}) is None
     assert lookup(profile, micro_batch_size=1, **SHAPE, **MOE, moe_shared_expert_intermediate_size=256) is None
+    assert lookup(profile, micro_batch_size=1, **SHAPE, **{**MOE, "moe_token_dispatcher_type": "allgather"}) is None
 
 
 def test_moe_entry_validation():
-    with pytest.raises(ConfigError, match="moe_ffn_hidden_size missing"):
+    with pytest.raises(ConfigError, match="moe_ffn_hidden_size, moe_token_dispatcher_type missing"):
         profile_from_dict(_doc({**_entry(1, 1.0, 2.0, 1000), "num_experts": 8, "moe_router_topk": 2}))
+    with pytest.raises(ConfigError, match="unknown dispatcher"):
+        profile_from_dict(_doc({**_entry(1, 1.0, 2.0, 1000), **MOE, "moe_token_dispatcher_type": "flex"}))
     with pytest.raises(ConfigError, match="exceeds num_experts 2"):
         profile_from_dict(_doc({**_entry(1, 1.0, 2.0, 1000), **MOE, "num_experts": 2, "moe_router_topk": 4}))
     with pytest.raises(ConfigError, match="shared expert without the MoE keys"):
