@@ -22,7 +22,13 @@ from megatron_het.perf.bounds import check_global_batch_size
 from megatron_het.plan.types import DEFAULT_PRECISION, PLAN_ATTENTIONS, PLAN_PRECISIONS
 from megatron_het.planner import MODES, plan_best, with_seq_length
 from megatron_het.planner.parallelizer import AxonnParallelizer
-from megatron_het.planner.summary import candidates_table, rank_ranges, summarize_plan, summarize_sharded
+from megatron_het.planner.summary import (
+    candidates_table,
+    expert_placement,
+    rank_ranges,
+    summarize_plan,
+    summarize_sharded,
+)
 from megatron_het.utils.progress import Progress, add_progress_argument
 
 
@@ -55,6 +61,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="the attention kernel the plans are priced with and record: fused (flash: "
                              "transformer-engine or torch SDPA) or unfused (megatron-core's DotProductAttention, "
                              "s x s scores held); default: fused on GPUs, unfused on CPUs. Pipeline plans only")
+    parser.add_argument("--expert-model-parallel-size", type=int, default=None, metavar="EP",
+                        help="MoE: plan at this expert parallelism (Megatron-LM's flag; expert-TP = each stage's "
+                             "TP); default: the planner searches every EP dividing --num-experts and keeps the fastest")
     add_progress_argument(parser)
     args = parser.parse_args(argv)
     if args.attention is not None and args.mode == "sharded":
@@ -70,7 +79,9 @@ def main(argv: list[str] | None = None) -> int:
         profiles = [load_profile(p) for p in args.profile] or None
         warn_unused_profiles(profiles, with_seq_length(model, args.seq_length), cluster, prog="plan.py")
         pipeline_options = {"top_k": args.top, "exhaustive": args.exhaustive, "precision": args.precision,
-                            **({} if args.attention is None else {"attention": args.attention})}
+                            **({} if args.attention is None else {"attention": args.attention}),
+                            **({} if args.expert_model_parallel_size is None
+                               else {"expert_parallel": args.expert_model_parallel_size})}
         # the sharded mode knows two state layouts: fp32 weights, or 16-bit weights with fp32 state
         sharded_options = {"precision": args.precision}  # stored and computed as the run's precision
         if args.tp_3d:  # the per-island parallelizer that offers 3D grids (docs/planner.md)
@@ -111,6 +122,8 @@ def main(argv: list[str] | None = None) -> int:
                 print("\n".join(f"pruned: {r}" for r in result.infeasible))
             else:
                 print("ranks: " + "; ".join(f"{isl} {rank_ranges(r)}" for isl, r in result.best.island_ranks().items()))
+            if model.is_moe and result.best.expert_parallel > 1:
+                print(expert_placement(result.best, model.num_experts))
         if choice.sharded is not None:
             print("\n".join(summarize_sharded(choice.sharded, verbose=args.verbose)))
         print(f"mode: {choice.explanation}")

@@ -160,8 +160,8 @@ def main(argv: list[str] | None = None) -> int:
           f"; pretrain_gpt.py runs what the plan records: runtime/plan_record.py)")
     if plan.expert_parallel != 1 or plan.expert_tensor_parallel is not None:
         print(f"experts         expert_parallel {plan.expert_parallel}: each rank's memory holds its own experts (their "
-              "optimizer state unsharded, an upper bound); the all-to-all is priced from the links, not yet checked "
-              "against a measured run (docs/moe.md)")
+              "optimizer state unsharded, an upper bound); the all-to-all from a profile's EP entries or the links "
+              "(docs/moe.md; bench/moe.py measures both)")
     print("replica stage island        device      TP  layers   fwd_ms    bwd_ms    idle_s    mem_GiB / cap")
     seen = set()
     for ri, r in enumerate(pred.replicas):

@@ -62,6 +62,22 @@ def apply_expert_flags(plan: Plan, args: PretrainArgs) -> Plan:
     return dataclasses.replace(plan, **changes) if changes else plan
 
 
+def auto_expert_parallel(args: PretrainArgs) -> dict[str, int]:
+    """The planner's EP for an MoE model under --hetero-plan auto: --expert-model-parallel-size where
+    given (> 1), 1 with rank-failure recovery (which cannot keep EP replicas in step), else none: the
+    planner searches every EP. Expert-TP is the planner's (each stage's TP): the flag is refused."""
+    if not args.model.is_moe:
+        return {}
+    if args.expert_tensor_parallel_size is not None:
+        raise ConfigError("the planner plans expert-TP = each stage's TP", field="--expert-tensor-parallel-size",
+                          value=args.expert_tensor_parallel_size,
+                          fix="drop it under --hetero-plan auto, or write a plan with it (tools/plan.py, then edit "
+                              "expert_tensor_parallel) and pass the file")
+    if args.expert_model_parallel_size != 1:
+        return {"expert_parallel": args.expert_model_parallel_size}
+    return {"expert_parallel": 1} if args.resilience is not None else {}
+
+
 def resolve_plan(args: PretrainArgs) -> AnyPlan:
     """A plan file of either kind, validated against the model and cluster, or the planner's best plan
     over both modes (pipeline search, uneven sharded data parallelism); without --hetero-plan, the
@@ -92,7 +108,8 @@ def resolve_plan(args: PretrainArgs) -> AnyPlan:
                            micro_batch_sizes=(args.train.micro_batch_size,),
                            profile=[load_profile(p) for p in args.profile] if args.profile else None,
                            pipeline_options={"top_k": 3, "precision": args.train.precision,
-                                             "keep_distributed_optimizer": args.use_distributed_optimizer},
+                                             "keep_distributed_optimizer": args.use_distributed_optimizer,
+                                             **auto_expert_parallel(args)},
                            sharded_options={"precision": args.train.precision})
         if choice.pipeline_result is not None:
             print_rank0(f"planner: {choice.pipeline_result.explanation}")

@@ -117,8 +117,12 @@ class Estimator:
                  profile: Profile | Sequence[Profile] | None, distributed_optimizer: bool,
                  overlap_grad_reduce: bool = False, parallelizer: Parallelizer | None = None,
                  max_tp: int = 8, precision: str = "bf16", fill_free: bool = False,
-                 attention: str | None = None) -> None:
+                 attention: str | None = None, expert_parallel: int = 1) -> None:
         self.model = model
+        # an MoE plan's EP (Plan.expert_parallel; expert-TP = TP): memory and parameters hold num_experts / EP
+        # experts per rank, and a point's replicas form expert domains of EP identical replicas of one
+        # template, with equal micro-batches (plan/experts.py), so templates come in multiples of EP
+        self.expert_parallel = expert_parallel
         # What-if only (bench/zero_bubble_whatif.py): price every replica as m x its steady period, a
         # schedule with no pipeline fill at all, which no schedule the runtime runs achieves.
         self.fill_free = fill_free
@@ -147,7 +151,7 @@ class Estimator:
         # How a slice runs inside an island (TP, recompute) and what it costs: the plug-in point.
         self.parallelizer: Parallelizer = parallelizer if parallelizer is not None else MegatronParallelizer(
             model, self.cluster, max_tp=max_tp, profile=profile, distributed_optimizer=distributed_optimizer,
-            precision=precision, attention=attention)
+            precision=precision, attention=attention, expert_parallel=expert_parallel)
         self._candidates: dict[tuple[int, LayerSlice], Sequence[IntraConfig]] = {}
         self._tps: dict[int, tuple[int, ...]] = {}
         # W's share of a fused backward per island (measured split, else half): ZB-H1's estimate
@@ -234,7 +238,7 @@ class Estimator:
             # Unsharded lines, optimizer kept apart so one entry serves every replica count.
             args = dict(is_first=first, is_last=last, micro_batch_size=mbs, microbatches_in_flight=in_flight,
                         tp=tp, recompute="full" if recompute else "none", distributed_optimizer=False,
-                        precision=self.precision,
+                        precision=self.precision, ep=self.expert_parallel,
                         **({} if self.attention is None else {"flash_attention": fused_attention(self.attention)}))
             one = stage_memory(self.model, num_layers=1, **args)
             two = stage_memory(self.model, num_layers=2, **args)
@@ -345,7 +349,8 @@ class Estimator:
     def params(self, n: int, first: bool, last: bool, tp: int) -> int:
         key = (n, first, last, tp)
         if key not in self._params:
-            self._params[key] = stage_parameters(self.model, num_layers=n, is_first=first, is_last=last, tp=tp)
+            self._params[key] = stage_parameters(self.model, num_layers=n, is_first=first, is_last=last, tp=tp,
+                                                 ep=self.expert_parallel)
         return self._params[key]
 
     def replica_line(self, template: Template, mbs: int, recompute: bool, *, replicas: int
@@ -383,6 +388,27 @@ class Estimator:
             if j + 1 < p:
                 lag += self._costs[(isl, tp, mbs, k == 1)].backward_s(n, is_first=j == 0, is_last=False) + back[j]
         return sum(taus) + sum(hops), pipeline_period(taus, hops), exposed + optimizer
+
+    def _allocate(self, templates: Sequence[Template], total_mb: int, groups: list[tuple[int, float, float]]
+                  ) -> tuple[list[tuple[int, int]], float] | str:
+        """allocate_micro_batches, or why not. Under EP the unit is an expert domain (EP replicas of one
+        template, equal micro-batches): each template's count and the micro-batches are split in EP."""
+        ep = self.expert_parallel
+        if ep > 1:
+            odd = [t.count for t in templates if t.count % ep]
+            if odd or total_mb % ep:
+                return (f"expert_parallel {ep}: expert domains are {ep} identical replicas with equal micro-batches, "
+                        f"but a template has {odd[0]} replicas" if odd else
+                        f"expert_parallel {ep}: {total_mb} micro-batches do not split over domains of {ep} replicas")
+            alloc = allocate_micro_batches(total_mb // ep, [(n // ep, a, c) for n, a, c in groups])
+            if alloc is None:
+                return f"cannot give each of {sum(n for n, _, _ in groups) // ep} expert domains a micro-batch"
+            split, worst = alloc
+            return [(m, high * ep) for m, high in split], worst
+        alloc = allocate_micro_batches(total_mb, groups)
+        if alloc is None:
+            return f"cannot give each of {sum(n for n, _, _ in groups)} replicas a micro-batch"
+        return alloc
 
     def evaluate(self, templates: Sequence[Template], mbs: int, recompute: bool) -> Estimate | str:
         """The estimate, or a reason string when the point is infeasible.
@@ -449,9 +475,9 @@ class Estimator:
             # ZB-H1: the steady state's loops run F and B only (W waits), the cool-down fills with W
             zb_period = max(max(taus), pipeline_period([x - w for x, w in zip(taus, ws)], hops))
             zb.append((zb_period if self.fill_free else fill - 2.0 * (sum(ws) - max(ws)), zb_period))
-        alloc = allocate_micro_batches(total_mb, groups)
-        if alloc is None:
-            return f"cannot give each of {replicas} replicas a micro-batch"
+        alloc = self._allocate(templates, total_mb, groups)
+        if isinstance(alloc, str):
+            return alloc
         split, pipeline = alloc
         # ZB-H1 on the same micro-batch split (a template's replicas run m or m - 1 of them)
         zb_pipeline = max(max(a, c) + ((m if high else m - 1) - 1) * c for (a, c), (m, high) in zip(zb, split))

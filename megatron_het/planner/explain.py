@@ -7,7 +7,7 @@ from collections.abc import Sequence
 
 from megatron_het.cluster import ClusterSpec, ModelSpec
 from megatron_het.perf.memory import device_capacity_bytes
-from megatron_het.perf.predict import Prediction
+from megatron_het.perf.predict import Prediction, plan_stage_memory
 from megatron_het.plan.types import Plan
 from megatron_het.planner.estimate import Estimator
 from megatron_het.planner.space import tp_options
@@ -86,7 +86,7 @@ def explain_choice(model: ModelSpec, cluster: ClusterSpec, ranked: Sequence[tupl
         "Layers are split so stages take equal time per micro-batch (faster devices get more layers, "
         "within memory); micro-batches go to replicas in proportion to their throughput.",
     ]
-    note = optimizer_sharding_note(best, pred)
+    note = optimizer_sharding_note(best, pred, model, cluster)
     if note:
         text.append(note)
     if len(ranked) > 1:
@@ -95,10 +95,13 @@ def explain_choice(model: ModelSpec, cluster: ClusterSpec, ranked: Sequence[tupl
     return "\n".join(text)
 
 
-def optimizer_sharding_note(plan: Plan, pred: Prediction) -> str | None:
+def optimizer_sharding_note(plan: Plan, pred: Prediction, model: ModelSpec | None = None,
+                            cluster: ClusterSpec | None = None) -> str | None:
     """With the plan's distributed optimizer on: which stage fits only because optimizer state is
     sharded over the replicas (the runtime shards it the same way, ``optim/``), else how much it
-    saves. None when the plan does not shard optimizer state."""
+    saves. None when the plan does not shard optimizer state. An MoE plan with expert parallelism
+    (``model``/``cluster`` given) is priced again unsharded: its experts' state is not the sharded part
+    times the replicas."""
     if not plan.use_distributed_optimizer:
         return None
     dp = len(plan.replicas)
@@ -106,17 +109,22 @@ def optimizer_sharding_note(plan: Plan, pred: Prediction) -> str | None:
     saved = 0
     for r, rp in enumerate(pred.replicas):
         for s, st in enumerate(rp.stages):
-            full = st.memory.optimizer_bytes * dp  # stage_memory shards the optimizer part over dp
-            plain = st.memory.total_bytes - st.memory.optimizer_bytes + full
+            if plan.expert_parallel > 1 and model is not None and cluster is not None:
+                whole = plan_stage_memory(plan, plan.replicas[r], s, model, cluster, dp=dp, distributed_optimizer=False,
+                                          seq_length=model.seq_length)
+                full, plain = whole.optimizer_bytes, whole.total_bytes
+            else:
+                full = st.memory.optimizer_bytes * dp  # stage_memory shards the optimizer part over dp
+                plain = st.memory.total_bytes - st.memory.optimizer_bytes + full
             saved = max(saved, full - st.memory.optimizer_bytes)
             excess = plain - st.capacity_gib * _GIB
             if excess > 0 and (worst is None or excess > worst[0]):
-                worst = (excess, (r, s), st, plain)
+                worst = (excess, (r, s), st, plain, full)
     if worst is None:
         return (f"Distributed optimizer: optimizer state sharded over {dp} replicas, up to "
                 f"{saved / _GIB:.2f} GiB less per rank; the plan would also fit without it.")
-    _, (r, s), st, plain = worst
+    _, (r, s), st, plain, unsharded = worst
     return (f"Fits only with the distributed optimizer: without it replica {r} stage {s} ({st.island}, TP={st.tp}) "
             f"would need {plain / _GIB:.1f} GiB > {st.capacity_gib:g} GiB (optimizer state "
-            f"{st.memory.optimizer_bytes * dp / _GIB:.1f} GiB unsharded); sharded over {dp} replicas it needs "
+            f"{unsharded / _GIB:.1f} GiB unsharded); sharded over {dp} replicas it needs "
             f"{st.memory_gib:.1f} GiB.")

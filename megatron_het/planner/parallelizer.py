@@ -24,13 +24,14 @@ from typing import Protocol
 
 from megatron_het.cluster import ClusterSpec, IslandSpec, ModelSpec
 from megatron_het.perf.axonn import GridCost, grid_cost
+from megatron_het.perf.comm import island_channel
 from megatron_het.perf.memory import stage_memory
 from megatron_het.perf.predict import StageCost, stage_cost
 from megatron_het.perf.profile import Profile
 from megatron_het.plan import Plan, validate_plan
 from megatron_het.plan.checks import tp3d_unsupported, tp_grid_divisors
 from megatron_het.plan.types import fused_attention
-from megatron_het.planner.space import tp_options
+from megatron_het.planner.space import moe_sequence_parallel, tp_options
 from megatron_het.tp.grid import Grid4D
 
 __all__ = ["AxonnParallelizer", "GridChoice", "IntraConfig", "LayerSlice", "MegatronParallelizer", "Parallelizer",
@@ -83,8 +84,11 @@ class MegatronParallelizer:
 
     def __init__(self, model: ModelSpec, cluster: ClusterSpec, *, max_tp: int = 8,
                  profile: Profile | Sequence[Profile] | None = None, distributed_optimizer: bool = True,
-                 precision: str = "bf16", attention: str | None = None) -> None:
+                 precision: str = "bf16", attention: str | None = None, expert_parallel: int = 1) -> None:
         self.model = model
+        # an MoE plan's EP (Plan.expert_parallel, expert-TP = TP): a rank holds num_experts / EP experts, and
+        # its all-to-all runs among EP replicas' TP ranks inside the island (a node when they fit in one)
+        self.expert_parallel = expert_parallel
         self.attention = attention  # Plan.attention priced ("fused"/"unfused"); None: fused on GPUs
         self.precision = precision  # what the plan trains in: matmul rate, state and activation bytes
         self.cluster = cluster
@@ -105,10 +109,13 @@ class MegatronParallelizer:
         key = (isl, tp, mbs, recompute)
         if key not in self._costs:
             island = self.cluster.islands[isl]
+            ep = self.expert_parallel
             self._costs[key] = stage_cost(self.model, island, tp=tp, micro_batch_size=mbs, recompute=recompute,
                                           slowdown=self.cluster.slowdown(island.name), profile=self.profile,
                                           precision=self.precision,
-                                          flash_attention=fused_attention(self.attention))
+                                          flash_attention=fused_attention(self.attention),
+                                          sequence_parallel=moe_sequence_parallel(self.model), ep=ep,
+                                          ep_channel=island_channel(island, same_node=ep * tp <= island.gpus_per_node))
         return self._costs[key]
 
     def _memory(self, slice_: LayerSlice, tp: int, rc: bool, flash: bool) -> tuple[int, int, int, int]:
@@ -119,7 +126,8 @@ class MegatronParallelizer:
         if key not in self._mem:
             args = dict(is_first=slice_.is_first, is_last=slice_.is_last, micro_batch_size=slice_.micro_batch_size,
                         microbatches_in_flight=slice_.in_flight, tp=tp, recompute="full" if rc else "none",
-                        distributed_optimizer=False, flash_attention=flash, precision=self.precision)
+                        distributed_optimizer=False, flash_attention=flash, precision=self.precision,
+                        ep=self.expert_parallel)
             here = stage_memory(self.model, num_layers=slice_.num_layers, **args)
             more = stage_memory(self.model, num_layers=slice_.num_layers + 1, **args)
             self._mem[key] = (here.total_bytes - here.optimizer_bytes, here.optimizer_bytes,

@@ -42,7 +42,7 @@ from megatron_het.planner.refine import hill_climb
 from megatron_het.planner.schedule_choice import choose_schedule
 from megatron_het.planner.space import Segment, Template, build_plan, moe_sequence_parallel
 
-__all__ = ["PlannerResult", "plan_cluster", "with_seq_length"]
+__all__ = ["PlannerResult", "expert_parallel_options", "plan_cluster", "plan_cluster_at", "with_seq_length"]
 
 _FAST_PP = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 32, 40, 48, 64, 80, 96, 128)
 _LOCAL_KEEP = 3  # fast mode: best local layouts kept per island before combining islands
@@ -174,16 +174,80 @@ def _spanning_structures(model: ModelSpec, cluster: ClusterSpec, *, tps: dict[in
     return out
 
 
-def plan_cluster(model: ModelSpec, cluster: ClusterSpec, *, global_batch_size: int, seq_length: int | None = None,
-                 profile: Profile | Sequence[Profile] | None = None, top_k: int = 5, exhaustive: bool = False,
-                 max_tp: int = 8, recompute_options: Sequence[bool] = (False, True),
-                 micro_batch_sizes: Sequence[int] = (1, 2, 4, 8), distributed_optimizer: bool = True,
-                 islands: Sequence[str] | None = None, overlap_grad_reduce: bool = False,
-                 progress: Callable[[int, int], None] | None = None,
-                 parallelizer: Parallelizer | None = None, compose_islands: bool = True,
-                 consider_grad_overlap: bool = True, keep_distributed_optimizer: bool = False,
-                 precision: str = "bf16", attention: str | None = None) -> PlannerResult:
-    """Search plans for ``model`` on ``cluster`` and return the fastest predicted one.
+_MAX_EXPERT_PARALLEL = 64  # largest EP the planner tries by itself (Megatron-LM's MoE recipes stay within it)
+
+
+def expert_parallel_options(model: ModelSpec, cluster: ClusterSpec) -> list[int]:
+    """The EP sizes the planner searches for an MoE model: 1 (experts replicated) and every divisor of
+    ``num_experts`` up to the cluster's GPUs and ``_MAX_EXPERT_PARALLEL``; [1] for a dense model."""
+    if not model.is_moe:
+        return [1]
+    limit = min(model.num_experts, cluster.num_gpus, _MAX_EXPERT_PARALLEL)
+    return [ep for ep in range(1, limit + 1) if model.num_experts % ep == 0]
+
+
+def plan_cluster(model: ModelSpec, cluster: ClusterSpec, *, expert_parallel: int | None = None,
+                 progress: Callable[[int, int], None] | None = None, **options) -> PlannerResult:
+    """Search plans for ``model`` on ``cluster`` and return the fastest predicted one (options:
+    :func:`plan_cluster_at`'s). An MoE model is searched at every EP of ``expert_parallel_options``
+    (``expert_parallel`` None) or at the one given (Plan.expert_parallel; expert-TP = each stage's TP):
+    EP trades the experts' memory and optimizer step on each rank for an all-to-all per MoE layer, so
+    the memory it frees (shorter pipelines, fewer TP ranks, more replicas) is searched, not bolted on."""
+    if expert_parallel is not None and expert_parallel != 1:
+        if not model.is_moe:
+            raise InfeasibleError(f"expert_parallel: {expert_parallel} needs an MoE model (num_experts), got a dense "
+                                  "one. Fix: plan at expert_parallel 1, or describe the model's experts")
+        if expert_parallel < 1 or model.num_experts % expert_parallel:
+            raise InfeasibleError(f"expert_parallel: {expert_parallel} must divide num_experts {model.num_experts}. "
+                                  f"Fix: use one of {expert_parallel_options(model, cluster)}")
+    given = getattr(options.get("parallelizer"), "expert_parallel", None)  # a parallelizer prices one EP
+    if given is not None and expert_parallel is not None and given != expert_parallel:
+        raise InfeasibleError(f"expert_parallel: {expert_parallel}, but the parallelizer given prices EP {given}. "
+                              f"Fix: build the parallelizer with expert_parallel={expert_parallel}")
+    if expert_parallel is None and given is not None:
+        expert_parallel = given
+    eps = expert_parallel_options(model, cluster) if expert_parallel is None else [expert_parallel]
+    results: list[tuple[int, PlannerResult]] = []
+    failures: list[tuple[int, InfeasibleError]] = []
+    counted = {"before": 0, "last": 0}  # one progress count over all the searches: the finished ones' work
+
+    def tick(d: int, t: int) -> None:
+        counted["last"] = t
+        progress(counted["before"] + d, counted["before"] + t)
+
+    for ep in eps:
+        try:
+            results.append((ep, plan_cluster_at(model, cluster, expert_parallel=ep,
+                                                progress=None if progress is None else tick, **options)))
+        except InfeasibleError as err:
+            failures.append((ep, err))
+        counted["before"], counted["last"] = counted["before"] + counted["last"], 0
+    if not results:
+        if len(failures) == 1:
+            raise failures[0][1]
+        raise InfeasibleError("\n".join(f"expert_parallel {ep}: {err.explanation}" for ep, err in failures),
+                              reasons=tuple(r for _, err in failures for r in err.reasons))
+    ep, best = min(results, key=lambda r: r[1].candidates[0][1].iteration_time_s)
+    if len(eps) == 1:
+        return best
+    times = ", ".join(f"EP {e} {r.candidates[0][1].iteration_time_s:.3f} s" for e, r in results)
+    lost = "".join(f"; EP {e}: none fits" for e, _ in failures)
+    note = f"Expert parallelism {ep} chosen among the EP sizes searched (best plan each: {times}{lost})."
+    return replace(best, explanation=best.explanation + "\n" + note,
+                   infeasible=best.infeasible + [r for _, err in failures for r in err.reasons])
+
+
+def plan_cluster_at(model: ModelSpec, cluster: ClusterSpec, *, global_batch_size: int, seq_length: int | None = None,
+                    profile: Profile | Sequence[Profile] | None = None, top_k: int = 5, exhaustive: bool = False,
+                    max_tp: int = 8, recompute_options: Sequence[bool] = (False, True),
+                    micro_batch_sizes: Sequence[int] = (1, 2, 4, 8), distributed_optimizer: bool = True,
+                    islands: Sequence[str] | None = None, overlap_grad_reduce: bool = False,
+                    progress: Callable[[int, int], None] | None = None,
+                    parallelizer: Parallelizer | None = None, compose_islands: bool = True,
+                    consider_grad_overlap: bool = True, keep_distributed_optimizer: bool = False,
+                    precision: str = "bf16", attention: str | None = None, expert_parallel: int = 1) -> PlannerResult:
+    """Search plans for ``model`` on ``cluster`` at expert parallelism ``expert_parallel`` and return
+    the fastest predicted one.
 
     ``islands`` restricts the search to those islands (the others get no ranks).
     ``parallelizer`` decides how a layer slice runs inside an island and prices it (planner/parallelizer.py;
@@ -224,7 +288,8 @@ def plan_cluster(model: ModelSpec, cluster: ClusterSpec, *, global_batch_size: i
             f"multiple of {min(micro_batch_sizes, default=1)}")
     est = Estimator(model, cluster, global_batch_size=global_batch_size, profile=profile,
                     distributed_optimizer=distributed_optimizer, overlap_grad_reduce=overlap_grad_reduce,
-                    parallelizer=parallelizer, max_tp=max_tp, precision=precision, attention=attention)
+                    parallelizer=parallelizer, max_tp=max_tp, precision=precision, attention=attention,
+                    expert_parallel=expert_parallel)
     active = [i for i, isl in enumerate(cluster.islands) if isl.name in allowed]
     reasons: dict[str, None] = {}
     estimates: list[Estimate] = []
@@ -403,7 +468,8 @@ def plan_cluster(model: ModelSpec, cluster: ClusterSpec, *, global_batch_size: i
         plan = build_plan(cluster, e.templates, e.layer_counts, e.micro_batches, micro_batch_size=e.micro_batch_size,
                           global_batch_size=global_batch_size, recompute=e.recompute,
                           distributed_optimizer=distributed_optimizer, stage_recompute=e.stage_recompute,
-                          precision=precision, attention=attention, sequence_parallel=moe_sequence_parallel(model))
+                          precision=precision, attention=attention, sequence_parallel=moe_sequence_parallel(model),
+                          expert_parallel=expert_parallel)
         key = plan  # frozen and hashable (nothing predicted yet): far cheaper than its JSON at 1,024 ranks
         if key in seen:
             return
@@ -464,7 +530,8 @@ def plan_cluster(model: ModelSpec, cluster: ClusterSpec, *, global_batch_size: i
         plan = build_plan(cluster, e.templates, e.layer_counts, e.micro_batches, micro_batch_size=e.micro_batch_size,
                           global_batch_size=global_batch_size, recompute=e.recompute,
                           distributed_optimizer=distributed_optimizer, stage_recompute=e.stage_recompute,
-                          precision=precision, attention=attention, sequence_parallel=moe_sequence_parallel(model))
+                          precision=precision, attention=attention, sequence_parallel=moe_sequence_parallel(model),
+                          expert_parallel=expert_parallel)
         try:
             validate_plan(plan, model, cluster)
         except PlanError:

@@ -184,7 +184,7 @@ def build_plan(cluster: ClusterSpec, templates: Sequence[Template], layer_counts
                micro_batches: Sequence[tuple[int, int]], *, micro_batch_size: int, global_batch_size: int,
                recompute: bool, distributed_optimizer: bool,
                stage_recompute: Sequence[Sequence[bool]] | None = None, precision: str = "bf16",
-               attention: str | None = None, sequence_parallel: bool = False) -> Plan:
+               attention: str | None = None, sequence_parallel: bool = False, expert_parallel: int = 1) -> Plan:
     """Turn a search point into a Plan.
 
     ``stage_recompute`` (per template, per stage) overrides ``recompute`` stage by stage; ``precision``
@@ -213,7 +213,7 @@ def build_plan(cluster: ClusterSpec, templates: Sequence[Template], layer_counts
             replicas.append(ReplicaPlan(stages=tuple(stages), num_micro_batches=m if copy < high else m - 1))
     return Plan(replicas=tuple(replicas), micro_batch_size=micro_batch_size, global_batch_size=global_batch_size,
                 use_distributed_optimizer=distributed_optimizer and len(replicas) > 1, precision=precision,
-                attention=attention, sequence_parallel=sequence_parallel)
+                attention=attention, sequence_parallel=sequence_parallel, expert_parallel=expert_parallel)
 
 
 def moe_sequence_parallel(model: ModelSpec) -> bool:

@@ -79,6 +79,25 @@ def summarize_plan(plan: Plan, *, verbose: bool = False) -> list[str]:
     return lines
 
 
+def expert_placement(plan: Plan, num_experts: int) -> str:
+    """Where an MoE plan's routed experts sit, per island: its expert grids (plan/experts.py), how many
+    ranks each spans and experts each rank holds per MoE layer; "" with experts replicated (EP 1)."""
+    from megatron_het.plan.experts import stage_expert_grids
+
+    if plan.expert_parallel == 1:
+        return ""
+    owner = {r: s.island for rep in plan.replicas for s in rep.stages for r in s.ranks}
+    grids: dict[str, list[int]] = {}
+    for ranks, _ in stage_expert_grids([[s.ranks for s in r.stages] for r in plan.replicas],
+                                       ep=plan.expert_parallel, etp=plan.expert_tensor_parallel):
+        grids.setdefault(owner[ranks[0]], []).append(len(ranks))
+    etp = "each stage's TP" if plan.expert_tensor_parallel is None else str(plan.expert_tensor_parallel)
+    per_island = "; ".join(f"{isl}: {len(sizes)} grid(s) of {'/'.join(map(str, sorted(set(sizes))))} ranks"
+                           for isl, sizes in grids.items())
+    return (f"experts: EP {plan.expert_parallel}, expert-TP {etp}: each rank holds {num_experts // plan.expert_parallel}"
+            f" of the {num_experts} experts of its MoE layers; {per_island}")
+
+
 def summarize_sharded(plan: ShardedPlan, *, verbose: bool = False) -> list[str]:
     """Header, then per island the ranks grouped by (micro-batches, share, recompute) as ranges;
     ``verbose`` adds the plan's own per-rank listing."""

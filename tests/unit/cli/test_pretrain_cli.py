@@ -189,3 +189,25 @@ def test_every_flag_fills_its_config_field_with_the_field_default():
                                "--split", "1,0,0", "--seed", "7", "--adam-eps", "1e-5", "--no-emulation"])
     assert (given.train.distributed_timeout_minutes, given.loop.save_interval, given.data.split) == (3, 5, "1,0,0")
     assert (given.train.seed, given.train.adam_eps, given.no_emulation) == (7, 1e-5, True)
+
+
+MOE_FLAGS = ["--mock-data", "--num-experts", "4", "--moe-router-topk", "2", "--disable-bias-linear", "--swiglu"]
+
+
+def test_the_auto_plan_of_an_moe_model_takes_its_expert_parallelism_from_the_planner_or_the_flag():
+    """--hetero-plan auto: the planner searches EP for an MoE model; --expert-model-parallel-size fixes it;
+    expert-TP is the planner's (the flag is refused with the fix); rank-failure recovery plans EP 1."""
+    from megatron_het.cli.pretrain import auto_expert_parallel, resolve_plan
+    from megatron_het.plan import validate_plan
+
+    args = parse_args(BASE + MOE_FLAGS)
+    assert auto_expert_parallel(args) == {}  # the planner searches EP 1, 2, 4
+    fixed = parse_args(BASE + MOE_FLAGS + ["--expert-model-parallel-size", "2"])
+    plan = resolve_plan(fixed)
+    assert plan.expert_parallel == 2 and plan.sequence_parallel
+    validate_plan(plan, fixed.model, fixed.cluster)
+    resilient = parse_args(BASE + MOE_FLAGS + ["--hetero-resilience", "--hetero-resilience-store", "127.0.0.1:1"])
+    assert auto_expert_parallel(resilient) == {"expert_parallel": 1}
+    with pytest.raises(Exception, match="--expert-tensor-parallel-size: the planner plans expert-TP"):
+        auto_expert_parallel(parse_args(BASE + MOE_FLAGS + ["--expert-tensor-parallel-size", "1"]))
+    assert auto_expert_parallel(parse_args(BASE + ["--mock-data"])) == {}  # a dense model: nothing to choose

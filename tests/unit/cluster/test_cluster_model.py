@@ -59,6 +59,7 @@ EXPECTED = {  # name: (layers, hidden, heads, groups, ffn, seq, vocab, swiglu, u
     "llama2-7b": (32, 4096, 32, 32, 11008, 4096, 32000, True, True),
     "llama2-13b": (40, 5120, 40, 40, 13824, 4096, 32000, True, True),
     "llama2-70b": (80, 8192, 64, 8, 28672, 4096, 32000, True, True),
+    "mixtral-8x7b": (32, 4096, 32, 8, 14336, 4096, 32000, True, True),  # and 8 experts, top-2 (below)
 }
 
 
@@ -70,6 +71,15 @@ def test_example_models_load_with_published_shapes(name):
     assert got == EXPECTED[name]
     assert m.name == name
     assert isinstance(m, ModelSpec)
+
+
+def test_mixtral_example_has_its_published_experts():
+    """Mixtral 8x7B: 8 experts of Mistral-7B's MLP width, top-2, 46.7B parameters in all (Jiang et al. 2024)."""
+    from megatron_het.perf.flops import total_parameters
+
+    m = load_model(MODELS / "mixtral-8x7b.yaml")
+    assert (m.num_experts, m.moe_router_topk, m.moe_ffn_hidden_size, m.add_bias_linear) == (8, 2, 14336, False)
+    assert total_parameters(m) == pytest.approx(46.7e9, rel=0.01)
 
 
 def test_no_unexpected_example_models():
