@@ -82,6 +82,8 @@ def pretrain_argv(cluster: str, plan_path: str, iters: int, model: ModelSpec = M
             "--max-position-embeddings", str(model.seq_length), "--vocab-size", str(model.vocab_size),
             "--mock-data", "--micro-batch-size", str(MICRO_BATCH), "--global-batch-size", str(GLOBAL_BATCH),
             "--train-iters", str(iters), "--lr", "1e-4", "--log-interval", str(iters), "--eval-iters", "0",
+            # the model the prediction prices (ModelSpec's dropout 0; Megatron-LM's flags default to 0.1)
+            "--hidden-dropout", str(model.hidden_dropout), "--attention-dropout", str(model.attention_dropout),
             *model_flags]
 
 
