@@ -87,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.tp_3d:  # the per-island parallelizer that offers 3D grids (docs/planner.md)
             pipeline_options.update(distributed_optimizer=False, parallelizer=AxonnParallelizer(
                 with_seq_length(model, args.seq_length), cluster, profile=profiles, distributed_optimizer=False,
-                attention=args.attention))
+                attention=args.attention, expert_parallel=args.expert_model_parallel_size or 1))
         bar = Progress("plan: search", unit="candidates", quiet=args.no_progress)
         try:
             choice = plan_best(model, cluster, global_batch_size=args.global_batch_size, seq_length=args.seq_length,

@@ -74,6 +74,11 @@ def auto_expert_parallel(args: PretrainArgs) -> dict[str, int]:
                           fix="drop it under --hetero-plan auto, or write a plan with it (tools/plan.py, then edit "
                               "expert_tensor_parallel) and pass the file")
     if args.expert_model_parallel_size != 1:
+        if args.resilience is not None:  # refused before minutes of search, as resolve_plan refuses a plan file's
+            raise ConfigError("rank-failure recovery cannot keep expert-parallel replicas in step yet",
+                              field="--expert-model-parallel-size", value=args.expert_model_parallel_size,
+                              fix="drop --expert-model-parallel-size (the planner then plans EP 1), or drop "
+                                  "--hetero-resilience")
         return {"expert_parallel": args.expert_model_parallel_size}
     return {"expert_parallel": 1} if args.resilience is not None else {}
 

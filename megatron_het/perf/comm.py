@@ -167,8 +167,8 @@ def tp_layer_comm_times(model: ModelSpec, island: IslandSpec, *, micro_batch_siz
     (after the attention projection and fc2) and two in backward (input gradients of QKV and fc1).
     With it: each all-reduce becomes an all-gather plus a reduce-scatter of the same buffer, which
     costs the same in a ring. Full recomputation repeats the forward traffic during backward.
-    ``element_bytes`` is 4 for fp32/tf32 runs. An MoE layer: the attention's pair only; its token
-    dispatcher's traffic is :func:`moe_dispatch_times`'.
+    ``element_bytes`` is 4 for fp32/tf32 runs. An MoE layer: the attention's pair and its shared
+    expert's, if it has one; its token dispatcher's traffic is :func:`moe_dispatch_times`'.
     """
     check_tp(model, tp)
     check_recompute(recompute)
@@ -182,7 +182,8 @@ def tp_layer_comm_times(model: ModelSpec, island: IslandSpec, *, micro_batch_siz
         one = ring_all_gather_time(nbytes, **args) + ring_reduce_scatter_time(nbytes, **args)
     else:
         one = ring_all_reduce_time(nbytes, **args)
-    forward = one if model.is_moe else 2 * one
+    # an MoE layer: the attention's pair, and its shared expert's (an MLP under the same TP and SP)
+    forward = (1 + bool(model.moe_shared_expert_intermediate_size)) * one if model.is_moe else 2 * one
     return CommTimes(forward_s=forward, backward_s=forward + (forward if recompute == "full" else 0.0))
 
 

@@ -55,6 +55,7 @@ __all__ = [
     "stage_memory",
     "device_capacity_bytes",
     "optimizer_shard_weights",
+    "unsharded_expert_parameters",
     "runtime_attention",
     "runtime_state_bytes",
     "rank_memory",
@@ -281,8 +282,7 @@ def stage_memory(model: ModelSpec, *, num_layers: int, is_first: bool, is_last: 
                           fix="pass the framework overhead in bytes, e.g. 1.5 GiB = 1610612736")
     params = stage_parameters(model, num_layers=num_layers, is_first=is_first, is_last=is_last, tp=tp, ep=ep, etp=etp)
     shard = dp if distributed_optimizer else 1
-    experts = (num_layers * routed_expert_parameters_per_rank(model, tp=tp, ep=ep, etp=etp)
-               if model.is_moe and (ep > 1 or etp is not None) else 0)
+    experts = unsharded_expert_parameters(model, num_layers=num_layers, tp=tp, ep=ep, etp=etp)
     per_layer = activation_bytes_per_layer(model, micro_batch_size=micro_batch_size, seq_length=seq_length, tp=tp,
                                            sequence_parallel=sequence_parallel, recompute=recompute,
                                            flash_attention=flash_attention, precision=precision, dropout=dropout,
@@ -321,6 +321,17 @@ def stage_memory(model: ModelSpec, *, num_layers: int, is_first: bool, is_last: 
         activations_bytes=activations,
         overhead_bytes=overhead_bytes,
     )
+
+
+def unsharded_expert_parameters(model: ModelSpec, *, num_layers: int, tp: int = 1, ep: int = 1,
+                                etp: int | None = None) -> int:
+    """A stage rank's routed-expert parameters whose optimizer state the model counts whole (not split
+    over the replicas) under an expert grid (EP > 1 or an expert-TP of its own): the distributed optimizer
+    shards it over the expert's holders only, fewer than the replicas; an upper bound. 0 otherwise.
+    The planner's estimate and :func:`stage_memory` both keep it apart."""
+    if not model.is_moe or (ep == 1 and etp is None):
+        return 0
+    return num_layers * routed_expert_parameters_per_rank(model, tp=tp, ep=ep, etp=etp)
 
 
 def optimizer_shard_weights(model: ModelSpec, plan, *, precision: str | None = None) -> dict[int, float]:

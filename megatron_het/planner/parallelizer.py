@@ -25,7 +25,7 @@ from typing import Protocol
 from megatron_het.cluster import ClusterSpec, IslandSpec, ModelSpec
 from megatron_het.perf.axonn import GridCost, grid_cost
 from megatron_het.perf.comm import island_channel
-from megatron_het.perf.memory import stage_memory
+from megatron_het.perf.memory import stage_memory, state_bytes, unsharded_expert_parameters
 from megatron_het.perf.predict import StageCost, stage_cost
 from megatron_het.perf.profile import Profile
 from megatron_het.plan import Plan, validate_plan
@@ -89,6 +89,7 @@ class MegatronParallelizer:
         # an MoE plan's EP (Plan.expert_parallel, expert-TP = TP): a rank holds num_experts / EP experts, and
         # its all-to-all runs among EP replicas' TP ranks inside the island (a node when they fit in one)
         self.expert_parallel = expert_parallel
+        self._opt_bytes = state_bytes(precision)[2]  # optimizer bytes per parameter
         self.attention = attention  # Plan.attention priced ("fused"/"unfused"); None: fused on GPUs
         self.precision = precision  # what the plan trains in: matmul rate, state and activation bytes
         self.cluster = cluster
@@ -115,7 +116,10 @@ class MegatronParallelizer:
                                           precision=self.precision,
                                           flash_attention=fused_attention(self.attention),
                                           sequence_parallel=moe_sequence_parallel(self.model), ep=ep,
-                                          ep_channel=island_channel(island, same_node=ep * tp <= island.gpus_per_node))
+                                          # a stage's expert group spans (EP-1) replicas' ranks and its own
+                                          # TP (predict.expert_channels finds where): within a node only on a
+                                          # one-node island here, so the estimate never prices a faster link
+                                          ep_channel=island_channel(island, same_node=island.nodes == 1))
         return self._costs[key]
 
     def _memory(self, slice_: LayerSlice, tp: int, rc: bool, flash: bool) -> tuple[int, int, int, int]:
@@ -130,9 +134,13 @@ class MegatronParallelizer:
                         ep=self.expert_parallel)
             here = stage_memory(self.model, num_layers=slice_.num_layers, **args)
             more = stage_memory(self.model, num_layers=slice_.num_layers + 1, **args)
-            self._mem[key] = (here.total_bytes - here.optimizer_bytes, here.optimizer_bytes,
-                              more.total_bytes - more.optimizer_bytes - here.total_bytes + here.optimizer_bytes,
-                              more.optimizer_bytes - here.optimizer_bytes)
+            # experts' optimizer state stays whole (stage_memory's bound): kept with the unsharded part
+            e_here, e_more = (self._opt_bytes * unsharded_expert_parameters(
+                self.model, num_layers=n, tp=tp, ep=self.expert_parallel) for n in (slice_.num_layers,
+                                                                                  slice_.num_layers + 1))
+            self._mem[key] = (here.total_bytes - here.optimizer_bytes + e_here, here.optimizer_bytes - e_here,
+                              more.total_bytes - more.optimizer_bytes - here.total_bytes + here.optimizer_bytes
+                              + e_more - e_here, more.optimizer_bytes - here.optimizer_bytes - e_more + e_here)
         return self._mem[key]
 
     def _lines(self, slice_: LayerSlice, isl: int) -> list[tuple[int, bool, StageCost, int, int, int, int]]:

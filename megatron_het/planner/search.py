@@ -222,11 +222,12 @@ def plan_cluster(model: ModelSpec, cluster: ClusterSpec, *, expert_parallel: int
         except InfeasibleError as err:
             failures.append((ep, err))
         counted["before"], counted["last"] = counted["before"] + counted["last"], 0
+    if progress is not None:  # the last search may have failed before its last count: done == total at the end
+        progress(counted["before"], counted["before"])
     if not results:
         if len(failures) == 1:
             raise failures[0][1]
-        raise InfeasibleError("\n".join(f"expert_parallel {ep}: {err.explanation}" for ep, err in failures),
-                              reasons=tuple(r for _, err in failures for r in err.reasons))
+        raise _no_expert_parallelism_fits(model, failures)
     ep, best = min(results, key=lambda r: r[1].candidates[0][1].iteration_time_s)
     if len(eps) == 1:
         return best
@@ -234,7 +235,24 @@ def plan_cluster(model: ModelSpec, cluster: ClusterSpec, *, expert_parallel: int
     lost = "".join(f"; EP {e}: none fits" for e, _ in failures)
     note = f"Expert parallelism {ep} chosen among the EP sizes searched (best plan each: {times}{lost})."
     return replace(best, explanation=best.explanation + "\n" + note,
-                   infeasible=best.infeasible + [r for _, err in failures for r in err.reasons])
+                   infeasible=best.infeasible + [f"EP {e}: {r}" for e, err in failures for r in err.reasons])
+
+
+def _no_expert_parallelism_fits(model: ModelSpec, failures: list[tuple[int, InfeasibleError]]) -> InfeasibleError:
+    """One error for every EP that failed: each EP's first reason, then EP 1's full report (the layout
+    question without experts spread), and what EP itself needs."""
+    lines = [f"no plan fits {model.name or 'the model'} at any expert parallelism searched:"]
+    for ep, err in failures:
+        first = err.reasons[0] if err.reasons else err.explanation.splitlines()[0]
+        lines.append(f"  EP {ep}: {first}")
+    base = dict(failures).get(1)
+    if base is not None:
+        lines.append("EP 1 (experts replicated): " + base.explanation)
+    lines.append("EP > 1 needs each layout's replicas in groups of EP (identical, equal micro-batches), so a "
+                 "global batch whose micro-batches (global / micro-batch size) divide into EP groups. Fix: add GPUs "
+                 "or memory, or fix the EP with --expert-model-parallel-size to read one EP's report")
+    return InfeasibleError("\n".join(lines), reasons=tuple(f"EP {ep}: {r}" for ep, err in failures
+                                                           for r in err.reasons))
 
 
 def plan_cluster_at(model: ModelSpec, cluster: ClusterSpec, *, global_batch_size: int, seq_length: int | None = None,

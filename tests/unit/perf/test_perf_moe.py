@@ -101,6 +101,8 @@ def test_tp_traffic_of_an_moe_layer_follows_the_dispatcher():
     buffer = 2 * 4096 * 4096  # bytes x s x h
     assert tp_layer_comm_times(DENSE, island, tp=2, **kw).forward_s == pytest.approx(2 * pair(buffer))
     assert tp_layer_comm_times(MIXTRAL, island, tp=2, **kw).forward_s == pytest.approx(pair(buffer))  # attention
+    shared = dataclasses.replace(MIXTRAL, moe_shared_expert_intermediate_size=4096)  # an MLP under the same SP
+    assert tp_layer_comm_times(shared, island, tp=2, **kw).forward_s == pytest.approx(2 * pair(buffer))
     assert dispatch(MIXTRAL, tp=2, ep=1, etp=2) == pytest.approx(pair(2 * buffer))  # alltoall: topk copies
     allgather = dataclasses.replace(MIXTRAL, moe_token_dispatcher_type="allgather")
     assert dispatch(allgather, tp=2, ep=1, etp=2) == pytest.approx(pair(buffer))  # the tokens, once

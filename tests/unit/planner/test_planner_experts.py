@@ -75,3 +75,36 @@ def test_expert_domains_constrain_the_estimate():
     uneven = Estimator(MIXTRAL, H100_MI300X, global_batch_size=66, profile=None, distributed_optimizer=True,
                        expert_parallel=4).evaluate((Template(segments=spanning, count=8),), 1, False)
     assert isinstance(uneven, str) and "66 micro-batches do not split over domains of 4" in uneven
+
+
+def test_the_estimate_holds_the_experts_optimizer_state_whole_as_predict_does():
+    """Under EP the predictor counts the experts' optimizer state whole on each holder (an upper bound:
+    the distributed optimizer shards it over fewer ranks than the replicas); the search's closed-form
+    memory line must say the same, or it ranks plans that do not fit (a 14-layer Mixtral stage at EP 8
+    over 32 replicas: 47 GiB in the estimate against 74 GiB predicted before)."""
+    from megatron_het.perf.memory import stage_memory
+
+    est = Estimator(MIXTRAL, H100_MI300X, global_batch_size=512, profile=None, distributed_optimizer=True,
+                    expert_parallel=8)
+    line = est.memory_line(0, 1, 1, False, first=True, last=False, in_flight=2, dp=32)
+    for n in (1, 14):
+        predicted = stage_memory(MIXTRAL, num_layers=n, is_first=True, is_last=False, micro_batch_size=1,
+                                 microbatches_in_flight=2, tp=1, dp=32, distributed_optimizer=True, ep=8,
+                                 precision="bf16")
+        assert line[0] + (n - 1) * line[1] == pytest.approx(predicted.total_bytes, rel=1e-6)
+
+
+def test_progress_ends_at_its_total_and_every_failing_ep_is_summed_up():
+    """One progress count over every EP searched, done == total at the last call; when no EP fits, one
+    line per EP with its reason, EP 1's report, and what EP itself needs."""
+    calls = []
+    plan_cluster(MIXTRAL, H100_MI300X, global_batch_size=512, progress=lambda d, t: calls.append((d, t)))
+    assert calls[-1][0] == calls[-1][1] and all(d <= t for d, t in calls)
+    assert [d for d, _ in calls] == sorted(d for d, _ in calls)  # never counts back between the EP searches
+    tiny = load_cluster(REPO / "examples/clusters/h100-8.yaml")
+    with pytest.raises(InfeasibleError) as err:
+        plan_cluster(MIXTRAL, tiny, global_batch_size=8, micro_batch_sizes=(1,), recompute_options=(False,))
+    text = str(err.value)
+    assert text.startswith("no plan fits mixtral-8x7b at any expert parallelism searched:")
+    assert all(f"  EP {ep}: " in text for ep in (1, 2, 4, 8)) and "EP 1 (experts replicated): " in text
+    assert "replicas in groups of EP" in text
