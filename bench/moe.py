@@ -14,7 +14,9 @@ Plans: on examples/clusters/cpu-pair.yaml (island `fast`, island `slow` emulated
 pipeline, data parallelism with speed-proportional micro-batches, and EP 2 across the two islands (an
 expert domain's replicas run equal micro-batches, so the fast rank waits for the slow one); on
 examples/clusters/cpu-2.yaml (one island of 2 ranks) DP 2 with experts replicated and with EP 2, PP 2,
-TP 2 with sequence parallelism (experts split over TP), and EP 2 inside a TP 2 stage.
+TP 2 with sequence parallelism (experts split over TP), and EP 2 inside a TP 2 stage; and on each cluster
+the planner's own choice (``planned_*``: EP searched, priced from the profile this bench's last run
+measured), as tools/plan.py would run it.
 
 Target (issue #37): every plan within 15% of its measured iteration time.
 
@@ -80,7 +82,7 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--only", default=None, help="comma-separated plan names (default: all)")
     args = ap.parse_args()
-    table = plans()
+    table = {**plans(), **planned()}
     if args.only:
         unknown = set(args.only.split(",")) - set(table)
         if unknown:
@@ -120,6 +122,23 @@ def main() -> int:
         **stamp(),
     })
     return 0
+
+
+def planned() -> dict[str, tuple[str, Plan]]:
+    """The planner's own plan for MODEL on each cluster ("planned_<cluster>"), as tools/plan.py would choose
+    it: EP searched, priced from the profile the last run of this bench measured (bench/results/
+    moe_cpu_profile.json; analytic without one), at this bench's batch, fp32."""
+    from megatron_het.cluster import load_cluster
+    from megatron_het.perf.profile import load_profile
+    from megatron_het.planner.search import plan_cluster
+
+    profile = load_profile(PROFILE) if os.path.exists(PROFILE) else None
+    out = {}
+    for key, path in CLUSTERS.items():
+        result = plan_cluster(MODEL, load_cluster(os.path.join(ROOT, path)), global_batch_size=GLOBAL_BATCH,
+                              micro_batch_sizes=(MICRO_BATCH,), profile=profile, precision="fp32")
+        out[f"planned_{key}"] = (key, result.best)
+    return out
 
 
 def modelled_ep(table: dict[str, tuple[str, Plan]], measured: dict[str, float]) -> dict[str, tuple[float, float]]:

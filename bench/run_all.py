@@ -101,7 +101,7 @@ def moe(d):
     f = d["figures"]
     modelled = f.get("ep_plans_with_all_to_all_modelled", {})
     worst_modelled = max((abs(v["relative_error"]) for v in modelled.values()), default=None)
-    return (f"{f['plans']} MoE plans (EP across islands, EP in TP, TP+SP, uneven PP/DP) on CPU-emulated clusters: "
+    return (f"{f['plans']} MoE plans (EP across islands, EP in TP, TP+SP, uneven PP/DP, the planner's) on CPU-emulated clusters: "
             f"**{f['within_target']}/{f['plans']}** within 15%, median \\|error\\| {_pct(f['median_abs_error'])}, "
             f"worst **{_pct(f['worst_abs_error'])}** ({f['worst_plan']})"
             + ("" if worst_modelled is None else f"; EP plans with the all-to-all modelled, not measured: worst "
