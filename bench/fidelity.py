@@ -203,18 +203,25 @@ def print_runs(table: dict[str, tuple[str, Plan]], res: dict) -> None:
               f"other jobs shared the cores, measured times are inflated; rerun on a quiet machine")
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def run_options(description: str, table: dict[str, tuple[str, Plan]]
+                ) -> tuple[argparse.Namespace, dict[str, tuple[str, Plan]]]:
+    """The command line of a run-and-predict bench (this one, bench/moe.py): --iters, --rounds, and
+    --only's plans of ``table`` (unknown names refused)."""
+    ap = argparse.ArgumentParser(description=description)
     ap.add_argument("--iters", type=int, default=6, help="iterations per plan and round (first 2 are warm-up)")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--only", default=None, help="comma-separated plan names (default: all)")
     args = ap.parse_args()
-    table = plans()
     if args.only:
         unknown = set(args.only.split(",")) - set(table)
         if unknown:
             ap.error(f"--only: unknown plans {sorted(unknown)}; known: {sorted(table)}")
         table = {n: v for n, v in table.items() if n in args.only.split(",")}
+    return args, table
+
+
+def main() -> int:
+    args, table = run_options(__doc__.splitlines()[0], plans())
     res = measure_and_predict(table, CLUSTERS, iters=args.iters, rounds=args.rounds, profile_path=PROFILE)
     errors = res["errors"]
     abs_err = sorted(abs(e) for e in errors.values())

@@ -25,12 +25,11 @@ Target (issue #37): every plan within 15% of its measured iteration time.
 
 from __future__ import annotations
 
-import argparse
 import os
 import statistics
 import sys
 
-from fidelity import GLOBAL_BATCH, MICRO_BATCH, WARMUP, measure_and_predict, print_runs
+from fidelity import GLOBAL_BATCH, MICRO_BATCH, WARMUP, measure_and_predict, print_runs, run_options
 from harness import ROOT, stamp, write_result
 
 from megatron_het.cluster import ModelSpec
@@ -77,17 +76,7 @@ def plans() -> dict[str, tuple[str, Plan]]:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--iters", type=int, default=6, help="iterations per plan and round (first 2 are warm-up)")
-    ap.add_argument("--rounds", type=int, default=2)
-    ap.add_argument("--only", default=None, help="comma-separated plan names (default: all)")
-    args = ap.parse_args()
-    table = {**plans(), **planned()}
-    if args.only:
-        unknown = set(args.only.split(",")) - set(table)
-        if unknown:
-            ap.error(f"--only: unknown plans {sorted(unknown)}; known: {sorted(table)}")
-        table = {n: v for n, v in table.items() if n in args.only.split(",")}
+    args, table = run_options(__doc__.splitlines()[0], {**plans(), **planned()})
     res = measure_and_predict(table, CLUSTERS, iters=args.iters, rounds=args.rounds, profile_path=PROFILE,
                               model=MODEL, model_flags=MODEL_FLAGS, layer_flags=LAYER_FLAGS,
                               multi_flags=("--tp-sizes", "2", "--ep-sizes", "2"), name="moe")
@@ -96,7 +85,10 @@ def main() -> int:
     worst = max(abs_err, key=abs_err.get)
     within = sum(e <= TARGET for e in abs_err.values())
     print_runs(table, res)
-    priced = {n: ep_pricing(p, CLUSTERS[k], PROFILE) for n, (k, p) in table.items()}
+    from megatron_het.perf.profile import load_profile
+
+    profile = load_profile(PROFILE)
+    priced = {n: ep_pricing(p, CLUSTERS[k], profile) for n, (k, p) in table.items()}
     print("expert parallelism priced: " + "; ".join(f"{n} {v}" for n, v in priced.items() if v))
     modelled = modelled_ep(table, res["measured"])
     for n, (pred, err) in modelled.items():
@@ -160,16 +152,14 @@ def modelled_ep(table: dict[str, tuple[str, Plan]], measured: dict[str, float]) 
     return out
 
 
-def ep_pricing(plan: Plan, cluster_path: str, profile_path: str) -> str:
+def ep_pricing(plan: Plan, cluster_path: str, profile) -> str:
     """How the model prices ``plan``'s expert parallelism: "measured" (every stage's layer comes from a
     profile entry measured over its EP ranks, the all-to-all inside), else "modelled"; "" without EP."""
     from megatron_het.cluster import load_cluster
     from megatron_het.perf.compute import layer_times
-    from megatron_het.perf.profile import load_profile
 
     if plan.expert_parallel == 1:
         return ""
-    profile = load_profile(profile_path)
     cluster = load_cluster(os.path.join(ROOT, cluster_path))
     ep = plan.expert_parallel
 

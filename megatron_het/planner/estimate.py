@@ -32,7 +32,7 @@ from megatron_het.perf.comm import (
     p2p_time,
 )
 from megatron_het.perf.flops import stage_parameters, word_embedding_parameters_per_rank
-from megatron_het.perf.memory import device_capacity_bytes, stage_memory, state_bytes, unsharded_expert_parameters
+from megatron_het.perf.memory import device_capacity_bytes, state_bytes
 from megatron_het.perf.predict import (
     StageCost,
     backward_split_shares,
@@ -44,7 +44,7 @@ from megatron_het.perf.predict import (
 )
 from megatron_het.perf.profile import Profile
 from megatron_het.plan.types import fused_attention
-from megatron_het.planner.parallelizer import IntraConfig, LayerSlice, MegatronParallelizer, Parallelizer
+from megatron_het.planner.parallelizer import IntraConfig, LayerSlice, MegatronParallelizer, Parallelizer, memory_lines
 from megatron_het.planner.space import Template, allocate_micro_batches, balanced_split_options
 
 __all__ = ["Estimate", "Estimator", "pipeline_period"]
@@ -240,15 +240,8 @@ class Estimator:
                         tp=tp, recompute="full" if recompute else "none", distributed_optimizer=False,
                         precision=self.precision, ep=self.expert_parallel,
                         **({} if self.attention is None else {"flash_attention": fused_attention(self.attention)}))
-            one = stage_memory(self.model, num_layers=1, **args)
-            two = stage_memory(self.model, num_layers=2, **args)
-            # experts' optimizer state stays whole (stage_memory's bound): kept with the unsharded part
-            e1, e2 = (state_bytes(self.precision)[2] * unsharded_expert_parameters(
-                self.model, num_layers=n, tp=tp, ep=self.expert_parallel) for n in (1, 2))
-            self._mem[key] = (one.total_bytes - one.optimizer_bytes + e1, two.total_bytes - two.optimizer_bytes
-                              - one.total_bytes + one.optimizer_bytes + e2 - e1, one.optimizer_bytes - e1,
-                              two.optimizer_bytes - one.optimizer_bytes - e2 + e1)
-        rest, rest_slope, opt, opt_slope = self._mem[key]
+            self._mem[key] = memory_lines(self.model, num_layers=1, **args)
+        rest, opt, rest_slope, opt_slope = self._mem[key]
         return rest + -(-opt // shard), rest_slope + opt_slope / shard
 
     def hop(self, a: tuple[int, int], b: tuple[int, int], mbs: int) -> float:

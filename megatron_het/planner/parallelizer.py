@@ -75,6 +75,21 @@ class Parallelizer(Protocol):
         ...
 
 
+def memory_lines(model: ModelSpec, *, num_layers: int, **args) -> tuple[int, int, int, int]:
+    """A stage rank's memory at ``num_layers`` layers and per extra layer, unsharded (``args``: the rest of
+    ``stage_memory``'s, ``distributed_optimizer`` False): (bytes without the shardable optimizer state,
+    that state, and both per extra layer). Under an expert grid the experts' optimizer state stays with
+    the unsharded part, as stage_memory counts it whole. The planner shards the optimizer part over any
+    replica count from one entry (the parallelizer's candidates, the estimator's memory lines)."""
+    here = stage_memory(model, num_layers=num_layers, **args)
+    more = stage_memory(model, num_layers=num_layers + 1, **args)
+    e_here, e_more = (state_bytes(args.get("precision", "bf16"))[2] * unsharded_expert_parameters(
+        model, num_layers=n, tp=args.get("tp", 1), ep=args.get("ep", 1)) for n in (num_layers, num_layers + 1))
+    opt_here, opt_more = here.optimizer_bytes - e_here, more.optimizer_bytes - e_more
+    return (here.total_bytes - opt_here, opt_here, more.total_bytes - opt_more - here.total_bytes + opt_here,
+            opt_more - opt_here)
+
+
 class MegatronParallelizer:
     """Megatron-style: TP (powers of two inside a node dividing heads, groups and MLP width) x
     full recompute off/on, priced by ``perf.predict.stage_cost`` and ``perf.memory.stage_memory``
@@ -89,7 +104,6 @@ class MegatronParallelizer:
         # an MoE plan's EP (Plan.expert_parallel, expert-TP = TP): a rank holds num_experts / EP experts, and
         # its all-to-all runs among EP replicas' TP ranks inside the island (a node when they fit in one)
         self.expert_parallel = expert_parallel
-        self._opt_bytes = state_bytes(precision)[2]  # optimizer bytes per parameter
         self.attention = attention  # Plan.attention priced ("fused"/"unfused"); None: fused on GPUs
         self.precision = precision  # what the plan trains in: matmul rate, state and activation bytes
         self.cluster = cluster
@@ -132,15 +146,7 @@ class MegatronParallelizer:
                         microbatches_in_flight=slice_.in_flight, tp=tp, recompute="full" if rc else "none",
                         distributed_optimizer=False, flash_attention=flash, precision=self.precision,
                         ep=self.expert_parallel)
-            here = stage_memory(self.model, num_layers=slice_.num_layers, **args)
-            more = stage_memory(self.model, num_layers=slice_.num_layers + 1, **args)
-            # experts' optimizer state stays whole (stage_memory's bound): kept with the unsharded part
-            e_here, e_more = (self._opt_bytes * unsharded_expert_parameters(
-                self.model, num_layers=n, tp=tp, ep=self.expert_parallel) for n in (slice_.num_layers,
-                                                                                  slice_.num_layers + 1))
-            self._mem[key] = (here.total_bytes - here.optimizer_bytes + e_here, here.optimizer_bytes - e_here,
-                              more.total_bytes - more.optimizer_bytes - here.total_bytes + here.optimizer_bytes
-                              + e_more - e_here, more.optimizer_bytes - here.optimizer_bytes - e_more + e_here)
+            self._mem[key] = memory_lines(self.model, num_layers=slice_.num_layers, **args)
         return self._mem[key]
 
     def _lines(self, slice_: LayerSlice, isl: int) -> list[tuple[int, bool, StageCost, int, int, int, int]]:
