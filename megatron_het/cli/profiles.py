@@ -10,18 +10,20 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Sequence
+from dataclasses import fields
 from typing import TextIO
 
 from megatron_het.cluster import ClusterSpec, ModelSpec
-from megatron_het.perf.profile import Profile, layer_shape
+from megatron_het.perf.profile import Profile, ProfileEntry, layer_shape
 
 __all__ = ["unused_profile_reasons", "warn_unused_profiles"]
 
+_MOE_SHAPE = ("num_experts", "moe_router_topk", "moe_ffn_hidden_size", "moe_shared_expert_intermediate_size",
+              "moe_token_dispatcher_type")
 _SHAPE = ("hidden_size", "num_attention_heads", "num_query_groups", "ffn_hidden_size", "swiglu", "seq_length",
-          "num_experts", "moe_router_topk", "moe_ffn_hidden_size", "moe_shared_expert_intermediate_size",
-          "moe_token_dispatcher_type")
-_DENSE = {"num_experts": 0, "moe_router_topk": 0, "moe_ffn_hidden_size": 0, "moe_shared_expert_intermediate_size": 0,
-          "moe_token_dispatcher_type": ""}  # what a dense layer's entry holds in the MoE keys
+          *_MOE_SHAPE)
+# what a dense layer's entry holds in the MoE keys: ProfileEntry's defaults
+_DENSE = {f.name: f.default for f in fields(ProfileEntry) if f.name in _MOE_SHAPE}
 
 
 def _shape_text(values: Sequence[object]) -> str:
